@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create .venv with everything the project, its tests and its demo need, pinned by constraints/cpu.txt.
+# Idempotent: a second run only re-checks. Works on a fresh CPU machine with Python 3.11 and PyPI access.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.minicpmo-installed
+want=$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing dependencies into .venv (first run takes ~2 minutes)"
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints/cpu.txt -e ".[dev]"
+  echo "$want" > "$stamp"
+fi
+# torchaudio's wheel ships CUDA-built native libraries that fail to load beside CPU torch; the project
+# only uses its pure-Python parts (kaldi fbank, resample, MelSpectrogram), so drop the .so files.
+ta_lib=$(.venv/bin/python - <<'PY'
+import importlib.util, pathlib
+spec = importlib.util.find_spec("torchaudio")
+print(pathlib.Path(spec.origin).parent / "lib" if spec else "")
+PY
+)
+if [ -n "$ta_lib" ] && ls "$ta_lib"/*.so >/dev/null 2>&1; then
+  rm -f "$ta_lib"/*.so
+fi
+.venv/bin/python -c "import torch, torchaudio, grpc, stepaudio2" 2>/dev/null || {
+  echo "[setup] import check failed" >&2; exit 1; }
+echo "[setup] .venv ready"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install (scripts/setup.sh) and run the full test suite plus the linter. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OPENBLAS_NUM_THREADS=1
+.venv/bin/ruff check .
+set +e
+.venv/bin/python -m pytest -q -rs "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests" >&2
+  exit 1
+fi
+exit "$rc"
