@@ -23,9 +23,8 @@ def generate(out_dir: Path) -> list[Path]:
     """Run grpcio-tools' protoc over every proto and write rewritten stubs into ``out_dir``."""
     import tempfile
 
-    from grpc_tools import protoc  # build-time only
-
     import grpc_tools
+    from grpc_tools import protoc  # build-time only
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     written: list[Path] = []

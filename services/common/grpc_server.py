@@ -1,0 +1,159 @@
+"""The gRPC front every stage shares: asyncio server, health, reflection, metrics, graceful drain.
+
+A stage's ``server.py`` builds its servicer (a thin adapter over its engine) and calls
+:func:`serve_stage`. This module owns everything that is the same for all three stages so that each
+``server.py`` stays a thin translation between proto messages and engine calls.
+
+Shutdown order on SIGTERM/SIGINT (Kubernetes sends SIGTERM after preStop):
+1. health flips to NOT_SERVING, so load balancers and the gateway stop sending new streams;
+2. ``drain()`` of the stage runs (engines finish or cancel in-flight work) for up to ``drain_timeout_s``;
+3. the gRPC server stops with a short grace period, cancelling whatever is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.metrics import DRAINING
+
+log = logging.getLogger(__name__)
+
+# Hidden-state chunks and audio windows are small, but a duplex open can carry a reference voice and
+# video frames; 64 MiB keeps large prompts working without unbounded memory.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+DEFAULT_PORTS = {"thinker": 50051, "talker": 50052, "code2wav": 50053}
+
+
+@dataclass
+class ServeOptions:
+    """Network and lifecycle settings common to every stage CLI."""
+
+    host: str = "0.0.0.0"
+    port: int = 0
+    metrics_port: int | None = None  # None: port + 1000; 0: disabled
+    drain_timeout_s: float = 30.0
+
+    def resolved_metrics_port(self) -> int:
+        if self.metrics_port is None:
+            return self.port + 1000 if self.port else 0
+        return self.metrics_port
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
+    """The flags every stage CLI accepts (besides its model/engine flags)."""
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default all interfaces)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORTS[stage], help="gRPC port")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus HTTP port (default: gRPC port + 1000; 0 disables)",
+    )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to let in-flight streams finish on SIGTERM"
+    )
+
+
+def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(
+        host=args.host, port=args.port, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout
+    )
+
+
+class StageServer:
+    """A started gRPC server for one stage; used by the CLI and by tests (port 0 picks a free port)."""
+
+    def __init__(
+        self,
+        stage: str,
+        service_full_name: str,
+        add_servicer: Callable[[grpc.aio.Server], None],
+        options: ServeOptions,
+        drain: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.stage = stage
+        self.service_full_name = service_full_name
+        self._add_servicer = add_servicer
+        self.options = options
+        self._drain = drain
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self.metrics_port = 0
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._add_servicer(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (self.service_full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self.port = server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        if self.port == 0:
+            raise RuntimeError(f"{self.stage}: cannot bind {self.options.host}:{self.options.port}")
+        await server.start()
+        self.server = server
+        mport = self.options.resolved_metrics_port()
+        if mport:
+            from prometheus_client import start_http_server
+
+            start_http_server(mport, addr=self.options.host)
+            self.metrics_port = mport
+        await self.set_serving(True)
+        log.info("%s serving gRPC on %s:%d (metrics %s)", self.stage, self.options.host, self.port, mport or "off")
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+        await self.health.set(self.service_full_name, status)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Graceful drain then stop; safe to call twice."""
+        if self.server is None or self._stopped.is_set():
+            return
+        DRAINING.labels(self.stage).set(1)
+        await self.set_serving(False)
+        if self._drain is not None:
+            try:
+                await asyncio.wait_for(self._drain(), timeout=self.options.drain_timeout_s)
+            except TimeoutError:
+                log.warning("%s: drain exceeded %.1fs; cancelling the rest", self.stage, self.options.drain_timeout_s)
+        await self.server.stop(grace)
+        self._stopped.set()
+        DRAINING.labels(self.stage).set(0)
+
+    async def wait(self) -> None:
+        assert self.server is not None
+        await self.server.wait_for_termination()
+
+
+async def serve_forever(server: StageServer) -> None:
+    """Start ``server`` and block until SIGTERM/SIGINT, then drain and stop."""
+    await server.start()
+    print(f"[{server.stage}] listening on {server.options.host}:{server.port}", flush=True)
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    await stop_requested.wait()
+    print(f"[{server.stage}] draining", flush=True)
+    await server.stop()
