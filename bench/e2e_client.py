@@ -1,0 +1,199 @@
+"""Load generator for the chat route: streaming requests at fixed concurrency, per-request timings.
+
+Measures, per request, on the client side (anchors.md §A.7 definitions):
+
+* TTFT: request sent → first non-empty text delta;
+* TTFP: request sent → first audio chunk (time to first audio byte);
+* E2E: request sent → ``[DONE]``;
+* RTF: (last audio chunk − first audio chunk) ÷ audio duration received.
+
+The workload is pinned by the caller (prompt length, forced speech length through per-stage sampling
+overrides) so runs are comparable across commits and machines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_s: float | None = None
+    ttfp_s: float | None = None
+    e2e_s: float = 0.0
+    audio_s: float = 0.0
+    rtf: float | None = None
+    text_chars: int = 0
+    audio_chunks: int = 0
+    error: str = ""
+
+
+@dataclass
+class LevelSummary:
+    concurrency: int
+    requests: int
+    failed: int
+    wall_s: float
+    req_per_s: float
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _wav_duration_s(raw: bytes) -> float:
+    import soundfile as sf
+
+    info = sf.info(io.BytesIO(raw))
+    return info.frames / float(info.samplerate)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    xs = sorted(values)
+
+    def pct(p: float) -> float:
+        k = (len(xs) - 1) * p
+        lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+    return {
+        "mean": statistics.fmean(xs),
+        "p50": pct(0.5),
+        "p90": pct(0.9),
+        "p99": pct(0.99),
+        "min": xs[0],
+        "max": xs[-1],
+    }
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> RequestResult:
+    t0 = time.perf_counter()
+    res = RequestResult(ok=False)
+    first_audio = last_audio = None
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    res.error = str(chunk["error"])[:300]
+                    return res
+                now = time.perf_counter() - t0
+                for choice in chunk.get("choices", []):
+                    content = (choice.get("delta") or {}).get("content") or ""
+                    if chunk.get("modality") == "audio":
+                        if not content:
+                            continue
+                        raw = base64.b64decode(content)
+                        meta = choice.get("audio_metadata") or {}
+                        if meta.get("frame_count") and meta.get("sample_rate_hz"):
+                            res.audio_s += meta["frame_count"] / meta["sample_rate_hz"]
+                        else:
+                            res.audio_s += _wav_duration_s(raw)
+                        res.audio_chunks += 1
+                        if first_audio is None:
+                            first_audio = now
+                        last_audio = now
+                    elif content:
+                        if res.ttft_s is None:
+                            res.ttft_s = now
+                        res.text_chars += len(content)
+        res.e2e_s = time.perf_counter() - t0
+        res.ttfp_s = first_audio
+        if first_audio is not None and last_audio is not None and res.audio_s > 0:
+            res.rtf = (last_audio - first_audio) / res.audio_s
+        res.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        res.e2e_s = time.perf_counter() - t0
+    return res
+
+
+async def run_level(
+    base_url: str,
+    body: dict[str, Any],
+    concurrency: int,
+    num_requests: int,
+    timeout: float = 300.0,
+    progress: bool = True,
+) -> tuple[LevelSummary, list[RequestResult]]:
+    """Send ``num_requests`` copies of ``body`` with at most ``concurrency`` in flight."""
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    results: list[RequestResult] = []
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+
+        async def worker() -> None:
+            async with sem:
+                r = await one_request(client, url, body, timeout)
+                results.append(r)
+                if progress:
+                    tag = "ok" if r.ok else f"FAILED {r.error}"
+                    print(
+                        f"  c={concurrency} [{len(results)}/{num_requests}] ttfp="
+                        f"{(r.ttfp_s or 0) * 1000:.0f}ms e2e={r.e2e_s * 1000:.0f}ms audio={r.audio_s:.2f}s {tag}",
+                        flush=True,
+                    )
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(num_requests)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    summary = LevelSummary(
+        concurrency=concurrency,
+        requests=len(results),
+        failed=len(results) - len(ok),
+        wall_s=wall,
+        req_per_s=len(ok) / wall if wall > 0 else 0.0,
+        metrics={
+            "ttft_ms": percentiles([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
+            "ttfp_ms": percentiles([r.ttfp_s * 1000 for r in ok if r.ttfp_s is not None]),
+            "e2e_ms": percentiles([r.e2e_s * 1000 for r in ok]),
+            "rtf": percentiles([r.rtf for r in ok if r.rtf is not None]),
+            "audio_s": percentiles([r.audio_s for r in ok]),
+        },
+    )
+    return summary, results
+
+
+def markdown_table(levels: list[LevelSummary]) -> str:
+    rows = [
+        "| c | req | failed | req/s | TTFT p50/p90/p99 ms | TTFP p50/p90/p99 ms | E2E p50/p99 ms | RTF mean/p90 | audio s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(m: dict[str, float], keys: tuple[str, ...], nd: int = 0) -> str:
+        if not m:
+            return "—"
+        return " / ".join(f"{m[k]:.{nd}f}" for k in keys)
+
+    for lv in levels:
+        m = lv.metrics
+        rows.append(
+            f"| {lv.concurrency} | {lv.requests} | {lv.failed} | {lv.req_per_s:.2f} | "
+            f"{fmt(m['ttft_ms'], ('p50', 'p90', 'p99'))} | {fmt(m['ttfp_ms'], ('p50', 'p90', 'p99'))} | "
+            f"{fmt(m['e2e_ms'], ('p50', 'p99'))} | {fmt(m['rtf'], ('mean', 'p90'), 3)} | "
+            f"{fmt(m['audio_s'], ('mean',), 2)} |"
+        )
+    return "\n".join(rows)
+
+
+def summaries_to_json(levels: list[LevelSummary]) -> list[dict[str, Any]]:
+    return [asdict(lv) for lv in levels]
