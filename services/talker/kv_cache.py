@@ -1,0 +1,75 @@
+"""A static, preallocated per-slot KV cache for the Talker.
+
+Why static: every stream's context is bounded by the Talker's 4096 positions (rollover handles longer
+duplex turns), so one ``[layers, slots, kv_heads, context + 1, head_dim]`` tensor pair holds every stream
+without reallocation, decode reads it through plain views (no gather copies), and the batched decode
+step has fixed shapes per (batch bucket, length bucket), which is what CUDA-graph capture needs.
+
+Layout rules the runner relies on:
+
+* a stream owns one slot from admission to close; slots are handed out lowest-first so the active
+  slots form a short prefix and the decode batch ``slots[0:n]`` stays small;
+* in every mode, position == cache index (upstream positions always start at 0 with an empty cache and
+  advance by one per fed row), so a slot's ``length`` is both its next write index and next position;
+* the extra last column (index ``context``) is a scratch row: decode rows that do not take part in a
+  step write there, and no attention mask ever includes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    """K and V for ``num_slots`` streams of up to ``context`` positions each."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        context: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.context = context
+        self.scratch_index = context
+        shape = (num_layers, num_slots, num_kv_heads, context + 1, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths: list[int] = [0] * num_slots
+        self._free: list[int] = list(range(num_slots))
+
+    @property
+    def bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """Lowest free slot, or None when full (the engine then queues the stream)."""
+        if not self._free:
+            return None
+        self._free.sort()
+        slot = self._free.pop(0)
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            return
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def reset(self, slot: int) -> None:
+        """Forget a slot's context (new turn, recompute window); the stale values are masked out."""
+        self.lengths[slot] = 0
+
+    def highest_active(self) -> int:
+        used = [s for s in range(self.num_slots) if s not in self._free]
+        return max(used) if used else -1
