@@ -1,0 +1,216 @@
+"""Whisper audio encoder with MiniCPM-o's 1 s chunked attention, the audio projector and the pooling.
+
+Rates (model-spec §2.3): 100 mel frames/s -> conv stride 2 -> 50 encoder frames/s -> projector ->
+AvgPool(``pool_step`` = 5) -> 10 embeddings/s.
+
+Attention is *chunked*: an encoder frame sees every frame of its own 1 s chunk and of all earlier chunks,
+never a later chunk. That is what makes the encoder streamable: encoding a clip in one call
+(:meth:`WhisperChunkedEncoder.forward`) and encoding it one chunk at a time with a key/value cache
+(:class:`AudioStreamState` + :meth:`WhisperChunkedEncoder.forward_chunk`) give the same rows, as long as
+each streamed chunk is a whole number of chunks and the convolution sees its left context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from services.thinker.model.config import AudioDims
+
+ENCODER_FRAMES_PER_SECOND = 50
+
+
+def conv_output_length(mel_frames: torch.Tensor | int) -> torch.Tensor | int:
+    """Encoder frames produced by ``mel_frames`` mel frames (conv2 has stride 2, padding 1)."""
+    return (mel_frames - 1) // 2 + 1
+
+
+def pooled_length(mel_frames: torch.Tensor | int, pool_step: int) -> torch.Tensor | int:
+    """Audio embeddings produced by ``mel_frames`` mel frames after the stride-``pool_step`` pooling."""
+    return (conv_output_length(mel_frames) - pool_step) // pool_step + 1
+
+
+def chunked_attention_allowed(
+    length: int, chunk_frames: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """``[length, length]`` bool: query i may attend key j iff j lies in i's chunk or an earlier one."""
+    idx = torch.arange(length, device=device)
+    chunk_end = torch.clamp((idx // chunk_frames + 1) * chunk_frames, max=length)
+    return idx[None, :] < chunk_end[:, None]
+
+
+class WhisperAttention(nn.Module):
+    def __init__(self, dims: AudioDims) -> None:
+        super().__init__()
+        d = dims.d_model
+        self.num_heads = dims.num_heads
+        self.head_dim = d // dims.num_heads
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, n, _ = t.shape
+        return t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Returns the output and this call's full (past + new) keys/values, ``[B, heads, T, head_dim]``."""
+        b, n, d = x.shape
+        q = self._heads(self.q_proj(x))
+        k = self._heads(self.k_proj(x))
+        v = self._heads(self.v_proj(x))
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, d)), (k, v)
+
+
+class WhisperEncoderLayer(nn.Module):
+    def __init__(self, dims: AudioDims) -> None:
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(dims.d_model)
+        self.self_attn = WhisperAttention(dims)
+        self.final_layer_norm = nn.LayerNorm(dims.d_model)
+        self.fc1 = nn.Linear(dims.d_model, dims.ffn_dim)
+        self.fc2 = nn.Linear(dims.ffn_dim, dims.d_model)
+        self.act = ACT2FN[dims.activation]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        attn, kv = self.self_attn(self.self_attn_layer_norm(x), mask, past)
+        x = x + attn
+        x = x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+        return x, kv
+
+
+@dataclass
+class AudioStreamState:
+    """Per-session incremental Whisper state (one stream, batch 1).
+
+    ``kv`` holds every layer's keys/values of the frames encoded so far; ``mel_tail`` the last mel frames
+    of the previous chunk, which the convolutions need as left context.
+    """
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    mel_tail: torch.Tensor | None = None
+    frames: int = 0  # encoder frames already in the cache (= next position id)
+
+    def reset(self) -> None:
+        self.kv = []
+        self.mel_tail = None
+        self.frames = 0
+
+
+class WhisperChunkedEncoder(nn.Module):
+    """Whisper encoder (conv front end, learned positions, pre-LN blocks, final LayerNorm)."""
+
+    # Mel frames of left context the two k=3 convolutions need so that streamed pieces match offline
+    # (even, so the stride-2 grid stays aligned).
+    CONV_LEFT_CONTEXT = 2
+
+    def __init__(self, dims: AudioDims) -> None:
+        super().__init__()
+        self.dims = dims
+        self.conv1 = nn.Conv1d(dims.num_mel_bins, dims.d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(dims.d_model, dims.d_model, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(dims.max_source_positions, dims.d_model)
+        self.layers = nn.ModuleList([WhisperEncoderLayer(dims) for _ in range(dims.num_layers)])
+        self.layer_norm = nn.LayerNorm(dims.d_model)
+
+    def _front(self, mel: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.conv1(mel.to(self.conv1.weight.dtype)))
+        x = F.gelu(self.conv2(x))
+        return x.transpose(1, 2)
+
+    def forward(self, mel: torch.Tensor, lengths: torch.Tensor, chunk_frames: int | None) -> torch.Tensor:
+        """``mel`` [B, n_mels, T] (zero padded), ``lengths`` [B] mel frames -> [B, conv_len(T), d_model].
+
+        ``chunk_frames`` = encoder frames per attention chunk (50 for 1 s); ``None`` = full attention.
+        """
+        x = self._front(mel)
+        t = x.shape[1]
+        if t > self.embed_positions.num_embeddings:
+            raise ValueError(
+                f"audio piece of {t} encoder frames exceeds the {self.embed_positions.num_embeddings} positions"
+            )
+        x = x + self.embed_positions.weight[:t]
+        valid_keys = (
+            torch.arange(t, device=x.device)[None, :] < conv_output_length(lengths.to(x.device))[:, None]
+        )
+        allowed = valid_keys[:, None, None, :]
+        if chunk_frames is not None and chunk_frames > 0:
+            allowed = allowed & chunked_attention_allowed(t, chunk_frames, x.device)[None, None]
+        for layer in self.layers:
+            x, _ = layer(x, allowed)
+        return self.layer_norm(x)
+
+    def forward_chunk(
+        self, mel: torch.Tensor, state: AudioStreamState, lookahead: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Encode the next piece of one stream: ``mel`` [n_mels, P] with P even (100 for a 1 s unit).
+
+        Inside the piece attention is full and every cached frame is visible, so one call per attention
+        chunk reproduces the offline chunked encoder. The convolutions look one mel frame past the piece:
+        pass that frame (or more) as ``lookahead`` to match offline exactly; ``None`` zero-pads, which is
+        exact only at the true end of the audio. Returns ``[P // 2, d_model]``; ``state`` is updated.
+        """
+        if mel.shape[-1] % 2:
+            raise ValueError("streamed mel pieces must have an even number of frames (conv stride 2)")
+        dtype = self.conv1.weight.dtype
+        new_frames = mel.shape[-1] // 2
+        if state.frames + new_frames > self.embed_positions.num_embeddings:
+            raise ValueError(
+                f"audio stream exceeds {self.embed_positions.num_embeddings} encoder positions; reset the state"
+            )
+        parts = [mel]
+        left = 0
+        if state.mel_tail is not None:
+            parts.insert(0, state.mel_tail)
+            left = state.mel_tail.shape[-1]
+        if lookahead is not None and lookahead.shape[-1] > 0:
+            parts.append(lookahead[:, :2])
+        window = torch.cat(parts, dim=-1).to(dtype)
+        # With an even left context the stride-2 grid stays aligned with the offline pass; the first
+        # left/2 outputs belong to the previous piece and are dropped.
+        x = self._front(window[None])[:, left // 2 : left // 2 + new_frames]
+        state.mel_tail = mel[:, -self.CONV_LEFT_CONTEXT :].to(dtype)
+        x = x + self.embed_positions.weight[state.frames : state.frames + new_frames]
+        new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, None, state.kv[i] if state.kv else None)
+            new_kv.append(kv)
+        state.kv = new_kv
+        state.frames += new_frames
+        return self.layer_norm(x)[0]
+
+
+class AudioProjector(nn.Module):
+    """Linear -> ReLU -> Linear from the encoder width to the LLM width."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(in_dim, out_dim)
+        self.linear2 = nn.Linear(out_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(F.relu(self.linear1(x)))
+
+
+def pool_embeddings(x: torch.Tensor, pool_step: int) -> torch.Tensor:
+    """Average consecutive groups of ``pool_step`` frames: [B, T, H] -> [B, T // pool_step, H]."""
+    return F.avg_pool1d(x.transpose(1, 2), pool_step, stride=pool_step).transpose(1, 2)
