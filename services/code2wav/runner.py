@@ -1,0 +1,272 @@
+"""Synchronous Code2Wav executor: per-stream state, window validation and batched flow + HiFT steps.
+
+The asyncio engine (:mod:`engine`) decides *when* windows run; this module decides *how*: windows whose
+caches have the same shapes (same window index after the same 6 s prompt, same token count, same
+``is_last``) are stacked into one batch through the flow and the vocoder, then the caches are split back
+per stream. Nothing here mutates a cache tensor in place, so a stream's origin cache (the result of the
+expensive prompt setup) is shared by every stream that starts from the same voice and seed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.code2wav.model.flow_step import (
+    FlowCache,
+    FlowStepper,
+    max_cache_bytes,
+    split_caches,
+    stack_caches,
+)
+from services.code2wav.model.loader import Token2WavModel
+from services.code2wav.model.prompt import PromptFeatures
+from services.code2wav.model.vocoder import HiftCache, VocoderStepper
+from services.common.checkpoint import CODEC_SILENCE_ID
+from services.common.errors import INVALID_ARGUMENT, OUT_OF_ORDER, StageError
+
+NOISE_TABLE_FRAMES = 50 * 600  # the reference noise buffer: [1, 80, 30000] drawn in one call
+MAX_NEW_TOKENS = 50  # per window; bounds the noise table and the cache growth of one window
+DEFAULT_SEED = 0
+
+
+def cfm_noise_table(seed: int, mel_bins: int, frames: int) -> torch.Tensor:
+    """CFM noise exactly as the reference draws it, [1, 80, 30000] from a seeded CPU generator, cut to
+    the ``frames`` a stream can ever read (offsets never pass prompt + 100 frames after trimming)."""
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    return torch.randn([1, mel_bins, NOISE_TABLE_FRAMES], generator=gen)[:, :, :frames].contiguous()
+
+
+@dataclass
+class StreamState:
+    """Everything one stream (one request epoch) keeps between windows."""
+
+    stream_id: str
+    prompt: PromptFeatures
+    spk_cond: torch.Tensor  # [1, 80] projected speaker condition
+    noise: torch.Tensor  # [1, 80, N] CFM noise table
+    flow: FlowCache
+    hift: HiftCache
+    nsf_generator: torch.Generator | None
+    seed: int
+    windows_done: int = 0
+    samples_emitted: int = 0
+    tail_codes: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.flow.nbytes + self.hift.nbytes
+
+
+@dataclass
+class WindowResult:
+    """Output of one window: samples plus the mel that produced them (the mel is kept for dumps)."""
+
+    samples: np.ndarray  # float32 [-1, 1], 24 kHz
+    mel: torch.Tensor  # [80, F]
+    is_last: bool
+
+
+class Code2WavRunner:
+    """Owns the model steppers, the origin-cache LRU and the rules every window must satisfy."""
+
+    def __init__(
+        self,
+        model: Token2WavModel,
+        n_timesteps: int = 10,
+        cache_dtype: torch.dtype = torch.float32,
+        nsf_noise: bool = False,
+        origin_cache_size: int = 8,
+    ) -> None:
+        self.model = model
+        self.device = model.device
+        self.flow = FlowStepper(model, n_timesteps)
+        self.vocoder = VocoderStepper(model.hift)
+        self.n_timesteps = n_timesteps
+        self.cache_dtype = cache_dtype
+        self.nsf_noise = nsf_noise
+        self.lookahead = model.dims.lookahead
+        self.up_rate = model.dims.up_rate
+        self.vocab_size = model.dims.vocab_size
+        self.min_new_tokens = -(-self.vocoder.holdback // (self.vocoder.hop * self.up_rate))
+        self._origins: OrderedDict[tuple[str, int], tuple[FlowCache, torch.Tensor, torch.Tensor]] = (
+            OrderedDict()
+        )
+        self._origin_cache_size = origin_cache_size
+        self._origin_lock = threading.Lock()
+        self.last_batch_sizes: list[int] = []
+
+    # ---------------------------------------------------------------- streams
+    def noise_frames(self, prompt_frames: int) -> int:
+        return prompt_frames + 100 + (MAX_NEW_TOKENS + self.lookahead) * self.up_rate
+
+    def max_stream_cache_bytes(self, prompt_frames: int) -> int:
+        """Bound of one stream's cache bytes between windows (flow after trimming + vocoder tails)."""
+        hift = (self.model.dims.mel_bins * 8 + 2 * self.vocoder.holdback) * 4
+        return max_cache_bytes(self.model, prompt_frames, self.n_timesteps, self.cache_dtype) + hift
+
+    def _origin(
+        self, prompt: PromptFeatures, seed: int, noise: torch.Tensor | None
+    ) -> tuple[FlowCache, torch.Tensor, torch.Tensor]:
+        key = (prompt.digest, seed)
+        if noise is None:
+            with self._origin_lock:
+                hit = self._origins.get(key)
+                if hit is not None:
+                    self._origins.move_to_end(key)
+                    return hit
+            noise = cfm_noise_table(seed, self.model.dims.mel_bins, self.noise_frames(prompt.frames))
+        noise = noise.to(self.device, torch.float32)
+        spk_cond = self.flow.project_speaker(prompt.spk_emb)
+        silence = torch.full(
+            (1, self.lookahead), CODEC_SILENCE_ID, dtype=prompt.tokens.dtype, device=self.device
+        )
+        cache = self.flow.setup(torch.cat([prompt.tokens, silence], dim=1), prompt.mel, spk_cond, noise)
+        entry = (cache.to(self.cache_dtype), spk_cond, noise)
+        with self._origin_lock:
+            self._origins[key] = entry
+            while len(self._origins) > self._origin_cache_size:
+                self._origins.popitem(last=False)
+        return entry
+
+    def open_stream(
+        self,
+        stream_id: str,
+        prompt: PromptFeatures,
+        seed: int | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> StreamState:
+        """Start a stream from a voice: prompt setup (cached per voice and seed) and fresh vocoder state.
+
+        ``noise`` overrides the seeded CFM noise table (fidelity dumps inject the oracle's table).
+        """
+        seed = DEFAULT_SEED if seed is None else int(seed)
+        flow_cache, spk_cond, noise_table = self._origin(prompt, seed, noise)
+        generator = None
+        if self.nsf_noise:
+            generator = torch.Generator(device=self.device).manual_seed(seed ^ 0x5EED)
+        return StreamState(
+            stream_id=stream_id,
+            prompt=prompt,
+            spk_cond=spk_cond,
+            noise=noise_table,
+            flow=flow_cache,
+            hift=HiftCache.empty(self.model.dims.mel_bins, self.device),
+            nsf_generator=generator,
+            seed=seed,
+        )
+
+    # ---------------------------------------------------------------- validation
+    def check_window(
+        self, state: StreamState, codes: list[int], left_context: int, is_last: bool
+    ) -> list[int]:
+        """Validate a codec window against the stream and return the exact tokens the flow will see.
+
+        Rules: ids in the flow vocabulary; ``left_context`` equals the lookahead (3), or is 0 on the first
+        window (then silence is prepended, as the reference does); the context repeats the previous
+        window's last tokens; a non-final window brings at least enough new tokens to fill the 160 ms
+        hold-back; no window after the last one.
+        """
+        if state.finished:
+            raise StageError(OUT_OF_ORDER, "window after the stream's last window", "window")
+        bad = [c for c in codes if not 0 <= c < self.vocab_size]
+        if bad:
+            raise StageError(
+                INVALID_ARGUMENT, f"codec ids out of range [0, {self.vocab_size}): {bad[:5]}", "window.codes"
+            )
+        if left_context > len(codes):
+            raise StageError(
+                INVALID_ARGUMENT, "left_context exceeds the number of codes", "window.left_context"
+            )
+        if state.windows_done == 0 and left_context == 0:
+            codes = [CODEC_SILENCE_ID] * self.lookahead + list(codes)
+            left_context = self.lookahead
+        if left_context != self.lookahead:
+            raise StageError(
+                INVALID_ARGUMENT,
+                f"left_context must be {self.lookahead} (got {left_context})",
+                "window.left_context",
+            )
+        if state.windows_done > 0 and codes[: self.lookahead] != state.tail_codes:
+            raise StageError(
+                INVALID_ARGUMENT,
+                "left context does not repeat the previous window's last codes",
+                "window.codes",
+            )
+        new = len(codes) - left_context
+        if new > MAX_NEW_TOKENS:
+            raise StageError(
+                INVALID_ARGUMENT, f"window has {new} new codes; at most {MAX_NEW_TOKENS}", "window.codes"
+            )
+        if not is_last and new < self.min_new_tokens:
+            raise StageError(
+                INVALID_ARGUMENT,
+                f"non-final window too short: {new} new codes, at least {self.min_new_tokens}",
+                "window.codes",
+            )
+        return list(codes)
+
+    # ---------------------------------------------------------------- execution
+    @staticmethod
+    def batch_key(state: StreamState, tokens: list[int], is_last: bool) -> tuple:
+        """Windows with equal keys have equal tensor shapes everywhere and may share one batch."""
+        return (
+            state.flow.signature(),
+            state.hift.signature(),
+            state.prompt.frames,
+            state.noise.shape[2],
+            len(tokens),
+            bool(is_last),
+            state.nsf_generator is not None,
+        )
+
+    @torch.inference_mode()
+    def run_batch(
+        self, states: list[StreamState], windows: list[list[int]], is_last: bool
+    ) -> list[WindowResult]:
+        """Run one batch of same-key windows; updates every state in place and returns their outputs."""
+        compute = torch.float32
+        tokens = torch.tensor(windows, dtype=torch.int32, device=self.device)
+        flow_cache = stack_caches([s.flow for s in states], compute)
+        spk = torch.cat([s.spk_cond for s in states], dim=0)
+        noise = torch.cat([s.noise for s in states], dim=0)
+        mel, flow_cache = self.flow.step(tokens, spk, flow_cache, noise, is_last, states[0].prompt.frames)
+        generators = [s.nsf_generator for s in states] if states[0].nsf_generator is not None else None
+        speech, hift_caches = self.vocoder.step(mel, [s.hift for s in states], is_last, generators)
+        speech_np = speech.float().cpu().numpy()
+        results = []
+        for i, (state, flow_i) in enumerate(
+            zip(states, split_caches(flow_cache, self.cache_dtype), strict=True)
+        ):
+            state.flow = flow_i
+            state.hift = hift_caches[i]
+            state.windows_done += 1
+            state.samples_emitted += speech_np.shape[1]
+            state.tail_codes = windows[i][-self.lookahead :]
+            state.finished = is_last
+            results.append(
+                WindowResult(samples=speech_np[i].copy(), mel=mel[i].float().cpu(), is_last=is_last)
+            )
+        self.last_batch_sizes.append(len(states))
+        return results
+
+    def run(self, items: list[tuple[StreamState, list[int], bool]]) -> list[WindowResult]:
+        """Group windows by :meth:`batch_key`, run each group as one batch, return results in input order."""
+        groups: OrderedDict[tuple, list[int]] = OrderedDict()
+        seen: set[int] = set()
+        for idx, (state, tokens, last) in enumerate(items):
+            if id(state) in seen:
+                raise ValueError("a batch may hold at most one window per stream")
+            seen.add(id(state))
+            groups.setdefault(self.batch_key(state, tokens, last), []).append(idx)
+        out: list[WindowResult | None] = [None] * len(items)
+        for key, idxs in groups.items():
+            res = self.run_batch([items[i][0] for i in idxs], [items[i][1] for i in idxs], bool(key[5]))
+            for i, r in zip(idxs, res, strict=True):
+                out[i] = r
+        return [r for r in out if r is not None]
