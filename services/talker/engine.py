@@ -1,0 +1,568 @@
+"""Talker engine: continuous batching of codec decoding across streams, one loop per device.
+
+Design
+------
+* **Slots.** Each stream with work holds one slot of the static KV cache (:mod:`kv_cache`) from the
+  start of a turn to its end; streams beyond the slot count wait in FIFO order. Every step runs the
+  prefills that are ready (one condition each), then **one batched decode step** for every stream that
+  has a frame to feed, so streams join and leave the batch between any two steps.
+* **Per-request state** (:mod:`streams`): sampling params, a seeded ``torch.Generator``, the 16-frame
+  penalty history, budgets, the window buffer and the previous segment. Sampling is batched with
+  per-row rules (:mod:`sampling`).
+* **Turn forms** (the first chunk of a turn decides):
+
+  - *whole utterance* — the first chunk is also the last. Condition ``cond + text_eos + audio_bos``;
+    upstream ``MiniCPMTTS.generate`` rules: step 0 raw, EOS masked for the first ``min_new_frames``
+    (50), at most ``max_new_frames`` (2048) or until the context is full. This is the fidelity path.
+  - *streaming* — several chunks. Each chunk's condition is ``cond + (text_eos if last) + audio_bos``
+    and the Talker then decodes **until it samples EOS** (at most 500 samples per chunk), exactly as
+    upstream ``TTSStreamingGenerator.generate_with_buffer``: the model was trained to stop once it has
+    voiced the text it has seen, so frames per chunk are the model's own decision, not a fixed ratio;
+    the chunk flagged last runs to its EOS and ends the turn. No EOS floor (upstream has none here),
+    only the stream's first sample is raw. Context between chunks follows ``tts_config.attention_type``:
+    ``sliding_recompute`` (the released value) drops the KV and recomputes ``previous condition +
+    previous chunk's frames + this condition`` from position 0; ``full_attention`` appends to the KV.
+  - *duplex* — one chunk per 1 s unit, condition ``cond + audio_bos`` appended to the turn's KV;
+    26 samples (the 26th dropped → 25 frames), EOS masked throughout except at turn start; a chunk
+    flagged ``turn_end`` gets up to 104 samples, no floor, EOS ignored 5 steps after each 25-frame
+    boundary; temperature + penalty only, penalty history per unit (upstream ``generate_chunk``).
+    When the next unit would not fit the 4096 context, it **rolls over** to a one-chunk recompute
+    window (``previous unit's condition + its frames + this condition`` from position 0). A turn end
+    or a new ``turn_id`` resets everything.
+* **Fixed frame count** (benchmarks): EOS is never sampled and the turn ends after exactly N frames.
+* **Output**: codec windows (:mod:`windows`): 3 left-context + 25 new frames, the first window padded
+  with silence 4218, optional smaller first window, exactly one ``is_last`` window per turn.
+* **Interrupts**: a Control with a newer epoch drops queued chunks and in-flight decoding, resets the
+  turn and answers with ``InterruptAck``; chunks of older epochs are ignored.
+
+Threading: :meth:`TalkerEngine.start` runs :meth:`step` in a dedicated thread (torch calls block);
+the gRPC front talks to it only through :meth:`submit` (thread-safe) and each stream's ``emit``
+callback. Tests drive :meth:`step` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import Counter, Gauge
+
+from services.common.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    FAILED_PRECONDITION,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    StageError,
+)
+from services.common.metrics import BATCH_SIZE, IN_FLIGHT, QUEUE_DEPTH, STEP_SECONDS
+from services.talker import sampling as smp
+from services.talker.model.config import DEFAULT_MAX_NEW_FRAMES, DEFAULT_MIN_NEW_FRAMES
+from services.talker.model.tts import MiniCPMTTS
+from services.talker.runner import TalkerRunner
+from services.talker.streams import (
+    ClosedOut,
+    ConditionInput,
+    DoneOut,
+    ErrorOut,
+    InterruptAckOut,
+    Output,
+    Phase,
+    StreamSettings,
+    StreamState,
+    TurnForm,
+    WindowOut,
+)
+
+log = logging.getLogger(__name__)
+
+STAGE = "talker"
+STREAMING_MAX_SAMPLES_PER_CHUNK = 500  # upstream generate_with_buffer(max_new_token=500)
+
+FRAMES = Counter("minicpmo_talker_frames_total", "Codec frames emitted (rate() gives frames/s)")
+ACTIVE_STREAMS = Gauge("minicpmo_talker_engine_streams", "Streams known to the Talker engine")
+DECODE_ROWS = Gauge("minicpmo_talker_decode_batch", "Rows in the latest batched decode step")
+
+
+@dataclass
+class _Command:
+    kind: str  # open | chunk | interrupt | flush | end | close
+    stream: StreamState
+    payload: object = None
+
+
+class TalkerEngine:
+    """Continuous-batching scheduler over a :class:`TalkerRunner`."""
+
+    def __init__(
+        self,
+        model: MiniCPMTTS,
+        *,
+        max_streams: int = 16,
+        max_prefills_per_step: int = 4,
+        use_cuda_graphs: bool | None = None,
+    ) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.runner = TalkerRunner(model, num_slots=max_streams, use_cuda_graphs=use_cuda_graphs)
+        self.max_prefills_per_step = max_prefills_per_step
+        self.eos = self.cfg.eos_id
+        self._inbox: queue.Queue[_Command] = queue.Queue()
+        self._wake = threading.Event()
+        self._streams: list[StreamState] = []
+        self._waiting: deque[StreamState] = deque()  # streams with work but no slot yet
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.frames_emitted = 0
+
+    # ------------------------------------------------------------------------------- public API
+    def default_sampling(self, **overrides: object) -> smp.SamplingParams:
+        base = {
+            "temperature": self.cfg.temperature,
+            "top_p": self.cfg.top_p,
+            "top_k": self.cfg.top_k,
+            "repetition_penalty": self.cfg.repetition_penalty,
+            "seed": self.cfg.seed,
+            "greedy": False,
+        }
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return smp.SamplingParams(**base)  # type: ignore[arg-type]
+
+    def make_settings(
+        self,
+        *,
+        request_id: str = "",
+        session_id: str = "",
+        duplex: bool = False,
+        sampling: smp.SamplingParams | None = None,
+        min_new_frames: int | None = None,
+        max_new_frames: int | None = None,
+        fixed_frames: int = 0,
+        window_frames: int = 0,
+        left_context: int | None = None,
+        first_window_frames: int = 0,
+    ) -> StreamSettings:
+        from services.talker.windows import DEFAULT_LEFT_CONTEXT, DEFAULT_WINDOW_FRAMES
+
+        return StreamSettings(
+            request_id=request_id,
+            session_id=session_id,
+            duplex=duplex,
+            sampling=sampling or self.default_sampling(),
+            min_new_frames=DEFAULT_MIN_NEW_FRAMES if min_new_frames is None else int(min_new_frames),
+            max_new_frames=DEFAULT_MAX_NEW_FRAMES if not max_new_frames else int(max_new_frames),
+            fixed_frames=int(fixed_frames),
+            window_frames=window_frames or DEFAULT_WINDOW_FRAMES,
+            left_context=DEFAULT_LEFT_CONTEXT if left_context is None else int(left_context),
+            first_window_frames=int(first_window_frames),
+        )
+
+    def open(self, settings: StreamSettings, emit: Callable[[Output], None], epoch: int = 0) -> StreamState:
+        st = StreamState(settings=settings, emit=emit, epoch=epoch)
+        self._submit(_Command("open", st))
+        return st
+
+    def chunk(self, st: StreamState, cond: ConditionInput) -> None:
+        """Queue a condition; shape/range problems raise :class:`StageError` here, in the caller's thread."""
+        self.model.validate_condition_inputs(cond.token_ids, cond.hidden)
+        self._submit(_Command("chunk", st, cond))
+
+    def interrupt(self, st: StreamState, new_epoch: int) -> None:
+        self._submit(_Command("interrupt", st, int(new_epoch)))
+
+    def flush(self, st: StreamState) -> None:
+        self._submit(_Command("flush", st))
+
+    def end(self, st: StreamState) -> None:
+        self._submit(_Command("end", st))
+
+    def close(self, st: StreamState) -> None:
+        """The client is gone: drop everything of this stream now."""
+        self._submit(_Command("close", st))
+
+    def _submit(self, cmd: _Command) -> None:
+        self._inbox.put(cmd)
+        self._wake.set()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------------------ loop thread
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="talker-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self.step()
+            except Exception:  # a bug must not kill the loop silently for every other stream
+                log.exception("talker engine step failed")
+                self._fail_all(StageError(INTERNAL, "talker engine step failed; see server log"))
+                busy = False
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def run_until_idle(self, max_steps: int = 100_000) -> int:
+        """Drive :meth:`step` until nothing is left to do (tests, dump, benchmarks)."""
+        steps = 0
+        while self.step():
+            steps += 1
+            if steps >= max_steps:
+                raise RuntimeError("talker engine did not go idle")
+        return steps
+
+    # ------------------------------------------------------------------------------- scheduling
+    def step(self) -> bool:
+        """Apply commands, run ready prefills, then one batched decode step. True if anything happened."""
+        did = self._drain_commands()
+        self._admit()
+        prefills = 0
+        for st in list(self._streams):
+            if prefills >= self.max_prefills_per_step:
+                break
+            if st.phase is Phase.IDLE and st.slot is not None and st.queue:
+                did = True
+                prefills += 1
+                self._guarded(st, self._start_segment)
+        decoding = [st for st in self._streams if st.phase is Phase.DECODE and st.slot is not None]
+        if decoding:
+            did = True
+            self._decode(decoding)
+        for st in list(self._streams):
+            if st.phase is Phase.IDLE and not st.queue:
+                self._maybe_finish_idle(st)
+        IN_FLIGHT.labels(STAGE).set(sum(1 for s in self._streams if s.slot is not None))
+        QUEUE_DEPTH.labels(STAGE).set(len(self._waiting))
+        ACTIVE_STREAMS.set(len(self._streams))
+        return did
+
+    def _guarded(self, st: StreamState, fn: Callable[[StreamState], None]) -> None:
+        try:
+            fn(st)
+        except StageError as err:
+            self._error(st, err)
+        except ValueError as err:
+            self._error(st, StageError(INVALID_ARGUMENT, str(err)))
+
+    def _drain_commands(self) -> bool:
+        did = False
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return did
+            did = True
+            st = cmd.stream
+            if cmd.kind == "open":
+                self._streams.append(st)
+            elif st not in self._streams:
+                continue  # already closed
+            elif cmd.kind == "chunk":
+                self._on_chunk(st, cmd.payload)  # type: ignore[arg-type]
+            elif cmd.kind == "interrupt":
+                self._on_interrupt(st, int(cmd.payload))  # type: ignore[arg-type]
+            elif cmd.kind == "flush":
+                if st.windower is not None:
+                    for w in st.windower.flush_partial(min_new=1):
+                        st.emit(WindowOut(st.meta(), w))
+            elif cmd.kind == "end":
+                st.ending = True
+            elif cmd.kind == "close":
+                self._remove(st)
+
+    def _on_chunk(self, st: StreamState, cond: ConditionInput) -> None:
+        if cond.epoch < st.epoch:
+            return  # stale work of an interrupted epoch
+        if cond.epoch > st.epoch:
+            self._reset_turn(st)
+            st.epoch = cond.epoch
+        if st.ending:
+            self._error(st, StageError(FAILED_PRECONDITION, "chunk after End", "chunk"), close=False)
+            return
+        st.queue.append(cond)
+        if st.slot is None and st not in self._waiting:
+            self._waiting.append(st)
+
+    def _on_interrupt(self, st: StreamState, new_epoch: int) -> None:
+        if new_epoch <= st.epoch:
+            st.emit(InterruptAckOut(st.meta(), new_epoch, 0))
+            return
+        dropped = len(st.queue) + (1 if st.phase is Phase.DECODE or st.in_turn else 0)
+        st.queue.clear()
+        self._reset_turn(st)
+        st.epoch = new_epoch
+        st.emit(InterruptAckOut(st.meta(), new_epoch, dropped))
+
+    def _reset_turn(self, st: StreamState) -> None:
+        st.form = None
+        st.phase = Phase.IDLE
+        st.pending_code = None
+        self._release_slot(st)
+
+    def _admit(self) -> None:
+        while self._waiting and self.runner.cache.free_slots:
+            st = self._waiting.popleft()
+            if st not in self._streams or st.slot is not None or not st.queue:
+                continue
+            st.slot = self.runner.cache.allocate()
+
+    def _release_slot(self, st: StreamState) -> None:
+        if st.slot is not None:
+            self.runner.cache.release(st.slot)
+            st.slot = None
+        if st.queue and st not in self._waiting and st in self._streams:
+            self._waiting.append(st)
+
+    def _remove(self, st: StreamState) -> None:
+        self._release_slot(st)
+        st.phase = Phase.CLOSED
+        if st in self._streams:
+            self._streams.remove(st)
+        if st in self._waiting:
+            self._waiting.remove(st)
+
+    def _error(self, st: StreamState, err: StageError, close: bool = True) -> None:
+        st.emit(ErrorOut(st.meta(), err))
+        if close:
+            self._remove(st)
+            st.emit(ClosedOut(st.meta()))
+
+    def _fail_all(self, err: StageError) -> None:
+        for st in list(self._streams):
+            self._error(st, err)
+
+    def _maybe_finish_idle(self, st: StreamState) -> None:
+        """End received and nothing left: close the turn (if any), send Done, close the stream."""
+        if not st.ending:
+            return
+        if st.in_turn:
+            self._finish_turn(st, "stop")
+        if st.settings.duplex or st.turns_finished == 0:
+            st.emit(DoneOut(st.meta(), "stop", st.session_frames, st.session_condition_rows))
+        self._remove(st)
+        st.emit(ClosedOut(st.meta()))
+
+    # ------------------------------------------------------------------------------- segments
+    def _start_segment(self, st: StreamState) -> None:
+        """Take the next condition of ``st``, build its context, prefill, and draw the first sample."""
+        cond = st.queue.popleft()
+        s = st.settings
+        assert st.slot is not None
+        if st.form is TurnForm.DUPLEX and cond.turn_id != st.turn_id:
+            self._finish_turn(st, "stop")  # the previous duplex turn never saw turn_end: close it
+            self.runner.cache.reset(st.slot)
+        if not st.in_turn:
+            st.new_turn(cond.turn_id)
+            self.runner.cache.reset(st.slot)
+            if s.duplex:
+                st.form = TurnForm.DUPLEX
+            elif cond.is_last:
+                st.form = TurnForm.WHOLE
+            else:
+                if s.fixed_frames:
+                    raise StageError(
+                        INVALID_ARGUMENT, "fixed_frames needs the whole utterance in one chunk", "fixed_frames"
+                    )
+                st.form = TurnForm.STREAMING
+        elif st.form is TurnForm.WHOLE:
+            raise StageError(FAILED_PRECONDITION, "chunk after the last chunk of the turn", "chunk")
+        st.unit_seq = cond.unit_seq
+        model = self.model
+        if st.form is TurnForm.WHOLE:
+            rows = model.whole_utterance_condition(cond.token_ids, cond.hidden)
+        elif st.form is TurnForm.STREAMING:
+            rows = model.streaming_chunk_condition(cond.token_ids, cond.hidden, text_finished=cond.is_last)
+        else:
+            rows = model.duplex_unit_condition(cond.token_ids, cond.hidden)
+        st.turn_condition_rows += int(cond.token_ids.numel())
+        budget = smp.duplex_budget(st.turn_segments == 0, cond.turn_end) if st.form is TurnForm.DUPLEX else None
+        context_rows = self._context_rows(st, rows, budget)
+        st.seg_condition = rows
+        st.seg_frames = []
+        st.seg_t = 0
+        st.seg_is_last = cond.is_last
+        st.seg_turn_end = cond.turn_end
+        st.seg_budget = budget
+        st.pending_code = None
+        if st.form is TurnForm.DUPLEX:
+            assert st.row is not None
+            st.row.clear_history()  # upstream generate_chunk counts only this unit's frames
+        logits = self.runner.prefill(st.slot, context_rows)
+        self._after_logits(st, logits[None])
+
+    def _context_rows(self, st: StreamState, rows: torch.Tensor, budget: smp.DuplexBudget | None) -> torch.Tensor:
+        """Decide what to prefill: append to the KV, or reset and recompute a one-chunk window."""
+        assert st.slot is not None
+        context = self.runner.context
+        used = self.runner.cache.lengths[st.slot]
+        if rows.shape[0] >= context:
+            raise StageError(
+                CONTEXT_LENGTH_EXCEEDED,
+                f"condition of {rows.shape[0]} rows does not fit the Talker context of {context}",
+                "token_ids",
+            )
+        recompute = False
+        if st.form is TurnForm.STREAMING and st.turn_segments > 0:
+            recompute = self.cfg.attention_type == "sliding_recompute"
+            headroom = STREAMING_MAX_SAMPLES_PER_CHUNK
+            recompute = recompute or used + rows.shape[0] + headroom > context
+        elif st.form is TurnForm.DUPLEX and st.turn_segments > 0:
+            assert budget is not None
+            recompute = used + rows.shape[0] + budget.max_samples > context  # rollover
+        if not recompute:
+            return rows
+        self.runner.cache.reset(st.slot)
+        parts = []
+        if st.prev_condition is not None:
+            parts.append(st.prev_condition)
+            if st.prev_frames:
+                parts.append(self.model.code_rows(torch.tensor(st.prev_frames, dtype=torch.long)))
+        window = torch.cat([*parts, rows], dim=0) if parts else rows
+        if window.shape[0] >= context:
+            window = rows  # the previous chunk alone is too long to carry: keep only this condition
+        return window
+
+    # -------------------------------------------------------------------------------- decoding
+    def _decode(self, batch: list[StreamState]) -> None:
+        t0 = time.perf_counter()
+        slots = [st.slot for st in batch]
+        codes = [st.pending_code for st in batch]
+        logits = self.runner.decode(slots, codes)  # type: ignore[arg-type]
+        for st in batch:
+            st.pending_code = None
+        self._after_logits_batch(batch, logits)
+        BATCH_SIZE.labels(STAGE).observe(len(batch))
+        DECODE_ROWS.set(len(batch))
+        STEP_SECONDS.labels(STAGE).observe(time.perf_counter() - t0)
+
+    def _after_logits(self, st: StreamState, logits: torch.Tensor) -> None:
+        self._after_logits_batch([st], logits)
+
+    def _rules(self, st: StreamState) -> smp.StepRules:
+        s = st.settings
+        if st.form is TurnForm.WHOLE:
+            return smp.whole_utterance_rules(st.seg_t, s.min_new_frames, never_stop=s.fixed_frames > 0)
+        if st.form is TurnForm.STREAMING:
+            return smp.streaming_chunk_rules(st.turn_frames, st.seg_t)
+        assert st.seg_budget is not None
+        return smp.duplex_rules(st.seg_t, st.seg_budget)
+
+    def _after_logits_batch(self, batch: list[StreamState], logits: torch.Tensor) -> None:
+        rows = [st.row for st in batch]
+        rules = [self._rules(st) for st in batch]
+        ids = smp.sample(logits, rows, rules, self.eos)  # type: ignore[arg-type]
+        for st, code in zip(batch, ids, strict=True):
+            self._guarded(st, lambda s, c=code: self._on_sample(s, c))
+
+    def _on_sample(self, st: StreamState, code: int) -> None:
+        s = st.settings
+        t = st.seg_t
+        st.seg_t += 1
+        assert st.slot is not None and st.row is not None
+        cache_full = self.runner.cache.lengths[st.slot] >= self.runner.context
+        if st.form is TurnForm.DUPLEX:
+            assert st.seg_budget is not None
+            if t >= st.seg_budget.max_samples - 1 or code == self.eos:
+                self._end_segment(st)  # the unit's last sample is dropped, as upstream does
+                return
+            self._keep(st, code)
+            if cache_full:
+                self._end_segment(st)
+            else:
+                st.pending_code = code
+                st.phase = Phase.DECODE
+            return
+        if code == self.eos:
+            self._end_segment(st)
+            return
+        self._keep(st, code)
+        if st.form is TurnForm.WHOLE:
+            limit = s.fixed_frames if s.fixed_frames else s.max_new_frames
+            if st.turn_frames >= limit:
+                self._finish_turn(st, "stop" if s.fixed_frames else "length")
+                return
+            if cache_full:
+                self._finish_turn(st, "length")
+                return
+        else:  # streaming chunk
+            if st.turn_frames >= s.max_new_frames:
+                self._finish_turn(st, "length")
+                return
+            if st.seg_t >= STREAMING_MAX_SAMPLES_PER_CHUNK or cache_full:
+                self._end_segment(st)  # the last frame stays unfed, as upstream's 500-sample cap leaves it
+                return
+        st.pending_code = code
+        st.phase = Phase.DECODE
+
+    def _keep(self, st: StreamState, code: int) -> None:
+        assert st.row is not None and st.windower is not None
+        st.row.remember(code)
+        st.seg_frames.append(code)
+        st.turn_frames += 1
+        self.frames_emitted += 1
+        FRAMES.inc()
+        for w in st.windower.push([code]):
+            st.emit(WindowOut(st.meta(), w))
+
+    def _end_segment(self, st: StreamState) -> None:
+        """A chunk/unit finished (EOS, budget or cap); the whole utterance finishes its turn here."""
+        st.phase = Phase.IDLE
+        st.pending_code = None
+        st.prev_condition = st.seg_condition
+        st.prev_frames = list(st.seg_frames)
+        first_segment = st.turn_segments == 0
+        st.turn_segments += 1
+        if st.form is TurnForm.WHOLE:
+            self._finish_turn(st, "stop")
+        elif st.form is TurnForm.STREAMING:
+            if st.seg_is_last:
+                self._finish_turn(st, "stop")
+        else:
+            assert st.windower is not None
+            if st.seg_turn_end:
+                self._finish_turn(st, "stop")
+            elif first_segment:
+                for w in st.windower.flush_partial():  # upstream force_flush at turn start
+                    st.emit(WindowOut(st.meta(), w))
+
+    def _finish_turn(self, st: StreamState, reason: str) -> None:
+        """Final window (is_last) and Done for turn mode; duplex sends only the final window per turn."""
+        assert st.windower is not None
+        st.emit(WindowOut(st.meta(), st.windower.finish()))
+        st.turns_finished += 1
+        st.session_frames += st.turn_frames
+        st.session_condition_rows += st.turn_condition_rows
+        if st.form is not TurnForm.DUPLEX:
+            st.emit(DoneOut(st.meta(), reason, st.turn_frames, st.turn_condition_rows))
+        st.form = None
+        st.phase = Phase.IDLE
+        st.pending_code = None
+        self._release_slot(st)
+
+    # ----------------------------------------------------------------------------------- drain
+    def idle(self) -> bool:
+        return not self._streams and self._inbox.empty()
+
+    def cancel_all(self, reason: str = "cancelled") -> None:
+        """Drain deadline passed: tell every stream it was cancelled and drop it."""
+        for st in list(self._streams):
+            st.emit(DoneOut(st.meta(), reason, st.turn_frames, st.turn_condition_rows))
+            self._remove(st)
+            st.emit(ClosedOut(st.meta()))
