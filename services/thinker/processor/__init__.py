@@ -1,0 +1,381 @@
+"""Thinker processor: chat messages with images, audio and video -> token ids + encoder inputs.
+
+Usage::
+
+    proc = ThinkerProcessor.from_checkpoint(Checkpoint(dir), limits=ProcessorLimits(max_images=4))
+    p = proc([{"role": "user", "content": [ImageInput(png_bytes), "What is shown?"]}])
+    embeds = model.embed_prompt(p)                       # services.thinker.model.ThinkerModel
+
+``ProcessedPrompt`` carries ``input_ids`` (placeholders expanded), the slices in patch layout with their
+``tgt_sizes`` and ``image_bounds`` (one ``[start, end)`` span of 64 ``<unk>`` per slice), the mel pieces with
+their lengths and ``audio_bounds``, and the prompt text. Token ids equal the upstream processor's for the
+same messages (checked against the oracle). Bad input raises :class:`~services.thinker.errors.ProcessorError`
+(a ``StageError``) naming the offending field. Duplex unit layouts live in
+:mod:`services.thinker.processor.duplex_layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.common.checkpoint import SPECIAL_TOKEN_IDS, Checkpoint
+from services.thinker.errors import ProcessorError
+from services.thinker.processor.audio import (
+    SAMPLE_RATE,
+    AudioClip,
+    audio_embed_count,
+    audio_placeholder,
+    decode_audio,
+    log_mel,
+    split_pieces,
+)
+from services.thinker.processor.chat import (
+    AUDIO_TAG,
+    IMAGE_TAG,
+    VIDEO_TAG,
+    AudioInput,
+    ImageInput,
+    Message,
+    VideoInput,
+    normalize_messages,
+    render_chat,
+    speech_system_message,
+)
+from services.thinker.processor.image import SliceConfig, decode_image, image_placeholder, slice_image
+from services.thinker.processor.video import frame_placeholder, sample_video_frames
+
+UNK_ID = SPECIAL_TOKEN_IDS["<unk>"]
+LISTEN_ID = SPECIAL_TOKEN_IDS["<|listen|>"]
+_IMAGE_OPEN = (SPECIAL_TOKEN_IDS["<image>"], SPECIAL_TOKEN_IDS["<slice>"])
+_IMAGE_CLOSE = (SPECIAL_TOKEN_IDS["</image>"], SPECIAL_TOKEN_IDS["</slice>"])
+_AUDIO_OPEN = SPECIAL_TOKEN_IDS["<|audio_start|>"]
+_AUDIO_CLOSE = SPECIAL_TOKEN_IDS["<|audio_end|>"]
+
+__all__ = [
+    "AudioClip",
+    "AudioInput",
+    "ImageInput",
+    "Message",
+    "ProcessedPrompt",
+    "ProcessorError",
+    "ProcessorLimits",
+    "ThinkerProcessor",
+    "VideoInput",
+    "speech_system_message",
+]
+
+
+@dataclass(frozen=True)
+class ProcessorLimits:
+    """Per-prompt caps; exceeding one raises ``ProcessorError`` (invalid_argument) naming the limit."""
+
+    max_images: int = 16
+    max_audios: int = 8
+    max_video_frames: int = 64
+    max_audio_seconds: float = 600.0
+    max_slice_nums: int | None = None  # None: the checkpoint's slice_config value
+    max_prompt_tokens: int | None = None  # None: no check here (the engine checks the context)
+
+
+@dataclass
+class ProcessedPrompt:
+    """Everything the model needs for one prompt (batch of one; tensors on CPU)."""
+
+    prompt_text: str
+    input_ids: torch.Tensor  # [L] int64
+    pixel_values: list[torch.Tensor] = field(default_factory=list)  # each [3, 14, 14 * h * w] float32
+    tgt_sizes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
+    image_bounds: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
+    audio_features: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 80, 0))  # [N, 80, T]
+    audio_feature_lens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    audio_bounds: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
+    num_images: int = 0
+    num_audios: int = 0
+    num_video_frames: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _spans(ids: torch.Tensor, opens: tuple[int, ...], closes: tuple[int, ...]) -> torch.Tensor:
+    starts = torch.nonzero(torch.isin(ids, torch.tensor(opens)), as_tuple=True)[0] + 1
+    ends = torch.nonzero(torch.isin(ids, torch.tensor(closes)), as_tuple=True)[0]
+    if starts.numel() != ends.numel():
+        raise ProcessorError("messages", "unbalanced multimodal framing tokens in the prompt text")
+    return torch.stack([starts, ends], dim=1) if starts.numel() else torch.zeros(0, 2, dtype=torch.long)
+
+
+class ThinkerProcessor:
+    """Turns chat messages into a :class:`ProcessedPrompt` (see the module docstring)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        slice_config: SliceConfig,
+        *,
+        query_num: int = 64,
+        audio_pool_step: int = 5,
+        use_image_id: bool = True,
+        limits: ProcessorLimits | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.slice_config = slice_config
+        self.query_num = query_num
+        self.audio_pool_step = audio_pool_step
+        self.use_image_id = use_image_id
+        self.limits = limits or ProcessorLimits()
+
+    @classmethod
+    def from_checkpoint(
+        cls, ckpt: Checkpoint | str, limits: ProcessorLimits | None = None
+    ) -> ThinkerProcessor:
+        if not isinstance(ckpt, Checkpoint):
+            ckpt = Checkpoint(ckpt)
+        cfg = ckpt.config
+        pre = ckpt.preprocessor_config
+        sc = ckpt.slice_config
+        slice_cfg = SliceConfig(
+            max_slice_nums=int(sc.get("max_slice_nums", pre.get("max_slice_nums", 9))),
+            scale_resolution=int(sc.get("scale_resolution", pre.get("scale_resolution", 448))),
+            patch_size=int(sc.get("patch_size", pre.get("patch_size", 14))),
+            mean=tuple(float(x) for x in pre.get("norm_mean", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
+            std=tuple(float(x) for x in pre.get("norm_std", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
+        )
+        return cls(
+            ckpt.tokenizer(),
+            slice_cfg,
+            query_num=int(cfg["query_num"]),
+            audio_pool_step=int(cfg["audio_pool_step"]),
+            use_image_id=bool(pre.get("use_image_id", cfg.get("use_image_id", True))),
+            limits=limits,
+        )
+
+    # ------------------------------------------------------------------------------------- helpers
+    def encode_text(self, text: str) -> list[int]:
+        """Plain tokenisation (special-token strings in ``text`` become their ids, as upstream)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _check_counts(self, messages: list[Message]) -> tuple[int, int, int]:
+        images = audios = frames = 0
+        for msg in messages:
+            for part in msg.content:
+                if isinstance(part, ImageInput):
+                    images += 1
+                elif isinstance(part, AudioInput):
+                    audios += 1
+                elif isinstance(part, VideoInput):
+                    frames += len(part.frames) if part.frames else 0
+        lim = self.limits
+        if images > lim.max_images:
+            raise ProcessorError("messages", f"{images} images in the prompt; the limit is {lim.max_images}")
+        if audios > lim.max_audios:
+            raise ProcessorError(
+                "messages", f"{audios} audio clips in the prompt; the limit is {lim.max_audios}"
+            )
+        if frames > lim.max_video_frames:
+            raise ProcessorError(
+                "messages", f"{frames} video frames in the prompt; the limit is {lim.max_video_frames}"
+            )
+        return images, audios, frames
+
+    def _max_slices(self, override: int | None) -> int:
+        value = override if override is not None else self.limits.max_slice_nums
+        value = self.slice_config.max_slice_nums if value is None else int(value)
+        if value < 1:
+            raise ProcessorError("max_slice_nums", f"max_slice_nums must be >= 1 (got {value})")
+        return value
+
+    # ---------------------------------------------------------------------------------------- call
+    def __call__(
+        self,
+        messages: object,
+        *,
+        enable_thinking: bool = False,
+        use_tts_template: bool | None = None,
+        add_generation_prompt: bool = True,
+        max_slice_nums: int | None = None,
+        use_image_id: bool | None = None,
+        join_parts: str = "\n",
+        audio_chunked_placeholders: bool = False,
+    ) -> ProcessedPrompt:
+        """Render, expand placeholders, tokenise and prepare encoder inputs.
+
+        ``use_tts_template=None`` switches it on when any message carries audio (upstream ``chat()``).
+        ``audio_chunked_placeholders`` writes one ``<|audio_start|>…<|audio_end|>`` group per second
+        instead of one group per clip (upstream's streaming-input layout); the embeddings are the same.
+        """
+        msgs = normalize_messages(messages)
+        n_images, n_audios, _ = self._check_counts(msgs)
+        if use_tts_template is None:
+            use_tts_template = n_audios > 0
+        text = render_chat(
+            msgs,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
+            use_tts_template=use_tts_template,
+            join_parts=join_parts,
+        )
+        image_ids = self.use_image_id if use_image_id is None else bool(use_image_id)
+        default_slices = self._max_slices(max_slice_nums)
+
+        media = [
+            (i, j, p) for i, m in enumerate(msgs) for j, p in enumerate(m.content) if not isinstance(p, str)
+        ]
+        tag_count = sum(text.count(tag) for tag in (IMAGE_TAG, AUDIO_TAG, VIDEO_TAG))
+        if tag_count != len(media):
+            raise ProcessorError("messages", "message text must not contain media placeholder tags")
+
+        pixel_values: list[torch.Tensor] = []
+        tgt_sizes: list[tuple[int, int]] = []
+        expected_image_spans = 0
+        mels: list[torch.Tensor] = []
+        expected_audio_rows = 0
+        total_audio_s = 0.0
+        image_index = 0
+        video_frames = 0
+        pieces: list[str] = []
+        rest = text
+        for mi, pj, part in media:
+            param = f"messages[{mi}].content[{pj}]"
+            tag = (
+                IMAGE_TAG
+                if isinstance(part, ImageInput)
+                else AUDIO_TAG
+                if isinstance(part, AudioInput)
+                else VIDEO_TAG
+            )
+            before, _, rest = rest.partition(tag)
+            pieces.append(before)
+            if isinstance(part, ImageInput):
+                img = decode_image(part.data, param)
+                sliced = slice_image(
+                    img, self.slice_config, self._max_slices(part.max_slice_nums or default_slices)
+                )
+                pixel_values.extend(sliced.slices)
+                tgt_sizes.extend(sliced.tgt_sizes)
+                expected_image_spans += len(sliced.slices)
+                pieces.append(
+                    image_placeholder(sliced.grid, self.query_num, image_index if image_ids else None)
+                )
+                image_index += 1
+            elif isinstance(part, AudioInput):
+                wave = decode_audio(part.data, param)
+                total_audio_s += len(wave) / SAMPLE_RATE
+                if total_audio_s > self.limits.max_audio_seconds:
+                    raise ProcessorError(
+                        param, f"audio in the prompt exceeds {self.limits.max_audio_seconds:g} s in total"
+                    )
+                count = audio_embed_count(len(wave), self.audio_pool_step)
+                mels.extend(log_mel(piece) for piece in split_pieces(wave))
+                expected_audio_rows += count
+                pieces.append(audio_placeholder(count, audio_chunked_placeholders))
+            else:
+                frames = list(part.frames)
+                if part.data is not None:
+                    frames = sample_video_frames(part.data, param, max_frames=self.limits.max_video_frames)
+                if not frames:
+                    raise ProcessorError(param, "video has no frames")
+                video_frames += len(frames)
+                if video_frames > self.limits.max_video_frames:
+                    raise ProcessorError(
+                        param,
+                        f"{video_frames} video frames in the prompt; the limit is {self.limits.max_video_frames}",
+                    )
+                for k, frame in enumerate(frames):
+                    sliced = slice_image(decode_image(frame, f"{param}.frames[{k}]"), self.slice_config, 1)
+                    pixel_values.extend(sliced.slices)
+                    tgt_sizes.extend(sliced.tgt_sizes)
+                    expected_image_spans += 1
+                pieces.append(frame_placeholder(self.query_num) * len(frames))
+        pieces.append(rest)
+        final_text = "".join(pieces)
+
+        ids = torch.tensor([t for t in self.encode_text(final_text) if t != LISTEN_ID], dtype=torch.long)
+        image_bounds = _spans(ids, _IMAGE_OPEN, _IMAGE_CLOSE)
+        audio_bounds = _spans(ids, (_AUDIO_OPEN,), (_AUDIO_CLOSE,))
+        self._validate_spans(ids, image_bounds, expected_image_spans, audio_bounds, expected_audio_rows)
+        if self.limits.max_prompt_tokens is not None and ids.numel() > self.limits.max_prompt_tokens:
+            raise ProcessorError(
+                "messages", f"prompt has {ids.numel()} tokens; the limit is {self.limits.max_prompt_tokens}"
+            )
+
+        if mels:
+            lens = torch.tensor([m.shape[1] for m in mels], dtype=torch.long)
+            feats = torch.zeros(len(mels), mels[0].shape[0], int(lens.max()))
+            for i, m in enumerate(mels):
+                feats[i, :, : m.shape[1]] = m
+        else:
+            lens, feats = torch.zeros(0, dtype=torch.long), torch.zeros(0, 80, 0)
+        return ProcessedPrompt(
+            prompt_text=final_text,
+            input_ids=ids,
+            pixel_values=pixel_values,
+            tgt_sizes=torch.tensor(tgt_sizes, dtype=torch.long).reshape(-1, 2),
+            image_bounds=image_bounds,
+            audio_features=feats,
+            audio_feature_lens=lens,
+            audio_bounds=audio_bounds,
+            num_images=n_images,
+            num_audios=n_audios,
+            num_video_frames=video_frames,
+        )
+
+    def _validate_spans(
+        self,
+        ids: torch.Tensor,
+        image_bounds: torch.Tensor,
+        n_slices: int,
+        audio_bounds: torch.Tensor,
+        audio_rows: int,
+    ) -> None:
+        """Framing tokens typed by the user would shift the spans: refuse instead of mis-merging."""
+        ok = image_bounds.shape[0] == n_slices and all(
+            e - s == self.query_num and bool((ids[s:e] == UNK_ID).all()) for s, e in image_bounds.tolist()
+        )
+        if ok:
+            got_audio = sum(e - s for s, e in audio_bounds.tolist())
+            ok = got_audio == audio_rows and all(
+                bool((ids[s:e] == UNK_ID).all()) for s, e in audio_bounds.tolist()
+            )
+        if not ok:
+            raise ProcessorError(
+                "messages",
+                "message text contains reserved multimodal tokens (<image>, <slice>, <unk>, audio markers)",
+            )
+
+    # ------------------------------------------------------------------------------- media helpers
+    def process_frames(
+        self, frames: list[object], max_slice_nums: int | list[int] = 1, param: str = "frames"
+    ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+        """Duplex frames -> (slices, tgt_sizes [n, 2], slices per frame); per-frame ``max_slice_nums``.
+
+        A stacked pair uses ``[2, 1]`` (model-spec §6.2): the current frame in HD, the composite not.
+        """
+        per_frame = (
+            [max_slice_nums] * len(frames) if isinstance(max_slice_nums, int) else list(max_slice_nums)
+        )
+        if len(per_frame) != len(frames):
+            raise ProcessorError("max_slice_nums", "max_slice_nums list must have one entry per frame")
+        slices: list[torch.Tensor] = []
+        sizes: list[tuple[int, int]] = []
+        counts: list[int] = []
+        for k, (frame, n) in enumerate(zip(frames, per_frame, strict=True)):
+            sliced = slice_image(decode_image(frame, f"{param}[{k}]"), self.slice_config, self._max_slices(n))
+            slices.extend(sliced.slices)
+            sizes.extend(sliced.tgt_sizes)
+            counts.append(len(sliced.slices))
+        return slices, torch.tensor(sizes, dtype=torch.long).reshape(-1, 2), counts
+
+    def process_audio(self, data: object, param: str = "audio") -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One clip -> (mel pieces [N, 80, T], lengths [N], embedding count), e.g. a reference voice."""
+        wave = decode_audio(data, param)
+        mels = [log_mel(p) for p in split_pieces(wave)]
+        lens = torch.tensor([m.shape[1] for m in mels], dtype=torch.long)
+        feats = torch.zeros(len(mels), mels[0].shape[0], int(lens.max()))
+        for i, m in enumerate(mels):
+            feats[i, :, : m.shape[1]] = m
+        return feats, lens, audio_embed_count(len(wave), self.audio_pool_step)

@@ -1,0 +1,148 @@
+"""Audio input for the thinker: decoding, 16 kHz mono, Whisper log-mel with MiniCPM's normalisation.
+
+Features (model-spec §2.3): 80 mel bins, n_fft 400, hop 160 (100 frames/s). Each piece of at most 30 s is
+zero-padded to 30 s before the STFT (as the Whisper front end does, so the frames next to the end and the
+dynamic floor are exactly the reference's), ``log10`` is floored at ``max - 8`` (the dynamic variant),
+then scaled ``(x + 4) / 4``; only the ``ceil(samples / 160)`` frames that cover real audio are kept.
+Longer audio is cut into 30 s pieces, each encoded separately; the placeholder count is the sum over
+pieces of ``pooled_length(frames)`` (10 per second).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from services.thinker.errors import media_error
+from services.thinker.model.audio import pooled_length
+
+SAMPLE_RATE = 16_000
+N_FFT = 400
+HOP = 160
+N_MELS = 80
+PIECE_SECONDS = 30
+PIECE_SAMPLES = PIECE_SECONDS * SAMPLE_RATE
+DYNAMIC_RANGE_DB = 8.0
+# The shortest clip that still yields one pooled embedding (9 mel frames -> 5 encoder frames -> 1 row).
+MIN_SAMPLES = HOP * 8 + 1
+
+
+@dataclass(frozen=True)
+class AudioClip:
+    """Raw samples at any rate (mono or ``[samples, channels]``); resampled to 16 kHz mono on use."""
+
+    samples: np.ndarray
+    sample_rate: int = SAMPLE_RATE
+
+
+def decode_audio(data: object, param: str) -> np.ndarray:
+    """Bytes (WAV/FLAC/OGG...), :class:`AudioClip` or a 16 kHz float array -> float32 mono 16 kHz."""
+    if isinstance(data, AudioClip):
+        samples, rate = np.asarray(data.samples), int(data.sample_rate)
+    elif isinstance(data, np.ndarray):
+        samples, rate = data, SAMPLE_RATE
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        raw = bytes(data)
+        if not raw:
+            raise media_error(param, "audio data is empty")
+        import soundfile
+
+        try:
+            samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=False)
+        except (RuntimeError, ValueError, TypeError, soundfile.LibsndfileError) as exc:
+            raise media_error(param, f"cannot decode audio ({exc.__class__.__name__}: {exc})") from exc
+    else:
+        raise media_error(param, f"unsupported audio input type {type(data).__name__}")
+    samples = np.asarray(samples)
+    if samples.ndim == 2:
+        samples = samples.mean(axis=1)
+    if samples.ndim != 1:
+        raise media_error(
+            param, f"audio must be mono or [samples, channels] (got shape {list(samples.shape)})"
+        )
+    if not np.issubdtype(samples.dtype, np.floating):
+        if np.issubdtype(samples.dtype, np.integer):
+            samples = samples.astype(np.float32) / float(
+                -np.iinfo(samples.dtype).min or np.iinfo(samples.dtype).max
+            )
+        else:
+            raise media_error(param, f"audio samples have unsupported dtype {samples.dtype}")
+    samples = samples.astype(np.float32, copy=False)
+    if not np.all(np.isfinite(samples)):
+        raise media_error(param, "audio contains NaN or infinite samples")
+    if rate <= 0:
+        raise media_error(param, f"invalid sample rate {rate}")
+    if rate != SAMPLE_RATE:
+        import librosa
+
+        samples = librosa.resample(samples, orig_sr=rate, target_sr=SAMPLE_RATE).astype(np.float32)
+    if samples.shape[0] < MIN_SAMPLES:
+        raise media_error(
+            param, f"audio is too short ({samples.shape[0]} samples at 16 kHz, need {MIN_SAMPLES})"
+        )
+    return samples
+
+
+@lru_cache(maxsize=1)
+def _mel_filters() -> torch.Tensor:
+    from transformers.audio_utils import mel_filter_bank
+
+    bank = mel_filter_bank(
+        num_frequency_bins=1 + N_FFT // 2,
+        num_mel_filters=N_MELS,
+        min_frequency=0.0,
+        max_frequency=8000.0,
+        sampling_rate=SAMPLE_RATE,
+        norm="slaney",
+        mel_scale="slaney",
+    )
+    return torch.from_numpy(np.asarray(bank)).to(torch.float32).T.contiguous()  # [n_mels, n_freq]
+
+
+def frames_for(samples: int) -> int:
+    """Mel frames kept for a piece of ``samples`` samples (frames whose hop start lies in the audio)."""
+    return math.ceil(samples / HOP)
+
+
+def split_pieces(audio: np.ndarray) -> list[np.ndarray]:
+    """Cut audio into consecutive pieces of at most 30 s (the Whisper position table's span)."""
+    return [audio[i : i + PIECE_SAMPLES] for i in range(0, len(audio), PIECE_SAMPLES)] or [audio]
+
+
+def log_mel(piece: np.ndarray) -> torch.Tensor:
+    """One <= 30 s piece of 16 kHz audio -> ``[80, ceil(len / 160)]`` normalised log-mel (float32)."""
+    if len(piece) > PIECE_SAMPLES:
+        raise ValueError("log_mel takes pieces of at most 30 s; use split_pieces first")
+    wave = torch.zeros(PIECE_SAMPLES, dtype=torch.float32)
+    wave[: len(piece)] = torch.from_numpy(np.ascontiguousarray(piece, dtype=np.float32))
+    spec = torch.stft(
+        wave[None], n_fft=N_FFT, hop_length=HOP, window=torch.hann_window(N_FFT), return_complex=True
+    )
+    power = spec[..., :-1].abs() ** 2
+    mel = _mel_filters() @ power  # [1, 80, 3000]
+    logm = torch.clamp(mel, min=1e-10).log10()
+    logm = torch.maximum(logm, logm.max() - DYNAMIC_RANGE_DB)
+    logm = (logm + 4.0) / 4.0
+    return logm[0, :, : frames_for(len(piece))]
+
+
+def audio_embed_count(num_samples: int, pool_step: int) -> int:
+    """Audio embeddings (= ``<unk>`` placeholders) for a clip of ``num_samples`` 16 kHz samples."""
+    total = 0
+    for start in range(0, max(num_samples, 1), PIECE_SAMPLES):
+        piece = min(PIECE_SAMPLES, num_samples - start)
+        total += int(pooled_length(frames_for(piece), pool_step))
+    return total
+
+
+def audio_placeholder(count: int, per_second_groups: bool = False) -> str:
+    """``<|audio_start|>`` + count x ``<unk>`` + ``<|audio_end|>``; optionally one group per 10 rows."""
+    if not per_second_groups:
+        return "<|audio_start|>" + "<unk>" * count + "<|audio_end|>"
+    groups = [min(10, count - i) for i in range(0, count, 10)]
+    return "".join("<|audio_start|>" + "<unk>" * g + "<|audio_end|>" for g in groups)

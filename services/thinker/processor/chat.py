@@ -1,0 +1,211 @@
+"""Chat messages and the Qwen-style chat template of MiniCPM-o 4.5 (model-spec §2.2).
+
+Rendering rules (the checkpoint's template, restricted to what the service supports — no tools):
+
+* each message is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; a message's parts are joined with a
+  newline (``join_parts="\\n"``, as upstream ``chat()``; omni/streaming input joins with ``""``), and media
+  parts stand as ``<image>./</image>``, ``<audio>./</audio>`` or ``<video>./</video>`` until expanded;
+* an assistant message keeps only the text after its last ``</think>``; the final message, when it is an
+  assistant message after the last user message, is re-rendered with its ``<think>`` block;
+* the generation prompt is ``<|im_start|>assistant\\n``, then ``<think>\\n\\n</think>\\n\\n`` when
+  thinking is off, then ``<|tts_bos|>`` when the TTS template is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from services.thinker.errors import ProcessorError
+from services.thinker.processor.audio import AudioClip
+
+IMAGE_TAG = "<image>./</image>"
+AUDIO_TAG = "<audio>./</audio>"
+VIDEO_TAG = "<video>./</video>"
+ROLES = ("system", "user", "assistant")
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+TTS_BOS = "<|tts_bos|>"
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image: encoded bytes, a PIL image or an ``[H, W, 3]`` uint8 array."""
+
+    data: object
+    max_slice_nums: int | None = None
+
+
+@dataclass(frozen=True)
+class AudioInput:
+    """Audio: encoded bytes, an :class:`AudioClip` (any rate) or a 16 kHz float32 array."""
+
+    data: object
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """A video: frames already sampled at 1 fps (bytes / PIL / arrays) or a container in ``data``."""
+
+    frames: tuple[object, ...] = ()
+    data: bytes | None = None
+
+
+Part = str | ImageInput | AudioInput | VideoInput
+
+
+@dataclass
+class Message:
+    role: str
+    content: list[Part] = field(default_factory=list)
+
+
+def as_part(obj: object) -> Part:
+    """Accept the loose forms upstream ``chat()`` takes: PIL image = image, 1-D array = 16 kHz audio."""
+    if isinstance(obj, (str, ImageInput, AudioInput, VideoInput)):
+        return obj
+    if isinstance(obj, Image.Image):
+        return ImageInput(obj)
+    if isinstance(obj, AudioClip):
+        return AudioInput(obj)
+    if isinstance(obj, np.ndarray):
+        return AudioInput(obj) if obj.ndim == 1 else ImageInput(obj)
+    raise ProcessorError("messages", f"unsupported content part of type {type(obj).__name__}")
+
+
+def normalize_messages(messages: object) -> list[Message]:
+    """Messages as :class:`Message` or ``{"role", "content"}`` dicts (content: str or list of parts)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ProcessorError("messages", "messages must be a non-empty list")
+    out: list[Message] = []
+    for i, msg in enumerate(messages):
+        if isinstance(msg, Message):
+            role, content = msg.role, msg.content
+        elif isinstance(msg, dict):
+            role, content = msg.get("role"), msg.get("content", [])
+        else:
+            raise ProcessorError(f"messages[{i}]", "each message must have a role and content")
+        if role not in ROLES:
+            raise ProcessorError(f"messages[{i}].role", f"role must be one of {list(ROLES)} (got {role!r})")
+        if i == 0 and role not in ("user", "system"):
+            raise ProcessorError("messages[0].role", "the first message must be a system or user message")
+        parts = [content] if isinstance(content, str) else list(content)
+        out.append(Message(role, [as_part(p) for p in parts]))
+    return out
+
+
+def part_text(part: Part) -> str:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, ImageInput):
+        return IMAGE_TAG
+    if isinstance(part, AudioInput):
+        return AUDIO_TAG
+    return VIDEO_TAG
+
+
+def render_chat(
+    messages: list[Message],
+    *,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool = False,
+    use_tts_template: bool = False,
+    join_parts: str = "\n",
+) -> str:
+    """The prompt text, with media still as tags (see the module docstring for the rules)."""
+    texts = [join_parts.join(part_text(p) for p in m.content) for m in messages]
+    last_user = max(
+        (
+            i
+            for i, m in enumerate(messages)
+            if m.role == "user"
+            and not (texts[i].startswith("<tool_response>") and texts[i].endswith("</tool_response>"))
+        ),
+        default=len(messages) - 1,
+    )
+    pieces: list[str] = []
+    for i, (msg, text) in enumerate(zip(messages, texts, strict=True)):
+        if msg.role in ("system", "user"):
+            pieces.append(f"<|im_start|>{msg.role}\n{text}<|im_end|>\n")
+            continue
+        content, reasoning = text, ""
+        if "</think>" in text:
+            content = text.split("</think>")[-1].lstrip("\n")
+            reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+        is_last = i == len(messages) - 1
+        if i > last_user and (is_last or reasoning):
+            body = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+        else:
+            body = content
+        pieces.append(f"<|im_start|>assistant\n{body}<|im_end|>\n")
+    if add_generation_prompt:
+        pieces.append("<|im_start|>assistant\n")
+        if not enable_thinking:
+            pieces.append(EMPTY_THINK)
+        if use_tts_template:
+            pieces.append(TTS_BOS)
+    return "".join(pieces)
+
+
+# System prompts for speech output (model-spec §2.2). Exact strings: the model was trained on them.
+_SPEECH_PROMPTS: dict[tuple[str, str], tuple[str, str]] = {
+    ("audio_assistant", "en"): (
+        "Use the voice in the audio prompt to synthesize new content.",
+        "You are a helpful assistant with the above voice style.",
+    ),
+    ("audio_assistant", "zh"): (
+        "模仿音频样本的音色并生成新的内容。",
+        "你的任务是用这种声音模式来当一个助手。请认真、高质量地回复用户的问题。请用高自然度的方式和用户聊天。"
+        "你是由面壁智能开发的人工智能助手：面壁小钢炮。",
+    ),
+    ("omni", "en"): (
+        "Clone the voice in the provided audio prompt.",
+        "As an assistant, you will speak using this voice style.",
+    ),
+    ("omni", "zh"): (
+        "模仿音频样本的音色并生成新的内容。",
+        "请用这种声音风格来为用户提供帮助。 请认真、高质量地回复用户的问题。 请用高自然度的方式和用户聊天。",
+    ),
+    ("audio_roleplay", "en"): (
+        "Clone the voice in the provided audio prompt.",
+        "Try to role-play the character based on the audio prompt above.",
+    ),
+    ("audio_roleplay", "zh"): ("模仿输入音频中的声音特征。", "假装你是上述音频中的人物，与我进行对话。"),
+    ("voice_cloning", "en"): ("Clone the voice in the provided audio prompt.", ""),
+    ("voice_cloning", "zh"): ("模仿输入音频中的声音特征。", ""),
+}
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. You can accept audio and text input and output voice and text."
+)
+SPEECH_MODES = ("default", "audio_assistant", "omni", "audio_roleplay", "voice_cloning")
+
+
+def speech_system_message(
+    ref_audio: object | None = None, mode: str = "audio_assistant", language: str = "en"
+) -> Message:
+    """The system message upstream builds for speech output: ``[prefix, reference audio, suffix]``.
+
+    Without a reference voice, ``audio_assistant``/``audio_roleplay`` fall back to the default-voice text,
+    ``omni`` to an empty system prompt, and ``voice_cloning`` is an error.
+    """
+    if mode not in SPEECH_MODES:
+        raise ProcessorError(
+            "system_prompt_mode", f"unknown mode {mode!r}; expected one of {list(SPEECH_MODES)}"
+        )
+    if language not in ("en", "zh"):
+        raise ProcessorError("language", f"language must be 'en' or 'zh' (got {language!r})")
+    if mode == "default":
+        return Message("system", [DEFAULT_SYSTEM_PROMPT])
+    prefix, suffix = _SPEECH_PROMPTS[(mode, language)]
+    if ref_audio is None:
+        if mode == "voice_cloning":
+            raise ProcessorError("ref_audio", "voice_cloning mode needs a reference audio")
+        if mode == "omni":
+            return Message("system", [""])
+        return Message("system", ["Use the <reserved_53> voice.", suffix])
+    audio = ref_audio if isinstance(ref_audio, AudioInput) else AudioInput(ref_audio)
+    parts: list[Part] = [prefix, audio]
+    if suffix:
+        parts.append(suffix)
+    return Message("system", parts)
