@@ -119,6 +119,8 @@ class TalkerEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.frames_emitted = 0
+        # Optional tap on the raw fp32 logits each stream samples from (fidelity dumps, tests).
+        self.logits_observer: Callable[[StreamState, torch.Tensor], None] | None = None
 
     # ------------------------------------------------------------------------------- public API
     def default_sampling(self, **overrides: object) -> smp.SamplingParams:
@@ -465,6 +467,9 @@ class TalkerEngine:
         return smp.duplex_rules(st.seg_t, st.seg_budget)
 
     def _after_logits_batch(self, batch: list[StreamState], logits: torch.Tensor) -> None:
+        if self.logits_observer is not None:
+            for i, st in enumerate(batch):
+                self.logits_observer(st, logits[i])
         rows = [st.row for st in batch]
         rules = [self._rules(st) for st in batch]
         ids = smp.sample(logits, rows, rules, self.eos)  # type: ignore[arg-type]
