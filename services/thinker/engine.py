@@ -1,0 +1,391 @@
+"""The thinker engine loop: takes work from streams, steps the model, hands tokens and hidden rows back.
+
+Threading model: one engine thread per device owns the scheduler, the KV cache and the runner. Streams
+(the asyncio gRPC front, or tests) talk to it only through a command queue (:meth:`ThinkerEngine.submit`,
+:meth:`cancel`, :meth:`close`) and receive :class:`EngineEvent` objects through the per-sequence sink
+callback, which runs on the engine thread and must not block (the server forwards into an asyncio
+queue with ``call_soon_threadsafe``). Tests can instead drive :meth:`step` synchronously.
+
+A step: drain commands → ask the scheduler for a plan → run it → sample every row that ends a prompt or
+decodes → emit events → update metrics. Errors are typed (:class:`StageError`) and go to the affected
+sequence only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.common.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INTERNAL,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    StageError,
+)
+from services.common.metrics import BATCH_SIZE, IN_FLIGHT, QUEUE_DEPTH, STEP_SECONDS
+from services.thinker.kv_cache import KVLayout, PagedKVCache, default_kv_budget
+from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
+from services.thinker.sampling import Sampler, choose_tokens
+from services.thinker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan, WorkItem
+
+log = logging.getLogger(__name__)
+STAGE = "thinker"
+
+KV_USED_BYTES = Gauge("minicpmo_thinker_kv_used_bytes", "KV cache bytes allocated to sequences")
+KV_BUDGET_BYTES = Gauge("minicpmo_thinker_kv_budget_bytes", "KV cache byte budget")
+RUNNING = Gauge("minicpmo_thinker_running", "Sequences admitted and computing")
+SESSIONS = Gauge("minicpmo_thinker_sequences", "Sequences holding KV (requests and duplex sessions)")
+PREFILL_TOKENS = Counter("minicpmo_thinker_prefill_tokens_total", "Prompt tokens computed")
+DECODE_TOKENS = Counter("minicpmo_thinker_decode_tokens_total", "Decode tokens computed")
+PREFILL_TPS = Gauge("minicpmo_thinker_prefill_tokens_per_second", "Prefill throughput (EWMA over steps)")
+DECODE_TPS = Gauge("minicpmo_thinker_decode_tokens_per_second", "Decode throughput (EWMA over steps)")
+TTFT = Histogram(
+    "minicpmo_thinker_ttft_seconds",
+    "Submit to first sampled token",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+
+
+@dataclass
+class EngineConfig:
+    max_context: int = 40960
+    max_num_seqs: int = 64
+    max_step_tokens: int = 512
+    block_size: int = 16
+    kv_budget_bytes: int | None = None
+    use_cuda_graphs: bool = True
+
+
+@dataclass
+class EngineEvent:
+    """What one step did for one sequence. ``hidden`` is the final-norm row of ``fed_token`` (CPU)."""
+
+    seq_id: int
+    tag: object = None
+    token: int | None = None
+    fed_token: int | None = None
+    hidden: torch.Tensor | None = None
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "prefilled"
+    error: StageError | None = None
+    context_tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+Sink = Callable[[EngineEvent], None]
+
+
+class ThinkerEngine:
+    """Continuous batching over a paged KV cache for any number of streams."""
+
+    def __init__(self, llm: torch.nn.Module, config: EngineConfig, device: torch.device | str) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        cfg = llm.config
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        dtype = llm.model.embed_tokens.weight.dtype
+        self.layout = KVLayout(
+            int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), head_dim, dtype, config.block_size
+        )
+        self.max_context = min(int(config.max_context), int(cfg.max_position_embeddings))
+        budget = config.kv_budget_bytes
+        if budget is None:
+            budget = default_kv_budget(
+                self.layout, self.device, self.max_context, min(config.max_num_seqs, 8)
+            )
+        self.cache = PagedKVCache(self.layout, budget, self.device)
+        self.runner = ModelRunner(llm, self.cache, use_cuda_graphs=config.use_cuda_graphs)
+        self.scheduler = Scheduler(
+            self.cache.pool,
+            self.layout,
+            max_context=self.max_context,
+            max_num_seqs=config.max_num_seqs,
+            max_step_tokens=config.max_step_tokens,
+        )
+        self.hidden_size = int(cfg.hidden_size)
+        self._commands: queue.SimpleQueue[tuple[str, Sequence, WorkItem | None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sequences: dict[int, Sequence] = {}
+        self.accepting = True
+        self.max_kv_used_bytes = 0  # high-water mark, for tests and capacity planning
+        KV_BUDGET_BYTES.set(self.cache.budget_bytes)
+        self._update_gauges()
+
+    # ------------------------------------------------------------------------------------ public API
+    def open(self, sink: Sink, *, persistent: bool = False) -> Sequence:
+        """A new KV owner. Turn requests are one-shot; duplex sessions are ``persistent``."""
+        if not self.accepting:
+            raise StageError(UNAVAILABLE, "thinker is draining; retry on another replica")
+        return Sequence(persistent=persistent, sink=sink)
+
+    def submit(self, seq: Sequence, work: WorkItem) -> None:
+        """Append ``work`` to ``seq`` (validated on the engine thread; failures arrive as error events)."""
+        self._command("submit", seq, work)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop the current work item; a persistent sequence keeps the KV of what it already fed."""
+        self._command("cancel", seq, None)
+
+    def close(self, seq: Sequence) -> None:
+        """Drop the sequence and free its KV on the next engine iteration (at most one step away)."""
+        self._command("close", seq, None)
+
+    def check_prompt_length(self, num_tokens: int, param: str = "messages") -> None:
+        """Raise the stable context error before any work is queued for an over-long prompt."""
+        if num_tokens > self.max_context:
+            raise StageError(
+                CONTEXT_LENGTH_EXCEEDED,
+                f"prompt has {num_tokens} tokens; the thinker context is {self.max_context}",
+                param,
+            )
+
+    @property
+    def kv_used_bytes(self) -> int:
+        return self.cache.used_bytes
+
+    def is_idle(self) -> bool:
+        return not self.scheduler.running and not self.scheduler.waiting and self._commands.empty()
+
+    # ---------------------------------------------------------------------------------------- thread
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="thinker-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                did = self.step()
+            except Exception:  # keep serving other streams; step() already failed the affected ones
+                log.exception("thinker engine step failed")
+                did = False
+            if not did:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    def _command(self, kind: str, seq: Sequence, work: WorkItem | None) -> None:
+        self._commands.put((kind, seq, work))
+        self._wake.set()
+
+    # ------------------------------------------------------------------------------------------ step
+    def step(self) -> bool:
+        """One engine iteration; returns False when there was nothing to do."""
+        self._drain_commands()
+        plan = self.scheduler.plan()
+        self._update_gauges()
+        if plan.empty:
+            return False
+        t0 = time.perf_counter()
+        try:
+            out = self.runner.step(self._step_input(plan))
+        except Exception as exc:
+            log.exception("thinker forward failed")
+            err = StageError(INTERNAL, f"thinker forward failed: {type(exc).__name__}: {exc}")
+            for seq in {*plan.decode, *(s for s, _ in plan.prefill)}:
+                self._emit(seq, EngineEvent(seq.seq_id, error=err))
+                self._drop(seq)
+            return True
+        self._consume(plan, out)
+        dt = time.perf_counter() - t0
+        n_prefill = sum(n for _, n in plan.prefill)
+        n_decode = len(plan.decode)
+        PREFILL_TOKENS.inc(n_prefill)
+        DECODE_TOKENS.inc(n_decode)
+        if dt > 0:
+            if n_prefill:
+                PREFILL_TPS.set(_ewma(PREFILL_TPS, n_prefill / dt))
+            if n_decode:
+                DECODE_TPS.set(_ewma(DECODE_TPS, n_decode / dt))
+        STEP_SECONDS.labels(STAGE).observe(dt)
+        BATCH_SIZE.labels(STAGE).observe(len(plan.decode) + len(plan.prefill))
+        self._update_gauges()
+        return True
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        """Synchronous driver for tests and offline use."""
+        for _ in range(max_steps):
+            if not self.step() and self.is_idle():
+                return
+        raise RuntimeError("engine did not become idle")
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, seq, work = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                assert work is not None
+                self._accept(seq, work)
+            elif kind == "cancel":
+                if seq.work is not None:
+                    tag = seq.work.tag
+                    self.scheduler.end_work(seq)
+                    self._emit(seq, EngineEvent(seq.seq_id, tag=tag, finish_reason="cancelled"))
+            elif kind == "close":
+                self._drop(seq)
+
+    def _accept(self, seq: Sequence, work: WorkItem) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return  # closed before its work arrived
+        if seq.work is not None:
+            err = StageError(INTERNAL, "a work item is already running on this sequence")
+            self._emit(seq, EngineEvent(seq.seq_id, tag=work.tag, error=err))
+            return
+        total = len(seq.tokens) + len(work.token_ids)
+        if total > self.max_context or (work.sampler is not None and total >= self.max_context):
+            err = StageError(
+                CONTEXT_LENGTH_EXCEEDED,
+                f"context would hold {total} tokens; the thinker context is {self.max_context}",
+                "messages",
+            )
+            self._emit(seq, EngineEvent(seq.seq_id, tag=work.tag, error=err, context_tokens=len(seq.tokens)))
+            return
+        want = min(total + (work.sampler.max_new_tokens if work.sampler else 0), self.max_context)
+        if not self.scheduler.can_ever_fit(want):
+            err = StageError(
+                RESOURCE_EXHAUSTED,
+                f"request needs KV for {want} tokens; the KV budget holds {self.cache.capacity_tokens}",
+                "sampling.max_tokens",
+            )
+            self._emit(seq, EngineEvent(seq.seq_id, tag=work.tag, error=err, context_tokens=len(seq.tokens)))
+            return
+        self._sequences[seq.seq_id] = seq
+        self.scheduler.enqueue(seq, work)
+
+    def _drop(self, seq: Sequence) -> None:
+        self.scheduler.free(seq)
+        self._sequences.pop(seq.seq_id, None)
+
+    def _step_input(self, plan: StepPlan) -> StepInput:
+        inp = StepInput()
+        for seq in plan.decode:
+            assert seq.next_token is not None
+            inp.decode.append(DecodeRow(seq.next_token, len(seq.tokens), seq.blocks))
+        for seq, n in plan.prefill:
+            assert seq.work is not None
+            embeds = None
+            if seq.prompt_embeds is not None:
+                embeds = seq.prompt_embeds[seq.prompt_offset : seq.prompt_offset + n]
+            finishes_prompt = n == len(seq.prompt)
+            inp.prefill.append(
+                PrefillChunk(
+                    seq.prompt[:n],
+                    len(seq.tokens),
+                    seq.blocks,
+                    embeds=embeds,
+                    want_logits=finishes_prompt and seq.work.sampler is not None,
+                )
+            )
+        return inp
+
+    # --------------------------------------------------------------------------------- after forward
+    def _consume(self, plan: StepPlan, out) -> None:  # noqa: ANN001 (StepOutput)
+        to_sample: list[tuple[Sequence, torch.Tensor, int | None, torch.Tensor | None]] = []
+        hidden_cpu = None
+        if plan.decode and any(s.work is not None and s.work.emit_hidden for s in plan.decode):
+            hidden_cpu = out.decode_hidden.to("cpu")
+        for i, seq in enumerate(plan.decode):
+            fed = seq.next_token
+            assert fed is not None and seq.work is not None
+            seq.tokens.append(fed)
+            seq.next_token = None
+            row = hidden_cpu[i] if hidden_cpu is not None and seq.work.emit_hidden else None
+            if seq.finishing is not None:
+                self._finish(seq, EngineEvent(seq.seq_id, fed_token=fed, hidden=row), seq.finishing)
+                continue
+            to_sample.append((seq, out.decode_logits[i], fed, row))
+        for (seq, n), logits in zip(plan.prefill, out.prefill_logits, strict=True):
+            assert seq.work is not None
+            seq.tokens.extend(seq.prompt[:n])
+            seq.prompt = seq.prompt[n:]
+            seq.prompt_offset += n
+            if seq.prompt:
+                continue
+            seq.prompt_embeds = None
+            if seq.work.sampler is None:
+                self._finish(seq, EngineEvent(seq.seq_id), "prefilled")
+            else:
+                assert logits is not None
+                to_sample.append((seq, logits, None, None))
+        if not to_sample:
+            return
+        samplers: list[Sampler] = [s.work.sampler for s, _, _, _ in to_sample]  # type: ignore[union-attr]
+        logits = torch.stack([lg for _, lg, _, _ in to_sample])
+        tokens = choose_tokens(
+            samplers,
+            logits,
+            [s.tokens for s, _, _, _ in to_sample],
+            [len(s.generated) for s, _, _, _ in to_sample],
+        )
+        now = time.perf_counter()
+        for (seq, _, fed, row), token, sampler in zip(to_sample, tokens, samplers, strict=True):
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                TTFT.observe(now - seq.submitted_at)
+            seq.generated.append(token)
+            reason = sampler.finish_reason(token, len(seq.generated))
+            if reason is None and len(seq.tokens) >= self.max_context:
+                reason = "length"
+            ev = EngineEvent(seq.seq_id, token=token, fed_token=fed, hidden=row)
+            if reason is None:
+                seq.next_token = token
+                self._emit(seq, ev)
+            elif reason == "length" and seq.work.feed_last and len(seq.tokens) < self.max_context:  # type: ignore[union-attr]
+                seq.next_token = token  # one more forward for the row of this last token
+                seq.finishing = reason
+                self._emit(seq, ev)
+            else:
+                self._finish(seq, ev, reason)
+
+    def _finish(self, seq: Sequence, ev: EngineEvent, reason: str) -> None:
+        ev.finish_reason = reason
+        self._emit(seq, ev)
+        if seq.persistent:
+            self.scheduler.end_work(seq)
+        else:
+            self._drop(seq)
+
+    def _emit(self, seq: Sequence, ev: EngineEvent) -> None:
+        if seq.work is not None:
+            ev.tag = seq.work.tag if ev.tag is None else ev.tag
+            ev.prompt_tokens = len(seq.work.token_ids)
+        ev.completion_tokens = len(seq.generated)
+        ev.context_tokens = len(seq.tokens)
+        if seq.sink is not None:
+            try:
+                seq.sink(ev)
+            except Exception:
+                log.exception("thinker sink failed for sequence %d", seq.seq_id)
+
+    def _update_gauges(self) -> None:
+        used = self.cache.used_bytes
+        self.max_kv_used_bytes = max(self.max_kv_used_bytes, used)
+        KV_USED_BYTES.set(used)
+        QUEUE_DEPTH.labels(STAGE).set(self.scheduler.queue_depth)
+        RUNNING.set(len(self.scheduler.running))
+        IN_FLIGHT.labels(STAGE).set(len(self.scheduler.running) + self.scheduler.queue_depth)
+        SESSIONS.set(len(self._sequences))
+
+
+def _ewma(gauge: Gauge, value: float, alpha: float = 0.2) -> float:
+    prev = gauge._value.get()  # prometheus_client keeps the current value here
+    return value if prev == 0 else (1 - alpha) * prev + alpha * value

@@ -1,0 +1,389 @@
+"""Executes one engine step of the Qwen3 LLM over the paged KV cache (eager, or a CUDA graph for decode).
+
+The scheduler decides *what* runs; this module only runs it. A step is a packed set of tokens: the
+decode rows of every running stream (one token each) followed by prefill chunks. Projections, norms
+and MLPs run once over all packed tokens; attention reads each sequence's keys back from the cache:
+
+* decode rows together, keys gathered into ``[B, L_max]`` with a validity mask;
+* each prefill chunk on its own, with a causal mask offset by what the sequence already holds.
+
+GQA without repeating K/V: the query heads that share one KV head are folded into the query-length
+axis (``[Hkv, G*n, D]``), so SDPA sees as many heads as the cache has and the mask rows repeat per group.
+
+We call the transformers Qwen3 layers' own submodules (projections, q/k norms, MLP, RMSNorms) so the
+arithmetic is the checkpoint's, and replace only the attention/cache plumbing. Rotary cos/sin come from
+a table built with the model's own ``inv_freq`` and scaling, indexed by position (graph-safe).
+
+CUDA graphs: decode-only steps on CUDA replay a graph captured per (batch bucket, context bucket);
+padded rows write to the pool's scratch block and attend to one masked-in scratch slot, so they cannot
+touch real sequences. CPU always runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.thinker.kv_cache import BlockPool, PagedKVCache
+
+log = logging.getLogger(__name__)
+
+SCRATCH_SLOT = BlockPool.SCRATCH_BLOCK  # slot 0 lives in the scratch block
+
+
+@dataclass
+class DecodeRow:
+    """One token of a running sequence: its id, its position and the blocks that hold its context."""
+
+    token_id: int
+    position: int
+    blocks: list[int]
+
+
+@dataclass
+class PrefillChunk:
+    """Consecutive prompt tokens of one sequence starting at ``start``; ``embeds`` overrides text rows."""
+
+    token_ids: list[int]
+    start: int
+    blocks: list[int]
+    embeds: torch.Tensor | None = None
+    want_logits: bool = False
+
+
+@dataclass
+class StepInput:
+    decode: list[DecodeRow] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(len(c.token_ids) for c in self.prefill)
+
+
+@dataclass
+class StepOutput:
+    """Final-norm hidden states and fp32 logits of the rows that produce a next token."""
+
+    decode_hidden: torch.Tensor  # [len(decode), hidden]
+    decode_logits: torch.Tensor  # [len(decode), vocab] fp32
+    prefill_logits: list[torch.Tensor | None]  # last-row logits per chunk, when asked
+    prefill_last_hidden: list[torch.Tensor]  # [hidden] of each chunk's last row
+
+
+@dataclass
+class _AttnPlan:
+    """Index tensors that tell attention where each row's context lives in the cache."""
+
+    num_decode: int
+    decode_gather: torch.Tensor | None = None  # [B, L] slot ids
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool
+    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # (row_start, n, gather [L], mask [G*n, L])
+
+
+def _next_pow2(n: int, floor: int) -> int:
+    p = floor
+    while p < n:
+        p *= 2
+    return p
+
+
+class ModelRunner:
+    """Owns the forward pass and the CUDA graphs; knows nothing about requests or sampling."""
+
+    GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+    GRAPH_MIN_CONTEXT = 256
+
+    def __init__(self, llm: nn.Module, cache: PagedKVCache, *, use_cuda_graphs: bool = True) -> None:
+        self.llm = llm
+        self.model = llm.model
+        self.cache = cache
+        self.device = cache.device
+        cfg = llm.config
+        self.hidden_size = int(cfg.hidden_size)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads)
+        self.group = self.num_heads // self.num_kv_heads
+        self.max_positions = int(cfg.max_position_embeddings)
+        self.dtype = self.model.embed_tokens.weight.dtype
+        self.cos, self.sin = self._rope_tables()
+        self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graph_pool = None
+
+    # ------------------------------------------------------------------------------------------ rope
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Recompute inv_freq in fp32 from the config: a model cast to bf16 also casts its rotary buffer,
+        # which would shift every angle; the reference computes them in fp32.
+        rotary = self.model.rotary_emb
+        rope_type = getattr(rotary, "rope_type", "default")
+        if rope_type == "default":
+            inv_freq, _ = type(rotary).compute_default_rope_parameters(self.llm.config)
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](self.llm.config, self.device)
+        inv_freq = inv_freq.to(device=self.device, dtype=torch.float32)
+        pos = torch.arange(self.max_positions, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = float(getattr(rotary, "attention_scaling", 1.0))
+        return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    # --------------------------------------------------------------------------------------- forward
+    def _layers_forward(
+        self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, plan: _AttnPlan
+    ) -> torch.Tensor:
+        """Run every decoder layer over packed rows ``x [T, hidden]``; returns final-norm hidden."""
+        t = x.shape[0]
+        cos = self.cos.index_select(0, positions)[:, None, :]
+        sin = self.sin.index_select(0, positions)[:, None, :]
+        for idx, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(t, self.num_heads, self.head_dim))
+            k = attn.k_norm(attn.k_proj(h).view(t, self.num_kv_heads, self.head_dim))
+            v = attn.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
+            q = self._rotate(q, cos, sin)
+            k = self._rotate(k, cos, sin)
+            k_cache, v_cache = self.cache.k[idx], self.cache.v[idx]
+            k_cache.index_copy_(0, write_slots, k)
+            v_cache.index_copy_(0, write_slots, v)
+            o = self._attend(q, k_cache, v_cache, plan)
+            x = x + attn.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _AttnPlan
+    ) -> torch.Tensor:
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        parts: list[torch.Tensor] = []
+        b = plan.num_decode
+        if b:
+            assert plan.decode_gather is not None and plan.decode_mask is not None
+            qd = q[:b].view(b, hkv, g, d)
+            kd = k_cache[plan.decode_gather].transpose(1, 2)  # [B, Hkv, L, D]
+            vd = v_cache[plan.decode_gather].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
+            parts.append(od.reshape(b, self.num_heads, d))
+        for start, n, gather, mask in plan.prefill:
+            qc = q[start : start + n].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n, d)
+            kc = k_cache[gather].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
+            vc = v_cache[gather].permute(1, 0, 2).unsqueeze(0)
+            oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)
+            parts.append(oc.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads, d))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    # ------------------------------------------------------------------------------------------ plan
+    def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
+        return self.cache.slots_for(blocks, start, end)
+
+    def _decode_plan(self, rows: list[DecodeRow], pad_batch: int, pad_len: int) -> tuple[torch.Tensor, ...]:
+        """Host-built index tensors for decode rows, padded to ``pad_batch`` x ``pad_len``."""
+        gather = torch.full((pad_batch, pad_len), SCRATCH_SLOT, dtype=torch.long)
+        mask = torch.zeros((pad_batch, 1, 1, pad_len), dtype=torch.bool)
+        mask[:, :, :, 0] = True  # padded rows see one scratch slot: no all-masked softmax
+        for i, r in enumerate(rows):
+            n = r.position + 1
+            gather[i, :n] = torch.tensor(self._slots(r.blocks, 0, n), dtype=torch.long)
+            mask[i, 0, 0, :] = False
+            mask[i, 0, 0, :n] = True
+        ids = torch.zeros(pad_batch, dtype=torch.long)
+        pos = torch.zeros(pad_batch, dtype=torch.long)
+        write = torch.full((pad_batch,), SCRATCH_SLOT, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i] = r.token_id
+            pos[i] = r.position
+            write[i] = self._slots(r.blocks, r.position, r.position + 1)[0]
+        return ids, pos, write, gather, mask
+
+    # ------------------------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self, inp: StepInput) -> StepOutput:
+        if not inp.prefill and inp.decode and self.use_cuda_graphs:
+            graph = self._graph_for(len(inp.decode), max(r.position + 1 for r in inp.decode))
+            if graph is not None:
+                hidden, logits = graph.run(self._decode_plan(inp.decode, graph.batch, graph.context))
+                b = len(inp.decode)
+                return StepOutput(hidden[:b].clone(), logits[:b].float(), [], [])
+        return self._eager_step(inp)
+
+    def _eager_step(self, inp: StepInput) -> StepOutput:
+        dev = self.device
+        b = len(inp.decode)
+        plan = _AttnPlan(num_decode=b)
+        ids_parts: list[torch.Tensor] = []
+        pos_parts: list[torch.Tensor] = []
+        write_parts: list[torch.Tensor] = []
+        if b:
+            max_len = max(r.position + 1 for r in inp.decode)
+            ids, pos, write, gather, mask = self._decode_plan(inp.decode, b, max_len)
+            plan.decode_gather = gather.to(dev, non_blocking=True)
+            plan.decode_mask = mask.to(dev, non_blocking=True)
+            ids_parts.append(ids)
+            pos_parts.append(pos)
+            write_parts.append(write)
+        row = b
+        for chunk in inp.prefill:
+            n = len(chunk.token_ids)
+            end = chunk.start + n
+            gather = torch.tensor(self._slots(chunk.blocks, 0, end), dtype=torch.long)
+            allowed = torch.arange(end)[None, :] <= (chunk.start + torch.arange(n))[:, None]
+            mask = allowed.repeat(self.group, 1)
+            plan.prefill.append((row, n, gather.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)))
+            ids_parts.append(torch.tensor(chunk.token_ids, dtype=torch.long))
+            pos_parts.append(torch.arange(chunk.start, end, dtype=torch.long))
+            write_parts.append(torch.tensor(self._slots(chunk.blocks, chunk.start, end), dtype=torch.long))
+            row += n
+        ids = torch.cat(ids_parts).to(dev, non_blocking=True)
+        positions = torch.cat(pos_parts).to(dev, non_blocking=True)
+        write = torch.cat(write_parts).to(dev, non_blocking=True)
+        x = self.model.embed_tokens(ids)
+        row = b
+        for chunk in inp.prefill:
+            n = len(chunk.token_ids)
+            if chunk.embeds is not None:
+                x[row : row + n] = chunk.embeds.to(device=dev, dtype=x.dtype)
+            row += n
+        hidden = self._layers_forward(x, positions, write, plan)
+        # Logits only where a next token is drawn: every decode row and the last row of chunks that ask.
+        want = list(range(b))
+        last_rows: list[int] = []
+        row = b
+        for chunk in inp.prefill:
+            row += len(chunk.token_ids)
+            last_rows.append(row - 1)
+            if chunk.want_logits:
+                want.append(row - 1)
+        logits = self.llm.lm_head(hidden[want]).float() if want else hidden.new_zeros((0, 1))
+        prefill_logits: list[torch.Tensor | None] = []
+        k = b
+        for chunk in inp.prefill:
+            if chunk.want_logits:
+                prefill_logits.append(logits[k])
+                k += 1
+            else:
+                prefill_logits.append(None)
+        return StepOutput(
+            decode_hidden=hidden[:b],
+            decode_logits=logits[:b],
+            prefill_logits=prefill_logits,
+            prefill_last_hidden=[hidden[r] for r in last_rows],
+        )
+
+    # ------------------------------------------------------------------------------------ cuda graphs
+    def _graph_for(self, batch: int, context: int) -> _DecodeGraph | None:
+        bb = next((x for x in self.GRAPH_BATCH_BUCKETS if x >= batch), None)
+        if bb is None:
+            return None
+        lb = min(_next_pow2(context, self.GRAPH_MIN_CONTEXT), _next_pow2(self.max_positions, 1))
+        key = (bb, lb)
+        graph = self._graphs.get(key)
+        if graph is None:
+            log.info("capturing decode CUDA graph batch=%d context=%d", bb, lb)
+            graph = _DecodeGraph(self, bb, lb)
+            self._graphs[key] = graph
+        return graph
+
+    def decode_forward_static(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        write: torch.Tensor,
+        gather: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode-only forward over fixed-shape device tensors (the body a CUDA graph records)."""
+        plan = _AttnPlan(num_decode=ids.shape[0], decode_gather=gather, decode_mask=mask)
+        x = self.model.embed_tokens(ids)
+        hidden = self._layers_forward(x, positions, write, plan)
+        return hidden, self.llm.lm_head(hidden)
+
+
+class _DecodeGraph:
+    """A captured decode step for one (batch, context) bucket with its static input/output buffers."""
+
+    def __init__(self, runner: ModelRunner, batch: int, context: int) -> None:
+        self.batch = batch
+        self.context = context
+        dev = runner.device
+        self.ids = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.write = torch.full((batch,), SCRATCH_SLOT, dtype=torch.long, device=dev)
+        self.gather = torch.full((batch, context), SCRATCH_SLOT, dtype=torch.long, device=dev)
+        self.mask = torch.zeros((batch, 1, 1, context), dtype=torch.bool, device=dev)
+        self.mask[:, :, :, 0] = True
+        args = (self.ids, self.pos, self.write, self.gather, self.mask)
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside capture (allocator, kernels' lazy init)
+                runner.decode_forward_static(*args)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        if runner._graph_pool is None:
+            runner._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(self.graph, pool=runner._graph_pool):
+            self.hidden, self.logits = runner.decode_forward_static(*args)
+
+    def run(self, host: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos, write, gather, mask = host
+        self.ids.copy_(ids, non_blocking=True)
+        self.pos.copy_(pos, non_blocking=True)
+        self.write.copy_(write, non_blocking=True)
+        self.gather.copy_(gather, non_blocking=True)
+        self.mask.copy_(mask, non_blocking=True)
+        self.graph.replay()
+        return self.hidden, self.logits
+
+
+def build_qwen3_llm(
+    config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: str
+) -> nn.Module:
+    """A transformers ``Qwen3ForCausalLM`` from the flat checkpoint config and ``llm.``-stripped weights.
+
+    Used when the full thinker model (vision/audio towers) is not needed, e.g. text-only tests and the
+    benchmark; the multimodal path takes ``ThinkerModel.llm`` instead.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "head_dim",
+        "hidden_act",
+        "attention_bias",
+        "tie_word_embeddings",
+    )
+    kwargs = {k: config[k] for k in keys if k in config}
+    qcfg = Qwen3Config(**kwargs)
+    qcfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        llm = Qwen3ForCausalLM(qcfg)
+    llm.load_state_dict(tensors, strict=True, assign=True)
+    # Non-persistent buffers (rotary inv_freq) are not in the checkpoint and were created on meta.
+    llm.model.rotary_emb = type(llm.model.rotary_emb)(qcfg)
+    llm = llm.to(device=device, dtype=dtype)
+    llm.model.rotary_emb = type(llm.model.rotary_emb)(qcfg).to(device)  # keep inv_freq in fp32
+    llm.eval()
+    return llm

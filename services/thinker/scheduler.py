@@ -1,0 +1,211 @@
+"""Continuous-batching scheduler: who runs this step, how many prompt tokens each gets, who waits.
+
+Pure bookkeeping (no tensors): the engine asks for a :class:`StepPlan`, runs it, and reports back.
+
+Policy, in order, under a per-step token budget:
+
+1. every running sequence that has a sampled token to feed decodes (one token each);
+2. running sequences with prompt left get prefill chunks (oldest first) from the remaining budget;
+3. waiting sequences are admitted in FIFO order while their KV reservation fits in the block pool.
+
+KV admission: a sequence reserves blocks for ``context + new input + max_new_tokens`` (capped at the
+context limit) when it is admitted, so a running sequence can never run out of cache mid-decode and
+the pool, sized from the byte budget, bounds the gauge by construction. A request that does not fit
+waits (head of line); one that could never fit is rejected by the engine before it is queued.
+Persistent sequences (duplex sessions) keep their blocks between work items and give back the unused
+reservation when an item ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from services.thinker.kv_cache import BlockPool, KVLayout
+from services.thinker.sampling import Sampler
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"  # has work, waits for admission (KV reservation)
+    RUNNING = "running"  # admitted: prefilling or decoding
+    IDLE = "idle"  # persistent sequence between work items (holds its KV)
+    FINISHED = "finished"  # blocks released
+
+
+@dataclass
+class WorkItem:
+    """Tokens to append to a sequence, then (optionally) a generation.
+
+    ``embeds`` (``[len(token_ids), hidden]``) replaces the text embeddings of those rows when the
+    prompt carries image/audio features. ``sampler`` None means prefill only (a duplex session prefix).
+    """
+
+    token_ids: list[int]
+    embeds: torch.Tensor | None = None
+    sampler: Sampler | None = None
+    emit_hidden: bool = False
+    # At a "length" finish, feed the last sampled token once more so its hidden row exists (span export).
+    feed_last: bool = False
+    tag: object = None  # opaque to the engine (duplex: unit seq / epoch), echoed in events
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One KV owner: a turn-mode request or a duplex session."""
+
+    persistent: bool = False
+    sink: Callable[..., None] | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: SeqStatus = SeqStatus.IDLE
+    tokens: list[int] = field(default_factory=list)  # tokens whose K/V are in the cache
+    blocks: list[int] = field(default_factory=list)
+    work: WorkItem | None = None
+    # Work in progress
+    prompt: list[int] = field(default_factory=list)  # input tokens not yet fed
+    prompt_embeds: torch.Tensor | None = None
+    prompt_offset: int = 0  # rows of work.token_ids already fed
+    next_token: int | None = None  # sampled, not yet fed
+    generated: list[int] = field(default_factory=list)
+    finishing: str | None = None  # finish reason held while feed_last runs
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+
+    @property
+    def context_len(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def wants_decode(self) -> bool:
+        return self.status is SeqStatus.RUNNING and not self.prompt and self.next_token is not None
+
+    @property
+    def wants_prefill(self) -> bool:
+        return self.status is SeqStatus.RUNNING and bool(self.prompt)
+
+    def reservation_tokens(self, max_context: int) -> int:
+        """Cache positions this sequence may need until its current work item ends."""
+        if self.work is None:
+            return len(self.tokens)
+        new = len(self.prompt) + (self.work.sampler.max_new_tokens if self.work.sampler else 0)
+        return min(len(self.tokens) + new, max_context)
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the block pool's accounting."""
+
+    def __init__(
+        self, pool: BlockPool, layout: KVLayout, *, max_context: int, max_num_seqs: int, max_step_tokens: int
+    ) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.max_context = max_context
+        self.max_num_seqs = max_num_seqs
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def enqueue(self, seq: Sequence, work: WorkItem) -> None:
+        """Give ``seq`` a work item; it waits for admission (its reservation may grow)."""
+        seq.work = work
+        seq.prompt = list(work.token_ids)
+        seq.prompt_embeds = work.embeds
+        seq.prompt_offset = 0
+        seq.next_token = None
+        seq.generated = []
+        seq.finishing = None
+        seq.first_token_at = None
+        seq.submitted_at = time.perf_counter()
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def can_ever_fit(self, tokens: int) -> bool:
+        return self.layout.blocks_for(tokens) <= self.pool.capacity
+
+    def end_work(self, seq: Sequence) -> None:
+        """The current work item is over (finished or cancelled): idle a session, free a request."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.work = None
+        seq.prompt = []
+        seq.prompt_embeds = None
+        seq.next_token = None
+        if seq.persistent:
+            keep = self.layout.blocks_for(len(seq.tokens))
+            if len(seq.blocks) > keep:
+                self.pool.release(seq.blocks[keep:])
+                seq.blocks = seq.blocks[:keep]
+            seq.status = SeqStatus.IDLE
+        else:
+            self.free(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop a sequence entirely and give its blocks back at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.blocks:
+            self.pool.release(seq.blocks)
+            seq.blocks = []
+        seq.work = None
+        seq.status = SeqStatus.FINISHED
+
+    # ----------------------------------------------------------------------------------------- plan
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = self.layout.blocks_for(seq.reservation_tokens(self.max_context)) - len(seq.blocks)
+            if need > self.pool.free_blocks:
+                return  # FIFO: later requests do not overtake a large one that waits for memory
+            if need > 0:
+                seq.blocks.extend(self.pool.allocate(need))
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+
+    def plan(self) -> StepPlan:
+        self._admit()
+        plan = StepPlan()
+        budget = self.max_step_tokens
+        for seq in self.running:
+            if seq.wants_decode and budget > 0:
+                plan.decode.append(seq)
+                budget -= 1
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.wants_prefill:
+                n = min(len(seq.prompt), budget)
+                plan.prefill.append((seq, n))
+                budget -= n
+        return plan
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)

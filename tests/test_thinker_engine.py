@@ -1,0 +1,265 @@
+"""Thinker engine on the tiny checkpoint (CPU, fp32): equality with transformers, batch invariance,
+hidden-row alignment, KV admission under a byte budget, freeing on close, context limit, sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from services.common.checkpoint import Checkpoint
+from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, StageError
+from services.thinker.engine import EngineConfig, EngineEvent, ThinkerEngine
+from services.thinker.runner import build_qwen3_llm
+from services.thinker.sampling import Sampler, SamplingConfig, sample_from_logits
+from services.thinker.scheduler import WorkItem
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt: Path) -> torch.nn.Module:
+    ckpt = Checkpoint(tiny_ckpt)
+    tensors = ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=torch.float32)
+    return build_qwen3_llm(ckpt.config, tensors, torch.float32, "cpu")
+
+
+class Collector:
+    """Sink that records events per sequence."""
+
+    def __init__(self) -> None:
+        self.events: list[EngineEvent] = []
+
+    def __call__(self, ev: EngineEvent) -> None:
+        self.events.append(ev)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token for e in self.events if e.token is not None]
+
+    @property
+    def finish(self) -> str | None:
+        done = [e.finish_reason for e in self.events if e.finish_reason]
+        return done[-1] if done else None
+
+    @property
+    def errors(self) -> list[StageError]:
+        return [e.error for e in self.events if e.error is not None]
+
+
+def greedy(max_tokens: int = 10, **kw: object) -> Sampler:
+    return Sampler(SamplingConfig(max_tokens=max_tokens, stop_token_ids=(), **kw))  # type: ignore[arg-type]
+
+
+PROMPTS = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate((23, 41, 9, 30))]
+
+
+def run_requests(engine: ThinkerEngine, prompts: list[list[int]], samplers: list[Sampler]) -> list[Collector]:
+    sinks = []
+    for prompt, sampler in zip(prompts, samplers, strict=True):
+        sink = Collector()
+        engine.submit(engine.open(sink), WorkItem(prompt, sampler=sampler, emit_hidden=True))
+        sinks.append(sink)
+    engine.run_until_idle()
+    return sinks
+
+
+def reference(
+    llm: torch.nn.Module, prompt: list[int], generated: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers forward over prompt+generated: (logits that chose each generated token, last hidden)."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        out = llm(ids, output_hidden_states=True)
+    n = len(prompt)
+    return out.logits[0, n - 1 : n - 1 + len(generated)], out.hidden_states[-1][0]
+
+
+def test_matches_transformers_and_chunked_prefill(llm: torch.nn.Module) -> None:
+    # A 6-token step budget forces several prefill chunks per prompt.
+    engine = ThinkerEngine(llm, EngineConfig(max_step_tokens=6, kv_budget_bytes=8 << 20), "cpu")
+    (sink,) = run_requests(engine, [PROMPTS[1]], [greedy(12)])
+    with torch.no_grad():
+        want = llm.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=12, do_sample=False)[
+            0, len(PROMPTS[1]) :
+        ]
+    assert sink.tokens == want.tolist()
+    assert sink.finish == "length"
+
+
+def test_batch_invariance(llm: torch.nn.Module) -> None:
+    """A prompt alone and inside a batch of 4 (different lengths, mixed prefill/decode steps)."""
+    engine = ThinkerEngine(llm, EngineConfig(max_step_tokens=32, kv_budget_bytes=8 << 20), "cpu")
+    (alone,) = run_requests(engine, [PROMPTS[0]], [greedy(16)])
+    batch = run_requests(engine, PROMPTS, [greedy(16) for _ in PROMPTS])
+    logits, _ = reference(llm, PROMPTS[0], alone.tokens)
+    top2 = torch.topk(logits, 2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1]).tolist()
+    # Compare tokens up to the first near-tie (random weights produce them); fp32 drift is ~1e-6.
+    compared = 0
+    for step, margin in enumerate(margins):
+        assert batch[0].tokens[step] == alone.tokens[step], f"step {step} margin {margin}"
+        compared += 1
+        if margin < 1e-3:
+            break
+    assert compared >= 4
+    rows_alone = [e.hidden for e in alone.events if e.hidden is not None]
+    rows_batch = [e.hidden for e in batch[0].events if e.hidden is not None]
+    n = compared - 1
+    for a, b in zip(rows_alone[:n], rows_batch[:n], strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    # Every request of the batch equals its own transformers greedy continuation.
+    for prompt, sink in zip(PROMPTS, batch, strict=True):
+        ref_logits, _ = reference(llm, prompt, sink.tokens)
+        assert torch.equal(ref_logits.argmax(-1), torch.tensor(sink.tokens)) or _near_tie(
+            ref_logits, sink.tokens
+        )
+
+
+def _near_tie(logits: torch.Tensor, tokens: list[int]) -> bool:
+    picked = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return bool(((logits.max(-1).values - picked) < 1e-3).all())
+
+
+def test_hidden_rows_align_with_fed_tokens(llm: torch.nn.Module) -> None:
+    """Each decode event carries the final-norm row produced when its ``fed_token`` was the input."""
+    engine = ThinkerEngine(llm, EngineConfig(max_step_tokens=64, kv_budget_bytes=8 << 20), "cpu")
+    sink = Collector()
+    engine.submit(
+        engine.open(sink), WorkItem(PROMPTS[2], sampler=greedy(6), emit_hidden=True, feed_last=True)
+    )
+    engine.run_until_idle()
+    fed = [(e.fed_token, e.hidden) for e in sink.events if e.hidden is not None]
+    # feed_last: every generated token, including the one that hit max_tokens, gets its row.
+    assert [t for t, _ in fed] == sink.tokens
+    _, hidden = reference(llm, PROMPTS[2], sink.tokens)
+    n = len(PROMPTS[2])
+    for k, (_, row) in enumerate(fed):
+        assert torch.allclose(row, hidden[n + k], atol=1e-4, rtol=1e-4)
+
+
+def kv_gauge() -> float:
+    value = REGISTRY.get_sample_value("minicpmo_thinker_kv_used_bytes")
+    assert value is not None
+    return value
+
+
+def test_kv_budget_admission_waits_and_never_exceeds(llm: torch.nn.Module) -> None:
+    probe = ThinkerEngine(llm, EngineConfig(block_size=16, kv_budget_bytes=1 << 20), "cpu")
+    block = probe.layout.bytes_per_block
+    # 1 scratch block + 4 usable: one request (prompt 30 + 20 new = 4 blocks) fits, two do not.
+    budget = 5 * block
+    engine = ThinkerEngine(
+        llm, EngineConfig(block_size=16, kv_budget_bytes=budget, max_step_tokens=64), "cpu"
+    )
+    a, b = Collector(), Collector()
+    engine.submit(engine.open(a), WorkItem(PROMPTS[3], sampler=greedy(20)))
+    engine.submit(engine.open(b), WorkItem(PROMPTS[3], sampler=greedy(20)))
+    saw_waiting = False
+    for _ in range(200):
+        did = engine.step()
+        assert engine.kv_used_bytes <= budget and kv_gauge() <= budget
+        if engine.scheduler.queue_depth == 1 and engine.scheduler.running:
+            saw_waiting = True
+            assert not b.tokens  # the second request has not started while it waits
+        if not did and engine.is_idle():
+            break
+    assert saw_waiting
+    assert a.finish == "length" and b.finish == "length"
+    assert a.tokens == b.tokens  # same prompt, greedy: waiting did not change the result
+    assert 0 < engine.max_kv_used_bytes <= budget
+    assert engine.kv_used_bytes == 0 and kv_gauge() == 0
+
+
+def test_request_that_can_never_fit_is_rejected(llm: torch.nn.Module) -> None:
+    probe = ThinkerEngine(llm, EngineConfig(block_size=16, kv_budget_bytes=1 << 20), "cpu")
+    engine = ThinkerEngine(
+        llm, EngineConfig(block_size=16, kv_budget_bytes=3 * probe.layout.bytes_per_block), "cpu"
+    )
+    sink = Collector()
+    engine.submit(engine.open(sink), WorkItem(PROMPTS[1], sampler=greedy(100)))
+    engine.run_until_idle()
+    assert [e.code for e in sink.errors] == [RESOURCE_EXHAUSTED]
+    assert engine.kv_used_bytes == 0
+
+
+def test_close_frees_kv_immediately(llm: torch.nn.Module) -> None:
+    engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20), "cpu")
+    sink = Collector()
+    seq = engine.open(sink)
+    engine.submit(seq, WorkItem(PROMPTS[1], sampler=greedy(500)))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_used_bytes > 0 and kv_gauge() > 0
+    engine.close(seq)
+    engine.step()
+    assert engine.kv_used_bytes == 0 and kv_gauge() == 0
+    assert REGISTRY.get_sample_value("minicpmo_stage_in_flight", {"stage": "thinker"}) == 0
+    assert engine.is_idle()
+
+
+def test_context_length_exceeded_and_length_finish(llm: torch.nn.Module) -> None:
+    engine = ThinkerEngine(llm, EngineConfig(max_context=48, kv_budget_bytes=8 << 20), "cpu")
+    with pytest.raises(StageError) as exc:
+        engine.check_prompt_length(49)
+    assert exc.value.code == CONTEXT_LENGTH_EXCEEDED and exc.value.code_name == "context_length_exceeded"
+    too_long = Collector()
+    engine.submit(engine.open(too_long), WorkItem(list(range(500, 560)), sampler=greedy(4)))
+    fits = Collector()
+    engine.submit(engine.open(fits), WorkItem(PROMPTS[1], sampler=greedy(100)))
+    engine.run_until_idle()
+    assert [e.code for e in too_long.errors] == [CONTEXT_LENGTH_EXCEEDED]
+    # 41-token prompt in a 48-token context: it stops with "length" when the cache is full.
+    assert fits.finish == "length" and len(fits.tokens) == 48 - 41 + 1
+    assert engine.kv_used_bytes == 0
+
+
+def test_seeded_sampling_is_reproducible_inside_a_batch(llm: torch.nn.Module) -> None:
+    engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20), "cpu")
+
+    def sampler(seed: int) -> Sampler:
+        return Sampler(
+            SamplingConfig(temperature=1.0, top_p=0.9, top_k=50, seed=seed, max_tokens=8, stop_token_ids=())
+        )
+
+    (alone,) = run_requests(engine, [PROMPTS[0]], [sampler(7)])
+    batch = run_requests(engine, PROMPTS, [sampler(7), sampler(8), greedy(8), sampler(9)])
+    other = run_requests(engine, [PROMPTS[0]], [sampler(123)])
+    assert batch[0].tokens == alone.tokens
+    assert other[0].tokens != alone.tokens
+
+
+def test_stop_ids_min_tokens_ignore_eos(llm: torch.nn.Module) -> None:
+    engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20), "cpu")
+    (free,) = run_requests(engine, [PROMPTS[0]], [greedy(8)])
+    first = free.tokens[0]
+    (stopped,) = run_requests(
+        engine, [PROMPTS[0]], [Sampler(SamplingConfig(max_tokens=8, stop_token_ids=(first,)))]
+    )
+    assert stopped.tokens == [first] and stopped.finish == "stop"
+    (forced,) = run_requests(
+        engine, [PROMPTS[0]], [Sampler(SamplingConfig(max_tokens=8, min_tokens=3, stop_token_ids=(first,)))]
+    )
+    assert first not in forced.tokens[:3] and len(forced.tokens) >= 3
+    (ignored,) = run_requests(
+        engine,
+        [PROMPTS[0]],
+        [Sampler(SamplingConfig(max_tokens=8, ignore_eos=True, stop_token_ids=(first,)))],
+    )
+    assert ignored.tokens == free.tokens and ignored.finish == "length"
+
+
+def test_sampling_primitives() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0, 1.0])
+    gen = torch.Generator().manual_seed(0)
+    assert all(sample_from_logits(logits, 1.0, 1, 1.0, gen) == 1 for _ in range(20))  # top-k 1 = argmax
+    assert all(sample_from_logits(logits, 1.0, 0, 0.01, gen) == 1 for _ in range(20))  # tiny top-p = argmax
+    drawn = {sample_from_logits(logits, 1.0, 2, 1.0, gen) for _ in range(200)}
+    assert drawn == {1, 2}  # top-k 2 keeps exactly the two best
+    s = Sampler(SamplingConfig(repetition_penalty=2.0))
+    assert s.choose(logits, [1], 0) == 2  # 3.0 / 2 < 2.9: the penalised best loses
+    with pytest.raises(StageError) as exc:
+        SamplingConfig(top_p=0.0).validate()
+    assert exc.value.code == INVALID_ARGUMENT and exc.value.param == "sampling.top_p"
