@@ -1,0 +1,1 @@
+"""The MiniCPM-o gateway: FastAPI front for the three gRPC stages (OpenAI chat, realtime, launcher)."""

@@ -1,0 +1,206 @@
+"""FastAPI app factory and the gateway CLI (``python -m gateway``).
+
+Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, plus the
+realtime WebSocket when :mod:`gateway.realtime` provides ``mount_realtime(app)``.
+
+Mounting other routers: pass them to :func:`create_app` (``extra_routers``) or, for the realtime module,
+define ``gateway.realtime.mount_realtime(app: FastAPI) -> None``; handlers reach the shared stage
+connections at request time through ``request.app.state.runtime`` (a :class:`GatewayRuntime`:
+``.stages`` is the :class:`~gateway.stage_clients.StageSet`, ``.config.profile`` the deploy profile,
+``.acquire()/.release()`` the shared concurrency slots, ``.check_api_key(header)`` the auth check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import importlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import metrics
+from gateway.config import GatewayConfig
+from gateway.openai.chat import router as chat_router
+from gateway.openai.errors import APIError, error_body, error_response
+from gateway.runtime import GatewayRuntime
+from services.common.deploy_profile import ProfileError, load_profile
+
+log = logging.getLogger(__name__)
+_PUBLIC_PATHS = ("/health", "/metrics")
+
+
+def check_api_key(config: GatewayConfig, authorization: str | None) -> bool:
+    """True when no key is configured or ``authorization`` is ``Bearer <key>``."""
+    if not config.api_key:
+        return True
+    if not authorization or not authorization.lower().startswith("bearer "):
+        return False
+    return hmac.compare_digest(authorization[7:].strip().encode(), config.api_key.encode())
+
+
+def _mount_realtime(app: FastAPI) -> None:
+    try:
+        module = importlib.import_module("gateway.realtime")
+    except ImportError as exc:
+        log.info("realtime WebSocket not mounted: %s", exc)
+        return
+    mount = getattr(module, "mount_realtime", None)
+    if mount is not None:
+        mount(app)
+
+
+def create_app(config: GatewayConfig, extra_routers: Sequence[APIRouter] = (), mount_realtime: bool = True) -> FastAPI:
+    """Build the gateway app; stage channels are opened in the lifespan (inside the server's loop)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime = GatewayRuntime.build(config, created=int(time.time()))
+        app.state.runtime = runtime
+        info_task = asyncio.create_task(_fetch_info(runtime))
+        try:
+            yield
+        finally:
+            info_task.cancel()
+            await runtime.stages.close()
+
+    app = FastAPI(title="MiniCPM-o 4.5 gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.config = config
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return JSONResponse(error_body(400, f"invalid request: {first.get('msg', exc)}", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500)
+
+    @app.middleware("http")
+    async def _auth_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        path = request.url.path
+        if path.startswith("/v1/") and not check_api_key(config, request.headers.get("authorization")):
+            response: Response = error_response(APIError(401, "invalid or missing API key (Authorization: Bearer <key>)"))
+        else:
+            response = await call_next(request)
+        if path not in _PUBLIC_PATHS:
+            metrics.REQUESTS.labels(path if path.startswith("/v1/") else "other", str(response.status_code)).inc()
+        return response
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, object]:
+        runtime: GatewayRuntime = request.app.state.runtime
+        thinker = config.profile.stage("thinker")
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model_name,
+                    "object": "model",
+                    "created": runtime.created,
+                    "owned_by": "minicpmo-serve",
+                    "root": config.model_name,
+                    "max_model_len": thinker.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        runtime: GatewayRuntime = request.app.state.runtime
+        results = await runtime.stages.health()
+        stages = {name: ("ok" if ok else reason) for name, (ok, reason) in results.items()}
+        healthy = all(ok for ok, _ in results.values())
+        status = "healthy" if healthy else "unhealthy"
+        return JSONResponse({"status": status, "stages": stages}, 200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(chat_router)
+    for router in extra_routers:
+        app.include_router(router)
+    if mount_realtime:
+        _mount_realtime(app)
+    return app
+
+
+async def _fetch_info(runtime: GatewayRuntime) -> None:
+    """Read each stage's GetInfo once it is reachable (for logs and compatibility checks); never fatal."""
+    for _ in range(60):
+        info = await runtime.stages.fetch_info()
+        runtime.stage_info = {k: v for k, v in info.items() if v is not None}
+        for name, msg in info.items():
+            if msg is not None and msg.protocol_version and msg.protocol_version != "minicpmo.v1":
+                log.error("%s speaks %s, the gateway speaks minicpmo.v1", name, msg.protocol_version)
+        if all(v is not None for v in info.values()):
+            return
+        await asyncio.sleep(5)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="MiniCPM-o 4.5 OpenAI-compatible gateway")
+    p.add_argument("--thinker-addr", default="127.0.0.1:50051", help="host:port, dns:///name:port or ip list")
+    p.add_argument("--talker-addr", default="127.0.0.1:50052")
+    p.add_argument("--code2wav-addr", default="127.0.0.1:50053")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8099)
+    p.add_argument("--deploy-config", default=None, help="deploy profile file or bundled name (default minicpmo_4_5)")
+    p.add_argument("--served-model-name", default=None, help="model id clients must send (default openbmb/MiniCPM-o-4_5)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
+    p.add_argument("--allowed-media-root", default=None, help="directory under which file:// media may be read")
+    p.add_argument("--enable-http-fetch", action="store_true", help="allow http(s) media URLs")
+    p.add_argument("--max-concurrent-requests", type=int, default=None)
+    p.add_argument("--max-body-bytes", type=int, default=None)
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (stage deadlines)")
+    p.add_argument("--openai-audio-delta", action="store_true", help="also stream audio in delta.audio (OpenAI)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        stage_addrs={"thinker": args.thinker_addr, "talker": args.talker_addr, "code2wav": args.code2wav_addr},
+        profile=load_profile(args.deploy_config),
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        allowed_media_root=Path(args.allowed_media_root) if args.allowed_media_root else None,
+        http_fetch=args.enable_http_fetch,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout,
+        openai_audio_delta=args.openai_audio_delta,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ProfileError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    app = create_app(config)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)

@@ -1,0 +1,44 @@
+"""Gateway configuration: stage addresses, the deploy profile, and the knobs of the HTTP front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.deploy_profile import DeployProfile, load_profile
+
+
+@dataclass
+class GatewayConfig:
+    stage_addrs: dict[str, str] = field(
+        default_factory=lambda: {
+            "thinker": "127.0.0.1:50051",
+            "talker": "127.0.0.1:50052",
+            "code2wav": "127.0.0.1:50053",
+        }
+    )
+    profile: DeployProfile = field(default_factory=lambda: load_profile(None))
+    served_model_name: str | None = None  # None: the profile's name (openbmb/MiniCPM-o-4_5)
+    api_key: str | None = None
+    allowed_media_root: Path | None = None
+    http_fetch: bool = False
+    max_concurrent_requests: int | None = None  # None: from the profile
+    max_body_bytes: int | None = None  # None: from the profile
+    request_timeout_s: float | None = None  # None: from the profile
+    openai_audio_delta: bool = False  # also put streamed audio in delta.audio (OpenAI style)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.profile.served_model_name
+
+    @property
+    def concurrency_limit(self) -> int:
+        return self.max_concurrent_requests or self.profile.gateway.max_concurrent_requests
+
+    @property
+    def body_limit(self) -> int:
+        return self.max_body_bytes or self.profile.gateway.max_body_bytes
+
+    @property
+    def timeout_s(self) -> float:
+        return self.request_timeout_s or self.profile.gateway.request_timeout_s

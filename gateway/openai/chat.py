@@ -1,0 +1,310 @@
+"""``POST /v1/chat/completions``: request -> :class:`ChatJob` -> pipeline -> JSON or SSE (wire-protocol §2).
+
+Errors before the first output byte are answered with the right HTTP status and the error envelope
+(the streaming path waits for the pipeline's first event before sending the 200 headers, so a stage that
+is down is a 503, not a 200 stream with an error inside). Errors after that are an SSE ``error`` event
+followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway import metrics
+from gateway.audio_encoding import encode_audio
+from gateway.openai.content import build_thinker_messages, load_ref_audio
+from gateway.openai.errors import APIError, error_body
+from gateway.openai.protocol import ChatRequest, parse_chat_request
+from gateway.pipeline import OUTPUT_SAMPLE_RATE, AudioEvent, ChatJob, FinishEvent, PipelineRun, TextEvent
+from gateway.runtime import GatewayRuntime
+from gateway.stage_clients import StageFailure
+from services.common.pb import common_pb2, talker_pb2, thinker_pb2
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+ROUTE = "/v1/chat/completions"
+_HIDDEN_DTYPES = {
+    "bfloat16": common_pb2.DTYPE_BFLOAT16,
+    "float16": common_pb2.DTYPE_FLOAT16,
+    "float32": common_pb2.DTYPE_FLOAT32,
+}
+DISCONNECT_POLL_S = 0.25
+
+
+def _runtime(request: Request) -> GatewayRuntime:
+    return request.app.state.runtime
+
+
+async def read_json_body(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing more than ``limit`` bytes (413) and invalid JSON (400)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes, over the limit of {limit}", None)
+    buf = bytearray()
+    async for piece in request.stream():
+        buf.extend(piece)
+        if len(buf) > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes", None)
+    try:
+        return json.loads(buf)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", None) from exc
+
+
+def _build_job(runtime: GatewayRuntime, req: ChatRequest, messages: list[thinker_pb2.ChatMessage],
+               ref_audio: common_pb2.Pcm | None) -> ChatJob:
+    profile = runtime.config.profile
+    thinker_p = profile.stage("thinker")
+    talker_p = profile.stage("talker")
+    thinker_s = {**thinker_p.sampling, **req.thinker_sampling}
+    talker_s = {**talker_p.sampling, **req.talker_sampling}
+    seed = thinker_s.get("seed")
+    return ChatJob(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}",
+        messages=messages,
+        thinker_sampling=thinker_pb2.SamplingParams(**thinker_s),
+        talker_sampling=talker_pb2.TalkerSampling(**talker_s),
+        want_speech=req.want_audio,
+        use_tts_template=req.use_tts_template,
+        enable_thinking=req.enable_thinking,
+        ref_audio=ref_audio,
+        hidden_chunk_tokens=thinker_p.hidden_chunk_tokens,
+        first_hidden_chunk_tokens=thinker_p.first_hidden_chunk_tokens,
+        hidden_dtype=_HIDDEN_DTYPES[thinker_p.hidden_dtype],
+        window_frames=talker_p.codec.window_frames,
+        left_context_frames=talker_p.codec.left_context_frames,
+        first_window_frames=talker_p.codec.first_window_frames,
+        seed=talker_s.get("seed", seed),
+        deadline_s=runtime.config.timeout_s,
+    )
+
+
+def _stage_api_error(exc: StageFailure) -> APIError:
+    metrics.STAGE_ERRORS.labels(exc.stage, exc.code).inc()
+    return APIError(exc.status, exc.message, exc.param, exc.err_type)
+
+
+def _audio_metadata(fmt: str, frames: int) -> dict[str, Any]:
+    return {"format": fmt, "sample_rate_hz": OUTPUT_SAMPLE_RATE, "frame_count": frames, "channels": 1}
+
+
+def _usage(finish: FinishEvent | None) -> dict[str, int]:
+    prompt = finish.prompt_tokens if finish else 0
+    completion = finish.completion_tokens if finish else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _observe(finish: FinishEvent) -> None:
+    t = finish.timings
+    if "first_text" in t:
+        metrics.TTFT.observe(t["first_text"])
+    if "first_audio" in t:
+        metrics.TTFA.observe(t["first_audio"])
+    if "total" in t:
+        metrics.E2E.observe(t["total"])
+    if finish.audio_samples:
+        seconds = finish.audio_samples / OUTPUT_SAMPLE_RATE
+        metrics.AUDIO_SECONDS.inc(seconds)
+        if "first_speech_chunk" in t and "audio_done" in t:
+            metrics.RTF.observe((t["audio_done"] - t["first_speech_chunk"]) / seconds)
+
+
+def _resample_to_output(event: AudioEvent) -> np.ndarray:
+    if event.sample_rate == OUTPUT_SAMPLE_RATE:
+        return event.samples
+    # Code2wav is specified to produce 24 kHz; anything else is resampled rather than mislabelled.
+    n_out = int(round(event.samples.size * OUTPUT_SAMPLE_RATE / event.sample_rate))
+    x_old = np.linspace(0.0, 1.0, event.samples.size, endpoint=False)
+    x_new = np.linspace(0.0, 1.0, n_out, endpoint=False)
+    return np.interp(x_new, x_old, event.samples).astype(np.float32)
+
+
+@router.post(ROUTE)
+async def create_chat_completion(request: Request) -> Response:
+    runtime = _runtime(request)
+    body = await read_json_body(request, runtime.config.body_limit)
+    req = parse_chat_request(body, runtime.config.model_name)
+    runtime.acquire()
+    released = False
+    try:
+        messages = await build_thinker_messages(req.messages, runtime.media_policy)
+        ref = await load_ref_audio(req.ref_audio, runtime.media_policy) if req.ref_audio else None
+        job = _build_job(runtime, req, messages, ref)
+        run = runtime.pipeline.start(job)
+        if req.stream:
+            response = await _start_stream(request, runtime, req, job, run)
+            released = True  # the stream's generator releases the slot
+            return response
+        return await _complete(request, req, job, run)
+    finally:
+        if not released:
+            runtime.release()
+
+
+# ---- non-streaming --------------------------------------------------------------------------------
+async def _collect(req: ChatRequest, run: PipelineRun) -> tuple[list[str], list[np.ndarray], FinishEvent | None]:
+    texts: list[str] = []
+    audio: list[np.ndarray] = []
+    finish: FinishEvent | None = None
+    async for event in run.events():
+        if isinstance(event, TextEvent):
+            texts.append(event.text)
+        elif isinstance(event, AudioEvent):
+            audio.append(_resample_to_output(event))
+        else:
+            finish = event
+    return texts, audio, finish
+
+
+async def _complete(request: Request, req: ChatRequest, job: ChatJob, run: PipelineRun) -> Response:
+    task = asyncio.create_task(_collect(req, run))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                metrics.CLIENT_DISCONNECTS.inc()
+                run.abort()
+                task.cancel()
+                return Response(status_code=499)
+        texts, audio, finish = task.result()
+    except StageFailure as exc:
+        raise _stage_api_error(exc) from exc
+    finally:
+        run.abort()
+        if not task.done():
+            task.cancel()
+    created = int(time.time())
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if req.want_text else None}
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish.finish_reason if finish else "stop"}
+    if req.want_audio:
+        if not audio:
+            raise APIError(400, "Audio generation completed but no audio was produced.", None)
+        samples = np.concatenate(audio)
+        message["audio"] = {
+            "id": f"audio-{secrets.token_hex(8)}",
+            "data": base64.b64encode(encode_audio(samples, OUTPUT_SAMPLE_RATE, req.audio_format)).decode(),
+            "expires_at": created + 24 * 3600,
+            "transcript": "",
+        }
+        choice["audio_metadata"] = _audio_metadata(req.audio_format, int(samples.size))
+    if finish is not None:
+        _observe(finish)
+    return JSONResponse(
+        {
+            "id": job.request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model,
+            "choices": [choice],
+            "usage": _usage(finish),
+            "metrics": finish.timings if (finish and req.return_stage_metrics) else None,
+        }
+    )
+
+
+# ---- streaming ------------------------------------------------------------------------------------
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _start_stream(
+    request: Request, runtime: GatewayRuntime, req: ChatRequest, job: ChatJob, run: PipelineRun
+) -> Response:
+    events = run.events()
+    try:
+        first = await events.__anext__()
+    except StageFailure as exc:
+        run.abort()
+        raise _stage_api_error(exc) from exc
+    except BaseException:
+        run.abort()
+        raise
+    return StreamingResponse(
+        _stream_body(runtime, req, job, run, first, events),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _stream_body(
+    runtime: GatewayRuntime,
+    req: ChatRequest,
+    job: ChatJob,
+    run: PipelineRun,
+    first: Any,
+    events: AsyncIterator[Any],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    base = {"id": job.request_id, "object": "chat.completion.chunk", "created": created, "model": req.model}
+    openai_audio = runtime.config.openai_audio_delta
+    audio_id = f"audio-{secrets.token_hex(8)}"
+    role_sent = False
+    produced_audio = False
+    finished_normally = False
+
+    def chunk(modality: str, delta: dict[str, Any], **extra: Any) -> str:
+        nonlocal role_sent
+        if not role_sent:
+            delta = {"role": "assistant", **delta}
+            role_sent = True
+        return _sse({**base, "modality": modality, "choices": [{"index": 0, "delta": delta, **extra}]})
+
+    async def all_events() -> AsyncIterator[Any]:
+        yield first
+        async for ev in events:
+            yield ev
+
+    try:
+        if req.want_text:
+            yield chunk("text", {"content": ""})
+        async for event in all_events():
+            if isinstance(event, TextEvent):
+                if req.want_text and event.text:
+                    yield chunk("text", {"content": event.text})
+            elif isinstance(event, AudioEvent):
+                samples = _resample_to_output(event)
+                payload = base64.b64encode(encode_audio(samples, OUTPUT_SAMPLE_RATE, req.audio_format)).decode()
+                delta: dict[str, Any] = {"content": payload}
+                if openai_audio:
+                    delta["audio"] = {"id": audio_id, "data": payload, "transcript": ""}
+                produced_audio = True
+                yield chunk("audio", delta, audio_metadata=_audio_metadata(req.audio_format, int(samples.size)))
+            elif isinstance(event, FinishEvent):
+                if req.want_audio and not produced_audio:
+                    yield _sse(error_body(400, "Audio generation completed but no audio was produced."))
+                    break
+                _observe(event)
+                last_modality = "audio" if req.want_audio else "text"
+                yield chunk(last_modality, {}, finish_reason=event.finish_reason)
+                if req.include_usage:
+                    yield _sse({**base, "modality": last_modality, "choices": [], "usage": _usage(event)})
+                finished_normally = True
+        yield "data: [DONE]\n\n"
+    except StageFailure as exc:
+        err = _stage_api_error(exc)
+        yield _sse(error_body(err.status, err.message, err.param, err.err_type))
+        yield "data: [DONE]\n\n"
+    except APIError as exc:
+        yield _sse(error_body(exc.status, exc.message, exc.param, exc.err_type))
+        yield "data: [DONE]\n\n"
+    except (GeneratorExit, asyncio.CancelledError):
+        if not finished_normally:
+            metrics.CLIENT_DISCONNECTS.inc()
+        raise
+    finally:
+        run.abort()
+        runtime.release()

@@ -1,0 +1,311 @@
+"""Connections from the gateway to the three stage services, reusable by every route.
+
+One :class:`StageClient` per stage owns one gRPC channel. The channel target comes from config:
+
+* ``host:port`` or ``dns:///host:port`` - DNS name, every A/AAAA record is a replica (Kubernetes
+  headless Service, compose scale);
+* ``ipv4:10.0.0.1:50051,10.0.0.2:50051`` or a comma list ``h1:p1,h2:p2`` of IP literals - fixed replicas
+  (the embedded launcher uses this for profiles with several replicas per stage).
+
+The channel balances new streams round-robin over the ready replicas, and client-side health checking
+keeps replicas that report NOT_SERVING (draining) out of the rotation.
+
+:meth:`StageClient.open_stream` returns a :class:`StageStream`, a bidi ``Generate`` call with a deadline and
+one retry: until the stage has produced its first response the stream remembers what it wrote, and if the
+call fails as UNAVAILABLE (replica down or gone) it is re-opened - round-robin lands on another replica -
+and the writes are replayed. After the first response nothing is replayed, because output already left.
+Every failure surfaces as :class:`StageFailure` carrying the stage, an HTTP status and a stable code, so
+routes never see raw ``grpc`` exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.errors import CODE_NAMES
+from services.common.grpc_server import GRPC_OPTIONS
+from services.common.pb import (
+    code2wav_pb2_grpc,
+    common_pb2,
+    talker_pb2_grpc,
+    thinker_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+STAGE_SERVICES: dict[str, str] = {
+    "thinker": "minicpmo.v1.ThinkerService",
+    "talker": "minicpmo.v1.TalkerService",
+    "code2wav": "minicpmo.v1.Code2WavService",
+}
+_STUBS: dict[str, Any] = {
+    "thinker": thinker_pb2_grpc.ThinkerServiceStub,
+    "talker": talker_pb2_grpc.TalkerServiceStub,
+    "code2wav": code2wav_pb2_grpc.Code2WavServiceStub,
+}
+
+# Typed stage error code -> (HTTP status, OpenAI-style error type).
+_STAGE_ERROR_HTTP: dict[int, tuple[int, str]] = {
+    common_pb2.ERROR_CODE_INVALID_ARGUMENT: (400, "BadRequestError"),
+    common_pb2.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: (400, "BadRequestError"),
+    common_pb2.ERROR_CODE_UNSUPPORTED_MEDIA: (400, "BadRequestError"),
+    common_pb2.ERROR_CODE_BAD_REFERENCE_AUDIO: (400, "BadRequestError"),
+    common_pb2.ERROR_CODE_FAILED_PRECONDITION: (400, "BadRequestError"),
+    common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: (429, "RateLimitError"),
+    common_pb2.ERROR_CODE_UNAVAILABLE: (503, "ServiceUnavailableError"),
+    common_pb2.ERROR_CODE_DEADLINE_EXCEEDED: (504, "TimeoutError"),
+    common_pb2.ERROR_CODE_CANCELLED: (499, "CancelledError"),
+    common_pb2.ERROR_CODE_OUT_OF_ORDER: (500, "InternalServerError"),
+    common_pb2.ERROR_CODE_INTERNAL: (500, "InternalServerError"),
+}
+_GRPC_STATUS_HTTP: dict[grpc.StatusCode, tuple[int, str, str]] = {
+    grpc.StatusCode.UNAVAILABLE: (503, "ServiceUnavailableError", "stage_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "TimeoutError", "stage_deadline_exceeded"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "RateLimitError", "stage_resource_exhausted"),
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "BadRequestError", "invalid_argument"),
+    grpc.StatusCode.UNIMPLEMENTED: (503, "ServiceUnavailableError", "stage_unimplemented"),
+    grpc.StatusCode.CANCELLED: (499, "CancelledError", "cancelled"),
+}
+
+
+class StageFailure(Exception):
+    """A stage could not do its part; carries what the HTTP layer needs to answer the client."""
+
+    def __init__(self, stage: str, status: int, message: str, code: str, err_type: str, param: str | None = None):
+        super().__init__(f"{stage}: {message}")
+        self.stage = stage
+        self.status = status
+        self.message = message
+        self.code = code
+        self.err_type = err_type
+        self.param = param or None
+
+    @classmethod
+    def from_rpc_error(cls, stage: str, target: str, err: grpc.aio.AioRpcError) -> StageFailure:
+        status, err_type, code = _GRPC_STATUS_HTTP.get(err.code(), (502, "BadGatewayError", "stage_failed"))
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            message = f"{stage} stage is unavailable at {target}: {err.details() or 'connection failed'}"
+        elif err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            message = f"{stage} stage did not finish within its deadline"
+        else:
+            message = f"{stage} stage failed ({err.code().name}): {err.details()}"
+        return cls(stage, status, message, code, err_type)
+
+    @classmethod
+    def from_stage_error(cls, stage: str, err: common_pb2.Error) -> StageFailure:
+        status, err_type = _STAGE_ERROR_HTTP.get(err.code, (500, "InternalServerError"))
+        code = CODE_NAMES.get(err.code, "stage_error")
+        return cls(stage, status, f"{stage}: {err.message}", code, err_type, err.param or None)
+
+
+def normalize_target(addr: str) -> str:
+    """Turn a config address into a gRPC target with a resolver that knows every replica."""
+    addr = addr.strip()
+    if "://" in addr or addr.startswith(("ipv4:", "ipv6:", "unix:")):
+        return addr
+    parts = [p.strip() for p in addr.split(",") if p.strip()]
+    if len(parts) > 1:
+        hosts = [p.rsplit(":", 1)[0].strip("[]") for p in parts]
+        try:
+            versions = {ipaddress.ip_address(h).version for h in hosts}
+        except ValueError as exc:
+            raise ValueError(
+                f"address list {addr!r}: several replicas must be IP literals (use one DNS name for hostnames)"
+            ) from exc
+        if versions == {4}:
+            return "ipv4:" + ",".join(parts)
+        if versions == {6}:
+            return "ipv6:" + ",".join(parts)
+        raise ValueError(f"address list {addr!r} mixes IPv4 and IPv6")
+    return f"dns:///{addr}"
+
+
+def _service_config(stage: str) -> str:
+    return json.dumps(
+        {
+            "loadBalancingConfig": [{"round_robin": {}}],
+            "healthCheckConfig": {"serviceName": STAGE_SERVICES[stage]},
+        }
+    )
+
+
+@dataclass
+class StageTimeouts:
+    """Deadlines: whole stream, health probes, and how long to wait for a channel to connect on retry."""
+
+    stream_s: float = 600.0
+    health_s: float = 2.0
+    info_s: float = 5.0
+
+
+class StageClient:
+    """One channel to one stage (all its replicas)."""
+
+    def __init__(self, stage: str, addr: str, timeouts: StageTimeouts | None = None) -> None:
+        if stage not in STAGE_SERVICES:
+            raise ValueError(f"unknown stage {stage!r}")
+        self.stage = stage
+        self.addr = addr
+        self.target = normalize_target(addr)
+        self.timeouts = timeouts or StageTimeouts()
+        options = [*GRPC_OPTIONS, ("grpc.service_config", _service_config(stage)), ("grpc.enable_retries", 0)]
+        self.channel = grpc.aio.insecure_channel(self.target, options=options)
+        self.stub = _STUBS[stage](self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.info: common_pb2.StageInfo | None = None
+
+    async def check_health(self) -> tuple[bool, str]:
+        """(serving?, human-readable reason). Never raises."""
+        try:
+            resp = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=STAGE_SERVICES[self.stage]), timeout=self.timeouts.health_s
+            )
+        except grpc.aio.AioRpcError as err:
+            return False, f"{err.code().name}: {err.details()}"
+        except Exception as err:  # noqa: BLE001 - a probe must answer, whatever broke
+            return False, repr(err)
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            return True, "serving"
+        return False, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def get_info(self) -> common_pb2.StageInfo:
+        try:
+            self.info = await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=self.timeouts.info_s)
+        except grpc.aio.AioRpcError as err:
+            raise StageFailure.from_rpc_error(self.stage, self.target, err) from err
+        return self.info
+
+    def open_stream(self, deadline_s: float | None = None, retry: bool = True) -> StageStream:
+        return StageStream(self, deadline_s or self.timeouts.stream_s, retries=1 if retry else 0)
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
+
+
+class StageStream:
+    """A bidi ``Generate`` call with replay-on-UNAVAILABLE until the first response arrives."""
+
+    def __init__(self, client: StageClient, deadline_s: float, retries: int = 1) -> None:
+        self.client = client
+        self.stage = client.stage
+        self._deadline = time.monotonic() + deadline_s
+        self._retries_left = retries
+        self._sent: list[Any] | None = []  # replay buffer; None once the first response arrived
+        self._half_closed = False
+        self._closed = False
+        self._call = self._new_call()
+
+    def _new_call(self) -> Any:
+        remaining = max(0.001, self._deadline - time.monotonic())
+        return self.client.stub.Generate(timeout=remaining)
+
+    def _can_retry(self, err: grpc.aio.AioRpcError) -> bool:
+        return self._sent is not None and self._retries_left > 0 and err.code() == grpc.StatusCode.UNAVAILABLE
+
+    async def _reopen(self) -> None:
+        """Open a fresh call (round-robin picks another replica) and replay everything written so far."""
+        self._retries_left -= 1
+        self._call.cancel()
+        self._call = self._new_call()
+        for msg in self._sent or ():
+            await self._call.write(msg)
+        if self._half_closed:
+            await self._call.done_writing()
+
+    async def _retrying(self, op: Any) -> Any:
+        """Run ``op(call)``; on a retryable failure reopen + replay, then report whether a retry happened."""
+        while True:
+            try:
+                return await op(self._call), False
+            except grpc.aio.AioRpcError as err:
+                if not self._can_retry(err):
+                    raise self._failure(err) from err
+                log.warning("%s stream unavailable before first output (%s); retrying once", self.stage, err.details())
+                try:
+                    await self._reopen()
+                    return None, True
+                except grpc.aio.AioRpcError as err2:
+                    raise self._failure(err2) from err2
+            except asyncio.InvalidStateError as err:
+                raise StageFailure(
+                    self.stage, 502, f"{self.stage} stream closed while sending", "stage_closed", "BadGatewayError"
+                ) from err
+
+    def _failure(self, err: grpc.aio.AioRpcError) -> StageFailure:
+        return StageFailure.from_rpc_error(self.stage, self.client.target, err)
+
+    async def write(self, msg: Any) -> None:
+        """Send one request; awaits gRPC flow control, which is the backpressure towards the stage."""
+        if self._sent is not None:
+            self._sent.append(msg)
+        await self._retrying(lambda call: call.write(msg))  # a reopen already replayed msg
+
+    async def done_writing(self) -> None:
+        self._half_closed = True
+        await self._retrying(lambda call: call.done_writing())
+
+    async def read(self) -> Any | None:
+        """Next response, or None at the end of the stream."""
+        while True:
+            msg, retried = await self._retrying(lambda call: call.read())
+            if retried:
+                continue
+            if msg is grpc.aio.EOF:
+                return None
+            self._sent = None  # output arrived: from now on a failure is final
+            return msg
+
+    async def responses(self) -> Any:
+        while (msg := await self.read()) is not None:
+            yield msg
+
+    def cancel(self) -> None:
+        """Abort the call; the stage sees CANCELLED and frees the stream's state."""
+        if not self._closed:
+            self._closed = True
+            self._call.cancel()
+
+
+class StageSet:
+    """The three stage clients the gateway talks to (plus helpers routes and the realtime code share)."""
+
+    def __init__(self, addrs: dict[str, str], timeouts: StageTimeouts | None = None) -> None:
+        missing = [s for s in STAGE_SERVICES if s not in addrs]
+        if missing:
+            raise ValueError(f"stage addresses missing for {missing}")
+        self.clients = {s: StageClient(s, addrs[s], timeouts) for s in STAGE_SERVICES}
+
+    def __getitem__(self, stage: str) -> StageClient:
+        return self.clients[stage]
+
+    def __iter__(self) -> Iterable[StageClient]:  # type: ignore[override]
+        return iter(self.clients.values())
+
+    async def health(self) -> dict[str, tuple[bool, str]]:
+        names = list(self.clients)
+        results = await asyncio.gather(*(self.clients[s].check_health() for s in names))
+        return dict(zip(names, results, strict=True))
+
+    async def fetch_info(self) -> dict[str, common_pb2.StageInfo | None]:
+        """GetInfo from every stage; a stage that is down gives None (logged), so start-up never blocks."""
+        out: dict[str, common_pb2.StageInfo | None] = {}
+        for name, client in self.clients.items():
+            try:
+                out[name] = await client.get_info()
+            except StageFailure as exc:
+                log.warning("GetInfo %s failed: %s", name, exc)
+                out[name] = None
+        return out
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients.values()))
