@@ -29,7 +29,8 @@ Design
     When the next unit would not fit the 4096 context, it **rolls over** to a one-chunk recompute
     window (``previous unit's condition + its frames + this condition`` from position 0). A turn end
     or a new ``turn_id`` resets everything.
-* **Fixed frame count** (benchmarks): EOS is never sampled and the turn ends after exactly N frames.
+* **Fixed frame count** (benchmarks): the turn's chunks are gathered into one whole-utterance
+  condition, EOS is never sampled and the turn ends after exactly N frames.
 * **Output**: codec windows (:mod:`windows`): 3 left-context + 25 new frames, the first window padded
   with silence 4218, optional smaller first window, exactly one ``is_last`` window per turn.
 * **Interrupts**: a Control with a newer epoch drops queued chunks and in-flight decoding, resets the
@@ -118,6 +119,7 @@ class TalkerEngine:
         self._waiting: deque[StreamState] = deque()  # streams with work but no slot yet
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._cancel_all = threading.Event()
         self.frames_emitted = 0
         # Optional tap on the raw fp32 logits each stream samples from (fidelity dumps, tests).
         self.logits_observer: Callable[[StreamState, torch.Tensor], None] | None = None
@@ -234,6 +236,9 @@ class TalkerEngine:
     def step(self) -> bool:
         """Apply commands, run ready prefills, then one batched decode step. True if anything happened."""
         did = self._drain_commands()
+        if self._cancel_all.is_set():
+            self._cancel_all.clear()
+            self.cancel_all()
         self._admit()
         prefills = 0
         for st in list(self._streams):
@@ -298,6 +303,21 @@ class TalkerEngine:
         if st.ending:
             self._error(st, StageError(FAILED_PRECONDITION, "chunk after End", "chunk"), close=False)
             return
+        if st.settings.fixed_frames and not st.settings.duplex:
+            # Benchmarks: a fixed frame count is a whole-utterance run; gather the turn's chunks first.
+            st.fixed_parts.append(cond)
+            if not cond.is_last:
+                return
+            parts, st.fixed_parts = st.fixed_parts, []
+            cond = ConditionInput(
+                torch.cat([p.token_ids.reshape(-1) for p in parts]),
+                torch.cat([p.hidden for p in parts], dim=0),
+                True,
+                cond.turn_end,
+                cond.epoch,
+                cond.turn_id,
+                cond.unit_seq,
+            )
         st.queue.append(cond)
         if st.slot is None and st not in self._waiting:
             self._waiting.append(st)
@@ -306,8 +326,9 @@ class TalkerEngine:
         if new_epoch <= st.epoch:
             st.emit(InterruptAckOut(st.meta(), new_epoch, 0))
             return
-        dropped = len(st.queue) + (1 if st.phase is Phase.DECODE or st.in_turn else 0)
+        dropped = len(st.queue) + len(st.fixed_parts) + (1 if st.phase is Phase.DECODE or st.in_turn else 0)
         st.queue.clear()
+        st.fixed_parts.clear()
         self._reset_turn(st)
         st.epoch = new_epoch
         st.emit(InterruptAckOut(st.meta(), new_epoch, dropped))
@@ -378,10 +399,6 @@ class TalkerEngine:
             elif cond.is_last:
                 st.form = TurnForm.WHOLE
             else:
-                if s.fixed_frames:
-                    raise StageError(
-                        INVALID_ARGUMENT, "fixed_frames needs the whole utterance in one chunk", "fixed_frames"
-                    )
                 st.form = TurnForm.STREAMING
         elif st.form is TurnForm.WHOLE:
             raise StageError(FAILED_PRECONDITION, "chunk after the last chunk of the turn", "chunk")
@@ -565,8 +582,13 @@ class TalkerEngine:
     def idle(self) -> bool:
         return not self._streams and self._inbox.empty()
 
+    def request_cancel_all(self) -> None:
+        """Thread-safe: ask the engine loop to cancel every stream at its next step."""
+        self._cancel_all.set()
+        self._wake.set()
+
     def cancel_all(self, reason: str = "cancelled") -> None:
-        """Drain deadline passed: tell every stream it was cancelled and drop it."""
+        """Drain deadline passed (engine thread): tell every stream it was cancelled and drop it."""
         for st in list(self._streams):
             st.emit(DoneOut(st.meta(), reason, st.turn_frames, st.turn_condition_rows))
             self._remove(st)

@@ -119,6 +119,7 @@ class StreamState:
     slot: int | None = None
     phase: Phase = Phase.IDLE
     queue: deque[ConditionInput] = field(default_factory=deque)
+    fixed_parts: list[ConditionInput] = field(default_factory=list)  # fixed_frames: chunks gathered
     ending: bool = False  # Control End received: finish current work, then Done and close
     turns_finished: int = 0
     session_frames: int = 0

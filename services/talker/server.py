@@ -1,0 +1,314 @@
+"""Thin gRPC front of the Talker: proto messages ⇄ :class:`TalkerEngine` calls.
+
+``TalkerService.Generate`` is one bidirectional stream per request or duplex session:
+
+* first message ``TalkerOpen`` (identity, mode, sampling overrides, window framing);
+* then ``TalkerChunk`` (token ids + the Thinker hidden rows as a ``Tensor``, ``is_last`` / ``turn_end``)
+  and ``Control`` (interrupt → ``InterruptAck``, flush, end);
+* replies: ``CodecWindow`` (3 context + 25 new frames, exactly one ``is_last`` per turn), ``Done``
+  (per turn in turn mode, at End in duplex), typed ``Error``.
+
+Half-closing the request side counts as End. The engine runs in its own thread; replies cross back
+through ``loop.call_soon_threadsafe`` into a per-stream asyncio queue. Health, reflection, metrics and
+graceful drain come from :mod:`services.common.grpc_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import torch
+
+from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
+from services.common.errors import INVALID_ARGUMENT, StageError
+from services.common.grpc_server import (
+    ServeOptions,
+    StageServer,
+    add_serve_arguments,
+    serve_forever,
+    serve_options_from_args,
+)
+from services.common.metrics import ERRORS, INTERRUPTS, REQUESTS, STREAMS_ACTIVE
+from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
+from services.common.tensors import dtype_to_proto, tensor_from_proto
+from services.talker.engine import STAGE, TalkerEngine
+from services.talker.model.tts import MiniCPMTTS
+from services.talker.streams import (
+    ClosedOut,
+    ConditionInput,
+    DoneOut,
+    ErrorOut,
+    InterruptAckOut,
+    OutMeta,
+    Output,
+    StreamState,
+    WindowOut,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "minicpmo.v1.TalkerService"
+PROTOCOL_VERSION = "minicpmo.v1"
+
+
+def _identity(st: StreamState, meta: OutMeta) -> common_pb2.Identity:
+    return common_pb2.Identity(
+        request_id=st.settings.request_id,
+        session_id=st.settings.session_id,
+        epoch=meta.epoch,
+        turn_id=meta.turn_id,
+        unit_seq=meta.unit_seq,
+        chunk_seq=meta.chunk_seq,
+    )
+
+
+def output_to_proto(st: StreamState, out: Output) -> talker_pb2.TalkerResponse | None:
+    ident = _identity(st, out.meta)
+    if isinstance(out, WindowOut):
+        w = out.window
+        return talker_pb2.TalkerResponse(
+            window=common_pb2.CodecWindow(id=ident, codes=w.codes, left_context=w.left_context, is_last=w.is_last)
+        )
+    if isinstance(out, DoneOut):
+        usage = common_pb2.Usage(
+            prompt_tokens=out.condition_rows,
+            completion_tokens=out.frames,
+            total_tokens=out.condition_rows + out.frames,
+        )
+        usage.extra["codec_frames"] = out.frames
+        return talker_pb2.TalkerResponse(done=common_pb2.Done(id=ident, finish_reason=out.finish_reason, usage=usage))
+    if isinstance(out, ErrorOut):
+        ERRORS.labels(STAGE, out.error.code_name).inc()
+        return talker_pb2.TalkerResponse(error=out.error.to_proto(ident))
+    if isinstance(out, InterruptAckOut):
+        return talker_pb2.TalkerResponse(
+            interrupt_ack=common_pb2.InterruptAck(id=ident, new_epoch=out.new_epoch, dropped_items=out.dropped_items)
+        )
+    return None  # ClosedOut carries nothing on the wire
+
+
+class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
+    """Maps one Generate stream onto one engine stream."""
+
+    def __init__(self, engine: TalkerEngine, info: common_pb2.StageInfo) -> None:
+        self.engine = engine
+        self.info = info
+
+    async def GetInfo(self, request: common_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        return self.info
+
+    def settings_from_open(self, msg: talker_pb2.TalkerOpen):
+        sp = msg.sampling
+        temperature = sp.temperature if sp.HasField("temperature") else None
+        if temperature is not None and temperature < 0:
+            raise StageError(INVALID_ARGUMENT, "temperature must be ≥ 0 (0 means greedy)", "sampling.temperature")
+        if sp.HasField("top_p") and not 0.0 < sp.top_p <= 1.0:
+            raise StageError(INVALID_ARGUMENT, "top_p must lie in (0, 1]", "sampling.top_p")
+        if sp.HasField("top_k") and sp.top_k < 1:
+            raise StageError(INVALID_ARGUMENT, "top_k must be ≥ 1", "sampling.top_k")
+        if sp.HasField("repetition_penalty") and sp.repetition_penalty <= 0:
+            raise StageError(INVALID_ARGUMENT, "repetition_penalty must be > 0", "sampling.repetition_penalty")
+        greedy = temperature == 0.0
+        sampling = self.engine.default_sampling(
+            temperature=1.0 if greedy else temperature,
+            top_p=sp.top_p if sp.HasField("top_p") else None,
+            top_k=sp.top_k if sp.HasField("top_k") else None,
+            repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else None,
+            seed=sp.seed if sp.HasField("seed") else None,
+            greedy=greedy,
+        )
+        return self.engine.make_settings(
+            request_id=msg.id.request_id,
+            session_id=msg.id.session_id,
+            duplex=msg.mode == thinker_pb2.STREAM_MODE_DUPLEX,
+            sampling=sampling,
+            min_new_frames=sp.min_new_frames if sp.HasField("min_new_frames") else None,
+            max_new_frames=sp.max_new_frames if sp.HasField("max_new_frames") else None,
+            fixed_frames=sp.fixed_frames if sp.HasField("fixed_frames") else 0,
+            window_frames=msg.window_frames,
+            # proto3 cannot tell 0 from unset; 0 means the default 3 frames of left context.
+            left_context=msg.left_context or None,
+            first_window_frames=msg.first_window_frames,
+        )
+
+    def condition_from_chunk(self, msg: talker_pb2.TalkerChunk, st: StreamState) -> ConditionInput:
+        ids = torch.tensor(list(msg.token_ids), dtype=torch.long)
+        if not msg.HasField("hidden"):
+            if ids.numel():
+                raise StageError(INVALID_ARGUMENT, "chunk has token ids but no hidden tensor", "hidden")
+            hidden = torch.zeros(0, self.engine.cfg.llm_dim)
+        else:
+            hidden = tensor_from_proto(msg.hidden)
+            if not hidden.is_floating_point():
+                raise StageError(INVALID_ARGUMENT, "hidden must be a floating-point tensor", "hidden.dtype")
+        return ConditionInput(
+            token_ids=ids,
+            hidden=hidden,
+            is_last=msg.is_last,
+            turn_end=msg.turn_end,
+            epoch=msg.id.epoch if msg.HasField("id") else st.epoch,
+            turn_id=msg.id.turn_id if msg.HasField("id") else st.turn_id,
+            unit_seq=msg.id.unit_seq if msg.HasField("id") else 0,
+        )
+
+    async def Generate(  # noqa: N802
+        self,
+        request_iterator: AsyncIterator[talker_pb2.TalkerRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[talker_pb2.TalkerResponse]:
+        REQUESTS.labels(STAGE).inc()
+        try:
+            first = await anext(aiter(request_iterator))
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("kind") != "open":
+            err = StageError(INVALID_ARGUMENT, "the first message of a Talker stream must be TalkerOpen", "open")
+            ERRORS.labels(STAGE, err.code_name).inc()
+            yield talker_pb2.TalkerResponse(error=err.to_proto())
+            return
+        try:
+            settings = self.settings_from_open(first.open)
+        except StageError as err:
+            ERRORS.labels(STAGE, err.code_name).inc()
+            yield talker_pb2.TalkerResponse(error=err.to_proto(first.open.id))
+            return
+        loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue[Output] = asyncio.Queue()
+
+        def emit(out: Output) -> None:
+            loop.call_soon_threadsafe(outbox.put_nowait, out)
+
+        st = self.engine.open(settings, emit, epoch=first.open.id.epoch)
+        STREAMS_ACTIVE.labels(STAGE).inc()
+
+        async def pump_requests() -> None:
+            try:
+                async for req in request_iterator:
+                    kind = req.WhichOneof("kind")
+                    if kind == "chunk":
+                        try:
+                            self.engine.chunk(st, self.condition_from_chunk(req.chunk, st))
+                        except StageError as err:  # a malformed chunk ends the stream with a typed error
+                            self.engine.close(st)
+                            outbox.put_nowait(ErrorOut(st.meta(), err))
+                            outbox.put_nowait(ClosedOut(st.meta()))
+                            return
+                    elif kind == "control":
+                        ctl = req.control
+                        which = ctl.WhichOneof("kind")
+                        if which == "interrupt":
+                            INTERRUPTS.labels(STAGE).inc()
+                            self.engine.interrupt(st, ctl.interrupt.new_epoch)
+                        elif which == "flush":
+                            self.engine.flush(st)
+                        elif which == "end":
+                            self.engine.end(st)
+                            return
+                    else:
+                        err = StageError(INVALID_ARGUMENT, f"unexpected {kind} message after open", "kind")
+                        outbox.put_nowait(ErrorOut(st.meta(), err))
+                self.engine.end(st)  # half-close counts as End
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a broken client stream must not leave the engine stream behind
+                log.warning("talker request stream failed: %s", exc)
+                self.engine.close(st)
+                outbox.put_nowait(ClosedOut(st.meta()))
+
+        reader = asyncio.create_task(pump_requests())
+        try:
+            while True:
+                out = await outbox.get()
+                if isinstance(out, ClosedOut):
+                    break
+                msg = output_to_proto(st, out)
+                if msg is not None:
+                    yield msg
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self.engine.close(st)
+            STREAMS_ACTIVE.labels(STAGE).dec()
+
+
+def stage_info(engine: TalkerEngine, ckpt: Checkpoint, device: str) -> common_pb2.StageInfo:
+    cfg = engine.cfg
+    info = common_pb2.StageInfo(
+        stage=STAGE,
+        model=str(ckpt.config.get("_name_or_path", "openbmb/MiniCPM-o-4_5")),
+        model_version=str(ckpt.config.get("version", "")),
+        protocol_version=PROTOCOL_VERSION,
+        device=device,
+        compute_dtype=dtype_to_proto(engine.model.dtype),
+        capabilities=["turn", "duplex", "streaming_conditions", "whole_utterance", "fixed_frames", "interrupt"],
+    )
+    info.limits["max_streams"] = engine.runner.cache.num_slots
+    info.limits["max_context"] = cfg.max_position_embeddings
+    info.limits["codec_vocab"] = cfg.num_audio_tokens
+    info.properties["condition_hidden_size"] = str(cfg.llm_dim)
+    info.properties["hidden_size"] = str(cfg.hidden_size)
+    info.properties["attention_type"] = cfg.attention_type
+    info.properties["codec_eos_id"] = str(cfg.eos_id)
+    info.properties["codec_silence_id"] = str(CODEC_SILENCE_ID)
+    info.properties["cuda_graphs"] = str(engine.runner.use_cuda_graphs).lower()
+    return info
+
+
+def build_engine(
+    checkpoint: str, device: str, dtype: str | None, max_streams: int, cuda_graphs: bool | None
+) -> tuple[TalkerEngine, Checkpoint]:
+    ckpt = Checkpoint(checkpoint)
+    if dtype is None:
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = MiniCPMTTS.from_checkpoint(ckpt, dtype=torch_dtype, device=device)
+    engine = TalkerEngine(model, max_streams=max_streams, use_cuda_graphs=cuda_graphs)
+    return engine, ckpt
+
+
+def make_server(engine: TalkerEngine, info: common_pb2.StageInfo, options: ServeOptions) -> StageServer:
+    servicer = TalkerServicer(engine, info)
+
+    async def drain() -> None:
+        try:
+            while not engine.idle():
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            engine.request_cancel_all()
+            raise
+
+    return StageServer(
+        STAGE,
+        SERVICE_NAME,
+        lambda server: talker_pb2_grpc.add_TalkerServiceServicer_to_server(servicer, server),
+        options,
+        drain=drain,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m services.talker", description="MiniCPM-o 4.5 Talker stage")
+    ap.add_argument("--checkpoint", required=True, help="MiniCPM-o 4.5 checkpoint directory")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    ap.add_argument("--max-streams", type=int, default=16, help="KV slots = concurrent streams decoding")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
+    ap.add_argument("--log-level", default="INFO")
+    add_serve_arguments(ap, STAGE)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine, ckpt = build_engine(
+        args.checkpoint, args.device, args.dtype, args.max_streams, False if args.no_cuda_graphs else None
+    )
+    engine.start()
+    server = make_server(engine, stage_info(engine, ckpt, args.device), serve_options_from_args(args))
+    try:
+        asyncio.run(serve_forever(server))
+    finally:
+        engine.shutdown()
