@@ -1,0 +1,371 @@
+"""``minicpmo-serve``: the embedded deployment - three stage processes and the gateway on one machine.
+
+    minicpmo-serve [--checkpoint DIR] [--deploy-config FILE|NAME] [--stage-overrides JSON]
+                   [--device cpu|cuda] [--port 8099]
+
+* Without ``--checkpoint`` it generates the tiny random-weight checkpoint once
+  (``minicpmo-checkpoint make --size tiny``) and caches it under ``$MINICPMO_CACHE_DIR`` (default
+  ``~/.cache/minicpmo``), so a newcomer sees the whole pipeline answer on a laptop.
+* Without ``--deploy-config`` it uses the 1-GPU profile when CUDA is available, else the CPU profile.
+* Every stage replica is a child process ``python -m services.<stage> --checkpoint DIR --device D
+  --port P``. A replica placed on ``cuda:N`` runs with ``CUDA_VISIBLE_DEVICES=N`` and ``--device cuda:0``,
+  so it sees exactly its own GPU; CPU replicas run with ``CUDA_VISIBLE_DEVICES=""``. Each child also gets
+  its resolved profile section in ``MINICPMO_STAGE_SETTINGS`` (memory share, max sequences, dtype).
+* The gateway child gets every replica's address (``ip:port`` lists, balanced round-robin) and the
+  resolved profile (overrides applied) as a YAML file.
+* It waits until every stage answers its gRPC health check and the gateway's ``/health`` is 200, prints
+  the URL, and on Ctrl-C / SIGTERM stops the gateway first, then the stages (SIGTERM, then SIGKILL).
+
+The child plan is a pure function (:func:`plan_children`) so tests can check placements without GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from services.common.deploy_profile import (
+    STAGE_SETTINGS_ENV,
+    STAGES,
+    DeployProfile,
+    ProfileError,
+    load_profile,
+    parse_overrides,
+)
+
+CHECKPOINT_MAKE_TIMEOUT_S = 900
+
+
+@dataclass
+class ChildSpec:
+    """One process to start: what it is, its command line, the environment it adds, and where it listens."""
+
+    name: str  # "thinker-0", "talker-1", "gateway"
+    stage: str | None
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    device: str = "cpu"
+
+
+def _device_env(device: str) -> tuple[str, dict[str, str]]:
+    """(--device value, env) for a replica placed on ``device``."""
+    if device == "cpu":
+        return "cpu", {"CUDA_VISIBLE_DEVICES": ""}
+    if device.startswith("cuda:"):
+        return "cuda:0", {"CUDA_VISIBLE_DEVICES": device.split(":", 1)[1]}
+    return "cuda", {}  # bare "cuda": whatever GPUs the launcher itself sees
+
+
+def plan_children(
+    profile: DeployProfile,
+    checkpoint: str | os.PathLike[str],
+    profile_file: str | os.PathLike[str],
+    gateway_port: int,
+    host: str = "127.0.0.1",
+    python: str = sys.executable,
+    stage_ports: dict[str, list[int]] | None = None,
+    gateway_args: Sequence[str] = (),
+) -> list[ChildSpec]:
+    """Every child process for ``profile``: stage replicas first (thinker, talker, code2wav), gateway last."""
+    children: list[ChildSpec] = []
+    addrs: dict[str, list[str]] = {}
+    for stage in STAGES:
+        sp = profile.stage(stage)
+        ports = stage_ports[stage] if stage_ports else [sp.replica_port(i) for i in range(sp.replicas)]
+        for index, device in enumerate(sp.devices):
+            dev_arg, env = _device_env(device)
+            env[STAGE_SETTINGS_ENV] = sp.settings_json()
+            env["PYTHONUNBUFFERED"] = "1"
+            argv = [
+                python, "-m", f"services.{stage}",
+                "--checkpoint", str(checkpoint),
+                "--device", dev_arg,
+                "--host", host,
+                "--port", str(ports[index]),
+            ]
+            children.append(ChildSpec(f"{stage}-{index}", stage, argv, env, ports[index], device))
+            addrs.setdefault(stage, []).append(f"{host}:{ports[index]}")
+    gw_argv = [
+        python, "-m", "gateway",
+        "--thinker-addr", ",".join(addrs["thinker"]),
+        "--talker-addr", ",".join(addrs["talker"]),
+        "--code2wav-addr", ",".join(addrs["code2wav"]),
+        "--deploy-config", str(profile_file),
+        "--host", host,
+        "--port", str(gateway_port),
+        *gateway_args,
+    ]
+    children.append(ChildSpec("gateway", None, gw_argv, {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},
+                              gateway_port, "cpu"))
+    return children
+
+
+# ---- checkpoint ---------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINICPMO_CACHE_DIR", Path.home() / ".cache" / "minicpmo")).expanduser()
+
+
+def ensure_tiny_checkpoint(log: callable = print) -> Path:  # type: ignore[valid-type]
+    """The cached tiny checkpoint, generated on first use (atomic: a half-written one is never used)."""
+    target = cache_dir() / "tiny-ckpt"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="tiny-ckpt.", dir=target.parent))
+    log(f"[minicpmo-serve] generating the tiny checkpoint in {target} (once, ~10-30 s)")
+    cmd = [sys.executable, "-m", "services.common.checkpoint_tool", "make", str(staging / "ckpt"), "--size", "tiny"]
+    try:
+        subprocess.run(cmd, check=True, timeout=CHECKPOINT_MAKE_TIMEOUT_S, stdout=subprocess.DEVNULL)
+        if (target / "config.json").is_file():  # another launcher won the race
+            return target
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging / "ckpt", target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+# ---- ports --------------------------------------------------------------------------------------
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_free_stage_ports(profile: DeployProfile) -> dict[str, list[int]]:
+    """Free ports for every replica such that port + 1000 (its metrics port) is free too."""
+    taken: set[int] = set()
+    out: dict[str, list[int]] = {}
+    for stage in STAGES:
+        for _ in range(profile.stage(stage).replicas):
+            for _attempt in range(200):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                if port < 64000 and port not in taken and port + 1000 not in taken and _port_free(port + 1000):
+                    break
+            else:
+                raise RuntimeError("could not find free ports for the stages")
+            taken.update({port, port + 1000})
+            out.setdefault(stage, []).append(port)
+    return out
+
+
+# ---- health -------------------------------------------------------------------------------------
+def _stage_serving(port: int, stage: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from gateway.stage_clients import STAGE_SERVICES
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=STAGE_SERVICES[stage]), timeout=1.0
+            )
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _gateway_healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=3) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Supervisor:
+    """Starts, watches and stops the children."""
+
+    def __init__(self, children: list[ChildSpec], log_dir: Path | None, verbose: bool = False) -> None:
+        self.children = children
+        self.log_dir = log_dir
+        self.verbose = verbose
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def log_path(self, child: ChildSpec) -> Path | None:
+        return self.log_dir / f"{child.name}.log" if self.log_dir else None
+
+    def start(self, child: ChildSpec) -> None:
+        env = {**os.environ, **child.env}
+        path = self.log_path(child)
+        out = None if (self.verbose or path is None) else open(path, "wb")  # noqa: SIM115 - owned by the child
+        try:
+            self.procs[child.name] = subprocess.Popen(
+                child.argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+            )
+        finally:
+            if out is not None:
+                out.close()
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            proc = self.procs.get(child.name)
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with code {proc.returncode}\n{self.tail(child)}")
+
+    def tail(self, child: ChildSpec, lines: int = 30) -> str:
+        path = self.log_path(child)
+        if path is None or not path.is_file():
+            return ""
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(f"  [{child.name}] {line}" for line in text)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = {c.name for c in self.children}
+        while pending:
+            self.check_alive()
+            for child in self.children:
+                if child.name not in pending:
+                    continue
+                ok = _gateway_healthy(child.port) if child.stage is None else _stage_serving(child.port, child.stage)
+                if ok:
+                    pending.discard(child.name)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                tails = "\n".join(self.tail(c) for c in self.children if c.name in pending)
+                raise TimeoutError(f"not healthy after {timeout_s:.0f} s: {sorted(pending)}\n{tails}")
+            time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Gateway first (no new work), then the stages; SIGTERM, then SIGKILL after ``timeout_s``."""
+        order = [c for c in self.children if c.stage is None] + [c for c in self.children if c.stage is not None]
+        for child in order:
+            proc = self.procs.get(child.name)
+            if proc is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in order:
+            proc = self.procs.get(child.name)
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait(timeout=5)
+
+
+def _default_profile_name(device: str | None) -> str:
+    if device == "cpu":
+        return "cpu"
+    if device == "cuda":
+        return "minicpmo_4_5"
+    try:
+        import torch
+
+        return "minicpmo_4_5" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minicpmo-serve", description="Run the three MiniCPM-o stages and the gateway")
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: generate the tiny one)")
+    p.add_argument("--deploy-config", default=None, help="profile file or bundled name (default: 1 GPU, or cpu)")
+    p.add_argument("--stage-overrides", default=None, help='JSON, e.g. {"thinker": {"sampling": {"max_tokens": 64}}}')
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device")
+    p.add_argument("--port", type=int, default=None, help="gateway port (default: the profile's, 8099)")
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway and stages bind")
+    p.add_argument("--stage-ports", choices=["profile", "auto"], default="profile",
+                   help="stage ports from the profile (50051..) or free ports picked at start")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every child")
+    p.add_argument("--log-dir", default=None, help="child logs (default: a fresh temp dir)")
+    p.add_argument("--verbose", action="store_true", help="children log to this terminal instead of files")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--allowed-media-root", default=None)
+    p.add_argument("--enable-http-fetch", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        profile = load_profile(args.deploy_config or _default_profile_name(args.device))
+        if args.device:
+            profile = profile.with_device(args.device)
+        profile = profile.with_overrides(parse_overrides(args.stage_overrides))
+    except ProfileError as exc:
+        print(f"minicpmo-serve: {exc}", file=sys.stderr)
+        return 2
+    checkpoint = Path(args.checkpoint) if args.checkpoint else ensure_tiny_checkpoint()
+    if not (checkpoint / "config.json").is_file():
+        print(f"minicpmo-serve: {checkpoint} is not a checkpoint (no config.json)", file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="minicpmo-serve-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    profile_file = log_dir / "profile.yaml"
+    profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+    port = args.port or profile.gateway.port
+    gateway_args: list[str] = []
+    for flag, value in (("--served-model-name", args.served_model_name), ("--api-key", args.api_key),
+                        ("--allowed-media-root", args.allowed_media_root)):
+        if value:
+            gateway_args += [flag, value]
+    if args.enable_http_fetch:
+        gateway_args.append("--enable-http-fetch")
+    stage_ports = pick_free_stage_ports(profile) if args.stage_ports == "auto" else None
+    children = plan_children(profile, checkpoint.resolve(), profile_file, port, args.host,
+                             stage_ports=stage_ports, gateway_args=gateway_args)
+    sup = Supervisor(children, None if args.verbose else log_dir, verbose=args.verbose)
+
+    stop_requested = False
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    rc = 0
+    try:
+        print(f"[minicpmo-serve] profile {profile.name}, checkpoint {checkpoint}, logs in {log_dir}", flush=True)
+        for child in children:
+            print(f"[minicpmo-serve] start {child.name} on {child.device} port {child.port}", flush=True)
+            sup.start(child)
+        sup.wait_healthy(args.startup_timeout)
+        print(f"[minicpmo-serve] ready: http://{args.host}:{port}/v1/chat/completions "
+              f"(model {args.served_model_name or profile.served_model_name})", flush=True)
+        while True:
+            sup.check_alive()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("[minicpmo-serve] stopping", flush=True)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"[minicpmo-serve] failed: {exc}", file=sys.stderr, flush=True)
+        rc = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sup.stop()
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

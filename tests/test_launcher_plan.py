@@ -1,0 +1,75 @@
+"""The launcher's child plan: each stage lands on the profile's device, without starting any process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gateway.launcher import build_parser, pick_free_stage_ports, plan_children
+from services.common.deploy_profile import STAGE_SETTINGS_ENV, load_profile
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_2gpu_profile_places_each_stage_on_its_gpu() -> None:
+    profile = load_profile("minicpmo_4_5_2gpu")
+    assert profile.stage("thinker").devices == ("cuda:0",)
+    assert profile.stage("talker").devices == ("cuda:1",)
+    assert profile.stage("code2wav").devices == ("cuda:1",)
+    children = plan_children(profile, "/ckpt", "/run/profile.yaml", 8099, python="py")
+    by_name = {c.name: c for c in children}
+    assert list(by_name) == ["thinker-0", "talker-0", "code2wav-0", "gateway"]
+    expected_gpu = {"thinker-0": "0", "talker-0": "1", "code2wav-0": "1"}
+    for name, gpu in expected_gpu.items():
+        child = by_name[name]
+        stage = name.split("-")[0]
+        assert child.argv[:3] == ["py", "-m", f"services.{stage}"]
+        assert child.env["CUDA_VISIBLE_DEVICES"] == gpu
+        assert _arg(child.argv, "--device") == "cuda:0"  # the one GPU the process can see
+        assert _arg(child.argv, "--checkpoint") == "/ckpt"
+        assert _arg(child.argv, "--port") == str(profile.stage(stage).port)
+        assert f'"name": "{stage}"' in child.env[STAGE_SETTINGS_ENV]
+    gw = by_name["gateway"]
+    assert gw.argv[:3] == ["py", "-m", "gateway"]
+    assert _arg(gw.argv, "--thinker-addr") == "127.0.0.1:50051"
+    assert _arg(gw.argv, "--talker-addr") == "127.0.0.1:50052"
+    assert _arg(gw.argv, "--code2wav-addr") == "127.0.0.1:50053"
+    assert _arg(gw.argv, "--deploy-config") == "/run/profile.yaml"
+    assert gw.env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_8x4090_replicas_get_one_gpu_and_port_each() -> None:
+    profile = load_profile("minicpmo_4_5_8x4090")
+    children = plan_children(profile, "/ckpt", "/p.yaml", 8099, python="py")
+    thinkers = [c for c in children if c.stage == "thinker"]
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in thinkers] == ["0", "1", "2", "3"]
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children if c.stage == "talker"] == ["4", "5"]
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children if c.stage == "code2wav"] == ["6", "7"]
+    gw = children[-1]
+    assert _arg(gw.argv, "--thinker-addr") == ",".join(f"127.0.0.1:{p}" for p in (50051, 50061, 50071, 50081))
+
+
+def test_device_cpu_override_hides_gpus() -> None:
+    profile = load_profile("minicpmo_4_5_2gpu").with_device("cpu")
+    for child in plan_children(profile, Path("/ckpt"), "/p.yaml", 9000, python="py"):
+        if child.stage is not None:
+            assert _arg(child.argv, "--device") == "cpu"
+        assert child.env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_auto_ports_are_distinct_and_leave_metrics_ports_free() -> None:
+    profile = load_profile("minicpmo_4_5_8x4090")
+    ports = pick_free_stage_ports(profile)
+    flat = [p for stage in ports.values() for p in stage]
+    assert len(flat) == 8 and len(set(flat)) == 8
+    assert not set(flat) & {p + 1000 for p in flat}
+    children = plan_children(profile, "/c", "/p.yaml", 8099, python="py", stage_ports=ports)
+    assert [c.port for c in children if c.stage == "thinker"] == ports["thinker"]
+
+
+def test_cli_flags() -> None:
+    args = build_parser().parse_args(
+        ["--deploy-config", "cpu", "--stage-overrides", "{}", "--device", "cpu", "--port", "8100"]
+    )
+    assert (args.deploy_config, args.device, args.port) == ("cpu", "cpu", 8100)
