@@ -27,7 +27,6 @@ from services.common.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     INTERNAL,
     RESOURCE_EXHAUSTED,
-    UNAVAILABLE,
     StageError,
 )
 from services.common.metrics import BATCH_SIZE, IN_FLIGHT, QUEUE_DEPTH, STEP_SECONDS
@@ -116,7 +115,6 @@ class ThinkerEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sequences: dict[int, Sequence] = {}
-        self.accepting = True
         self.max_kv_used_bytes = 0  # high-water mark, for tests and capacity planning
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)
         self._update_gauges()
@@ -124,8 +122,6 @@ class ThinkerEngine:
     # ------------------------------------------------------------------------------------ public API
     def open(self, sink: Sink, *, persistent: bool = False) -> Sequence:
         """A new KV owner. Turn requests are one-shot; duplex sessions are ``persistent``."""
-        if not self.accepting:
-            raise StageError(UNAVAILABLE, "thinker is draining; retry on another replica")
         return Sequence(persistent=persistent, sink=sink)
 
     def submit(self, seq: Sequence, work: WorkItem) -> None:

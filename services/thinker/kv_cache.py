@@ -96,12 +96,19 @@ class PagedKVCache:
         self.pool = BlockPool(num_blocks)
         num_slots = num_blocks * layout.block_size
         shape = (num_slots, layout.num_kv_heads, layout.head_dim)
+        # Uninitialised storage (pages are touched only when used); only the scratch block must hold
+        # finite values, because padded rows attend to it and NaN * 0 would still be NaN.
         self.k: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
+            torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
         ]
         self.v: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
+            torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
         ]
+        scratch = slice(
+            BlockPool.SCRATCH_BLOCK * layout.block_size, (BlockPool.SCRATCH_BLOCK + 1) * layout.block_size
+        )
+        for t in (*self.k, *self.v):
+            t[scratch].zero_()
 
     @property
     def used_bytes(self) -> int:
