@@ -1,0 +1,35 @@
+"""Realtime full-duplex WebSocket (wire-protocol §4): protocol, session state machine, journal, routes.
+
+:func:`mount_realtime` is the hook the gateway's app factory calls. Deployment knobs come from
+``app.state.realtime_settings`` (a :class:`RealtimeSettings`) when set before the app starts, else the
+defaults of wire-protocol §4 with the served model name of the gateway config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.realtime.settings import RealtimeSettings
+
+__all__ = ["RealtimeSettings", "mount_realtime"]
+
+
+def mount_realtime(app: Any) -> None:
+    from gateway.duplex_pipeline import GrpcDuplexPipeline
+    from gateway.realtime.routes import create_realtime_router
+
+    settings = getattr(app.state, "realtime_settings", None)
+    if settings is None:
+        settings = RealtimeSettings()
+        config = getattr(app.state, "config", None)
+        if config is not None:
+            settings.served_model = config.model_name
+        app.state.realtime_settings = settings
+
+    def pipeline_factory(session: Any) -> GrpcDuplexPipeline:
+        # Stage channels live on the runtime the app builds in its lifespan (shared with chat routes).
+        return GrpcDuplexPipeline(session, app.state.runtime.stages, app.state.realtime_settings)
+
+    router = create_realtime_router(settings, pipeline_factory)
+    app.state.realtime = router.realtime  # type: ignore[attr-defined]
+    app.include_router(router)

@@ -1,0 +1,463 @@
+"""Client → server commands of an open session (wire-protocol §4.4, §4.8, §4.9).
+
+Each handler validates its event fully before changing any state, so a rejected event leaves the
+session exactly as it was (malformed frames never derail a session).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from gateway.realtime import events as ev
+from gateway.realtime.audio import (
+    UNIT_SAMPLES,
+    canonical_input_format,
+    decode_input_audio,
+    default_rate_for,
+    strict_b64decode,
+    validate_rate,
+)
+from gateway.realtime.config import parse_session
+from gateway.realtime.errors import RealtimeError
+from gateway.realtime.session import UserItem
+from gateway.realtime.video import decode_video_frames
+
+if TYPE_CHECKING:
+    from gateway.realtime.session import DuplexSession
+
+Handler = Callable[["DuplexSession", dict[str, Any]], Awaitable[None]]
+UNSUPPORTED_RESPONSE_OPTIONS = (
+    "instructions",
+    "voice",
+    "temperature",
+    "max_output_tokens",
+    "max_response_output_tokens",
+    "tools",
+    "tool_choice",
+)
+
+
+async def dispatch(s: DuplexSession, event: dict[str, Any]) -> None:
+    kind = event.get("type")
+    handler = HANDLERS.get(kind) if isinstance(kind, str) else None
+    if handler is None:
+        raise RealtimeError("unknown_event", f"unknown event type {kind!r}", param="type")
+    await handler(s, event)
+
+
+# ------------------------------------------------------------------------------------------ session
+
+
+async def session_update(s: DuplexSession, event: dict[str, Any]) -> None:
+    s.cfg = parse_session(event.get("session"), current=s.cfg, audio_started=s.audio_started)
+    s.emit("session.updated", session=s.session_object())
+
+
+async def session_resume_mid_session(s: DuplexSession, event: dict[str, Any]) -> None:
+    raise RealtimeError("unsupported_session_resume", "session.resume is only valid as the first message")
+
+
+async def event_ack(s: DuplexSession, event: dict[str, Any]) -> None:
+    s.journal.ack(event.get("server_event_seq"))
+
+
+async def heartbeat(s: DuplexSession, event: dict[str, Any]) -> None:
+    s.emit("session.heartbeat_ack", session_id=s.id)
+
+
+async def close(s: DuplexSession, event: dict[str, Any]) -> None:
+    reason = event.get("reason")
+    await s._close(reason if isinstance(reason, str) and reason else "client_close")
+
+
+# ------------------------------------------------------------------------------------------ input
+
+
+def _buffered_input_bytes(s: DuplexSession) -> int:
+    samples = s.assembler.pending_samples + UNIT_SAMPLES * (
+        len(s.input_units) + sum(len(item.units) for item in s.committed_backlog)
+    )
+    return samples * 4
+
+
+async def append(s: DuplexSession, event: dict[str, Any]) -> None:
+    audio_b64 = event.get("audio", event.get("delta"))
+    fmt_name = event.get("format", event.get("input_audio_format"))
+    fmt = canonical_input_format(fmt_name) if fmt_name is not None else s.cfg.input_format
+    declared = event.get("sample_rate_hz", event.get("sample_rate"))
+    if declared is not None:
+        rate = validate_rate(declared, "sample_rate_hz")
+    else:
+        rate = s.cfg.input_rate if fmt == s.cfg.input_format else default_rate_for(fmt)
+    frames = decode_video_frames(event.get("video_frames"), event.get("max_slice_nums"))
+    if audio_b64 is None or audio_b64 == "":
+        if frames:
+            raise RealtimeError("invalid_input_modality", "MiniCPM-o needs audio on every append", param="audio")
+        raise RealtimeError("bad_event", "input_audio_buffer.append needs base64 audio", param="audio")
+    raw = strict_b64decode(audio_b64)
+    samples = decode_input_audio(raw, fmt, rate)
+    if _buffered_input_bytes(s) + samples.size * 4 > s.settings.max_pending_input_bytes:
+        raise RealtimeError("input_backpressure", "too much pending input audio; commit or clear first")
+    speech = s.is_speech(event, samples)
+
+    force = event.get("force_barge_in") is True or event.get("overlap_action") == "barge_in"
+    active = s.lifecycle.active
+    if force and active is not None:
+        if not s.settings.supports_barge_in:
+            raise RealtimeError("barge_in_unsupported", "this deployment does not support barge-in")
+        s.emit(
+            "overlap.decision",
+            session_id=s.id,
+            epoch=s.epoch,
+            policy=s.cfg.overlap_policy,
+            action="barge_in",
+            reason="client_force_barge_in",
+            metadata={"response_id": active.id},
+        )
+        await hard_interrupt(s, "barge_in")
+    elif active is not None and not s.cfg.auto_response:
+        s.emit(
+            "overlap.decision",
+            session_id=s.id,
+            epoch=s.epoch,
+            policy=s.cfg.overlap_policy,
+            action="listen",
+            reason="policy_listen_only",
+            metadata={"response_id": active.id},
+        )
+
+    s.audio_started = True
+    s.input_has_audio = True
+    s.input_has_speech = s.input_has_speech or speech
+    units = s.assembler.push(samples, frames, speech)
+    for unit in units:
+        if s.cfg.auto_response:
+            s.forward_unit(unit)
+        else:
+            s.input_units.append(unit)
+            if not unit.is_speech and s.lifecycle.active is None:
+                s.emit(
+                    "response.listen",
+                    session_id=s.id,
+                    epoch=s.epoch,
+                    response={"object": "realtime.response", "status": "listening",
+                              "metadata": {"reason": "silence_or_noise"}},
+                )
+
+
+async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
+    create = event.get("response_create", event.get("create_response"))
+    if create is None and event.get("type") == "input.commit":
+        create = True
+    if create is not None and not isinstance(create, bool):
+        raise RealtimeError("bad_event", "response_create must be a boolean", param="response_create")
+    if not s.input_has_audio:
+        raise RealtimeError("input_audio_buffer_empty", "input_audio_buffer.commit requires a non-empty input audio buffer")
+    if not s.cfg.auto_response and s.pending_commits() >= s.settings.max_pending_commits:
+        raise RealtimeError("input_backpressure", f"more than {s.settings.max_pending_commits} pending commits")
+    audio_samples = s.assembler.total_samples
+    residual = s.assembler.flush()
+    if residual is not None:
+        if s.cfg.auto_response:
+            s.forward_unit(residual)
+        else:
+            s.input_units.append(residual)
+    speech = s.input_has_speech and event.get("is_speech") is not False
+    s.turn_id += 1
+    item = UserItem(ev.new_user_item_id(), s.turn_id, audio_samples * 1000 // 16_000, s.input_units, speech)
+    s.input_units = []
+    s.assembler.total_samples = 0
+    s.input_has_audio = s.input_has_speech = False
+    s.items[item.id] = {"kind": "user", "item": item}
+    s.item_order.append(item.id)
+    previous, s.last_item_id = s.last_item_id, item.id
+    for resp in s.lifecycle.responses.values():
+        resp.superseded_by_user_turn = True
+    active = s.lifecycle.active
+    deferred = bool(create and speech and active is not None and not s.cfg.auto_response)
+    s.emit("conversation.item.added", previous_item_id=previous, item=item.to_json())
+    s.emit("conversation.item.created", previous_item_id=previous, item=item.to_json())
+    committed_event: dict[str, Any] = {
+        "type": "input.committed",
+        "turn_id": s.turn_id,
+        "epoch": s.epoch,
+        "history_len": len(s.item_order),
+        "message": "speech" if speech else "silence_or_noise",
+    }
+    if deferred:
+        committed_event["response_create_deferred"] = True
+    s.emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id, event=committed_event)
+    s.emit("conversation.item.done", item=item.to_json())
+    if not speech:
+        s.emit(
+            "response.listen",
+            session_id=s.id,
+            epoch=s.epoch,
+            response={"object": "realtime.response", "status": "listening", "metadata": {"reason": "silence_or_noise"}},
+        )
+        return
+    if s.cfg.auto_response:
+        return
+    s.committed_backlog.append(item)
+    if create:
+        if deferred:
+            s.lifecycle.deferred_create = True
+        else:
+            s.lifecycle.start_turn_response()
+
+
+async def clear(s: DuplexSession, event: dict[str, Any]) -> None:
+    _drop_input(s)
+    s.emit("input_audio_buffer.cleared")
+
+
+def _drop_input(s: DuplexSession) -> None:
+    s.assembler.clear()
+    s.assembler.total_samples = 0
+    s.input_units = []
+    s.input_has_audio = s.input_has_speech = False
+
+
+async def input_cancel(s: DuplexSession, event: dict[str, Any]) -> None:
+    _drop_input(s)
+    s.emit("input_audio_buffer.cleared")
+    await hard_interrupt(s, "barge_in")
+
+
+async def text_append(s: DuplexSession, event: dict[str, Any]) -> None:
+    raise RealtimeError("native_text_append_unsupported", "MiniCPM-o duplex sessions take audio input only")
+
+
+# ------------------------------------------------------------------------------------------ interrupts
+
+
+async def hard_interrupt(s: DuplexSession, reason: str, *, cleared: bool = False) -> None:
+    """Bump the epoch, fence every live stage stream, and close the active response as cancelled."""
+    s.epoch += 1
+    s.pipeline.interrupt(s.epoch, reason)
+    s.lifecycle.deferred_create = False
+    s.lifecycle.cancel_active(reason, cleared=cleared)
+
+
+async def barge_in(s: DuplexSession, event: dict[str, Any]) -> None:
+    if not s.settings.supports_barge_in:
+        raise RealtimeError("barge_in_unsupported", "this deployment does not support barge-in")
+    _drop_input(s)
+    s.emit("input_audio_buffer.cleared")
+    await hard_interrupt(s, "barge_in")
+
+
+async def response_cancel(s: DuplexSession, event: dict[str, Any]) -> None:
+    rid = event.get("response_id")
+    active = s.lifecycle.active
+    if active is None or (rid is not None and rid != active.id):
+        raise RealtimeError("response_not_active", f"response {rid or ''} is not active".replace("  ", " "), param="response_id")
+    await hard_interrupt(s, "client_cancelled")
+
+
+async def output_clear(s: DuplexSession, event: dict[str, Any]) -> None:
+    rid = event.get("response_id")
+    active = s.lifecycle.active
+    if active is not None and (rid is None or rid == active.id):
+        await hard_interrupt(s, "output_audio_buffer_clear", cleared=True)
+        return
+    last = s.lifecycle.last
+    s.emit("output_audio_buffer.cleared", response_id=rid or (last.id if last else None))
+
+
+async def turn_signal(s: DuplexSession, event: dict[str, Any]) -> None:
+    target = event.get("event")
+    routed = {"barge_in", "input.cancel", "response.cancel", "session.update"}
+    if not isinstance(target, str) or not (target in routed or target.startswith("conversation.item.")):
+        raise RealtimeError("bad_event", "turn.signal needs a routable event", param="event")
+    payload = event.get("payload") or {}
+    if not isinstance(payload, dict):
+        raise RealtimeError("bad_event", "turn.signal payload must be an object", param="payload")
+    await dispatch(s, {**payload, "type": target})
+
+
+async def response_create(s: DuplexSession, event: dict[str, Any]) -> None:
+    options = event.get("response") or {}
+    if not isinstance(options, dict):
+        raise RealtimeError("bad_event", "response must be an object", param="response")
+    bad = [k for k in UNSUPPORTED_RESPONSE_OPTIONS if k in options]
+    if bad:
+        raise RealtimeError(
+            "unsupported_native_response_options", f"per-response options are not supported: {bad}", param=f"response.{bad[0]}"
+        )
+    if s.lifecycle.active is not None:
+        raise RealtimeError("response_already_active", "a response is already in progress")
+    if not s.committed_backlog and (not s.cfg.auto_response or s.turn_id == 0):
+        raise RealtimeError("response_create_without_input", "response.create needs committed audio input")
+    s.lifecycle.start_turn_response()
+
+
+# ------------------------------------------------------------------------------------------ playback
+
+
+def _ack_target(s: DuplexSession, event: dict[str, Any]) -> ev.ResponseState:
+    rid = event.get("response_id")
+    item_id = event.get("item_id")
+    if rid is not None and item_id is not None and item_id != ev.assistant_item_id(rid):
+        raise RealtimeError("playback_item_mismatch", "item_id does not belong to response_id", param="item_id")
+    if rid is not None:
+        resp = s.lifecycle.responses.get(rid)
+        if resp is None:
+            raise RealtimeError("playback_item_not_found", f"unknown response {rid}", param="response_id")
+        return resp
+    last = s.lifecycle.last
+    if last is None:
+        raise RealtimeError("playback_item_not_found", "no assistant audio has been sent", param="item_id")
+    if item_id is not None and item_id != last.item_id:
+        known = s.items.get(item_id)
+        if known is None and not str(item_id).startswith("item_resp_"):
+            raise RealtimeError("playback_item_mismatch", "item_id is not the current assistant item", param="item_id")
+        if known is None or known["kind"] != "assistant":
+            raise RealtimeError("playback_item_mismatch", "item_id is not an assistant item", param="item_id")
+        return known["response"]
+    return last
+
+
+async def playback_ack(s: DuplexSession, event: dict[str, Any]) -> None:
+    played = event.get("played_ms")
+    if isinstance(played, bool) or not isinstance(played, (int, float)) or played < 0:
+        raise RealtimeError("bad_event", "played_ms must be a non-negative number", param="played_ms")
+    committed = event.get("committed_ms", played)
+    if isinstance(committed, bool) or not isinstance(committed, (int, float)) or committed < 0:
+        raise RealtimeError("bad_event", "committed_ms must be a non-negative number", param="committed_ms")
+    resp = _ack_target(s, event)
+    if resp.superseded_by_user_turn and resp.status != "in_progress":
+        raise RealtimeError("playback_ack_too_late", "a later user turn was committed after this response")
+    resp.played_ms = max(resp.played_ms, min(int(played), resp.audio_ms))
+    resp.committed_ms = max(resp.committed_ms, min(int(committed), resp.audio_ms))
+    if resp.status == "cancelled":
+        resp.history_transcript = resp.transcript_at(resp.committed_ms)
+    s.emit(
+        "playback.acknowledged",
+        event={
+            "item_id": resp.item_id,
+            "response_id": resp.id,
+            "played_ms": int(played),
+            "committed_ms": int(committed),
+            "truncate": False,
+            "playback": resp.playback(),
+            "history_committed": resp.status != "in_progress",
+        },
+    )
+
+
+# ------------------------------------------------------------------------------------------ items
+
+
+def _lookup_item(s: DuplexSession, event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    item_id = event.get("item_id")
+    if not isinstance(item_id, str) or not item_id:
+        raise RealtimeError("missing_item_id", "item_id is required", param="item_id")
+    entry = s.items.get(item_id)
+    if entry is None:
+        raise RealtimeError("item_not_found", f"no item {item_id}", param="item_id")
+    return item_id, entry
+
+
+def _item_json(entry: dict[str, Any]) -> dict[str, Any]:
+    if entry["kind"] == "user":
+        return entry["item"].to_json()
+    resp: ev.ResponseState = entry["response"]
+    status = {"in_progress": "in_progress", "completed": "completed", "cancelled": "cancelled"}.get(resp.status, "incomplete")
+    item = resp.item(status)
+    transcript = resp.history_transcript if resp.history_transcript is not None else resp.transcript
+    key = "transcript" if resp.wants_audio else "text"
+    item["content"] = [{**resp.content_part(), key: transcript}]
+    item["metadata"] = {"audio_ms": resp.audio_ms, "committed_ms": resp.committed_ms,
+                        "audio_text_marks": [m.to_json() for m in resp.marks]}
+    return item
+
+
+async def item_retrieve(s: DuplexSession, event: dict[str, Any]) -> None:
+    _, entry = _lookup_item(s, event)
+    s.emit("conversation.item.retrieved", item=_item_json(entry))
+
+
+async def item_delete(s: DuplexSession, event: dict[str, Any]) -> None:
+    item_id, entry = _lookup_item(s, event)
+    if entry["kind"] == "assistant" and entry["response"].status == "in_progress":
+        raise RealtimeError("item_in_progress", "cancel the response before deleting its item", param="item_id")
+    del s.items[item_id]
+    s.item_order.remove(item_id)
+    s.emit("conversation.item.deleted", item_id=item_id, event={"item_id": item_id})
+
+
+async def item_truncate(s: DuplexSession, event: dict[str, Any]) -> None:
+    item_id, entry = _lookup_item(s, event)
+    if entry["kind"] != "assistant" or not entry["response"].wants_audio:
+        raise RealtimeError("invalid_item_type", "only assistant audio items can be truncated", param="item_id")
+    resp: ev.ResponseState = entry["response"]
+    end_ms = event.get("audio_end_ms")
+    if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
+        raise RealtimeError("bad_event", "audio_end_ms must be a non-negative integer", param="audio_end_ms")
+    if event.get("content_index", 0) != 0:
+        raise RealtimeError("bad_event", "content_index must be 0", param="content_index")
+    if end_ms > resp.audio_ms:
+        raise RealtimeError(
+            "invalid_audio_end_ms", f"audio_end_ms {end_ms} exceeds the item's {resp.audio_ms} ms of audio", param="audio_end_ms"
+        )
+    if resp.status == "in_progress":
+        await hard_interrupt(s, "client_cancelled")
+    resp.committed_ms = end_ms
+    resp.history_transcript = resp.transcript_at(end_ms)
+    s.emit(
+        "conversation.item.truncated",
+        item_id=item_id,
+        content_index=0,
+        audio_end_ms=end_ms,
+        event={"item_id": item_id, "audio_end_ms": end_ms, "transcript": resp.history_transcript},
+    )
+
+
+async def item_create(s: DuplexSession, event: dict[str, Any]) -> None:
+    item = event.get("item")
+    if not isinstance(item, dict):
+        raise RealtimeError("bad_event", "item must be an object", param="item")
+    if item.get("type") == "function_call_output":
+        raise RealtimeError("tools_unsupported", "MiniCPM-o duplex sessions have no tools", param="item.type")
+    content = item.get("content")
+    if item.get("role", "user") != "user" or not isinstance(content, list) or not content:
+        raise RealtimeError("bad_event", "only user items with content are accepted", param="item")
+    audio_parts = [p for p in content if isinstance(p, dict) and p.get("type") == "input_audio"]
+    if len(audio_parts) != len(content):
+        raise RealtimeError("text_only_turn_unsupported", "only input_audio content is accepted; seed text via initial_user_text", param="item.content")
+    for part in audio_parts:
+        await append(s, {"type": "input_audio_buffer.append", "audio": part.get("audio"), "format": part.get("format")})
+    await commit(s, {"type": "input_audio_buffer.commit", "response_create": False})
+
+
+HANDLERS: dict[str, Handler] = {
+    "session.update": session_update,
+    "session.resume": session_resume_mid_session,
+    "session.event_ack": event_ack,
+    "session.heartbeat": heartbeat,
+    "session.close": close,
+    "close": close,
+    "close_session": close,
+    "input_audio_buffer.append": append,
+    "input_audio_buffer.commit": commit,
+    "input.commit": commit,
+    "input_audio_buffer.clear": clear,
+    "input.cancel": input_cancel,
+    "input.text.append": text_append,
+    "input_text.append": text_append,
+    "push_text": text_append,
+    "conversation.item.create": item_create,
+    "conversation.item.retrieve": item_retrieve,
+    "conversation.item.delete": item_delete,
+    "conversation.item.truncate": item_truncate,
+    "response.create": response_create,
+    "response.cancel": response_cancel,
+    "output_audio_buffer.clear": output_clear,
+    "barge_in": barge_in,
+    "turn.signal": turn_signal,
+    "signal_turn": turn_signal,
+    "playback.ack": playback_ack,
+    "audio.playback_ack": playback_ack,
+}

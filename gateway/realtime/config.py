@@ -1,0 +1,290 @@
+"""Session configuration (wire-protocol §4.3): parse the ``session`` object, validate it, render it back.
+
+Validation order on open and on update: audio formats, then turn detection, then the MiniCPM-specific
+checks (reference audio, ``extra_body``). Turn-detection faults surface as ``invalid_session_config`` on
+the opening update and as ``unsupported_turn_detection`` on later ones, like the reference server.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+
+from gateway.realtime.audio import (
+    OUTPUT_FORMATS,
+    UNIT_RATE,
+    canonical_input_format,
+    default_rate_for,
+    resample,
+    validate_rate,
+)
+from gateway.realtime.errors import RealtimeError
+
+DEFAULT_MODEL = "openbmb/MiniCPM-o-4_5"
+DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
+OVERLAP_POLICIES = ("listen_only", "barge_in_on_speech")
+PLAYBACK_POLICIES = ("ack_only", "commit_all_on_done")
+# Keys of extra_body that the server owns at runtime; a client may not set them.
+SERVER_OWNED_EXTRA_KEYS = frozenset({"session_id", "request_id", "epoch", "unit_seq", "turn_id", "stream_mode"})
+_MAX_REF_AUDIO_S = 30.0
+
+
+@dataclass
+class SessionConfig:
+    model: str = DEFAULT_MODEL
+    modalities: list[str] = field(default_factory=lambda: ["text", "audio"])
+    instructions: str = ""
+    voice: str | None = None
+    ref_audio_uri: str | None = None
+    ref_audio: np.ndarray | None = None  # mono float32 at 16 kHz, trimmed to 100 ms multiples
+    input_format: str = "pcm16"
+    input_rate: int = UNIT_RATE
+    output_format: str = "pcm16"
+    turn_detection: dict[str, Any] | None = None
+    temperature: float | None = None
+    max_response_output_tokens: int | None = None
+    idle_timeout_s: float = 300.0
+    overlap_policy: str = "listen_only"
+    playback_commit_policy: str = "ack_only"
+    auto_response: bool = False
+    force_listen_count: int = 0
+    initial_user_text: str | None = None
+    max_response_units: int | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] | None = None
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.modalities
+
+
+def _get(obj: dict[str, Any], *path: str) -> Any:
+    cur: Any = obj
+    for key in path:
+        if not isinstance(cur, dict) or key not in cur:
+            return None
+        cur = cur[key]
+    return cur
+
+
+def _format_and_rate(spec: Any, param: str) -> tuple[str | None, int | None]:
+    """``"pcm16"`` or ``{"type": "audio/pcm", "rate": 24000}`` → (canonical format, rate or None)."""
+    if spec is None:
+        return None, None
+    if isinstance(spec, str):
+        try:
+            return canonical_input_format(spec), None
+        except RealtimeError as exc:
+            exc.param = param
+            raise
+    if isinstance(spec, dict):
+        fmt = spec.get("type") or spec.get("format") or "pcm16"
+        rate = spec.get("rate")
+        try:
+            canon = canonical_input_format(fmt)
+        except RealtimeError as exc:
+            exc.param = param
+            raise
+        return canon, (validate_rate(rate, f"{param}.rate") if rate is not None else None)
+    raise RealtimeError("unsupported_audio_format", f"{param} must be a string or an object", param=param)
+
+
+def _output_format(spec: Any) -> str | None:
+    if spec is None:
+        return None
+    name = spec.get("type") if isinstance(spec, dict) else spec
+    key = str(name).lower()
+    key = {"audio/pcm": "pcm16", "pcm": "pcm16", "audio/wav": "wav", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(
+        key, key
+    )
+    if key not in OUTPUT_FORMATS:
+        raise RealtimeError(
+            "unsupported_audio_format", f"unsupported output audio format {name!r}", param="output_audio_format"
+        )
+    return key
+
+
+def decode_ref_audio(uri: Any) -> np.ndarray:
+    """A ``data:audio/...;base64`` URI (or bare base64 WAV) → 16 kHz mono float32 trimmed to 100 ms."""
+    if not isinstance(uri, str) or not uri:
+        raise RealtimeError("bad_ref_audio", "ref_audio must be a data: URI with base64 audio", param="ref_audio")
+    payload = uri
+    if uri.startswith("data:"):
+        if ";base64," not in uri:
+            raise RealtimeError("bad_ref_audio", "ref_audio data URI must be base64", param="ref_audio")
+        payload = uri.split(";base64,", 1)[1]
+    elif uri.startswith(("http://", "https://", "file:", "/")):
+        raise RealtimeError("unsupported_ref_audio_path", "ref_audio must be inline (data: URI)", param="ref_audio")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+        samples, rate = sf.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+    except (binascii.Error, ValueError, RuntimeError, sf.LibsndfileError) as exc:
+        raise RealtimeError("bad_ref_audio", f"ref_audio could not be decoded: {exc}", param="ref_audio") from exc
+    mono = samples.mean(axis=1)
+    if mono.size == 0 or mono.size / rate > _MAX_REF_AUDIO_S:
+        raise RealtimeError("bad_ref_audio", f"ref_audio must be 0.1–{_MAX_REF_AUDIO_S:.0f} s", param="ref_audio")
+    x = resample(mono.astype(np.float32), int(rate), UNIT_RATE)
+    keep = (x.size // (UNIT_RATE // 10)) * (UNIT_RATE // 10)
+    if keep == 0:
+        raise RealtimeError("bad_ref_audio", "ref_audio is shorter than 100 ms", param="ref_audio")
+    return x[:keep]
+
+
+def _validate_turn_detection(td: Any, overlap_policy: str, opening: bool) -> dict[str, Any] | None:
+    code = "invalid_session_config" if opening else "unsupported_turn_detection"
+    if td is None:
+        if overlap_policy != "listen_only":
+            raise RealtimeError(code, "turn_detection null requires overlap_policy listen_only", param="turn_detection")
+        return None
+    # The gateway has no server-side VAD: every turn-detection object, including server_vad, is refused.
+    kind = td.get("type") if isinstance(td, dict) else td
+    raise RealtimeError(
+        code,
+        f"turn_detection {kind!r} is not supported; use null (model-owned turn taking)",
+        param="turn_detection",
+    )
+
+
+def parse_session(
+    obj: Any, *, current: SessionConfig | None = None, audio_started: bool = False
+) -> SessionConfig:
+    """Build a config from a ``session`` object; with ``current``, apply it as a live update."""
+    if obj is None:
+        obj = {}
+    if not isinstance(obj, dict):
+        raise RealtimeError("bad_event", "session must be an object", param="session")
+    opening = current is None
+    cfg = copy.deepcopy(current) if current is not None else SessionConfig()
+
+    # 1. audio formats
+    in_spec = obj.get("input_audio_format", _get(obj, "audio", "input", "format"))
+    fmt, rate = _format_and_rate(in_spec, "input_audio_format")
+    declared_rate = obj.get("sample_rate_hz", _get(obj, "audio", "input", "sample_rate_hz"))
+    if fmt is not None:
+        cfg.input_format = fmt
+        cfg.input_rate = rate or default_rate_for(fmt)
+    if declared_rate is not None:
+        cfg.input_rate = validate_rate(declared_rate)
+    out_spec = obj.get("output_audio_format", _get(obj, "audio", "output", "format"))
+    out_fmt = _output_format(out_spec)
+    if out_fmt is not None:
+        cfg.output_format = out_fmt
+    out_rate = _get(obj, "audio", "output", "sample_rate_hz")
+    if out_rate is not None and out_rate != 24_000 and cfg.output_format in ("pcm16", "wav"):
+        raise RealtimeError(
+            "unsupported_audio_format", "output audio is 24000 Hz", param="audio.output.sample_rate_hz"
+        )
+
+    # 2. turn detection
+    if "overlap_policy" in obj:
+        cfg.overlap_policy = obj["overlap_policy"] if obj["overlap_policy"] in OVERLAP_POLICIES else "listen_only"
+    if "turn_detection" in obj or opening:
+        cfg.turn_detection = _validate_turn_detection(obj.get("turn_detection"), cfg.overlap_policy, opening)
+    if "playback_commit_policy" in obj:
+        value = obj["playback_commit_policy"]
+        cfg.playback_commit_policy = value if value in PLAYBACK_POLICIES else "ack_only"
+
+    # 3. identity-bearing fields: only on open
+    model = obj.get("model")
+    if model is not None:
+        if not opening and model != cfg.model:
+            raise RealtimeError("model_update_unsupported", "the model cannot change within a session", param="model")
+        cfg.model = str(model)
+    extra = obj.get("extra_body") or {}
+    if not isinstance(extra, dict):
+        raise RealtimeError("bad_event", "extra_body must be an object", param="extra_body")
+    owned = sorted(SERVER_OWNED_EXTRA_KEYS & extra.keys())
+    if owned:
+        raise RealtimeError("invalid_session_config", f"extra_body keys are server-owned: {owned}", param="extra_body")
+    if "ref_audio_path" in extra or "tts_ref_audio_path" in extra or "ref_audio_path" in obj:
+        raise RealtimeError("unsupported_ref_audio_path", "ref audio must be inline, not a path", param="ref_audio")
+    ref_uri = obj.get("ref_audio") or extra.get("ref_audio") or extra.get("tts_ref_audio")
+    if ref_uri is not None:
+        if not opening:
+            raise RealtimeError("ref_audio_update_unsupported", "ref_audio is fixed at open", param="ref_audio")
+        cfg.ref_audio = decode_ref_audio(ref_uri)
+        cfg.ref_audio_uri = ref_uri
+    voice = obj.get("voice", _get(obj, "audio", "output", "voice"))
+    if voice is not None:
+        if not opening and audio_started and voice != cfg.voice:
+            raise RealtimeError(
+                "voice_update_after_audio_unsupported", "voice cannot change after audio started", param="voice"
+            )
+        cfg.voice = str(voice)
+    if "instructions" in obj and obj["instructions"] is not None:
+        text = str(obj["instructions"])
+        if not opening and text != cfg.instructions:
+            raise RealtimeError(
+                "instructions_update_unsupported", "instructions are fixed at open", param="instructions"
+            )
+        cfg.instructions = text
+    for knob in ("sliding_window_mode", "basic_window_high_tokens", "basic_window_low_tokens",
+                 "context_previous_max_tokens", "context_max_units"):
+        if knob in extra and not opening and extra[knob] != cfg.extra_body.get(knob):
+            raise RealtimeError("sliding_window_update_unsupported", f"{knob} is fixed at open", param=knob)
+
+    # 4. plain knobs
+    mods = obj.get("output_modalities", obj.get("modalities"))
+    if mods is not None:
+        if not isinstance(mods, list) or not mods or any(m not in ("text", "audio") for m in mods):
+            raise RealtimeError("invalid_session_config", "modalities must be a subset of [text, audio]", param="modalities")
+        cfg.modalities = list(mods)
+    if obj.get("temperature") is not None:
+        cfg.temperature = float(obj["temperature"])
+    mrot = obj.get("max_response_output_tokens")
+    if mrot is not None:
+        cfg.max_response_output_tokens = None if mrot == "inf" else int(mrot)
+    if obj.get("idle_timeout_s") is not None:
+        value = float(obj["idle_timeout_s"])
+        if value <= 0:
+            raise RealtimeError("invalid_session_config", "idle_timeout_s must be positive", param="idle_timeout_s")
+        cfg.idle_timeout_s = value
+    if "metadata" in obj:
+        cfg.metadata = obj["metadata"]
+    if "auto_response" in extra:
+        cfg.auto_response = bool(extra["auto_response"])
+    if "force_listen_count" in extra:
+        cfg.force_listen_count = max(0, int(extra["force_listen_count"]))
+    if "max_response_units" in extra:
+        cfg.max_response_units = max(1, int(extra["max_response_units"]))
+    seed_text = extra.get("duplex_initial_user_text", obj.get("initial_user_text"))
+    if seed_text is not None:
+        cfg.initial_user_text = str(seed_text)
+    cfg.extra_body = {**cfg.extra_body, **extra}
+
+    if cfg.wants_audio and cfg.ref_audio is None:
+        raise RealtimeError(
+            "ref_audio_required", "ref_audio is required when audio is an output modality", param="ref_audio"
+        )
+    return cfg
+
+
+def render_session(cfg: SessionConfig) -> dict[str, Any]:
+    """The configuration part of the session object echoed in session.created/updated."""
+    return {
+        "model": cfg.model,
+        "modalities": list(cfg.modalities),
+        "instructions": cfg.instructions,
+        "voice": cfg.voice,
+        "input_audio_format": cfg.input_format,
+        "output_audio_format": cfg.output_format,
+        "audio": {
+            "input": {"format": {"type": cfg.input_format, "rate": cfg.input_rate}, "sample_rate_hz": cfg.input_rate},
+            "output": {"format": {"type": cfg.output_format, "rate": 8_000 if cfg.output_format.startswith("g711") else 24_000}},
+        },
+        "turn_detection": cfg.turn_detection,
+        "temperature": cfg.temperature,
+        "max_response_output_tokens": "inf" if cfg.max_response_output_tokens is None else cfg.max_response_output_tokens,
+        "idle_timeout_s": cfg.idle_timeout_s,
+        "overlap_policy": cfg.overlap_policy,
+        "playback_commit_policy": cfg.playback_commit_policy,
+        "extra_body": {k: v for k, v in cfg.extra_body.items() if k not in ("ref_audio", "tts_ref_audio")},
+        "metadata": cfg.metadata,
+    }

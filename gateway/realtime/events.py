@@ -1,0 +1,108 @@
+"""Server event construction: ids and the shapes of items, responses and audio deltas (wire-protocol §4.7)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def new_event_id() -> str:
+    return f"event_{secrets.token_hex(16)}"
+
+
+def new_session_id() -> str:
+    return f"duplex-{secrets.token_hex(16)}"
+
+
+def new_response_id() -> str:
+    return f"resp_{secrets.token_hex(12)}"
+
+
+def new_user_item_id() -> str:
+    return f"item_{secrets.token_hex(12)}"
+
+
+def assistant_item_id(response_id: str) -> str:
+    return f"item_{response_id}"
+
+
+@dataclass
+class TextMark:
+    """After ``audio_end_ms`` of assistant audio, ``text_chars`` characters of transcript were spoken."""
+
+    text_chars: int
+    audio_end_ms: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"text_chars": self.text_chars, "audio_end_ms": self.audio_end_ms}
+
+
+@dataclass
+class ResponseState:
+    """One assistant utterance, from ``response.created`` to ``response.done``."""
+
+    id: str
+    epoch: int
+    lane: str  # "native" | "turn"
+    modalities: list[str]
+    turn_id: int
+    start_unit: int | None = None
+    status: str = "in_progress"
+    spoke: bool = False
+    transcript: str = ""
+    pending_text: str = ""
+    audio_samples: int = 0  # 24 kHz samples sent
+    audio_deltas: int = 0
+    transcript_deltas: int = 0
+    marks: list[TextMark] = field(default_factory=list)
+    held_audio: Any = None  # float32 24 kHz chunk held back so the last one can carry end_of_turn
+    thinker_turn_ended: bool = False
+    units_seen: int = 0
+    played_ms: int = 0
+    committed_ms: int = 0
+    history_transcript: str | None = None
+    superseded_by_user_turn: bool = False
+
+    @property
+    def item_id(self) -> str:
+        return assistant_item_id(self.id)
+
+    @property
+    def audio_ms(self) -> int:
+        return self.audio_samples * 1000 // 24_000
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.modalities
+
+    def transcript_at(self, audio_ms: int) -> str:
+        """Transcript prefix spoken by ``audio_ms`` of playback, from the audio/text marks."""
+        chars = 0
+        for mark in self.marks:
+            if mark.audio_end_ms <= audio_ms:
+                chars = mark.text_chars
+        return self.transcript[:chars]
+
+    def content_part(self) -> dict[str, Any]:
+        if self.wants_audio:
+            return {"type": "audio", "transcript": self.transcript}
+        return {"type": "text", "text": self.transcript}
+
+    def item(self, status: str) -> dict[str, Any]:
+        return {
+            "id": self.item_id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": [self.content_part()] if status != "in_progress" else [],
+        }
+
+    def playback(self) -> dict[str, int]:
+        return {
+            "generated_ms": self.audio_ms,
+            "sent_ms": self.audio_ms,
+            "played_ms": self.played_ms,
+            "committed_ms": self.committed_ms,
+        }

@@ -1,0 +1,339 @@
+"""Response lifecycle projection (wire-protocol §4.7, §4.9): pipeline outputs → normative event order.
+
+Owns the active response of a session. Every event of a response is emitted here, in the order
+
+    response.created → conversation.item.added → conversation.item.created → response.output_item.added
+    → response.content_part.added → [response.speak] → (output_audio.delta → transcript.delta)*
+    → output_audio.done → [transcript.done] → content_part.done → output_item.done
+    → conversation.item.done → response.done → rate_limits.updated
+
+and outputs of an older epoch than the session's are dropped here (the gateway half of the double
+fence: the stages drop them too once they see the interrupt).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gateway.realtime import events as ev
+from gateway.realtime.audio import encode_output_audio
+from gateway.realtime.errors import RealtimeError
+
+if TYPE_CHECKING:
+    from gateway.duplex_pipeline import PipelineEvent
+    from gateway.realtime.session import DuplexSession
+
+
+class ResponseLifecycle:
+    def __init__(self, session: DuplexSession) -> None:
+        self.s = session
+        self.active: ev.ResponseState | None = None
+        self.last: ev.ResponseState | None = None
+        self.responses: dict[str, ev.ResponseState] = {}
+        self.deferred_create = False
+
+    # ---------------------------------------------------------------- creation
+
+    def create(self, lane: str, start_unit: int | None) -> ev.ResponseState:
+        s = self.s
+        resp = ev.ResponseState(
+            id=ev.new_response_id(),
+            epoch=s.epoch,
+            lane=lane,
+            modalities=list(s.cfg.modalities),
+            turn_id=s.turn_id,
+            start_unit=start_unit,
+        )
+        self.active = resp
+        self.last = resp
+        self.responses[resp.id] = resp
+        s.items[resp.item_id] = {"kind": "assistant", "response": resp}
+        s.item_order.append(resp.item_id)
+        previous = s.last_item_id
+        s.last_item_id = resp.item_id
+        s.emit(
+            "response.created",
+            response_id=resp.id,
+            response={
+                "id": resp.id,
+                "object": "realtime.response",
+                "status": "in_progress",
+                "output": [],
+                "modalities": resp.modalities,
+                "metadata": {"epoch": resp.epoch, "duplex_event": {"epoch": resp.epoch, "lane": lane}},
+            },
+        )
+        item = resp.item("in_progress")
+        s.emit("conversation.item.added", previous_item_id=previous, item=item)
+        s.emit("conversation.item.created", previous_item_id=previous, item=item)
+        s.emit("response.output_item.added", response_id=resp.id, output_index=0, item=item)
+        part = {"type": "audio", "transcript": ""} if resp.wants_audio else {"type": "text", "text": ""}
+        s.emit(
+            "response.content_part.added",
+            response_id=resp.id,
+            item_id=resp.item_id,
+            output_index=0,
+            content_index=0,
+            part=part,
+        )
+        return resp
+
+    def start_turn_response(self) -> None:
+        """Turn lane: open a response and send the committed audio, asking for an answer at its last unit."""
+        s = self.s
+        units = [u for item in s.committed_backlog for u in item.units]
+        s.committed_backlog.clear()
+        if not units:
+            units = [s.silence_unit()]
+        resp = self.create("turn", start_unit=None)
+        first_seq = s.unit_seq
+        for i, unit in enumerate(units):
+            s.forward_unit(unit, request_response=(i == len(units) - 1))
+        resp.start_unit = s.unit_seq - 1
+        s.pipeline.allow_speech_from(resp.start_unit, first_seq)
+
+    # ---------------------------------------------------------------- pipeline outputs
+
+    async def on_pipeline(self, event: PipelineEvent) -> None:
+        from gateway.duplex_pipeline import AudioOut, PipelineFailure, StageAck, UnitOutcome
+
+        s = self.s
+        if isinstance(event, StageAck):
+            s.stage_acks.append({"stage": event.stage, "epoch": event.new_epoch, "dropped_items": event.dropped})
+            s.emit(
+                "duplex.stage_interrupt_ack",
+                session_id=s.id,
+                event={"stage": event.stage, "epoch": event.new_epoch, "dropped_items": event.dropped},
+            )
+            return
+        if isinstance(event, PipelineFailure):
+            await self._on_failure(event)
+            return
+        if event.epoch < s.epoch:
+            return  # gateway fence: late output of an interrupted epoch
+        if isinstance(event, UnitOutcome):
+            self._on_unit(event)
+        elif isinstance(event, AudioOut):
+            self._on_audio(event)
+
+    def _on_unit(self, out: Any) -> None:
+        s = self.s
+        resp = self.active
+        speak = out.decision == "speak"
+        if resp is not None and resp.start_unit is not None and out.unit_seq < resp.start_unit:
+            return  # turn lane: a unit sent before the one that asked for the answer
+        if resp is None:
+            if s.cfg.auto_response and speak:
+                resp = self.create("native", start_unit=out.unit_seq)
+            else:
+                if s.cfg.auto_response:
+                    s.emit(
+                        "response.listen",
+                        session_id=s.id,
+                        epoch=s.epoch,
+                        response={"object": "realtime.response", "status": "listening",
+                                  "metadata": {"reason": "model_listen", "unit_seq": out.unit_seq}},
+                    )
+                return  # turn lane: the model only answers when asked
+        resp.units_seen += 1
+        if speak:
+            if not resp.spoke:
+                resp.spoke = True
+                if resp.lane == "native":
+                    s.emit(
+                        "response.speak",
+                        response_id=resp.id,
+                        item_id=resp.item_id,
+                        output_index=0,
+                        content_index=0,
+                        metadata={"session_id": s.id, "epoch": resp.epoch, "model_speak": True},
+                    )
+            if out.transcript:
+                self._add_text(resp, out.transcript)
+        ended = out.turn_end or (not speak)
+        if not speak and not resp.spoke:
+            # The model declined to answer the requested turn: the listen terminates the response.
+            s.emit(
+                "response.listen",
+                session_id=s.id,
+                epoch=s.epoch,
+                response_id=resp.id,
+                response={"object": "realtime.response", "status": "listening",
+                          "metadata": {"reason": "model_listen", "unit_seq": out.unit_seq}},
+            )
+            s.pipeline.end_speech(resp.epoch)
+            self.finish(resp, "completed", "model_listen")
+            return
+        cap = s.cfg.max_response_units or s.settings.max_response_units
+        if not ended and resp.lane == "turn" and resp.units_seen >= cap:
+            ended = True
+        if ended:
+            resp.thinker_turn_ended = True
+            s.pipeline.end_speech(resp.epoch)
+            if not resp.wants_audio:
+                self.finish(resp, "completed", "stop")
+        elif resp.lane == "turn":
+            s.forward_unit(s.silence_unit())  # keep the model talking until it ends its turn
+
+    def _add_text(self, resp: ev.ResponseState, text: str) -> None:
+        resp.pending_text += text
+        if not resp.wants_audio:
+            resp.transcript += resp.pending_text
+            resp.pending_text = ""
+            self.s.emit(
+                "response.output_text.delta",
+                response_id=resp.id,
+                item_id=resp.item_id,
+                output_index=0,
+                content_index=0,
+                delta=text,
+            )
+
+    def _on_audio(self, out: Any) -> None:
+        resp = self.active
+        if resp is None or resp.epoch != out.epoch or not resp.wants_audio:
+            return
+        samples = out.samples
+        if resp.held_audio is not None and (samples.size or not out.is_last):
+            self._send_audio(resp, resp.held_audio, end_of_turn=False)
+            resp.held_audio = None
+        if samples.size:
+            resp.held_audio = samples
+        if out.is_last:
+            if resp.held_audio is not None:
+                self._send_audio(resp, resp.held_audio, end_of_turn=True)
+                resp.held_audio = None
+            elif resp.pending_text:
+                self._send_text_only(resp)
+            self.finish(resp, "completed", "stop")
+
+    def _send_audio(self, resp: ev.ResponseState, samples: np.ndarray, *, end_of_turn: bool) -> None:
+        s = self.s
+        payload, rate = encode_output_audio(samples, s.cfg.output_format)
+        resp.audio_samples += samples.size
+        text, resp.pending_text = resp.pending_text, ""
+        resp.transcript += text
+        resp.marks.append(ev.TextMark(len(resp.transcript), resp.audio_ms))
+        resp.audio_deltas += 1
+        s.emit(
+            "response.output_audio.delta",
+            response_id=resp.id,
+            item_id=resp.item_id,
+            output_index=0,
+            content_index=0,
+            delta=base64.b64encode(payload).decode(),
+            format=s.cfg.output_format,
+            sample_rate_hz=rate,
+            metadata={
+                "session_id": s.id,
+                "epoch": resp.epoch,
+                "model_speak": True,
+                "end_of_turn": end_of_turn,
+                "audio_duration_ms": resp.audio_ms,
+                "audio_text_marks": [m.to_json() for m in resp.marks],
+                "playback": resp.playback(),
+            },
+        )
+        resp.transcript_deltas += 1
+        s.emit(
+            "response.output_audio_transcript.delta",
+            response_id=resp.id,
+            item_id=resp.item_id,
+            output_index=0,
+            content_index=0,
+            delta=text,
+        )
+
+    def _send_text_only(self, resp: ev.ResponseState) -> None:
+        text, resp.pending_text = resp.pending_text, ""
+        resp.transcript += text
+        resp.marks.append(ev.TextMark(len(resp.transcript), resp.audio_ms))
+        resp.transcript_deltas += 1
+        self.s.emit(
+            "response.output_audio_transcript.delta",
+            response_id=resp.id,
+            item_id=resp.item_id,
+            output_index=0,
+            content_index=0,
+            delta=text,
+            metadata={"session_id": self.s.id, "epoch": resp.epoch, "model_speak": True},
+        )
+
+    async def _on_failure(self, failure: Any) -> None:
+        s = self.s
+        s.emit_error(RealtimeError(failure.code, failure.message, retryable=False))
+        if self.active is not None:
+            self.finish(self.active, "failed", failure.code)
+        if failure.code == "context_length_exceeded":
+            s.post("close", "context_length_exceeded")
+
+    # ---------------------------------------------------------------- termination
+
+    def finish(self, resp: ev.ResponseState, status: str, reason: str, *, cleared: bool = False) -> None:
+        """Emit the terminal sequence once; afterwards nothing with this response id is sent."""
+        s = self.s
+        if resp.status != "in_progress":
+            return
+        resp.status = status
+        if self.active is resp:
+            self.active = None
+        resp.held_audio = None if status != "completed" else resp.held_audio
+        if status != "completed":
+            resp.pending_text = ""
+            resp.history_transcript = resp.transcript_at(resp.committed_ms)
+        common = {"response_id": resp.id, "item_id": resp.item_id, "output_index": 0, "content_index": 0}
+        if cleared:
+            s.emit("output_audio_buffer.cleared", response_id=resp.id)
+        if resp.wants_audio:
+            if resp.audio_deltas or resp.transcript or status != "completed":
+                s.emit("response.output_audio.done", **common)
+            if resp.transcript:
+                s.emit("response.output_audio_transcript.done", transcript=resp.transcript, **common)
+        else:
+            s.emit("response.output_text.done", text=resp.transcript, **common)
+        s.emit("response.content_part.done", part=resp.content_part(), **common)
+        item_status = {"completed": "completed", "cancelled": "cancelled"}.get(status, "incomplete")
+        item = resp.item(item_status)
+        s.emit("response.output_item.done", response_id=resp.id, output_index=0, item=item)
+        s.emit("conversation.item.done", item=item)
+        details: dict[str, Any] | None
+        if status == "completed":
+            details = {"type": "completed", "reason": reason}
+        else:
+            details = {"type": status, "reason": reason}
+        metadata: dict[str, Any] = {"epoch": s.epoch, "playback": resp.playback(), "committed_ms": resp.committed_ms}
+        if status == "cancelled":
+            metadata["cancelled_epoch"] = resp.epoch
+        s.emit(
+            "response.done",
+            response_id=resp.id,
+            response={
+                "id": resp.id,
+                "object": "realtime.response",
+                "status": status,
+                "status_details": details,
+                "output": [item],
+                "modalities": resp.modalities,
+                "metadata": metadata,
+            },
+        )
+        s.emit("rate_limits.updated", rate_limits=[])
+        if self.deferred_create and self.active is None:
+            self.deferred_create = False
+            if s.committed_backlog:
+                self.start_turn_response()
+
+    def cancel_active(self, reason: str, *, cleared: bool = False) -> bool:
+        if self.active is None:
+            return False
+        self.finish(self.active, "cancelled", reason, cleared=cleared)
+        return True
+
+    def abort_silently(self) -> None:
+        """Session teardown: drop the active response without a cancelled response.done (§4.10)."""
+        if self.active is not None:
+            self.active.status = "aborted"
+            self.active = None

@@ -1,0 +1,75 @@
+"""Session admission and lookup: the max-sessions slot limit and resume-token checks (§4.10)."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gateway.realtime.config import SessionConfig
+from gateway.realtime.errors import RealtimeError
+from gateway.realtime.session import DuplexSession, hash_token
+from gateway.realtime.settings import RealtimeSettings
+
+if TYPE_CHECKING:
+    from gateway.duplex_pipeline import SessionPipeline
+
+_TOMBSTONE_LIMIT = 4096
+
+
+class SessionRegistry:
+    def __init__(
+        self, settings: RealtimeSettings, pipeline_factory: Callable[[DuplexSession], SessionPipeline]
+    ) -> None:
+        self.settings = settings
+        self.pipeline_factory = pipeline_factory
+        self.sessions: dict[str, DuplexSession] = {}
+        # Ended sessions, so a late resume gets session_resume_expired rather than "unknown".
+        self._ended: OrderedDict[str, float] = OrderedDict()
+
+    def open(self, cfg: SessionConfig) -> DuplexSession:
+        if len(self.sessions) >= self.settings.max_sessions:
+            raise RealtimeError(
+                "resource_exhausted",
+                f"duplex_session_capacity_exhausted: limit={self.settings.max_sessions}",
+                retryable=True,
+            )
+        session = DuplexSession(self.settings, cfg, self.pipeline_factory, self._finished)
+        self.sessions[session.id] = session
+        session.start()
+        return session
+
+    def _finished(self, session: DuplexSession) -> None:
+        self.sessions.pop(session.id, None)
+        self._ended[session.id] = time.monotonic()
+        while len(self._ended) > _TOMBSTONE_LIMIT:
+            self._ended.popitem(last=False)
+
+    def lookup_for_resume(self, event: dict[str, object]) -> tuple[DuplexSession, int]:
+        if not self.settings.supports_session_resume:
+            raise RealtimeError("unsupported_session_resume", "this deployment does not resume sessions")
+        session_id = event.get("session_id")
+        token = event.get("resume_token")
+        last = event.get("last_received_server_event_seq", 0)
+        if not isinstance(session_id, str) or not isinstance(token, str):
+            raise RealtimeError("invalid_session_resume", "session_id and resume_token are required")
+        if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+            raise RealtimeError(
+                "invalid_session_resume", "last_received_server_event_seq must be an integer >= 0",
+                param="last_received_server_event_seq",
+            )
+        session = self.sessions.get(session_id)
+        if session is None or session.state != "open":
+            if session_id in self._ended or session is not None:
+                raise RealtimeError("session_resume_expired", f"session {session_id} has ended")
+            raise RealtimeError("invalid_session_resume", f"unknown session {session_id}")
+        if session.resume_token_hash is None or not hmac.compare_digest(session.resume_token_hash, hash_token(token)):
+            raise RealtimeError("invalid_resume_token", "resume_token does not match")
+        if last > session.journal.head:
+            raise RealtimeError(
+                "invalid_session_resume", "last_received_server_event_seq is ahead of the server",
+                param="last_received_server_event_seq",
+            )
+        return session, last

@@ -1,0 +1,222 @@
+"""WebSocket routes ``/v1/realtime`` (``?duplex=1``) and ``/v1/duplex`` (wire-protocol §4.1).
+
+The socket side of a session is deliberately thin: one reader that turns frames into mailbox entries
+(with the frame-size, JSON and idle checks that need no session state) and one writer that drains the
+attachment's outbound queue. All semantics live in :mod:`gateway.realtime.session`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from gateway.realtime import events as ev
+from gateway.realtime.config import parse_session
+from gateway.realtime.errors import RealtimeError
+from gateway.realtime.registry import SessionRegistry
+from gateway.realtime.session import CLOSE, Attachment, DuplexSession, hash_token
+from gateway.realtime.settings import RealtimeSettings
+
+log = logging.getLogger(__name__)
+
+_DUPLEX_ON = {"1", "true", "on"}
+POLICY_VIOLATION = 1008
+
+
+def _error_frame(exc: RealtimeError) -> dict[str, Any]:
+    return {"type": "error", "event_id": ev.new_event_id(), "error": exc.body()}
+
+
+def _parse_frame(text: str, max_bytes: int) -> dict[str, Any]:
+    if len(text.encode("utf-8")) > max_bytes:
+        raise RealtimeError("event_too_large", f"frame exceeds {max_bytes} bytes")
+    try:
+        event = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise RealtimeError("invalid_json", f"frame is not JSON: {exc}") from exc
+    if not isinstance(event, dict):
+        raise RealtimeError("bad_event", "frame must be a JSON object")
+    if not isinstance(event.get("type"), str):
+        raise RealtimeError("bad_event", "event needs a string type", param="type", event_id=_client_id(event))
+    return event
+
+
+def _client_id(event: dict[str, Any]) -> str | None:
+    value = event.get("event_id")
+    return value if isinstance(value, str) else None
+
+
+class RealtimeEndpoint:
+    def __init__(self, settings: RealtimeSettings, pipeline_factory: Callable[[DuplexSession], Any]) -> None:
+        self.settings = settings
+        self.registry = SessionRegistry(settings, pipeline_factory)
+
+    async def _handshake_fail(self, ws: WebSocket, exc: RealtimeError) -> None:
+        with contextlib.suppress(Exception):
+            await ws.send_json(_error_frame(exc))
+            await ws.close(POLICY_VIOLATION)
+
+    async def _receive_text(self, ws: WebSocket, timeout: float) -> str | None:
+        """Next text frame; None on disconnect. Binary frames are answered as bad events by the caller."""
+        message = await asyncio.wait_for(ws.receive(), timeout)
+        if message["type"] == "websocket.disconnect":
+            return None
+        if message.get("text") is not None:
+            return message["text"]
+        return ""  # binary frame
+
+    async def serve(self, ws: WebSocket) -> None:
+        await ws.accept()
+        params = ws.query_params
+        autostart = params.get("autostart") != "0" and params.get("resume") != "1"
+        session: DuplexSession | None = None
+        attachment: Attachment | None = None
+        first: dict[str, Any] | None = None
+        try:
+            if params.get("model") and autostart:
+                session = self.registry.open(parse_session({"model": params["model"]}))
+                attachment = session.attach_new()
+            else:
+                try:
+                    text = await self._receive_text(ws, self.settings.config_timeout_s)
+                except TimeoutError:
+                    raise RealtimeError("config_timeout", "no session.update within the configuration timeout") from None
+                if text is None:
+                    return
+                if text == "":
+                    raise RealtimeError("bad_event", "binary frames are not accepted")
+                first = _parse_frame(text, self.settings.max_frame_bytes)
+                kind = first["type"]
+                if kind == "session.resume":
+                    session, attachment = await self._resume(first)
+                    first = None
+                else:
+                    obj = first.get("session") if kind == "session.update" else {}
+                    try:
+                        cfg = parse_session(obj)
+                    except RealtimeError as exc:
+                        exc.event_id = exc.event_id or _client_id(first)
+                        raise
+                    session = self.registry.open(cfg)
+                    attachment = session.attach_new()
+                    if kind == "session.update":
+                        first = None
+        except RealtimeError as exc:
+            if first is not None and exc.event_id is None:
+                exc.event_id = _client_id(first)
+            await self._handshake_fail(ws, exc)
+            return
+        except WebSocketDisconnect:
+            return
+        if first is not None:
+            session.post("client", (first, 0))
+        await self._pump(ws, session, attachment)
+
+    async def _resume(self, event: dict[str, Any]) -> tuple[DuplexSession, Attachment]:
+        session, last = self.registry.lookup_for_resume(event)
+        attachment = Attachment(session.generation + 1)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        session.post("attach", (attachment, last, hash_token(event["resume_token"]), done))
+        try:
+            await asyncio.wait_for(done, 10.0)
+        except TimeoutError:
+            raise RealtimeError("runtime_resume_failed", "the session did not accept the resume") from None
+        return session, attachment
+
+    async def _pump(self, ws: WebSocket, session: DuplexSession, attachment: Attachment) -> None:
+        writer = asyncio.create_task(self._write(ws, attachment))
+        reader = asyncio.create_task(self._read(ws, session, attachment))
+        try:
+            await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Whatever ended the socket (client gone, idle, handler cancelled by the server), a socket
+            # the session still counts as attached is detached: the session waits for a resume.
+            if not attachment.detached:
+                session.post("detach", attachment)
+                attachment.detached = True
+                attachment.queue.put_nowait(CLOSE)
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(writer, 5.0)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+    async def _write(self, ws: WebSocket, attachment: Attachment) -> None:
+        while True:
+            item = await attachment.queue.get()
+            if item is CLOSE:
+                if ws.application_state == WebSocketState.CONNECTED and attachment.close_code is not None:
+                    with contextlib.suppress(Exception):
+                        await ws.close(attachment.close_code)
+                return
+            try:
+                await ws.send_text(json.dumps(item, separators=(",", ":")))
+            except Exception:
+                return
+
+    async def _read(self, ws: WebSocket, session: DuplexSession, attachment: Attachment) -> None:
+        while not attachment.detached:
+            try:
+                text = await self._receive_text(ws, session.cfg.idle_timeout_s)
+            except TimeoutError:
+                log.info("realtime session %s idle for %.0f s: detaching", session.id, session.cfg.idle_timeout_s)
+                return
+            except (WebSocketDisconnect, RuntimeError):
+                return
+            if text is None:
+                return
+            try:
+                if text == "":
+                    raise RealtimeError("bad_event", "binary frames are not accepted")
+                event = _parse_frame(text, self.settings.max_frame_bytes)
+                size = len(text)
+                if event["type"] in ("input_audio_buffer.append", "conversation.item.create"):
+                    if session.pending_input_bytes + size > self.settings.max_pending_input_bytes:
+                        raise RealtimeError(
+                            "input_backpressure", "pending input exceeds the session limit", event_id=_client_id(event)
+                        )
+                    session.pending_input_bytes += size
+                else:
+                    size = 0
+            except RealtimeError as exc:
+                session.post("reject", exc)
+                continue
+            session.post("client", (event, size))
+
+
+def create_realtime_router(
+    settings: RealtimeSettings | None = None,
+    pipeline_factory: Callable[[DuplexSession], Any] | None = None,
+) -> APIRouter:
+    """Router with both realtime routes; ``router.realtime`` exposes the endpoint (registry, settings)."""
+    settings = settings or RealtimeSettings()
+    if pipeline_factory is None:
+        from gateway.duplex_pipeline import grpc_pipeline_factory
+
+        pipeline_factory = grpc_pipeline_factory(settings)
+    endpoint = RealtimeEndpoint(settings, pipeline_factory)
+    router = APIRouter()
+
+    @router.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket) -> None:
+        duplex = ws.query_params.get("duplex")
+        if duplex is not None and duplex.lower() not in _DUPLEX_ON:
+            await ws.accept()
+            await ws.send_json({"type": "error", "error": "Realtime API is not available", "code": "unsupported"})
+            await ws.close(POLICY_VIOLATION)
+            return
+        await endpoint.serve(ws)
+
+    @router.websocket("/v1/duplex")
+    async def duplex(ws: WebSocket) -> None:
+        await endpoint.serve(ws)
+
+    router.realtime = endpoint  # type: ignore[attr-defined]
+    return router

@@ -1,0 +1,29 @@
+"""Deployment knobs of the realtime endpoint; defaults follow wire-protocol §4 (reference 0.30.0 values)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RealtimeSettings:
+    thinker_target: str = "127.0.0.1:50051"
+    talker_target: str = "127.0.0.1:50052"
+    code2wav_target: str = "127.0.0.1:50053"
+    served_model: str = "openbmb/MiniCPM-o-4_5"
+    max_sessions: int = 4
+    max_frame_bytes: int = 15 * 1024 * 1024
+    config_timeout_s: float = 10.0
+    disconnect_grace_s: float = 30.0
+    journal_ttl_s: float = 60.0
+    journal_max_bytes: int = 8 * 1024 * 1024
+    max_pending_input_bytes: int = 16 * 1024 * 1024
+    max_pending_commits: int = 4
+    # Turn lane: the gateway feeds silent units while a requested response is speaking; this caps them.
+    max_response_units: int = 30
+    overlap_silence_rms: float = 0.003
+    supports_barge_in: bool = True
+    supports_session_resume: bool = True
+    # Hidden-state rows per thinker chunk and their dtype on the wire ("bf16" or "fp32").
+    hidden_dtype: str = "fp32"
+    seed: int | None = None

@@ -1,0 +1,472 @@
+"""Realtime WebSocket protocol invariants that never reach a stage (wire-protocol §6 W*, I*, B5/B6, S*).
+
+Every test drives the real gateway app (``gateway.app.create_app``) over a real WebSocket through
+starlette's TestClient. No stage server runs here: the duplex pipeline opens its thinker stream lazily on
+the first unit the model must hear, and none of these tests sends one (turn lane, no response.create).
+Tests that need model output live in tests/test_realtime_e2e.py against real stage servers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from realtime_helpers import (
+    EVENT_ID_RE,
+    SESSION_ID_RE,
+    pcm16_b64,
+    receive_until,
+    session_body,
+    tone,
+)
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.realtime.errors import error_type_for
+
+
+@pytest.fixture()
+def app() -> Any:
+    app = create_app(GatewayConfig(stage_addrs={"thinker": "127.0.0.1:1", "talker": "127.0.0.1:1", "code2wav": "127.0.0.1:1"}))
+    settings = app.state.realtime_settings
+    settings.config_timeout_s = 0.5
+    settings.disconnect_grace_s = 0.5
+    return app
+
+
+@pytest.fixture()
+def client(app: Any) -> Iterator[TestClient]:
+    with TestClient(app) as c:
+        yield c
+
+
+def open_session(ws: Any, **overrides: Any) -> dict[str, Any]:
+    ws.send_json({"type": "session.update", "session": session_body(**overrides)})
+    created = ws.receive_json()
+    assert created["type"] == "session.created", created
+    updated = ws.receive_json()
+    assert updated["type"] == "session.updated"
+    return created
+
+
+def check_error(event: dict[str, Any], code: str, event_id: str | None = None) -> None:
+    assert event["type"] == "error", event
+    assert event["error"]["code"] == code, event
+    assert event["error"]["type"] == error_type_for(code)  # W12
+    assert EVENT_ID_RE.match(event["event_id"])
+    if event_id is not None:
+        assert event["error"].get("event_id") == event_id  # W11
+
+
+# ------------------------------------------------------------------------------------ handshake (W*)
+
+
+@pytest.mark.parametrize("path", ["/v1/realtime", "/v1/realtime?duplex=1", "/v1/realtime?duplex=true", "/v1/duplex"])
+def test_w1_routes_reach_duplex_handler_and_w4_w5_w10_created(client: TestClient, path: str) -> None:
+    with client.websocket_connect(path) as ws:
+        ws.send_json({"type": "session.update", "session": session_body(id="duplex-" + "0" * 32)})
+        created = ws.receive_json()
+        assert created["type"] == "session.created"
+        assert "server_event_seq" not in created
+        sid = created["session"]["id"]
+        assert SESSION_ID_RE.match(sid) and sid != "duplex-" + "0" * 32
+        assert created["session"]["capabilities"]["supports_session_resume"] is True
+        assert created["attachment_generation"] == 1 and isinstance(created["resume_token"], str)
+        assert EVENT_ID_RE.match(created["event_id"])
+        updated = ws.receive_json()
+        assert updated["type"] == "session.updated" and updated["server_event_seq"] == 1
+        assert updated["session"]["audio"]["output"]["format"]["rate"] == 24000
+
+
+def test_non_duplex_realtime_is_flat_unsupported(client: TestClient) -> None:
+    with client.websocket_connect("/v1/realtime?duplex=0") as ws:
+        event = ws.receive_json()
+        assert event == {"type": "error", "error": "Realtime API is not available", "code": "unsupported"}
+
+
+def test_w2_config_timeout(client: TestClient) -> None:
+    with client.websocket_connect("/v1/realtime?duplex=1") as ws:
+        check_error(ws.receive_json(), "config_timeout")
+        assert ws.receive()["type"] == "websocket.close"
+
+
+def test_w3_first_frame_faults_then_later_faults_keep_session(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        ws.send_text("{not json")
+        check_error(ws.receive_json(), "invalid_json")
+    with client.websocket_connect("/v1/duplex") as ws:
+        ws.send_text("[1, 2]")
+        check_error(ws.receive_json(), "bad_event")
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_text("{not json")
+        check_error(ws.receive_json(), "invalid_json")
+        ws.send_text("42")
+        check_error(ws.receive_json(), "bad_event")
+        ws.send_bytes(b"\x00\x01")
+        check_error(ws.receive_json(), "bad_event")
+        ws.send_json({"type": "session.heartbeat"})
+        assert ws.receive_json()["type"] == "session.heartbeat_ack"
+
+
+def test_w6_ref_audio_required(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        body = session_body()
+        del body["ref_audio"]
+        ws.send_json({"type": "session.update", "event_id": "evt_open", "session": body})
+        check_error(ws.receive_json(), "ref_audio_required", "evt_open")
+        assert ws.receive()["type"] == "websocket.close"
+    with client.websocket_connect("/v1/duplex") as ws:  # text-only sessions need no voice
+        body = session_body(modalities=["text"])
+        del body["ref_audio"]
+        ws.send_json({"type": "session.update", "session": body})
+        assert ws.receive_json()["type"] == "session.created"
+
+
+def test_w7_semantic_vad(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        ws.send_json({"type": "session.update", "session": session_body(turn_detection={"type": "semantic_vad"})})
+        check_error(ws.receive_json(), "invalid_session_config")
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_json({"type": "session.update", "event_id": "e7", "session": {"turn_detection": {"type": "semantic_vad"}}})
+        err = ws.receive_json()
+        check_error(err, "unsupported_turn_detection", "e7")
+        assert err["error"]["param"] == "turn_detection"
+
+
+def test_w8_max_sessions(app: Any, client: TestClient) -> None:
+    app.state.realtime_settings.max_sessions = 2
+    with client.websocket_connect("/v1/duplex") as a, client.websocket_connect("/v1/duplex") as b:
+        open_session(a)
+        open_session(b)
+        with client.websocket_connect("/v1/duplex") as c:
+            c.send_json({"type": "session.update", "session": session_body()})
+            err = c.receive_json()
+            check_error(err, "resource_exhausted")
+            assert err["error"]["type"] == "rate_limit_error" and err["error"]["retryable"] is True
+        a.send_json({"type": "session.close"})
+        receive_until(a, "session.closed")
+        deadline = time.time() + 5
+        while len(app.state.realtime.registry.sessions) > 1 and time.time() < deadline:
+            time.sleep(0.02)
+        with client.websocket_connect("/v1/duplex") as d:
+            open_session(d)
+
+
+def test_w9_w10_seq_and_ids(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        for _ in range(3):
+            ws.send_json({"type": "session.heartbeat"})
+        ws.send_json({"type": "nope"})
+        events = [ws.receive_json() for _ in range(4)]
+        seqs = [e["server_event_seq"] for e in events]
+        assert seqs == [2, 3, 4, 5]
+        assert all(EVENT_ID_RE.match(e["event_id"]) for e in events)
+
+
+def test_w11_w13_rejections_echo_event_id(app: Any, client: TestClient) -> None:
+    app.state.realtime_settings.max_frame_bytes = 60_000
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_json({"type": "no.such.event", "event_id": "x1"})
+        check_error(ws.receive_json(), "unknown_event", "x1")
+        ws.send_json({"type": "input_audio_buffer.append", "event_id": "x2", "audio": "AAA", "format": "aac"})
+        check_error(ws.receive_json(), "unsupported_audio_format", "x2")
+        ws.send_json({"type": "input_audio_buffer.append", "event_id": "x3", "audio": "!!!notb64"})
+        check_error(ws.receive_json(), "bad_audio", "x3")
+        ws.send_json({"type": "input_audio_buffer.commit", "event_id": "x4"})
+        check_error(ws.receive_json(), "input_audio_buffer_empty", "x4")
+        ws.send_json({"type": "response.cancel", "event_id": "x5"})
+        check_error(ws.receive_json(), "response_not_active", "x5")
+        ws.send_json({"type": "conversation.item.retrieve", "event_id": "x6", "item_id": "item_missing"})
+        check_error(ws.receive_json(), "item_not_found", "x6")
+        ws.send_json({"type": "session.update", "event_id": "x7", "session": {"model": "other"}})
+        check_error(ws.receive_json(), "model_update_unsupported", "x7")
+        ws.send_json({"type": "input_audio_buffer.append", "event_id": "x8", "audio": "AAAA", "video_frames": ["a", "b", "c"]})
+        check_error(ws.receive_json(), "invalid_video_frames", "x8")
+        ws.send_text(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 70_000}))
+        check_error(ws.receive_json(), "event_too_large")
+        ws.send_json({"type": "session.heartbeat"})
+        assert ws.receive_json()["type"] == "session.heartbeat_ack"
+
+
+def test_w14_heartbeat(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        created = open_session(ws)
+        ws.send_json({"type": "session.heartbeat"})
+        ack = ws.receive_json()
+        assert ack["type"] == "session.heartbeat_ack" and ack["session_id"] == created["session"]["id"]
+
+
+# ------------------------------------------------------------------------------------ input (I*)
+
+
+def test_i1_audio_validation(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x00\x01\x02").decode()})
+        check_error(ws.receive_json(), "bad_audio")
+        for rate in (7999, 192001, 16000.5, "16000"):
+            ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.1)), "sample_rate_hz": rate})
+            check_error(ws.receive_json(), "bad_event")
+        ws.send_json({"type": "input_audio_buffer.append", "audio": "QUJD*"})
+        check_error(ws.receive_json(), "bad_audio")
+
+
+def _jpeg() -> str:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(buf, format="JPEG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_i2_video_frames(client: TestClient) -> None:
+    frame = _jpeg()
+    png_like_text = base64.b64encode(b"GIF89a....").decode()
+    cases = [
+        {"video_frames": [frame, frame, frame]},
+        {"video_frames": [png_like_text]},
+        {"video_frames": ["data:image/jpeg;base64," + frame]},
+        {"video_frames": ["A" * 4_000_004]},
+        {"video_frames": [frame], "max_slice_nums": 2},
+    ]
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        for case in cases:
+            ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.2)), **case})
+            check_error(ws.receive_json(), "invalid_video_frames")
+        ws.send_json({"type": "input_audio_buffer.append", "audio": "", "video_frames": [frame]})
+        check_error(ws.receive_json(), "invalid_input_modality")
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.2)), "video_frames": [frame, frame]})
+        ws.send_json({"type": "session.heartbeat"})
+        assert ws.receive_json()["type"] == "session.heartbeat_ack"  # two valid frames are accepted silently
+
+
+def test_i3_i4_i5_commit(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        check_error(ws.receive_json(), "input_audio_buffer_empty")
+        # I4: speech appends of arbitrary sizes (0.3 s + 0.45 s), then commit
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.3))})
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.45))})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        events = [ws.receive_json() for _ in range(4)]
+        assert [e["type"] for e in events] == [
+            "conversation.item.added",
+            "conversation.item.created",
+            "input_audio_buffer.committed",
+            "conversation.item.done",
+        ]
+        item_id = events[0]["item"]["id"]
+        assert events[2]["item_id"] == item_id and events[2]["event"]["turn_id"] == 1
+        assert events[3]["item"]["id"] == item_id
+        # I5: non-speech commit -> listen, no response
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.2)), "is_speech": False})
+        ws.send_json({"type": "input_audio_buffer.commit", "is_speech": False, "response_create": True})
+        events = receive_until(ws, "response.listen")
+        assert events[-1]["response"]["metadata"]["reason"] == "silence_or_noise"
+        assert not any(e["type"] == "response.created" for e in events)
+        # retrieve the committed user item
+        ws.send_json({"type": "conversation.item.retrieve", "item_id": item_id})
+        got = ws.receive_json()
+        assert got["type"] == "conversation.item.retrieved" and got["item"]["role"] == "user"
+        ws.send_json({"type": "conversation.item.delete", "item_id": item_id})
+        assert ws.receive_json()["type"] == "conversation.item.deleted"
+        ws.send_json({"type": "conversation.item.retrieve", "item_id": item_id})
+        check_error(ws.receive_json(), "item_not_found")
+
+
+def test_turn_lane_silent_units_listen(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        silence = np.zeros(16000 * 2 + 800, dtype=np.float32)
+        for i in range(0, silence.size, 3200):
+            ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(silence[i : i + 3200])})
+        listens = [ws.receive_json() for _ in range(2)]  # exactly two whole units closed
+        assert [e["response"]["metadata"]["reason"] for e in listens] == ["silence_or_noise"] * 2
+        ws.send_json({"type": "session.heartbeat"})
+        assert ws.receive_json()["type"] == "session.heartbeat_ack"
+
+
+def test_i6_i7_unsupported_inputs(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_json({"type": "input.text.append", "text": "hi"})
+        check_error(ws.receive_json(), "native_text_append_unsupported")
+        ws.send_json({"type": "response.create", "response": {"instructions": "x"}})
+        check_error(ws.receive_json(), "unsupported_native_response_options")
+        ws.send_json({"type": "response.create"})
+        check_error(ws.receive_json(), "response_create_without_input")
+
+
+def test_input_formats_accepted(client: TestClient) -> None:
+    """pcm16 at other declared rates, pcm_f32le and G.711 all decode into 1 s units (two each)."""
+    from gateway.realtime.audio import g711_encode
+
+    x24 = tone(2.0, rate=24000)
+    x8 = tone(2.0, rate=8000)
+    appends = [
+        {"audio": pcm16_b64(x24), "sample_rate_hz": 24000},
+        {"audio": base64.b64encode(x24.astype("<f4").tobytes()).decode(), "format": "pcm_f32le", "sample_rate_hz": 24000},
+        {"audio": base64.b64encode(g711_encode((x8 * 32767).astype(np.int16), "ulaw")).decode(), "format": "g711_ulaw"},
+        {"audio": base64.b64encode(g711_encode((x8 * 32767).astype(np.int16), "alaw")).decode(), "format": "g711_alaw"},
+    ]
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        for extra in appends:
+            ws.send_json({"type": "input_audio_buffer.append", **extra})
+            ws.send_json({"type": "input_audio_buffer.commit"})
+            events = receive_until(ws, "conversation.item.done")
+            committed = [e for e in events if e["type"] == "input_audio_buffer.committed"]
+            assert committed and committed[0]["event"]["message"] == "speech"
+        session = app_session(ws, client)
+        assert sum(len(item.units) for item in session.committed_backlog) == 8
+
+
+def app_session(ws: Any, client: TestClient) -> Any:
+    sessions = list(client.app.state.realtime.registry.sessions.values())
+    assert len(sessions) == 1
+    return sessions[0]
+
+
+# ------------------------------------------------------------------------------------ interrupts without a response
+
+
+def test_b5_cancel_and_clear_without_response(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.5))})
+        ws.send_json({"type": "input.cancel"})
+        assert ws.receive_json()["type"] == "input_audio_buffer.cleared"
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.5))})
+        ws.send_json({"type": "input_audio_buffer.clear"})
+        assert ws.receive_json()["type"] == "input_audio_buffer.cleared"
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        check_error(ws.receive_json(), "input_audio_buffer_empty")
+        ws.send_json({"type": "output_audio_buffer.clear"})
+        assert ws.receive_json()["type"] == "output_audio_buffer.cleared"
+        assert app_session(ws, client).epoch == 1  # input.cancel advanced the epoch, clears did not
+
+
+def test_b6_barge_in_gated_by_capability(app: Any, client: TestClient) -> None:
+    app.state.realtime_settings.supports_barge_in = False
+    with client.websocket_connect("/v1/duplex") as ws:
+        created = open_session(ws)
+        assert created["session"]["capabilities"]["supports_barge_in"] is False
+        ws.send_json({"type": "barge_in", "event_id": "b6"})
+        check_error(ws.receive_json(), "barge_in_unsupported", "b6")
+
+
+def test_b7_playback_ack_without_audio(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_json({"type": "playback.ack", "played_ms": 100})
+        check_error(ws.receive_json(), "playback_item_not_found")
+        ws.send_json({"type": "playback.ack"})
+        check_error(ws.receive_json(), "bad_event")
+
+
+# ------------------------------------------------------------------------------------ session end, resume, limits (S*)
+
+
+def test_s1_close(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        created = open_session(ws)
+        ws.send_json({"type": "session.close"})
+        closed = ws.receive_json()
+        assert closed["type"] == "session.closed" and closed["reason"] == "client_close"
+        assert closed["session_id"] == created["session"]["id"]
+        msg = ws.receive()
+        assert msg["type"] == "websocket.close" and msg["code"] == 1000
+
+
+def test_s2_s4_resume_replays_and_replaces(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as first:
+        created = open_session(first)
+        sid, token = created["session"]["id"], created["resume_token"]
+        for _ in range(3):
+            first.send_json({"type": "session.heartbeat"})
+        acks = [first.receive_json() for _ in range(3)]  # seq 2, 3, 4
+        with client.websocket_connect("/v1/duplex?autostart=0") as second:
+            second.send_json({"type": "session.resume", "session_id": sid, "resume_token": token,
+                              "last_received_server_event_seq": 2})
+            resumed = second.receive_json()
+            assert resumed["type"] == "session.resumed" and "server_event_seq" not in resumed
+            assert resumed["attachment_generation"] == 2 and resumed["resume_token"] != token
+            replay = [second.receive_json() for _ in range(2)]
+            assert [(e["server_event_seq"], e["event_id"]) for e in replay] == [
+                (a["server_event_seq"], a["event_id"]) for a in acks[1:]
+            ]
+            replaced = first.receive_json()
+            assert replaced["type"] == "session.replaced" and replaced["attachment_generation"] == 2
+            assert first.receive()["type"] == "websocket.close"
+            second.send_json({"type": "session.heartbeat"})
+            assert second.receive_json()["server_event_seq"] == 5  # the sequence continues
+            new_token = resumed["resume_token"]
+            with client.websocket_connect("/v1/duplex?autostart=0") as third:
+                third.send_json({"type": "session.resume", "session_id": sid, "resume_token": token,
+                                 "last_received_server_event_seq": 0})
+                check_error(third.receive_json(), "invalid_resume_token")
+            assert new_token
+
+
+def test_s3_journal_gap(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as first:
+        created = open_session(first)
+        sid, token = created["session"]["id"], created["resume_token"]
+        first.send_json({"type": "session.heartbeat"})
+        first.receive_json()
+        first.send_json({"type": "session.event_ack", "server_event_seq": 2})
+        first.send_json({"type": "session.event_ack", "server_event_seq": 99})
+        check_error(first.receive_json(), "invalid_event_ack")  # S7
+    with client.websocket_connect("/v1/duplex?resume=1") as second:
+        second.send_json({"type": "session.resume", "session_id": sid, "resume_token": token,
+                          "last_received_server_event_seq": 0})
+        assert second.receive_json()["type"] == "session.resumed"
+        resync = second.receive_json()
+        assert resync["type"] == "session.resync_required" and resync["reason"] == "journal_gap"
+
+
+def test_s5_grace_expiry(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as first:
+        created = open_session(first)
+    time.sleep(1.2)
+    with client.websocket_connect("/v1/duplex?autostart=0") as second:
+        second.send_json({"type": "session.resume", "session_id": created["session"]["id"],
+                          "resume_token": created["resume_token"], "last_received_server_event_seq": 1})
+        check_error(second.receive_json(), "session_resume_expired")
+
+
+def test_s6_resume_mid_session(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_json({"type": "session.resume", "session_id": "x", "resume_token": "y"})
+        check_error(ws.receive_json(), "unsupported_session_resume")
+        ws.send_json({"type": "session.heartbeat"})
+        assert ws.receive_json()["type"] == "session.heartbeat_ack"
+
+
+def test_s9_input_backpressure(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        for _ in range(4):
+            ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.2))})
+            ws.send_json({"type": "input_audio_buffer.commit"})
+            receive_until(ws, "conversation.item.done")
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.2))})
+        ws.send_json({"type": "input_audio_buffer.commit", "event_id": "s9"})
+        err = ws.receive_json()
+        check_error(err, "input_backpressure", "s9")
+        assert err["error"]["type"] == "rate_limit_error"
