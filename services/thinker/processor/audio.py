@@ -78,9 +78,9 @@ def decode_audio(data: object, param: str) -> np.ndarray:
     if rate <= 0:
         raise media_error(param, f"invalid sample rate {rate}")
     if rate != SAMPLE_RATE:
-        import librosa
+        import torchaudio.functional as AF
 
-        samples = librosa.resample(samples, orig_sr=rate, target_sr=SAMPLE_RATE).astype(np.float32)
+        samples = AF.resample(torch.from_numpy(np.ascontiguousarray(samples)), rate, SAMPLE_RATE).numpy()
     if samples.shape[0] < MIN_SAMPLES:
         raise media_error(
             param, f"audio is too short ({samples.shape[0]} samples at 16 kHz, need {MIN_SAMPLES})"
