@@ -19,7 +19,7 @@ import torch
 
 from services.code2wav.model.loader import load_token2wav
 from services.code2wav.model.prompt import ReferenceVoiceEncoder
-from services.code2wav.runner import Code2WavRunner
+from services.code2wav.runner import Code2WavRunner, WindowCursor
 from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
 
 CHUNK_TOKENS = 25
@@ -57,8 +57,9 @@ def run_dump(checkpoint: str, reference: str, out: str, device: str, threads: in
     state = runner.open_stream("dump", prompt, noise=noise)
     windows = talker_windows(codes, runner.lookahead)
     results = []
+    cursor = WindowCursor()
     for tokens, is_last in windows:
-        checked = runner.check_window(state, tokens, runner.lookahead, is_last)
+        checked = runner.check_window(cursor, tokens, runner.lookahead, is_last)
         results.extend(runner.run([(state, checked, is_last)]))
     arrays = {
         "code2wav.codes": np.asarray(codes, dtype=np.int64),

@@ -55,12 +55,19 @@ class StreamState:
     seed: int
     windows_done: int = 0
     samples_emitted: int = 0
-    tail_codes: list[int] = field(default_factory=list)
-    finished: bool = False
 
     @property
     def cache_bytes(self) -> int:
         return self.flow.nbytes + self.hift.nbytes
+
+
+@dataclass
+class WindowCursor:
+    """What a stream has *accepted* (validated and queued), which may run ahead of what it has computed."""
+
+    windows: int = 0
+    tail: list[int] = field(default_factory=list)
+    finished: bool = False
 
 
 @dataclass
@@ -163,16 +170,16 @@ class Code2WavRunner:
 
     # ---------------------------------------------------------------- validation
     def check_window(
-        self, state: StreamState, codes: list[int], left_context: int, is_last: bool
+        self, cursor: WindowCursor, codes: list[int], left_context: int, is_last: bool
     ) -> list[int]:
-        """Validate a codec window against the stream and return the exact tokens the flow will see.
+        """Validate a codec window against what the stream has accepted so far; return the flow tokens.
 
         Rules: ids in the flow vocabulary; ``left_context`` equals the lookahead (3), or is 0 on the first
         window (then silence is prepended, as the reference does); the context repeats the previous
         window's last tokens; a non-final window brings at least enough new tokens to fill the 160 ms
-        hold-back; no window after the last one.
+        hold-back; nothing after the last window. On success the cursor advances.
         """
-        if state.finished:
+        if cursor.finished:
             raise StageError(OUT_OF_ORDER, "window after the stream's last window", "window")
         bad = [c for c in codes if not 0 <= c < self.vocab_size]
         if bad:
@@ -183,7 +190,7 @@ class Code2WavRunner:
             raise StageError(
                 INVALID_ARGUMENT, "left_context exceeds the number of codes", "window.left_context"
             )
-        if state.windows_done == 0 and left_context == 0:
+        if cursor.windows == 0 and left_context == 0:
             codes = [CODEC_SILENCE_ID] * self.lookahead + list(codes)
             left_context = self.lookahead
         if left_context != self.lookahead:
@@ -192,7 +199,7 @@ class Code2WavRunner:
                 f"left_context must be {self.lookahead} (got {left_context})",
                 "window.left_context",
             )
-        if state.windows_done > 0 and codes[: self.lookahead] != state.tail_codes:
+        if cursor.windows > 0 and list(codes[: self.lookahead]) != cursor.tail:
             raise StageError(
                 INVALID_ARGUMENT,
                 "left context does not repeat the previous window's last codes",
@@ -209,6 +216,9 @@ class Code2WavRunner:
                 f"non-final window too short: {new} new codes, at least {self.min_new_tokens}",
                 "window.codes",
             )
+        cursor.windows += 1
+        cursor.tail = list(codes[-self.lookahead :])
+        cursor.finished = is_last
         return list(codes)
 
     # ---------------------------------------------------------------- execution
@@ -247,8 +257,6 @@ class Code2WavRunner:
             state.hift = hift_caches[i]
             state.windows_done += 1
             state.samples_emitted += speech_np.shape[1]
-            state.tail_codes = windows[i][-self.lookahead :]
-            state.finished = is_last
             results.append(
                 WindowResult(samples=speech_np[i].copy(), mel=mel[i].float().cpu(), is_last=is_last)
             )

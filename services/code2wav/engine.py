@@ -1,0 +1,250 @@
+"""Asyncio scheduler of the Code2Wav stage: streams submit windows, one worker thread runs batches.
+
+Every open stream owns a :class:`StreamHandle` (its voice, seed, epoch, validation cursor, model state
+and a queue of pending windows). The scheduler loop takes the oldest pending window of every stream that
+is not already in flight (at most ``max_batch``), hands them to :meth:`Code2WavRunner.run` on a single
+worker thread (the runner stacks windows of equal shape into one batch), and routes each result back to
+its stream's output queue. Model work is serialised on that one thread: torch modules and CUDA graphs
+are not shared across threads, and batching (not concurrency) is what buys throughput.
+
+Interrupts: :meth:`Code2WavEngine.interrupt` moves the stream to a new epoch, drops its queued windows of
+older epochs (and discards the result of a window of an old epoch that is still running), and resets the
+stream to the voice's origin cache, so the new epoch starts at chunk 0 exactly like a fresh stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.code2wav.model.prompt import PromptFeatures, ReferenceAudioError, ReferenceVoiceEncoder
+from services.code2wav.runner import Code2WavRunner, StreamState, WindowCursor, WindowResult
+from services.common.errors import BAD_REFERENCE_AUDIO, INTERNAL, RESOURCE_EXHAUSTED, UNAVAILABLE, StageError
+from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPTS, STEP_SECONDS
+
+log = logging.getLogger(__name__)
+STAGE = "code2wav"
+
+REAL_TIME_FACTOR = Histogram(
+    "minicpmo_code2wav_real_time_factor",
+    "Compute seconds per second of audio produced, per engine step (lower is faster)",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+)
+CACHE_BYTES = Gauge("minicpmo_code2wav_cache_bytes", "Flow + vocoder cache bytes held by open streams")
+STREAMS_OPEN = Gauge("minicpmo_code2wav_streams", "Open Code2Wav streams")
+AUDIO_SECONDS = Counter("minicpmo_code2wav_audio_seconds_total", "Seconds of audio produced")
+DROPPED_WINDOWS = Counter("minicpmo_code2wav_dropped_windows_total", "Queued windows dropped by interrupts")
+
+
+@dataclass
+class PendingWindow:
+    """A validated window waiting for (or in) a batch; ``tag`` is echoed back with the result."""
+
+    epoch: int
+    tokens: list[int]
+    is_last: bool
+    tag: Any
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class StreamHandle:
+    """One open stream as the engine sees it."""
+
+    stream_id: str
+    prompt: PromptFeatures
+    seed: int | None
+    epoch: int
+    state: StreamState
+    cursor: WindowCursor = field(default_factory=WindowCursor)
+    pending: deque[PendingWindow] = field(default_factory=deque)
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    in_flight: bool = False
+    needs_reset: bool = False
+    closed: bool = False
+    first_window_latency: float | None = None
+
+
+class Code2WavEngine:
+    """Owns the runner, the reference-voice encoder, the open streams and the scheduling loop."""
+
+    def __init__(
+        self,
+        runner: Code2WavRunner,
+        voices: ReferenceVoiceEncoder,
+        default_voice: str | Path,
+        max_batch: int = 16,
+        max_streams: int = 64,
+    ) -> None:
+        self.runner = runner
+        self.voices = voices
+        self.default_voice = Path(default_voice)
+        self.max_batch = max_batch
+        self.max_streams = max_streams
+        self.streams: dict[int, StreamHandle] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-model")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._accepting = True
+        self._default_prompt: PromptFeatures | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Featurise the default voice and prime its origin cache, then start the scheduling loop."""
+        self._default_prompt = await self._in_worker(self.voices.encode_file, self.default_voice)
+        await self._in_worker(self.runner.open_stream, "warmup", self._default_prompt, None)
+        self._task = asyncio.create_task(self._loop(), name="code2wav-scheduler")
+
+    async def drain(self) -> None:
+        """Stop accepting streams and wait until every queued window has been computed."""
+        self._accepting = False
+        while any(h.pending or h.in_flight for h in self.streams.values()):
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._accepting = False
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    async def _in_worker(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    # ------------------------------------------------------------------ streams
+    async def open_stream(
+        self, stream_id: str, reference: tuple[np.ndarray, int] | None, seed: int | None, epoch: int = 0
+    ) -> StreamHandle:
+        """Featurise the voice (LRU-cached) and create the stream from its origin cache."""
+        if not self._accepting:
+            raise StageError(UNAVAILABLE, "code2wav is draining", "open")
+        if len(self.streams) >= self.max_streams:
+            raise StageError(
+                RESOURCE_EXHAUSTED, f"code2wav already serves {self.max_streams} streams", "open"
+            )
+        if reference is None:
+            prompt = self._default_prompt
+            assert prompt is not None, "engine not started"
+        else:
+            try:
+                prompt = await self._in_worker(self.voices.encode, reference[0], reference[1])
+            except ReferenceAudioError as exc:
+                raise StageError(BAD_REFERENCE_AUDIO, str(exc), "open.ref_audio") from exc
+        state = await self._in_worker(self.runner.open_stream, stream_id, prompt, seed)
+        handle = StreamHandle(stream_id=stream_id, prompt=prompt, seed=seed, epoch=epoch, state=state)
+        self.streams[id(handle)] = handle
+        STREAMS_OPEN.set(len(self.streams))
+        self._update_cache_gauge()
+        return handle
+
+    def submit(
+        self, handle: StreamHandle, codes: list[int], left_context: int, is_last: bool, tag: Any
+    ) -> None:
+        """Validate (raises :class:`StageError`) and queue one window of the handle's current epoch."""
+        tokens = self.runner.check_window(handle.cursor, codes, left_context, is_last)
+        handle.pending.append(PendingWindow(handle.epoch, tokens, is_last, tag))
+        IN_FLIGHT.labels(STAGE).inc()
+        self._wake.set()
+
+    def interrupt(self, handle: StreamHandle, new_epoch: int) -> int:
+        """Move to ``new_epoch``: drop queued windows of older epochs; the stream restarts from its voice."""
+        dropped = sum(1 for w in handle.pending if w.epoch < new_epoch)
+        handle.pending = deque(w for w in handle.pending if w.epoch >= new_epoch)
+        handle.epoch = new_epoch
+        handle.cursor = WindowCursor()
+        handle.needs_reset = True
+        IN_FLIGHT.labels(STAGE).dec(dropped)
+        DROPPED_WINDOWS.inc(dropped)
+        INTERRUPTS.labels(STAGE).inc()
+        return dropped
+
+    def close(self, handle: StreamHandle) -> None:
+        handle.closed = True
+        IN_FLIGHT.labels(STAGE).dec(len(handle.pending))
+        handle.pending.clear()
+        self.streams.pop(id(handle), None)
+        STREAMS_OPEN.set(len(self.streams))
+        self._update_cache_gauge()
+
+    def _update_cache_gauge(self) -> None:
+        CACHE_BYTES.set(sum(h.state.cache_bytes for h in self.streams.values()))
+
+    # ------------------------------------------------------------------ scheduling
+    def _collect(self) -> list[tuple[StreamHandle, PendingWindow]]:
+        ready = [h for h in self.streams.values() if h.pending and not h.in_flight and not h.closed]
+        ready.sort(key=lambda h: h.pending[0].enqueued)
+        batch = []
+        for handle in ready[: self.max_batch]:
+            batch.append((handle, handle.pending.popleft()))
+            handle.in_flight = True
+        return batch
+
+    def _compute(self, batch: list[tuple[StreamHandle, PendingWindow]]) -> list[WindowResult]:
+        """Worker-thread body: apply pending resets, then run every window of the batch."""
+        for handle, _ in batch:
+            if handle.needs_reset:
+                handle.state = self.runner.open_stream(handle.stream_id, handle.prompt, handle.seed)
+                handle.needs_reset = False
+        items = [(handle.state, window.tokens, window.is_last) for handle, window in batch]
+        return self.runner.run(items)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                batch = self._collect()
+                if not batch:
+                    break
+                t0 = time.perf_counter()
+                try:
+                    results = await self._in_worker(self._compute, batch)
+                except Exception as exc:  # noqa: BLE001 - a failed batch must not kill the scheduler
+                    log.exception("code2wav batch failed")
+                    for handle, window in batch:
+                        handle.in_flight = False
+                        IN_FLIGHT.labels(STAGE).dec()
+                        handle.outputs.put_nowait(
+                            (window.tag, StageError(INTERNAL, f"vocoder step failed: {exc}"))
+                        )
+                    continue
+                elapsed = time.perf_counter() - t0
+                self._record(batch, results, elapsed)
+
+    def _record(
+        self, batch: list[tuple[StreamHandle, PendingWindow]], results: list[WindowResult], elapsed: float
+    ) -> None:
+        self.steps += 1
+        sizes = list(self.runner.last_batch_sizes)
+        self.runner.last_batch_sizes.clear()
+        for size in sizes:
+            BATCH_SIZE.labels(STAGE).observe(size)
+        STEP_SECONDS.labels(STAGE).observe(elapsed)
+        audio = sum(r.samples.shape[0] for r in results) / self.runner.model.sample_rate
+        if audio > 0:
+            REAL_TIME_FACTOR.observe(elapsed / audio)
+            AUDIO_SECONDS.inc(audio)
+        now = time.perf_counter()
+        for (handle, window), result in zip(batch, results, strict=True):
+            handle.in_flight = False
+            IN_FLIGHT.labels(STAGE).dec()
+            if handle.closed or window.epoch != handle.epoch:
+                continue  # interrupted while running: the audio belongs to an abandoned epoch
+            if handle.first_window_latency is None:
+                handle.first_window_latency = now - window.enqueued
+            handle.outputs.put_nowait((window.tag, result))
+        self._update_cache_gauge()
+        self._wake.set()

@@ -1,0 +1,51 @@
+"""Assemble a runnable Code2Wav stage (model, voice encoder, runner, engine, gRPC server) from CLI args.
+
+Kept apart from ``__main__`` so tests and benchmarks build the exact same stack in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from services.code2wav.engine import Code2WavEngine
+from services.code2wav.model.loader import load_token2wav
+from services.code2wav.model.prompt import ReferenceVoiceEncoder
+from services.code2wav.runner import Code2WavRunner
+from services.code2wav.server import SERVICE_FULL_NAME, Code2WavServicer, add_servicer, stage_info
+from services.common.checkpoint import Checkpoint
+from services.common.grpc_server import ServeOptions, StageServer
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Code2WavEngine, Checkpoint]:
+    ckpt = Checkpoint(args.checkpoint)
+    model = load_token2wav(ckpt.token2wav_dir, args.device)
+    voices = ReferenceVoiceEncoder(
+        ckpt.token2wav_dir, model.device, model.dims.up_rate, cache_size=args.voice_cache
+    )
+    runner = Code2WavRunner(
+        model,
+        n_timesteps=args.cfm_steps,
+        cache_dtype=torch.bfloat16 if args.cache_dtype == "bfloat16" else torch.float32,
+        nsf_noise=args.nsf_noise == "on",
+    )
+    if args.cuda_graphs == "on" and model.device.type == "cuda":
+        from services.code2wav.model.cuda_graphs import enable_cuda_graphs
+
+        enable_cuda_graphs(runner)
+    engine = Code2WavEngine(
+        runner, voices, ckpt.ref_audio_path, max_batch=args.max_batch, max_streams=args.max_streams
+    )
+    return engine, ckpt
+
+
+async def build_stage_server(
+    args: argparse.Namespace, options: ServeOptions
+) -> tuple[StageServer, Code2WavEngine]:
+    """Build and start the engine, then return an (unstarted) stage server bound to it."""
+    engine, ckpt = build_engine(args)
+    await engine.start()
+    servicer = Code2WavServicer(engine, stage_info(engine, str(ckpt.config.get("version", ""))))
+    server = StageServer("code2wav", SERVICE_FULL_NAME, add_servicer(servicer), options, drain=engine.drain)
+    return server, engine
