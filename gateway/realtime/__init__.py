@@ -26,7 +26,11 @@ def mount_realtime(app: Any) -> None:
             settings.served_model = config.model_name
         app.state.realtime_settings = settings
 
-    def pipeline_factory(session: Any) -> GrpcDuplexPipeline:
+    def pipeline_factory(session: Any) -> Any:
+        # Unit tests of the lifecycle projection may install their own pipeline; the server never does.
+        override = getattr(app.state, "realtime_pipeline_factory", None)
+        if override is not None:
+            return override(session)
         # Stage channels live on the runtime the app builds in its lifespan (shared with chat routes).
         return GrpcDuplexPipeline(session, app.state.runtime.stages, app.state.realtime_settings)
 

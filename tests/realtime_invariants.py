@@ -1,0 +1,126 @@
+"""Checks of the wire-protocol §6 response invariants (R1–R12, parts of B2/B3) over a recorded event list.
+
+Used by the lifecycle unit tests and by the end-to-end tests against real stage servers, so both hold the
+server to the same statements.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import defaultdict
+from typing import Any
+
+TERMINAL_ORDER = [
+    "response.output_audio.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "conversation.item.done",
+    "response.done",
+]
+
+
+def _rid(event: dict[str, Any]) -> str | None:
+    if "response_id" in event:
+        return event["response_id"]
+    if event["type"] in ("conversation.item.added", "conversation.item.created", "conversation.item.done"):
+        item_id = event.get("item", {}).get("id", "")
+        if item_id.startswith("item_resp_"):
+            return item_id[len("item_"):]
+    return None
+
+
+def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Assert R1–R12 over ``events`` (in arrival order); returns a per-response summary."""
+    by_rid: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+    for i, event in enumerate(events):
+        rid = _rid(event)
+        if rid is not None and event["type"] != "response.listen":
+            by_rid[rid].append((i, event))
+    summary: dict[str, dict[str, Any]] = {}
+    seen_ids: set[str] = set()
+    for rid, evs in by_rid.items():
+        types = [e["type"] for _, e in evs]
+        # R1: exactly one created, first
+        assert types.count("response.created") == 1, (rid, types)
+        assert types[0] == "response.created", (rid, types)
+        assert rid not in seen_ids  # R11
+        seen_ids.add(rid)
+        created = evs[0][1]
+        epoch = created["response"]["metadata"]["epoch"]
+        # R7: exactly one done, last (rate_limits.updated has no response id)
+        assert types.count("response.done") == 1, (rid, types)
+        assert types[-1] == "response.done", (rid, types[-5:])
+        done = evs[-1][1]
+        # R2: at most one speak, before the first audio delta
+        if "response.speak" in types:
+            assert types.count("response.speak") == 1
+            first_audio = types.index("response.output_audio.delta") if "response.output_audio.delta" in types else len(types)
+            assert types.index("response.speak") < first_audio
+        # R3: each audio delta immediately followed (within the response) by one transcript delta
+        audio_n = types.count("response.output_audio.delta")
+        for k, t in enumerate(types):
+            if t == "response.output_audio.delta":
+                assert types[k + 1] == "response.output_audio_transcript.delta", (rid, types[k : k + 3])
+        transcript_deltas = [e["delta"] for _, e in evs if e["type"] == "response.output_audio_transcript.delta"]
+        text_only_deltas = [
+            e for _, e in evs if e["type"] == "response.output_audio_transcript.delta"
+        ]
+        assert len(text_only_deltas) >= audio_n
+        if audio_n:
+            assert len(transcript_deltas) == audio_n, (rid, audio_n, len(transcript_deltas))
+        transcript = "".join(transcript_deltas)
+        # R4
+        tdone = [e for _, e in evs if e["type"] == "response.output_audio_transcript.done"]
+        if transcript:
+            assert len(tdone) == 1 and tdone[0]["transcript"] == transcript
+        else:
+            assert not tdone
+        # R5, R8, R12
+        last_ms = -1
+        eot_seen = False
+        audio_deltas = [e for _, e in evs if e["type"] == "response.output_audio.delta"]
+        total_bytes = 0
+        for e in audio_deltas:
+            assert not eot_seen, f"{rid}: audio delta after end_of_turn"
+            assert e["sample_rate_hz"] == 24000 and e["format"] == "pcm16"
+            raw = base64.b64decode(e["delta"])
+            assert len(raw) % 2 == 0
+            total_bytes += len(raw)
+            md = e["metadata"]
+            assert md["audio_duration_ms"] >= last_ms
+            last_ms = md["audio_duration_ms"]
+            assert md["epoch"] == epoch  # R12
+            eot_seen = md["end_of_turn"]
+        status = done["response"]["status"]
+        if status == "completed" and audio_deltas:
+            assert audio_deltas[-1]["metadata"]["end_of_turn"] is True  # R8
+        # R6 terminal order
+        positions = [types.index(t) for t in TERMINAL_ORDER if t in types]
+        assert positions == sorted(positions), (rid, types)
+        if audio_deltas or transcript or status != "completed":
+            assert "response.output_audio.done" in types
+        done_idx = evs[-1][0]
+        assert events[done_idx + 1]["type"] == "rate_limits.updated" and events[done_idx + 1]["rate_limits"] == []
+        # R9
+        out = done["response"]["output"][0]
+        assert out["id"] == "item_" + rid
+        assert out["content"][0]["transcript"] == transcript
+        summary[rid] = {
+            "status": status,
+            "reason": (done["response"].get("status_details") or {}).get("reason"),
+            "audio_deltas": len(audio_deltas),
+            "audio_bytes": total_bytes,
+            "transcript": transcript,
+            "done_index": done_idx,
+            "epoch": epoch,
+            "done": done,
+        }
+    # R7/R10: nothing for a response after its done; listen with response_id only for a live response
+    for i, event in enumerate(events):
+        rid = _rid(event)
+        if rid in summary and event["type"] != "response.done":
+            assert i < summary[rid]["done_index"], f"{event['type']} for {rid} after its response.done"
+        if event["type"] == "response.listen" and "response_id" in event:
+            lrid = event["response_id"]
+            assert lrid in summary and i < summary[lrid]["done_index"]
+    return summary
