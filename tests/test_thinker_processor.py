@@ -278,3 +278,29 @@ def test_process_audio_helper_counts_rows(proc):
     feats, lens, count = proc.process_audio(_tone(6.0))
     assert feats.shape == (1, 80, 600) and lens.tolist() == [600] and count == 60
     assert torch.isfinite(feats).all()
+
+
+def test_streaming_mel_units_equal_offline_frames():
+    from services.thinker.processor.audio import N_FFT, PIECE_SAMPLES, StreamingLogMel, _mel_filters
+
+    rng = np.random.default_rng(7)
+    wave = (0.2 * rng.standard_normal(int(16_000 * 3.3))).astype(np.float32)
+    stream = StreamingLogMel(dynamic_after_s=float("inf"))
+    units = []
+    pos = 0
+    for size in (5000, 11000, 16000, 3000, 17800):
+        units += stream.push(wave[pos : pos + size])
+        pos += size
+    assert pos == len(wave) and len(units) == 3
+    assert all(u.mel.shape == (80, 100) and u.lookahead.shape == (80, 2) for u in units)
+    tail = stream.flush()
+    assert tail is not None and tail.mel.shape == (80, 30) and tail.lookahead is None
+    padded = torch.zeros(PIECE_SAMPLES)
+    padded[: len(wave)] = torch.from_numpy(wave)
+    spec = torch.stft(
+        padded, n_fft=N_FFT, hop_length=160, window=torch.hann_window(N_FFT), return_complex=True
+    )
+    offline = (torch.clamp(_mel_filters() @ spec[:, :-1].abs() ** 2, min=1e-10).log10() + 4) / 4
+    streamed = torch.cat([u.mel for u in units] + [tail.mel], dim=1)
+    torch.testing.assert_close(streamed, offline[:, :330], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(units[0].lookahead, offline[:, 100:102], rtol=1e-5, atol=1e-5)

@@ -10,8 +10,12 @@ Usage::
 ``tgt_sizes`` and ``image_bounds`` (one ``[start, end)`` span of 64 ``<unk>`` per slice), the mel pieces with
 their lengths and ``audio_bounds``, and the prompt text. Token ids equal the upstream processor's for the
 same messages (checked against the oracle). Bad input raises :class:`~services.thinker.errors.ProcessorError`
-(a ``StageError``) naming the offending field. Duplex unit layouts live in
-:mod:`services.thinker.processor.duplex_layout`.
+(a ``StageError``) naming the offending field.
+
+Duplex helpers: :mod:`services.thinker.processor.duplex_layout` (session prefix and per-unit token layouts),
+:meth:`ThinkerProcessor.process_frames` (per-frame ``max_slice_nums``, e.g. ``[2, 1]`` for a stacked pair),
+:meth:`ThinkerProcessor.process_audio` (a reference voice) and :class:`StreamingLogMel` (1 s mel units with
+the look-ahead frames ``ThinkerModel.get_audio_embeds_streaming`` needs).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from services.thinker.errors import ProcessorError
 from services.thinker.processor.audio import (
     SAMPLE_RATE,
     AudioClip,
+    MelUnit,
+    StreamingLogMel,
     audio_embed_count,
     audio_placeholder,
     decode_audio,
@@ -59,9 +65,11 @@ __all__ = [
     "AudioInput",
     "ImageInput",
     "Message",
+    "MelUnit",
     "ProcessedPrompt",
     "ProcessorError",
     "ProcessorLimits",
+    "StreamingLogMel",
     "ThinkerProcessor",
     "VideoInput",
     "speech_system_message",

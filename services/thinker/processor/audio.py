@@ -146,3 +146,105 @@ def audio_placeholder(count: int, per_second_groups: bool = False) -> str:
         return "<|audio_start|>" + "<unk>" * count + "<|audio_end|>"
     groups = [min(10, count - i) for i in range(0, count, 10)]
     return "".join("<|audio_start|>" + "<unk>" * g + "<|audio_end|>" for g in groups)
+
+
+@dataclass
+class MelUnit:
+    """One streamed unit: ``mel`` [80, frames] (100 for 1 s) and the next frames the convolutions peek at."""
+
+    mel: torch.Tensor
+    lookahead: torch.Tensor | None
+
+
+class StreamingLogMel:
+    """Per-session log-mel for duplex: push 16 kHz samples, get whole 1 s units (100 frames) out.
+
+    Frame ``t`` is computed from samples ``[160 t - 200, 160 t + 200)`` of the stream (the start is
+    reflect-padded, as the offline STFT does), so every emitted frame equals the offline frame of the
+    whole stream up to the floor rule. The floor follows upstream's streaming processor: none (only the
+    1e-10 clamp) until ``dynamic_after_s`` seconds have been heard, then ``running max - 8``. A unit is
+    released once its ``lookahead_frames`` next frames are computable too (the encoder's convolutions
+    read one frame ahead: pass ``unit.lookahead`` to ``ThinkerModel.get_audio_embeds_streaming``).
+    """
+
+    def __init__(
+        self, unit_frames: int = 100, lookahead_frames: int = 2, dynamic_after_s: float = 5.0
+    ) -> None:
+        if unit_frames % 2:
+            raise ValueError("unit_frames must be even (encoder stride 2)")
+        self.unit_frames = unit_frames
+        self.lookahead_frames = lookahead_frames
+        self.dynamic_after_s = dynamic_after_s
+        self.reset()
+
+    def reset(self) -> None:
+        self._padded = np.zeros(0, dtype=np.float32)  # reflect-padded stream, from global frame _base on
+        self._base = 0  # global frame index of _padded[0] (frame t starts at padded sample 160 t)
+        self._next = 0  # next frame to emit
+        self._heard = 0  # samples pushed so far
+        self._started = False
+        self._pending: list[np.ndarray] = []
+        self._max = -np.inf
+
+    def _frames(self, start: int, count: int) -> torch.Tensor:
+        offset = (start - self._base) * HOP
+        seg = torch.from_numpy(self._padded[offset : offset + (count - 1) * HOP + N_FFT].copy())
+        spec = torch.stft(
+            seg,
+            n_fft=N_FFT,
+            hop_length=HOP,
+            window=torch.hann_window(N_FFT),
+            center=False,
+            return_complex=True,
+        )
+        logm = torch.clamp(_mel_filters() @ (spec.abs() ** 2), min=1e-10).log10()
+        self._max = max(self._max, float(logm.max()))
+        if self._heard >= self.dynamic_after_s * SAMPLE_RATE:
+            logm = torch.maximum(logm, torch.tensor(self._max - DYNAMIC_RANGE_DB))
+        return (logm + 4.0) / 4.0
+
+    def push(self, samples: np.ndarray) -> list[MelUnit]:
+        """Append samples; return every unit that became complete (often none or one)."""
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        self._heard += samples.shape[0]
+        if not self._started:
+            self._pending.append(samples)
+            head = np.concatenate(self._pending)
+            if head.shape[0] <= N_FFT // 2:
+                return []
+            self._pending = []
+            self._started = True
+            samples = np.concatenate([head[1 : N_FFT // 2 + 1][::-1], head])
+        self._padded = np.concatenate([self._padded, samples])
+        units: list[MelUnit] = []
+        while True:
+            need = self.unit_frames + self.lookahead_frames
+            available = (self._padded.shape[0] - N_FFT) // HOP + 1 + self._base  # frames fully computable
+            if available - self._next < need:
+                break
+            frames = self._frames(self._next, need)
+            units.append(
+                MelUnit(
+                    frames[:, : self.unit_frames],
+                    frames[:, self.unit_frames :] if self.lookahead_frames else None,
+                )
+            )
+            self._next += self.unit_frames
+            drop = self._next - self._base  # keep the samples of frames not yet emitted
+            self._padded = self._padded[drop * HOP :]
+            self._base = self._next
+        return units
+
+    def flush(self) -> MelUnit | None:
+        """End of stream: the remaining frames (even count, zero right padding as offline), or None."""
+        if not self._started:
+            return None
+        count = frames_for(self._heard) - self._next  # offline keeps ceil(samples / 160) frames
+        count -= count % 2
+        if count <= 0:
+            return None
+        self._padded = np.concatenate([self._padded, np.zeros(N_FFT, dtype=np.float32)])
+        frames = self._frames(self._next, count)
+        self._next += count
+        self._padded = np.zeros(0, dtype=np.float32)
+        return MelUnit(frames, None)
