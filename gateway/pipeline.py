@@ -13,7 +13,8 @@ bounded queue; a slow client therefore stops the code2wav pump, which stops read
 the talker pump, and so on up to the thinker.
 
 Identity: every message carries the request's ``Identity`` (request_id, epoch 0, turn_id 0) with a
-``chunk_seq`` counted per stream direction from 0.
+``chunk_seq`` counted from 0 per stream direction over the data messages (chunks, windows); the open
+message carries 0 as well.
 
 Cancellation: leaving the event iterator early (client disconnect, error, deadline) cancels every pump
 and every stage call; each stage sees CANCELLED and frees the stream's KV cache / budgets / vocoder state.
@@ -280,7 +281,6 @@ class PipelineRun:
             c2w_open.ref_audio.CopyFrom(job.ref_audio)
         await talker.write(talker_pb2.TalkerRequest(open=talker_open))
         await code2wav.write(code2wav_pb2.Code2WavRequest(open=c2w_open))
-        # chunk_seq 0 went to the open message on both streams
         self.tasks.append(asyncio.create_task(self._talker_pump(), name=f"{job.request_id}:talker"))
         self.tasks.append(asyncio.create_task(self._code2wav_pump(), name=f"{job.request_id}:code2wav"))
 
@@ -288,8 +288,7 @@ class PipelineRun:
         try:
             talker = self.streams["talker"]
             code2wav = self.streams["code2wav"]
-            seq = _Sequencer(self.job.request_id)
-            seq.next()  # 0 was the open message
+            seq = _Sequencer(self.job.request_id)  # windows count from 0, as code2wav checks
             last_sent = False
             done = False
             async for resp in talker.responses():
