@@ -475,7 +475,8 @@ def yamllint_problems(paths: Iterable[Path]) -> list[str]:
     problems = []
     for path in paths:
         for p in linter.run(path.read_text(), conf, str(path)):
-            problems.append(f"{path.relative_to(REPO)}:{p.line}:{p.column}: [{p.level}] {p.message}")
+            shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+            problems.append(f"{shown}:{p.line}:{p.column}: [{p.level}] {p.message}")
     return problems
 
 
