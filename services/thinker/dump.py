@@ -58,6 +58,17 @@ def _i64(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.int64).numpy()
 
 
+def _greedy_margins(model: object, embeds: torch.Tensor, greedy: list[int]) -> np.ndarray:
+    """Top-1 minus top-2 logit of every greedy step, from one teacher-forced pass (no cache)."""
+    with torch.inference_mode():
+        tail = model.embed_tokens(torch.tensor(greedy[:-1], device=model.device))  # type: ignore[attr-defined]
+        seq = torch.cat([embeds, tail], 0)[None]
+        positions = torch.arange(seq.shape[1], device=seq.device)[None]
+        logits = model.llm(inputs_embeds=seq, position_ids=positions, use_cache=False).logits[0]  # type: ignore[attr-defined]
+        top2 = logits[embeds.shape[0] - 1 :].float().topk(2, dim=-1).values
+    return _f32(top2[:, 0] - top2[:, 1])
+
+
 def build_dump(
     checkpoint: str,
     *,
@@ -101,7 +112,9 @@ def build_dump(
         out[p + "hidden"] = _f32(hidden)
         out[p + "logits_last"] = _f32(logits)
         if greedy_steps > 0:
-            out[p + "greedy_ids"] = np.asarray(model.greedy_no_cache(embeds, greedy_steps), dtype=np.int64)
+            greedy = model.greedy_no_cache(embeds, greedy_steps)
+            out[p + "greedy_ids"] = np.asarray(greedy, dtype=np.int64)
+            out[p + "greedy_margins"] = _greedy_margins(model, embeds, greedy)
         if name == "image":
             for i, pv in enumerate(processed.pixel_values):
                 out[p + f"pixel_values.{i}"] = _f32(pv)
