@@ -159,8 +159,9 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """transformers ``TopKLogitsWarper(min_tokens_to_keep=3)`` with a per-row k (k ≥ vocab keeps all)."""
     vocab = logits.shape[-1]
     k = torch.clamp(top_k, min=MIN_TOKENS_TO_KEEP, max=vocab).to(torch.long)
-    sorted_desc = torch.sort(logits, descending=True, dim=-1).values
-    threshold = sorted_desc.gather(1, (k - 1)[:, None])
+    k_max = int(k.max())
+    best = torch.topk(logits, k_max, dim=-1).values  # sorted descending; k_max is small (25) in practice
+    threshold = best.gather(1, (k - 1)[:, None])
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
