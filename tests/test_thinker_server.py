@@ -79,7 +79,9 @@ def test_turn_stream_text_and_speech_span(backend) -> None:  # noqa: ANN001
         info = await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=5)
         assert info.stage == "thinker" and info.limits["max_context"] == MAX_CONTEXT
         assert "duplex" in info.capabilities and info.properties["hidden_size"] == str(backend.hidden_size)
-        health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        health = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
         got = await _collect(stub, [thinker_pb2.ThinkerRequest(open=open_msg)])
@@ -90,7 +92,9 @@ def test_turn_stream_text_and_speech_span(backend) -> None:  # noqa: ANN001
         assert [r.text.id.chunk_seq for r in got if r.HasField("text")] == sorted(
             r.text.id.chunk_seq for r in got if r.HasField("text")
         )
-        assert all(r.text.id.request_id == "req-1" and r.text.id.epoch == 3 for r in got if r.HasField("text"))
+        assert all(
+            r.text.id.request_id == "req-1" and r.text.id.epoch == 3 for r in got if r.HasField("text")
+        )
         text_ids = [t for r in got if r.HasField("text") for t in r.text.token_ids]
         assert len(text_ids) == 23
         speech = [r.speech for r in got if r.HasField("speech")]
@@ -155,7 +159,9 @@ def test_multimodal_prompt_and_typed_errors(backend) -> None:  # noqa: ANN001
         bad_img = thinker_pb2.ChatMessage(
             role="user", content=[thinker_pb2.ContentPart(image=thinker_pb2.ImagePart(data=b"not an image"))]
         )
-        err = await first_error([thinker_pb2.ThinkerRequest(open=thinker_pb2.ThinkerOpen(messages=[bad_img]))])
+        err = await first_error(
+            [thinker_pb2.ThinkerRequest(open=thinker_pb2.ThinkerOpen(messages=[bad_img]))]
+        )
         assert err.code == UNSUPPORTED_MEDIA and err.param.startswith("messages[0].content[0]")
         err = await first_error([thinker_pb2.ThinkerRequest(open=text_open("word " * (MAX_CONTEXT + 10)))])
         assert err.code == CONTEXT_LENGTH_EXCEEDED and err.id.request_id == "req-1"
@@ -168,7 +174,9 @@ def test_multimodal_prompt_and_typed_errors(backend) -> None:  # noqa: ANN001
 
 def test_interrupt_and_cancel_free_kv(backend) -> None:  # noqa: ANN001
     engine = backend.engine
-    long_open = text_open("Tell a long story.", sampling=thinker_pb2.SamplingParams(max_tokens=400, ignore_eos=True))
+    long_open = text_open(
+        "Tell a long story.", sampling=thinker_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
+    )
 
     async def body(stub, ch) -> None:  # noqa: ANN001
         # Interrupt: ack with the new epoch, then Done("interrupted").

@@ -1,0 +1,550 @@
+"""Duplex mode: a persistent per-session KV fed one 1 s unit at a time, with the listen/speak policy.
+
+Session (model-spec §6): the open message sets the prefix (system instructions, optional reference
+voice rows, optional seeded user text), prefilled once into a *persistent* engine sequence. Each
+``ThinkerUnit`` (1 s of audio, up to two frames) appends ``[previous terminator] </unit> <unit>
+{frames} {10 audio rows}`` and decodes at most 19 sampled tokens under :class:`DuplexPolicy`; the
+engine does not feed a unit's terminator, so the next unit re-injects it (and ``<|chunk_eos|>`` when
+the unit hit the 19-token cap), which yields the same token sequence as upstream's feed-after-decode.
+
+Per unit the stream answers with a ``SpeechChunk`` when the unit spoke (span rules of §3.3: the first
+decision token is not spoken; the span ends before a boundary token or right after ``<|turn_eos|>``;
+rows are the hidden states of the span tokens, 1:1) and always a ``UnitResult`` (decision, transcript,
+token ids, turn end, context size). ``Control.interrupt`` bumps the epoch: the running unit is cancelled
+(its fed tokens stay in the KV, the unit is closed with ``<|chunk_eos|></unit>``), queued units of the
+old epoch are dropped, and an ``InterruptAck`` reports how many. A unit that would pass the context
+limit ends the session with a ``context_length_exceeded`` error.
+
+Audio rows come from the model's incremental Whisper (one state per session, reset before 1500
+encoder positions); each unit's mel is computed from that unit's samples alone, without look-ahead into
+the next unit (see the closing note of the module's tests for what that approximates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from services.common.checkpoint import SPECIAL_TOKEN_IDS
+from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INTERNAL, INVALID_ARGUMENT, StageError
+from services.common.metrics import INTERRUPTS
+from services.common.pb import common_pb2, thinker_pb2
+from services.common.tensors import dtype_from_proto, pcm_to_float, tensor_to_proto
+from services.thinker.engine import STAGE, EngineEvent
+from services.thinker.sampling import Sampler, SamplingConfig, sample_from_logits
+from services.thinker.scheduler import WorkItem
+
+if TYPE_CHECKING:
+    from services.thinker.server import ThinkerBackend
+
+log = logging.getLogger(__name__)
+
+LISTEN = SPECIAL_TOKEN_IDS["<|listen|>"]
+SPEAK = SPECIAL_TOKEN_IDS["<|speak|>"]
+TTS_BOS = SPECIAL_TOKEN_IDS["<|tts_bos|>"]
+TTS_EOS = SPECIAL_TOKEN_IDS["<|tts_eos|>"]
+TTS_PAD = SPECIAL_TOKEN_IDS["<|tts_pad|>"]
+TURN_EOS = SPECIAL_TOKEN_IDS["<|turn_eos|>"]
+CHUNK_EOS = SPECIAL_TOKEN_IDS["<|chunk_eos|>"]
+CHUNK_TTS_EOS = SPECIAL_TOKEN_IDS["<|chunk_tts_eos|>"]
+UNIT_OPEN = SPECIAL_TOKEN_IDS["<unit>"]
+UNIT_CLOSE = SPECIAL_TOKEN_IDS["</unit>"]
+UNIT_TERMINATORS = frozenset({LISTEN, CHUNK_EOS, CHUNK_TTS_EOS})
+# Span boundaries (exclusive); <|turn_eos|> ends a span inclusively.
+SPAN_BOUNDARIES = frozenset({TTS_EOS, TTS_PAD, LISTEN, CHUNK_EOS, CHUNK_TTS_EOS, UNIT_OPEN, UNIT_CLOSE})
+FIRST_SPECIAL_ID = 151643  # ids from here on are added/special tokens (kept out of the penalty history)
+
+MAX_TOKENS_PER_UNIT = 20  # the 20th is a forced <|chunk_eos|>, so at most 19 are sampled
+UNIT_SAMPLES = 16_000
+MEL_FRAMES_PER_UNIT = 100
+TURN_EOS_LENGTH_PENALTY = 1.1
+
+
+@dataclass
+class DuplexSampling:
+    """Duplex decode knobs (model-spec §6.3 defaults); the open message's sampling overrides them."""
+
+    temperature: float = 0.7
+    top_k: int = 20
+    top_p: float = 0.8
+    repetition_penalty: float = 1.05
+    penalty_window: int = 512
+    seed: int | None = None
+
+    @classmethod
+    def from_proto(cls, msg: thinker_pb2.SamplingParams) -> DuplexSampling:
+        out = cls()
+        if msg.HasField("temperature"):
+            out.temperature = float(msg.temperature)
+        if msg.HasField("top_k"):
+            out.top_k = int(msg.top_k)
+        if msg.HasField("top_p"):
+            out.top_p = float(msg.top_p)
+        if msg.HasField("repetition_penalty"):
+            out.repetition_penalty = float(msg.repetition_penalty)
+        if msg.HasField("seed"):
+            out.seed = int(msg.seed)
+        SamplingConfig(
+            temperature=out.temperature,
+            top_p=out.top_p,
+            top_k=out.top_k,
+            repetition_penalty=out.repetition_penalty,
+        ).validate()
+        return out
+
+
+@dataclass
+class PolicyState:
+    """What the decision policy remembers across the units of a session."""
+
+    turn_ended: bool = True
+    history: list[int] = field(default_factory=list)  # sampled non-special tokens (penalty window)
+    generator: torch.Generator | None = None
+
+
+class DuplexPolicy(Sampler):
+    """One unit's token choice (model-spec §6.3), run by the engine like any sampler.
+
+    * forced listen: the unit answers ``<|listen|>`` without sampling;
+    * a first draw from the raw distribution only detects ``<|chunk_eos|>`` (the model's own stop);
+    * otherwise ``<|tts_pad|>``, the tokenizer's ``bad_token_ids`` and ``<|chunk_eos|>`` are masked, the
+      repetition penalty (divide, over the last 512 sampled text tokens) and the ``<|turn_eos|>`` length
+      penalty apply, and the token is drawn with temperature/top-k/top-p;
+    * a ``<|listen|>`` while the model's turn has not ended becomes ``<|tts_bos|>``;
+    * forced speak (benchmarks, ``request_response``) masks ``<|listen|>`` and skips the first draw
+      for the unit's decision token.
+    """
+
+    def __init__(
+        self,
+        sampling: DuplexSampling,
+        state: PolicyState,
+        forbidden: torch.Tensor,
+        *,
+        force_listen: bool,
+        force_speak: bool,
+    ) -> None:
+        super().__init__(
+            SamplingConfig(max_tokens=MAX_TOKENS_PER_UNIT - 1, stop_token_ids=tuple(UNIT_TERMINATORS))
+        )
+        self.sampling = sampling
+        self.state = state
+        self.forbidden = forbidden
+        self.force_listen = force_listen
+        self.force_speak = force_speak
+
+    def _gen(self, device: torch.device) -> torch.Generator | None:
+        if self.sampling.seed is None:
+            return None
+        if self.state.generator is None or self.state.generator.device != device:
+            self.state.generator = torch.Generator(device=device)
+            self.state.generator.manual_seed(self.sampling.seed)
+        return self.state.generator
+
+    def choose(self, logits: torch.Tensor, history: Any, num_generated: int) -> int:
+        if self.force_listen:
+            return LISTEN
+        s = self.sampling
+        greedy = s.temperature == 0.0
+        gen = self._gen(logits.device)
+        forced_speak_now = self.force_speak and num_generated == 0
+        if not forced_speak_now:
+            if greedy:
+                first = int(torch.argmax(logits).item())
+            else:
+                first = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).item())
+            if first == CHUNK_EOS:
+                return CHUNK_EOS
+        masked = logits.masked_fill(self.forbidden.to(logits.device), float("-inf"))
+        masked[CHUNK_EOS] = float("-inf")
+        if forced_speak_now:
+            masked[LISTEN] = float("-inf")
+            masked[CHUNK_TTS_EOS] = float("-inf")
+        if s.repetition_penalty != 1.0 and self.state.history:
+            ids = torch.tensor(sorted(set(self.state.history[-s.penalty_window :])), device=logits.device)
+            masked[ids] = masked[ids] / s.repetition_penalty
+        t = masked[TURN_EOS]
+        masked[TURN_EOS] = t / TURN_EOS_LENGTH_PENALTY if t > 0 else t * TURN_EOS_LENGTH_PENALTY
+        if greedy:
+            token = int(torch.argmax(masked).item())
+        else:
+            token = sample_from_logits(masked, s.temperature, s.top_k, s.top_p, gen)
+        if token == LISTEN and not self.state.turn_ended:
+            token = TTS_BOS
+        if token < FIRST_SPECIAL_ID:
+            self.state.history.append(token)
+        if token not in UNIT_TERMINATORS:
+            self.state.turn_ended = token == TURN_EOS
+        return token
+
+    def finish_reason(self, token: int, num_generated: int) -> str | None:
+        if token in UNIT_TERMINATORS:
+            return "stop"
+        if num_generated >= self.max_new_tokens:
+            return "length"
+        return None
+
+
+def load_forbidden_mask(ckpt_root: Any, vocab_size: int) -> torch.Tensor:
+    """``<|tts_pad|>`` + ``bad_token_ids`` of ``tokenizer_config.json`` as a bool mask over the vocab."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[TTS_PAD] = True
+    try:
+        cfg = json.loads((ckpt_root / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return mask
+    bad = [int(i) for i in cfg.get("bad_token_ids", []) if 0 <= int(i) < vocab_size]
+    if bad:
+        mask[torch.tensor(bad)] = True
+    return mask
+
+
+def unit_audio_16k(pcm: common_pb2.Pcm) -> np.ndarray:
+    """A unit's audio as exactly 1 s at 16 kHz: resampled, left-padded with silence when short."""
+    if not pcm.data:
+        return np.zeros(UNIT_SAMPLES, dtype=np.float32)
+    samples, rate = pcm_to_float(pcm)
+    if rate != UNIT_SAMPLES:
+        import librosa
+
+        samples = librosa.resample(samples, orig_sr=rate, target_sr=UNIT_SAMPLES).astype(np.float32)
+    if len(samples) > UNIT_SAMPLES * 3 // 2:
+        raise StageError(
+            INVALID_ARGUMENT,
+            f"a duplex unit carries {len(samples) / UNIT_SAMPLES:.2f} s; expected 1 s",
+            "unit.audio",
+        )
+    if len(samples) < UNIT_SAMPLES:
+        samples = np.concatenate([np.zeros(UNIT_SAMPLES - len(samples), np.float32), samples])
+    return samples[-UNIT_SAMPLES:]
+
+
+@dataclass
+class UnitOutcome:
+    """Tokens and rows of one finished unit, turned into the span hand-off and the UnitResult."""
+
+    generated: list[int] = field(default_factory=list)
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # generated index -> hidden row
+    finish: str | None = None
+
+
+def select_span(generated: list[int]) -> list[int]:
+    """Indices of the spoken tokens of a unit (model-spec §3.3)."""
+    if not generated or generated[0] in UNIT_TERMINATORS:
+        return []
+    span: list[int] = []
+    for k in range(1, len(generated)):
+        tok = generated[k]
+        if tok == TTS_BOS:
+            span = []  # speech restarts after a <|tts_bos|> inside the unit
+            continue
+        if tok in SPAN_BOUNDARIES:
+            break
+        if tok == SPEAK:
+            continue
+        span.append(k)
+        if tok == TURN_EOS:
+            break
+    return span
+
+
+class DuplexSession:
+    """State of one duplex stream; :func:`run_duplex_stream` drives it."""
+
+    def __init__(self, backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> None:
+        self.backend = backend
+        self.engine = backend.engine
+        self.model = backend.model
+        self.processor = backend.processor
+        self.open = open_msg
+        self.identity = open_msg.id
+        self.epoch = int(open_msg.id.epoch)
+        self.sampling = DuplexSampling.from_proto(open_msg.sampling)
+        self.hidden_dtype = dtype_from_proto(open_msg.hidden_dtype) if open_msg.hidden_dtype else None
+        self.state = PolicyState()
+        vocab = int(self.engine.runner.llm.config.vocab_size)
+        self.forbidden = load_forbidden_mask(backend.ckpt.root, vocab)
+        self.audio_state = self.model.new_audio_stream()
+        self.max_audio_positions = int(self.model.dims.audio.max_source_positions)
+        self.units_done = 0
+        self.reinject: list[int] = []  # tokens the previous unit left unfed (terminator, </unit>)
+        self.model_turn_open = False  # a model turn started and has not ended
+        self.chunk_seq = 0
+        self.total_generated = 0
+
+    # ------------------------------------------------------------------------------------- identity
+    def ident(self, unit_seq: int = 0) -> common_pb2.Identity:
+        ident = common_pb2.Identity()
+        ident.CopyFrom(self.identity)
+        ident.epoch = self.epoch
+        ident.unit_seq = unit_seq
+        ident.chunk_seq = self.chunk_seq
+        self.chunk_seq += 1
+        return ident
+
+    # ----------------------------------------------------------------------------------- embeddings
+    def prefix_work(self) -> WorkItem:
+        """Session prefix (runs in a worker thread: the reference voice goes through Whisper)."""
+        from services.thinker.processor import AudioClip
+        from services.thinker.processor.duplex_layout import duplex_session_prefix
+
+        ref_rows: list[torch.Tensor] = []
+        if self.open.ref_audio.data:
+            samples, rate = pcm_to_float(self.open.ref_audio)
+            feats, lens, _count = self.processor.process_audio(AudioClip(samples, rate), "ref_audio")
+            ref_rows = self.model.get_audio_embeds(feats, lens, self.model.dims.audio.chunk_length_s)
+        seeded = [
+            p.text
+            for m in self.open.messages
+            if m.role == "user"
+            for p in m.content
+            if p.WhichOneof("kind") == "text"
+        ]
+        layout = duplex_session_prefix(
+            self.processor.encode_text,
+            instructions=self.open.instructions or None,
+            ref_audio_rows=sum(int(r.shape[0]) for r in ref_rows),
+            seeded_user_text="\n".join(seeded) or None,
+        )
+        ids, image_bounds, audio_bounds = layout.tensors()
+        embeds = None
+        if ref_rows:
+            embeds = self.model.merge_embeddings(ids, None, image_bounds, ref_rows, audio_bounds).detach()
+        return WorkItem(ids.tolist(), embeds, sampler=None, tag=("prefix", self.epoch))
+
+    def unit_work(self, unit: thinker_pb2.ThinkerUnit, force_speak: bool) -> WorkItem:
+        """One unit's tokens and embeddings plus its policy (runs in a worker thread)."""
+        from services.thinker.processor.audio import log_mel
+        from services.thinker.processor.duplex_layout import duplex_unit_layout
+
+        if len(unit.frames) > 2:
+            raise StageError(INVALID_ARGUMENT, "a duplex unit carries at most two frames", "unit.frames")
+        wave = unit_audio_16k(unit.audio)
+        mel = log_mel(wave)[:, :MEL_FRAMES_PER_UNIT]
+        if self.audio_state.frames + MEL_FRAMES_PER_UNIT // 2 > self.max_audio_positions:
+            self.audio_state.reset()
+        audio_rows = self.model.get_audio_embeds_streaming(mel, self.audio_state)
+        slices: list[torch.Tensor] = []
+        counts: list[int] = []
+        tgt = torch.zeros(0, 2, dtype=torch.long)
+        if unit.frames:
+            frames = [bytes(f) for f in unit.frames]
+            per_frame: int | list[int] = 1 if len(frames) == 1 else [2, 1]
+            slices, tgt, counts = self.processor.process_frames(frames, per_frame, "unit.frames")
+        prev = self.reinject[0] if self.reinject else None
+        layout = duplex_unit_layout(
+            counts,
+            audio_rows=int(audio_rows.shape[0]),
+            previous_terminator=prev,
+            close_previous_unit=len(self.reinject) > 1,
+        )
+        ids, image_bounds, audio_bounds = layout.tensors()
+        vision = self.model.get_vision_embeds(slices, tgt) if slices else None
+        embeds = self.model.merge_embeddings(ids, vision, image_bounds, [audio_rows], audio_bounds).detach()
+        force_listen = self.units_done < self.open.force_listen_units
+        policy = DuplexPolicy(
+            self.sampling,
+            self.state,
+            self.forbidden,
+            force_listen=force_listen,
+            force_speak=(force_speak and not force_listen),
+        )
+        return WorkItem(ids.tolist(), embeds, sampler=policy, emit_hidden=True, feed_last=True)
+
+    # -------------------------------------------------------------------------------------- results
+    def unit_responses(
+        self, unit_seq: int, outcome: UnitOutcome, context_tokens: int
+    ) -> list[thinker_pb2.ThinkerResponse]:
+        gen = outcome.generated
+        self.total_generated += len(gen)
+        # What the next unit must re-inject: the unfed terminator (or the forced <|chunk_eos|>), </unit>.
+        if outcome.finish == "stop" and gen:
+            self.reinject = [gen[-1], UNIT_CLOSE]
+        else:
+            self.reinject = [CHUNK_EOS, UNIT_CLOSE]
+        self.units_done += 1
+        span = [k for k in select_span(gen) if k in outcome.rows]
+        speak = bool(gen) and gen[0] not in UNIT_TERMINATORS
+        turn_end = any(gen[k] == TURN_EOS for k in span)
+        out: list[thinker_pb2.ThinkerResponse] = []
+        tok = self.processor.tokenizer
+        transcript = tok.decode([gen[k] for k in span], skip_special_tokens=True) if span else ""
+        if span:
+            ids = [gen[k] for k in span]
+            hidden = torch.stack([outcome.rows[k] for k in span])
+            chunk = thinker_pb2.SpeechChunk(
+                id=self.ident(unit_seq),
+                token_ids=ids,
+                hidden=tensor_to_proto(hidden, self.hidden_dtype),
+                text=transcript,
+                turn_start=not self.model_turn_open,
+                turn_end=turn_end,
+                segment_end=True,
+                is_last=turn_end,
+            )
+            out.append(thinker_pb2.ThinkerResponse(speech=chunk))
+            self.model_turn_open = not turn_end
+        result = thinker_pb2.UnitResult(
+            id=self.ident(unit_seq),
+            decision=thinker_pb2.UNIT_DECISION_SPEAK if speak else thinker_pb2.UNIT_DECISION_LISTEN,
+            transcript=transcript,
+            token_ids=gen,
+            turn_end=turn_end,
+            context_tokens=context_tokens,
+        )
+        out.append(thinker_pb2.ThinkerResponse(unit=result))
+        return out
+
+    def after_interrupt(self, new_epoch: int) -> None:
+        self.epoch = new_epoch
+        self.state.turn_ended = True
+        self.model_turn_open = False
+        self.reinject = [CHUNK_EOS, UNIT_CLOSE]
+
+
+async def run_duplex_stream(
+    backend: ThinkerBackend,
+    open_msg: thinker_pb2.ThinkerOpen,
+    request_iterator: AsyncIterator[thinker_pb2.ThinkerRequest],
+) -> AsyncIterator[thinker_pb2.ThinkerResponse]:
+    """Drive one duplex session: prefix, then units in order, until End/half-close or an error."""
+    loop = asyncio.get_running_loop()
+    engine = backend.engine
+    inbox: asyncio.Queue[Any] = asyncio.Queue()
+    try:
+        session = DuplexSession(backend, open_msg)
+        prefix = await loop.run_in_executor(backend.executor, session.prefix_work)
+        engine.check_prompt_length(len(prefix.token_ids) + MAX_TOKENS_PER_UNIT, "instructions")
+    except StageError as err:
+        yield thinker_pb2.ThinkerResponse(error=err.to_proto(open_msg.id))
+        return
+    except Exception as exc:
+        log.exception("duplex session setup failed")
+        yield thinker_pb2.ThinkerResponse(
+            error=StageError(INTERNAL, f"duplex setup failed: {exc}").to_proto(open_msg.id)
+        )
+        return
+    seq = engine.open(lambda ev: loop.call_soon_threadsafe(inbox.put_nowait, ev), persistent=True)
+    engine.submit(seq, prefix)
+
+    async def pump_requests() -> None:
+        async for req in request_iterator:
+            inbox.put_nowait(req)
+        inbox.put_nowait(None)
+
+    reader = asyncio.create_task(pump_requests())
+    pending: list[thinker_pb2.ThinkerUnit] = []
+    busy = True  # the prefix is in flight
+    current: tuple[int, int, UnitOutcome] | None = None  # (unit_seq, epoch, outcome)
+    ending = False
+    context_tokens = 0
+    try:
+        while True:
+            if not busy and pending:
+                unit = pending.pop(0)
+                unit_seq = int(unit.id.unit_seq) if unit.HasField("id") else session.units_done
+                try:
+                    work = await loop.run_in_executor(
+                        backend.executor,
+                        session.unit_work,
+                        unit,
+                        bool(open_msg.force_speak or unit.request_response),
+                    )
+                except StageError as err:
+                    yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
+                    return
+                if context_tokens + len(work.token_ids) + MAX_TOKENS_PER_UNIT > engine.max_context:
+                    err = StageError(
+                        CONTEXT_LENGTH_EXCEEDED,
+                        f"duplex session context {context_tokens} + unit would pass {engine.max_context} tokens",
+                        "unit",
+                    )
+                    yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
+                    return
+                work.tag = (unit_seq, session.epoch)
+                engine.submit(seq, work)
+                current = (unit_seq, session.epoch, UnitOutcome())
+                busy = True
+                continue
+            if ending and not busy and not pending:
+                usage = common_pb2.Usage(
+                    prompt_tokens=context_tokens - session.total_generated,
+                    completion_tokens=session.total_generated,
+                    total_tokens=context_tokens,
+                )
+                usage.extra["units"] = session.units_done
+                yield thinker_pb2.ThinkerResponse(
+                    done=common_pb2.Done(id=session.ident(), finish_reason="stop", usage=usage)
+                )
+                return
+            item = await inbox.get()
+            if item is None:
+                ending = True
+                continue
+            if isinstance(item, thinker_pb2.ThinkerRequest):
+                kind = item.WhichOneof("kind")
+                if kind == "unit":
+                    unit = item.unit
+                    if unit.HasField("id") and unit.id.epoch < session.epoch:
+                        continue  # stale: sent before the client saw the interrupt
+                    pending.append(unit)
+                elif kind == "control":
+                    which = item.control.WhichOneof("kind")
+                    if which == "interrupt":
+                        INTERRUPTS.labels(STAGE).inc()
+                        new_epoch = int(item.control.interrupt.new_epoch)
+                        dropped = len(pending) + (1 if current is not None else 0)
+                        pending.clear()
+                        if current is not None:
+                            engine.cancel(seq)
+                        session.after_interrupt(new_epoch)
+                        ack = common_pb2.InterruptAck(
+                            id=session.ident(), new_epoch=new_epoch, dropped_items=dropped
+                        )
+                        yield thinker_pb2.ThinkerResponse(interrupt_ack=ack)
+                    elif which == "end":
+                        ending = True
+                else:
+                    err = StageError(
+                        INVALID_ARGUMENT, "a duplex stream accepts units and controls after open", "open"
+                    )
+                    yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident()))
+                    return
+                continue
+            ev: EngineEvent = item
+            context_tokens = ev.context_tokens
+            if ev.error is not None:
+                yield thinker_pb2.ThinkerResponse(error=ev.error.to_proto(session.ident()))
+                return
+            if ev.finish_reason == "prefilled" or ev.finish_reason == "cancelled":
+                busy = False
+                current = None
+                continue
+            if current is None:
+                continue  # late event of a cancelled unit
+            unit_seq, unit_epoch, outcome = current
+            if ev.hidden is not None and ev.fed_token is not None:
+                outcome.rows[len(outcome.rows)] = ev.hidden
+            if ev.token is not None:
+                outcome.generated.append(ev.token)
+            if ev.finish_reason is not None:
+                outcome.finish = ev.finish_reason
+                busy = False
+                current = None
+                if unit_epoch < session.epoch:
+                    continue  # finished just before an interrupt was applied: drop its output
+                for msg in session.unit_responses(unit_seq, outcome, context_tokens):
+                    yield msg
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await reader
+        engine.close(seq)

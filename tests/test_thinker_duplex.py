@@ -1,0 +1,235 @@
+"""Duplex mode of the thinker stage (tiny checkpoint, CPU): one decision per 1 s unit, KV growth per unit,
+speech span hand-off, interrupts with epoch fencing, the context limit, and the decision policy itself."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from services.common.errors import CONTEXT_LENGTH_EXCEEDED
+from services.common.grpc_server import ServeOptions
+from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
+from services.common.tensors import pcm_from_float, tensor_from_proto
+from services.thinker.duplex import (
+    CHUNK_EOS,
+    LISTEN,
+    TTS_BOS,
+    TTS_EOS,
+    TURN_EOS,
+    DuplexPolicy,
+    DuplexSampling,
+    PolicyState,
+    select_span,
+)
+from services.thinker.engine import EngineConfig, ThinkerEngine
+from services.thinker.server import build_backend, make_server
+
+torch.set_num_threads(1)
+UNIT_OPEN, UNIT_CLOSE = 151683, 151684
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_ckpt: Path):
+    cfg = EngineConfig(kv_budget_bytes=16 << 20, max_step_tokens=128)
+    b = build_backend(str(tiny_ckpt), "cpu", "float32", cfg)
+    b.engine.start()
+    yield b
+    b.engine.shutdown()
+    b.executor.shutdown(wait=False)
+
+
+def unit(seq: int, epoch: int = 0, seconds: float = 1.0) -> thinker_pb2.ThinkerRequest:
+    rng = np.random.default_rng(seq)
+    wave = (0.1 * rng.standard_normal(int(16000 * seconds))).astype(np.float32)
+    ident = common_pb2.Identity(session_id="d-1", epoch=epoch, unit_seq=seq)
+    return thinker_pb2.ThinkerRequest(
+        unit=thinker_pb2.ThinkerUnit(id=ident, audio=pcm_from_float(wave, 16000))
+    )
+
+
+def duplex_open(**kw: object) -> thinker_pb2.ThinkerRequest:
+    greedy = thinker_pb2.SamplingParams(temperature=0.0)
+    ident = common_pb2.Identity(session_id="d-1", request_id="r-d")
+    return thinker_pb2.ThinkerRequest(
+        open=thinker_pb2.ThinkerOpen(
+            id=ident,
+            mode=thinker_pb2.STREAM_MODE_DUPLEX,
+            sampling=greedy,
+            hidden_dtype=common_pb2.DTYPE_FLOAT32,
+            **kw,
+        )
+    )
+
+
+END = thinker_pb2.ThinkerRequest(control=common_pb2.Control(end=common_pb2.End()))
+
+
+async def _session(backend, requests: list[thinker_pb2.ThinkerRequest]) -> list[thinker_pb2.ThinkerResponse]:  # noqa: ANN001
+    server = make_server(backend, ServeOptions(host="127.0.0.1", port=0, metrics_port=0))
+    port = await server.start()
+
+    async def gen() -> AsyncIterator[thinker_pb2.ThinkerRequest]:
+        for r in requests:
+            yield r
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = thinker_pb2_grpc.ThinkerServiceStub(ch)
+            return [r async for r in stub.Generate(gen(), timeout=60)]
+    finally:
+        await server.stop(grace=0.5)
+
+
+def test_listen_units_one_decision_each_and_kv_growth(backend) -> None:  # noqa: ANN001
+    reqs = (
+        [duplex_open(force_listen_units=5, instructions="Stay quiet.")] + [unit(i) for i in range(5)] + [END]
+    )
+    got = asyncio.run(_session(backend, reqs))
+    units = [r.unit for r in got if r.HasField("unit")]
+    assert [u.id.unit_seq for u in units] == [0, 1, 2, 3, 4]
+    assert all(u.decision == thinker_pb2.UNIT_DECISION_LISTEN for u in units)
+    assert all(list(u.token_ids) == [LISTEN] for u in units)
+    assert not any(r.HasField("speech") for r in got)
+    ctx = [u.context_tokens for u in units]
+    # Unit 1 adds <unit> + 10 audio rows; later units also re-inject <|listen|> </unit>: 13 per unit.
+    assert [b - a for a, b in zip(ctx, ctx[1:], strict=False)] == [13, 13, 13, 13]
+    prefix = backend.processor.encode_text("<|im_start|>system\nStay quiet.<|im_end|>")
+    assert ctx[0] == len(prefix) + 11
+    assert got[-1].HasField("done") and got[-1].done.usage.extra["units"] == 5
+    assert backend.engine.kv_used_bytes == 0 or _wait_free(backend.engine)
+
+
+def _wait_free(engine: ThinkerEngine) -> bool:
+    import time
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if engine.kv_used_bytes == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_forced_speak_units_hand_off_aligned_spans(backend) -> None:  # noqa: ANN001
+    reqs = [duplex_open(force_speak=True)] + [unit(i) for i in range(3)] + [END]
+    got = asyncio.run(_session(backend, reqs))
+    assert not any(r.HasField("error") for r in got), got
+    units = [r.unit for r in got if r.HasField("unit")]
+    speech = [r.speech for r in got if r.HasField("speech")]
+    assert len(units) == 3 and all(u.decision == thinker_pb2.UNIT_DECISION_SPEAK for u in units)
+    prev_ctx = None
+    for u in units:
+        gen = list(u.token_ids)
+        assert 1 <= len(gen) <= 19
+        span = [gen[k] for k in select_span(gen)]
+        chunk = next((c for c in speech if c.id.unit_seq == u.id.unit_seq), None)
+        if span:
+            assert chunk is not None and list(chunk.token_ids) == span
+            rows = tensor_from_proto(chunk.hidden)
+            assert rows.shape == (len(span), backend.hidden_size) and chunk.segment_end
+            assert chunk.text == u.transcript
+        # KV growth: re-injected terminator + </unit> + <unit> + 10 audio + every fed generated token
+        # (all but an unfed terminator; a unit capped at 19 feeds all 19 and re-injects <|chunk_eos|>).
+        fed = len(gen) - (1 if gen[-1] in (LISTEN, CHUNK_EOS, 151721) else 0)
+        if prev_ctx is not None:
+            assert u.context_tokens - prev_ctx == 13 + fed
+        prev_ctx = u.context_tokens
+    assert speech and speech[0].turn_start
+
+
+def test_interrupt_drops_stale_work_and_acks(backend) -> None:  # noqa: ANN001
+    interrupt = thinker_pb2.ThinkerRequest(
+        control=common_pb2.Control(interrupt=common_pb2.Interrupt(new_epoch=1, reason="barge-in"))
+    )
+    reqs = [
+        duplex_open(force_speak=True),
+        unit(0),
+        unit(1),
+        interrupt,
+        unit(2, epoch=0),
+        unit(3, epoch=1),
+        END,
+    ]
+    got = asyncio.run(_session(backend, reqs))
+    kinds = [r.WhichOneof("kind") for r in got]
+    assert "error" not in kinds
+    ack = got[kinds.index("interrupt_ack")].interrupt_ack
+    assert ack.new_epoch == 1
+    units = [r.unit for r in got if r.HasField("unit")]
+    seqs = [u.id.unit_seq for u in units]
+    assert 2 not in seqs  # sent with the old epoch after the interrupt: dropped
+    assert seqs[-1] == 3 and units[-1].id.epoch == 1
+    after = got[kinds.index("interrupt_ack") + 1 :]
+    assert all(r.WhichOneof("kind") == "done" or _epoch(r) == 1 for r in after)
+
+
+def _epoch(r: thinker_pb2.ThinkerResponse) -> int:
+    return getattr(r, r.WhichOneof("kind")).id.epoch
+
+
+def test_context_limit_ends_session_cleanly(backend) -> None:  # noqa: ANN001
+    small = ThinkerEngine(
+        backend.engine.runner.llm, EngineConfig(max_context=70, kv_budget_bytes=4 << 20), "cpu"
+    )
+    small.start()
+    try:
+        b = dataclasses.replace(backend, engine=small)
+        got = asyncio.run(
+            _session(b, [duplex_open(force_listen_units=100)] + [unit(i) for i in range(6)] + [END])
+        )
+        assert got[-1].HasField("error"), [r.WhichOneof("kind") for r in got]
+        assert got[-1].error.code == CONTEXT_LENGTH_EXCEEDED and got[-1].error.param == "unit"
+        units = [r.unit for r in got if r.HasField("unit")]
+        assert 1 <= len(units) < 6 and all(u.context_tokens <= 70 for u in units)
+        assert _wait_free(small)
+    finally:
+        small.shutdown()
+
+
+# ------------------------------------------------------------------------------------- policy units
+def _policy(state: PolicyState, **kw: object) -> DuplexPolicy:
+    forbidden = torch.zeros(151748, dtype=torch.bool)
+    forbidden[500] = True
+    args = {"force_listen": False, "force_speak": False} | kw
+    return DuplexPolicy(DuplexSampling(temperature=0.0), state, forbidden, **args)  # type: ignore[arg-type]
+
+
+def test_policy_rules() -> None:
+    logits = torch.zeros(151748)
+    logits[LISTEN] = 5.0
+    state = PolicyState(turn_ended=False)
+    # A listen while the model's turn is open becomes <|tts_bos|>.
+    assert _policy(state).choose(logits.clone(), [], 0) == TTS_BOS
+    state = PolicyState(turn_ended=True)
+    assert _policy(state).choose(logits.clone(), [], 0) == LISTEN
+    # Forced speak masks listen for the decision token; forced listen never samples.
+    assert _policy(PolicyState(), force_speak=True).choose(logits.clone(), [], 0) not in (LISTEN, CHUNK_EOS)
+    assert _policy(PolicyState(), force_listen=True).choose(torch.zeros(151748), [], 0) == LISTEN
+    # The raw first draw detects <|chunk_eos|>; forbidden ids are never drawn.
+    eos = torch.zeros(151748)
+    eos[CHUNK_EOS] = 9.0
+    assert _policy(PolicyState()).choose(eos, [], 3) == CHUNK_EOS
+    bad = torch.zeros(151748)
+    bad[500] = 9.0
+    assert _policy(PolicyState()).choose(bad, [], 1) != 500
+    # <|turn_eos|> closes the model turn; the 19-token cap ends the unit with "length".
+    st = PolicyState(turn_ended=False)
+    te = torch.zeros(151748)
+    te[TURN_EOS] = 9.0
+    p = _policy(st)
+    assert p.choose(te, [], 2) == TURN_EOS and st.turn_ended
+    assert p.finish_reason(LISTEN, 3) == "stop" and p.finish_reason(42, 19) == "length"
+
+
+def test_span_selection() -> None:
+    assert select_span([LISTEN]) == []
+    assert select_span([TTS_BOS, 10, 11, CHUNK_EOS]) == [1, 2]
+    assert select_span([10, 11, TURN_EOS, 12, LISTEN]) == [1, 2]  # turn_eos inclusive, rest dropped
+    assert select_span([10, 11, TTS_BOS, 12, TTS_EOS, 13]) == [3]  # restarts after an inner tts_bos
