@@ -189,7 +189,8 @@ def process_logits(
             device=dev,
         )
         top_k = torch.tensor(
-            [r.params.top_k if rule.apply_warpers else scores.shape[1] for r, rule in zip(rows, rules, strict=True)],
+            # rows without warpers are restored by the where() below; a small k keeps the top-k cheap
+            [r.params.top_k if rule.apply_warpers else 1 for r, rule in zip(rows, rules, strict=True)],
             dtype=torch.long,
             device=dev,
         )
