@@ -36,7 +36,7 @@ from services.code2wav.model.loader import Token2WavModel
 
 HISTORY_FRAMES = 100  # frames kept beyond the prompt when trimming attention caches (reference value)
 
-# estimator(x, mu, t, spks, cond, cnn_cache | None, att_cache | None) -> (velocity, new_cnn, new_att)
+# estimator(x, mu, temb, spks, cond, cnn_cache | None, att_cache | None) -> (velocity, new_cnn, new_att)
 EstimatorFn = Callable[
     [
         torch.Tensor,
@@ -147,22 +147,27 @@ def cosine_time_span(n_timesteps: int, device: torch.device, dtype: torch.dtype)
     return 1 - torch.cos(tau * 0.5 * math.pi)
 
 
-def dit_chunk(
+def timestep_embedding(dit: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """DiT time conditioning [R] -> [R, 1, hidden]. Kept out of CUDA graphs: the package builds its
+    frequency table on the host and copies it to the device on every call."""
+    return dit.t_embedder(t).unsqueeze(1)
+
+
+def dit_blocks_chunk(
     dit: torch.nn.Module,
     x: torch.Tensor,
     mu: torch.Tensor,
-    t: torch.Tensor,
+    temb: torch.Tensor,
     spks: torch.Tensor,
     cond: torch.Tensor,
     cnn_cache: torch.Tensor | None,
     att_cache: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One DiT evaluation on a chunk with caches: x/mu/cond [R, 80, T], t [R], spks [R, 80].
+    """One DiT evaluation on a chunk with caches: x/mu/cond [R, 80, T], temb [R, 1, hidden], spks [R, 80].
 
     Returns the velocity [R, 80, T], the new conv cache [depth, R, 2*hidden, 2] and the new attention
     cache [depth, R, heads, L + T, 2*hd] (new frames first, as the blocks build it).
     """
-    temb = dit.t_embedder(t).unsqueeze(1)
     frames = x.shape[2]
     h = torch.cat([x, mu, spks.unsqueeze(2).expand(-1, -1, frames), cond], dim=1)
     h = dit.in_proj(h.transpose(1, 2))
@@ -197,13 +202,13 @@ class FlowStepper:
         self,
         x: torch.Tensor,
         mu: torch.Tensor,
-        t: torch.Tensor,
+        temb: torch.Tensor,
         spks: torch.Tensor,
         cond: torch.Tensor,
         cnn_cache: torch.Tensor | None,
         att_cache: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return dit_chunk(self.dit, x, mu, t, spks, cond, cnn_cache, att_cache)
+        return dit_blocks_chunk(self.dit, x, mu, temb, spks, cond, cnn_cache, att_cache)
 
     def project_speaker(self, spk_emb: torch.Tensor) -> torch.Tensor:
         """x-vector [B, 192] -> speaker condition [B, 80] (L2-normalised, affine)."""
@@ -227,12 +232,13 @@ class FlowStepper:
         spks_in = torch.cat([spks, torch.zeros_like(spks)], dim=0)
         cond_in = torch.cat([cond, torch.zeros_like(cond)], dim=0)
         x = z
-        cnn_steps, att_steps = [], []
+        cnn_out: torch.Tensor | None = None
+        att_out: torch.Tensor | None = None
         for step in range(1, self.n_timesteps + 1):
             velocity, cnn_new, att_new = self.estimator(
                 torch.cat([x, x], dim=0),
                 mu_in,
-                t.expand(2 * batch),
+                timestep_embedding(self.dit, t.expand(2 * batch)),
                 spks_in,
                 cond_in,
                 None if cnn_cache is None else cnn_cache[step - 1],
@@ -243,9 +249,14 @@ class FlowStepper:
             t = t + dt
             if step < self.n_timesteps:
                 dt = t_span[step + 1] - t
-            cnn_steps.append(cnn_new)
-            att_steps.append(att_new)
-        return x, torch.stack(cnn_steps), torch.stack(att_steps)
+            # Copy each step's caches out at once: a graphed estimator reuses its output buffers.
+            if cnn_out is None or att_out is None:
+                cnn_out = cnn_new.new_empty((self.n_timesteps, *cnn_new.shape))
+                att_out = att_new.new_empty((self.n_timesteps, *att_new.shape))
+            cnn_out[step - 1].copy_(cnn_new)
+            att_out[step - 1].copy_(att_new)
+        assert cnn_out is not None and att_out is not None
+        return x, cnn_out, att_out
 
     @torch.inference_mode()
     def setup(

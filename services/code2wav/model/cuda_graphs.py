@@ -1,0 +1,126 @@
+"""CUDA graphs for the fixed window shapes of the Code2Wav stage (GPU only; CPU stays eager).
+
+What is captured, per distinct input-shape key (lazily, on first use, up to ``max_graphs`` per part):
+
+* one DiT estimator evaluation with caches (:func:`dit_blocks_chunk`): the 10-step Euler loop stays in
+  Python and replays the graph once per step; the time embedding is computed outside (the package builds
+  its frequency table on the host);
+* the HiFT f0 predictor and the HiFT decoder up to ``conv_post`` (``torch.istft`` checks its window on the
+  host, so the inverse STFT and the NSF source, which draws per-stream random numbers, stay eager).
+
+Steady streaming has few keys: windows of 25 new codes give 50 mel frames and estimator caches of
+300/350/400 frames after a 6 s prompt, times the batch sizes seen. Replays copy inputs into static
+buffers; outputs live in graph-owned buffers that the next replay overwrites, so callers copy what they
+keep (``FlowStepper._solve`` does). A key whose capture fails falls back to eager for good.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.code2wav.model.flow_step import dit_blocks_chunk
+from services.code2wav.model.vocoder import hift_pre_istft
+
+log = logging.getLogger(__name__)
+
+Key = tuple[tuple[tuple[int, ...], torch.dtype] | None, ...]
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor | None]
+    outputs: tuple[torch.Tensor, ...]
+
+
+class ShapeKeyedGraphs:
+    """Replays one CUDA graph per input-shape key of ``fn``; eager for keys it cannot (or may not) hold."""
+
+    def __init__(self, name: str, fn: Callable[..., tuple[torch.Tensor, ...]], max_graphs: int = 32) -> None:
+        self.name = name
+        self.fn = fn
+        self.max_graphs = max_graphs
+        self.graphs: dict[Key, _Captured | None] = {}
+        self.replays = 0
+        self.eager_calls = 0
+
+    @staticmethod
+    def key(args: tuple[torch.Tensor | None, ...]) -> Key:
+        return tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
+
+    def _capture(self, args: tuple[torch.Tensor | None, ...]) -> _Captured:
+        inputs = [None if a is None else a.clone() for a in args]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up kernels, cuBLAS/cuFFT plans and the allocator off the graph
+                self.fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = self.fn(*inputs)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        return _Captured(graph, inputs, tuple(outputs))
+
+    def __call__(self, *args: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        key = self.key(args)
+        entry = self.graphs.get(key, False)
+        if entry is False:
+            if len(self.graphs) >= self.max_graphs:
+                entry = None
+            else:
+                try:
+                    entry = self._capture(args)
+                    log.info("captured %s graph #%d for %s", self.name, len(self.graphs) + 1, key)
+                except Exception as exc:  # noqa: BLE001 - a shape we cannot capture simply runs eager
+                    log.warning(
+                        "%s: CUDA graph capture failed for %s (%s); running eager", self.name, key, exc
+                    )
+                    entry = None
+                self.graphs[key] = entry
+        if entry is None:
+            self.eager_calls += 1
+            out = self.fn(*args)
+            return (out,) if isinstance(out, torch.Tensor) else out
+        for static, arg in zip(entry.inputs, args, strict=True):
+            if static is not None and arg is not None:
+                static.copy_(arg)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.outputs
+
+
+def enable_cuda_graphs(runner: object, max_graphs: int = 32) -> dict[str, ShapeKeyedGraphs]:
+    """Route the runner's DiT estimator and HiFT parts through shape-keyed CUDA graphs (CUDA only)."""
+    flow = runner.flow  # type: ignore[attr-defined]
+    vocoder = runner.vocoder  # type: ignore[attr-defined]
+    if runner.device.type != "cuda":  # type: ignore[attr-defined]
+        return {}
+    dit = flow.dit
+    hift = vocoder.hift
+    estimator = ShapeKeyedGraphs(
+        "dit",
+        lambda x, mu, temb, spks, cond, cnn, att: dit_blocks_chunk(dit, x, mu, temb, spks, cond, cnn, att),
+        max_graphs,
+    )
+    f0 = ShapeKeyedGraphs("hift_f0", lambda mel: (hift.f0_predictor(mel),), max_graphs)
+    decode = ShapeKeyedGraphs(
+        "hift_decode", lambda mel, source: (hift_pre_istft(hift, mel, source),), max_graphs
+    )
+    eager_estimator = flow.estimator
+
+    def graphed_estimator(x, mu, temb, spks, cond, cnn, att):  # noqa: ANN001, ANN202
+        if att is None:  # prompt setup: runs once per voice and seed, not worth a graph
+            return eager_estimator(x, mu, temb, spks, cond, cnn, att)
+        return estimator(x, mu, temb, spks, cond, cnn, att)
+
+    flow.estimator = graphed_estimator
+    vocoder.f0_fn = lambda mel: f0(mel)[0]
+    vocoder.decode_fn = lambda mel, source: decode(mel, source)[0]
+    runner.cuda_graphs = True  # type: ignore[attr-defined]
+    return {"dit": estimator, "hift_f0": f0, "hift_decode": decode}

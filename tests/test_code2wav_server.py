@@ -1,0 +1,159 @@
+"""Code2Wav gRPC round trips in-process on the tiny checkpoint: audio chunks with identities and exact
+sample counts, Done, GetInfo, typed errors (order, reference audio, first message) and interrupts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from services.common.checkpoint import CODEC_SILENCE_ID
+from services.common.errors import BAD_REFERENCE_AUDIO, FAILED_PRECONDITION, OUT_OF_ORDER
+from services.common.grpc_server import ServeOptions, StageServer
+from services.common.pb import code2wav_pb2, code2wav_pb2_grpc, common_pb2
+from services.common.tensors import pcm_from_float
+
+CODES = [(i * 811) % 6561 for i in range(40)]
+
+
+def _args(ckpt: Path) -> argparse.Namespace:
+    return argparse.Namespace(
+        checkpoint=str(ckpt),
+        device="cpu",
+        max_batch=8,
+        max_streams=4,
+        cfm_steps=10,
+        cache_dtype="float32",
+        nsf_noise="off",
+        cuda_graphs="off",
+        voice_cache=4,
+    )
+
+
+def _open(request_id: str, epoch: int = 0, ref: common_pb2.Pcm | None = None) -> code2wav_pb2.Code2WavRequest:
+    msg = code2wav_pb2.Code2WavOpen(id=common_pb2.Identity(request_id=request_id, epoch=epoch), seed=3)
+    if ref is not None:
+        msg.ref_audio.CopyFrom(ref)
+    return code2wav_pb2.Code2WavRequest(open=msg)
+
+
+def _window(seq: int, codes: list[int], last: bool, epoch: int = 0) -> code2wav_pb2.Code2WavRequest:
+    ident = common_pb2.Identity(request_id="r", epoch=epoch, chunk_seq=seq)
+    return code2wav_pb2.Code2WavRequest(
+        window=common_pb2.CodecWindow(id=ident, codes=codes, left_context=3, is_last=last)
+    )
+
+
+def _control(**kind: object) -> code2wav_pb2.Code2WavRequest:
+    return code2wav_pb2.Code2WavRequest(control=common_pb2.Control(**kind))
+
+
+async def _talk(stub, requests: list, gate: asyncio.Event | None = None, gate_after: int = 0) -> list:  # noqa: ANN001
+    """Send ``requests`` (pausing after ``gate_after`` of them until ``gate`` is set) and collect replies."""
+
+    async def gen() -> AsyncIterator[code2wav_pb2.Code2WavRequest]:
+        for i, r in enumerate(requests):
+            if gate is not None and i == gate_after:
+                await gate.wait()
+            yield r
+
+    replies = []
+    async for reply in stub.Generate(gen()):
+        replies.append(reply)
+        if gate is not None and reply.WhichOneof("kind") == "audio":
+            gate.set()
+    return replies
+
+
+def test_grpc_round_trip(tiny_ckpt: Path) -> None:
+    from services.code2wav.server import SERVICE_FULL_NAME, Code2WavServicer, add_servicer, stage_info
+    from services.code2wav.service import build_engine
+
+    async def scenario() -> None:
+        engine, ckpt = build_engine(_args(tiny_ckpt))
+        await engine.start()
+        servicer = Code2WavServicer(engine, stage_info(engine, "4.5"))
+        options = ServeOptions(host="127.0.0.1", port=0, metrics_port=0)
+        server = StageServer(
+            "code2wav", SERVICE_FULL_NAME, add_servicer(servicer), options, drain=engine.drain
+        )
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = code2wav_pb2_grpc.Code2WavServiceStub(channel)
+                info = await stub.GetInfo(common_pb2.GetInfoRequest())
+                assert info.stage == "code2wav" and info.limits["sample_rate"] == 24000
+
+                # Turn: two windows, end -> two chunks (20160 and (8 + 12) * 480 samples) and Done.
+                first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
+                last = first[-3:] + CODES[25:28]
+                replies = await _talk(
+                    stub,
+                    [
+                        _open("turn"),
+                        _window(0, first, False),
+                        _window(1, last, True),
+                        _control(end=common_pb2.End()),
+                    ],
+                )
+                kinds = [r.WhichOneof("kind") for r in replies]
+                assert kinds == ["audio", "audio", "done"], kinds
+                a0, a1 = replies[0].audio, replies[1].audio
+                assert (a0.id.chunk_seq, a0.is_last, a1.id.chunk_seq, a1.is_last) == (0, False, 1, True)
+                assert a0.pcm.sample_rate == 24000 and a0.pcm.format == common_pb2.PCM_FORMAT_S16LE
+                assert len(a0.pcm.data) // 2 == 20160 and len(a1.pcm.data) // 2 == (8 + 12) * 480
+                assert np.abs(np.frombuffer(a0.pcm.data, "<i2")).max() > 100
+                assert replies[2].done.usage.extra["audio_samples"] == 20160 + 9600
+
+                # Out-of-order chunk_seq -> OUT_OF_ORDER; a second open -> FAILED_PRECONDITION.
+                replies = await _talk(stub, [_open("ooo"), _window(1, first, False)])
+                assert replies[-1].error.code == OUT_OF_ORDER
+                replies = await _talk(stub, [_window(0, first, False)])
+                assert replies[-1].error.code == FAILED_PRECONDITION
+
+                # Too-short reference voice -> BAD_REFERENCE_AUDIO before any window.
+                short = pcm_from_float(np.full(8000, 0.1, np.float32), 16000)
+                replies = await _talk(stub, [_open("ref", ref=short)])
+                assert replies[-1].error.code == BAD_REFERENCE_AUDIO
+
+                # Interrupt after the first chunk: ack for epoch 1, then epoch-1 audio only, then Done.
+                gate = asyncio.Event()
+                replies = await _talk(
+                    stub,
+                    [
+                        _open("int"),
+                        _window(0, first, False),
+                        _window(1, first[-3:] + CODES[25:50], False),
+                        _control(interrupt=common_pb2.Interrupt(new_epoch=1)),
+                        _window(0, [CODEC_SILENCE_ID] * 3 + CODES[:5], True, epoch=1),
+                        _control(end=common_pb2.End()),
+                    ],
+                    gate=gate,
+                    gate_after=3,
+                )
+                kinds = [r.WhichOneof("kind") for r in replies]
+                ack_at = kinds.index("interrupt_ack")
+                assert replies[ack_at].interrupt_ack.new_epoch == 1
+                after = [r.audio for r in replies[ack_at:] if r.WhichOneof("kind") == "audio"]
+                assert [(a.id.epoch, a.id.chunk_seq, a.is_last) for a in after] == [(1, 0, True)]
+                assert len(after[0].pcm.data) // 2 == 2 * 8 * 480  # last and first window: all 8 tokens speak
+                assert kinds[-1] == "done"
+        finally:
+            await server.stop(grace=0.1)
+            await engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_talker_windows_cover_every_code() -> None:
+    from services.code2wav.dump import talker_windows
+
+    codes = list(range(53))
+    wins = talker_windows(codes, 3)
+    assert [len(w) for w, _ in wins] == [28, 28, 6] and [last for _, last in wins] == [False, False, True]
+    assert wins[0][0][:3] == [CODEC_SILENCE_ID] * 3
+    assert [c for w, _ in wins for c in w[3:]] == codes[3 - 3 : 22] + codes[22:47] + codes[47:]
