@@ -263,3 +263,24 @@ def test_sampling_primitives() -> None:
     with pytest.raises(StageError) as exc:
         SamplingConfig(top_p=0.0).validate()
     assert exc.value.code == INVALID_ARGUMENT and exc.value.param == "sampling.top_p"
+
+
+def test_graph_body_with_padded_rows_matches_eager(llm: torch.nn.Module) -> None:
+    """The fixed-shape decode body that CUDA graphs record, run on CPU: padded rows change nothing."""
+    from services.thinker.runner import DecodeRow, StepInput
+
+    engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20, use_cuda_graphs=True), "cpu")
+    assert not engine.runner.use_cuda_graphs  # guarded by device type: CPU is always eager
+    seqs = [engine.open(Collector()) for _ in range(2)]
+    for seq, prompt in zip(seqs, PROMPTS[:2], strict=True):
+        engine.submit(seq, WorkItem(prompt, sampler=greedy(50)))
+    engine.step()  # both prompts prefilled in one step; each now holds a sampled token to feed
+    rows = [DecodeRow(s.next_token, len(s.tokens), s.blocks) for s in seqs]  # type: ignore[arg-type]
+    eager = engine.runner.step(StepInput(decode=rows))
+    host = engine.runner._decode_host(rows, 4, 8)  # batch bucket 4, 8 blocks of context
+    with torch.inference_mode():
+        hidden, logits = engine.runner.decode_forward_static(*host)
+    assert torch.allclose(hidden[:2], eager.decode_hidden, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(logits[:2].float(), eager.decode_logits, atol=1e-4, rtol=1e-4)
+    again = engine.runner.step(StepInput(decode=rows))  # padded rows wrote to scratch only
+    assert torch.equal(again.decode_hidden, eager.decode_hidden)

@@ -98,6 +98,7 @@ class ModelRunner:
 
     GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
     GRAPH_MIN_CONTEXT = 256
+    GRAPH_MAX_CONTEXT = 16384
 
     def __init__(self, llm: nn.Module, cache: PagedKVCache, *, use_cuda_graphs: bool = True) -> None:
         self.llm = llm
@@ -188,27 +189,44 @@ class ModelRunner:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     # ------------------------------------------------------------------------------------------ plan
-    def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
-        return self.cache.slots_for(blocks, start, end)
+    def _slot_tensor(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat cache slots of positions ``[start, end)`` of a sequence (host tensor, vectorised)."""
+        bs = self.cache.layout.block_size
+        table = torch.tensor(blocks, dtype=torch.long)
+        pos = torch.arange(start, end, dtype=torch.long)
+        return table[pos // bs] * bs + pos % bs
 
-    def _decode_plan(self, rows: list[DecodeRow], pad_batch: int, pad_len: int) -> tuple[torch.Tensor, ...]:
-        """Host-built index tensors for decode rows, padded to ``pad_batch`` x ``pad_len``."""
-        gather = torch.full((pad_batch, pad_len), SCRATCH_SLOT, dtype=torch.long)
-        mask = torch.zeros((pad_batch, 1, 1, pad_len), dtype=torch.bool)
-        mask[:, :, :, 0] = True  # padded rows see one scratch slot: no all-masked softmax
-        for i, r in enumerate(rows):
-            n = r.position + 1
-            gather[i, :n] = torch.tensor(self._slots(r.blocks, 0, n), dtype=torch.long)
-            mask[i, 0, 0, :] = False
-            mask[i, 0, 0, :n] = True
+    def _decode_host(
+        self, rows: list[DecodeRow], pad_batch: int, pad_blocks: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Small host tensors for decode rows: ids, positions, write slots, block tables (padded).
+
+        Padded rows use position 0 and the scratch block, so they write to and read from scratch only.
+        """
+        bs = self.cache.layout.block_size
         ids = torch.zeros(pad_batch, dtype=torch.long)
         pos = torch.zeros(pad_batch, dtype=torch.long)
         write = torch.full((pad_batch,), SCRATCH_SLOT, dtype=torch.long)
+        table = torch.full((pad_batch, pad_blocks), BlockPool.SCRATCH_BLOCK, dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i] = r.token_id
             pos[i] = r.position
-            write[i] = self._slots(r.blocks, r.position, r.position + 1)[0]
-        return ids, pos, write, gather, mask
+            write[i] = r.blocks[r.position // bs] * bs + r.position % bs
+            used = r.position // bs + 1
+            table[i, :used] = torch.tensor(r.blocks[:used], dtype=torch.long)
+        return ids, pos, write, table
+
+    def _decode_attn_plan(self, pos: torch.Tensor, table: torch.Tensor) -> _AttnPlan:
+        """Device-side gather indices and validity mask from block tables (graph-safe, no host loops)."""
+        bs = self.cache.layout.block_size
+        length = table.shape[1] * bs
+        offsets = torch.arange(length, device=table.device)
+        valid = offsets[None, :] <= pos[:, None]  # [B, L]; padded rows: position 0 only
+        gather = table.repeat_interleave(bs, dim=1) * bs + offsets % bs
+        # Masked positions read the (zeroed) scratch slot: never-written cache memory may hold NaN, and
+        # a masked NaN still poisons the output (0 * NaN).
+        gather = torch.where(valid, gather, SCRATCH_SLOT)
+        return _AttnPlan(num_decode=pos.shape[0], decode_gather=gather, decode_mask=valid[:, None, None, :])
 
     # ------------------------------------------------------------------------------------------- step
     @torch.inference_mode()
@@ -216,7 +234,7 @@ class ModelRunner:
         if not inp.prefill and inp.decode and self.use_cuda_graphs:
             graph = self._graph_for(len(inp.decode), max(r.position + 1 for r in inp.decode))
             if graph is not None:
-                hidden, logits = graph.run(self._decode_plan(inp.decode, graph.batch, graph.context))
+                hidden, logits = graph.run(self._decode_host(inp.decode, graph.batch, graph.blocks))
                 b = len(inp.decode)
                 return StepOutput(hidden[:b].clone(), logits[:b].float(), [], [])
         return self._eager_step(inp)
@@ -229,10 +247,10 @@ class ModelRunner:
         pos_parts: list[torch.Tensor] = []
         write_parts: list[torch.Tensor] = []
         if b:
-            max_len = max(r.position + 1 for r in inp.decode)
-            ids, pos, write, gather, mask = self._decode_plan(inp.decode, b, max_len)
-            plan.decode_gather = gather.to(dev, non_blocking=True)
-            plan.decode_mask = mask.to(dev, non_blocking=True)
+            bs = self.cache.layout.block_size
+            max_blocks = max(r.position // bs + 1 for r in inp.decode)
+            ids, pos, write, table = self._decode_host(inp.decode, b, max_blocks)
+            plan = self._decode_attn_plan(pos.to(dev, non_blocking=True), table.to(dev, non_blocking=True))
             ids_parts.append(ids)
             pos_parts.append(pos)
             write_parts.append(write)
@@ -240,13 +258,13 @@ class ModelRunner:
         for chunk in inp.prefill:
             n = len(chunk.token_ids)
             end = chunk.start + n
-            gather = torch.tensor(self._slots(chunk.blocks, 0, end), dtype=torch.long)
+            gather = self._slot_tensor(chunk.blocks, 0, end)
             allowed = torch.arange(end)[None, :] <= (chunk.start + torch.arange(n))[:, None]
             mask = allowed.repeat(self.group, 1)
             plan.prefill.append((row, n, gather.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)))
             ids_parts.append(torch.tensor(chunk.token_ids, dtype=torch.long))
             pos_parts.append(torch.arange(chunk.start, end, dtype=torch.long))
-            write_parts.append(torch.tensor(self._slots(chunk.blocks, chunk.start, end), dtype=torch.long))
+            write_parts.append(gather[chunk.start :])
             row += n
         ids = torch.cat(ids_parts).to(dev, non_blocking=True)
         positions = torch.cat(pos_parts).to(dev, non_blocking=True)
@@ -289,7 +307,9 @@ class ModelRunner:
         bb = next((x for x in self.GRAPH_BATCH_BUCKETS if x >= batch), None)
         if bb is None:
             return None
-        lb = min(_next_pow2(context, self.GRAPH_MIN_CONTEXT), _next_pow2(self.max_positions, 1))
+        if context > self.GRAPH_MAX_CONTEXT:
+            return None  # long contexts decode eagerly: a graph would gather the whole bucket every step
+        lb = _next_pow2(context, self.GRAPH_MIN_CONTEXT)
         key = (bb, lb)
         graph = self._graphs.get(key)
         if graph is None:
@@ -299,15 +319,13 @@ class ModelRunner:
         return graph
 
     def decode_forward_static(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        write: torch.Tensor,
-        gather: torch.Tensor,
-        mask: torch.Tensor,
+        self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor, table: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode-only forward over fixed-shape device tensors (the body a CUDA graph records)."""
-        plan = _AttnPlan(num_decode=ids.shape[0], decode_gather=gather, decode_mask=mask)
+        """Decode-only forward over fixed-shape device tensors (the body a CUDA graph records).
+
+        ``table`` [B, blocks] are padded block tables; gather indices and masks are derived on device.
+        """
+        plan = self._decode_attn_plan(positions, table)
         x = self.model.embed_tokens(ids)
         hidden = self._layers_forward(x, positions, write, plan)
         return hidden, self.llm.lm_head(hidden)
@@ -319,14 +337,13 @@ class _DecodeGraph:
     def __init__(self, runner: ModelRunner, batch: int, context: int) -> None:
         self.batch = batch
         self.context = context
+        self.blocks = -(-context // runner.cache.layout.block_size)
         dev = runner.device
         self.ids = torch.zeros(batch, dtype=torch.long, device=dev)
         self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
         self.write = torch.full((batch,), SCRATCH_SLOT, dtype=torch.long, device=dev)
-        self.gather = torch.full((batch, context), SCRATCH_SLOT, dtype=torch.long, device=dev)
-        self.mask = torch.zeros((batch, 1, 1, context), dtype=torch.bool, device=dev)
-        self.mask[:, :, :, 0] = True
-        args = (self.ids, self.pos, self.write, self.gather, self.mask)
+        self.table = torch.full((batch, self.blocks), BlockPool.SCRATCH_BLOCK, dtype=torch.long, device=dev)
+        args = (self.ids, self.pos, self.write, self.table)
         stream = torch.cuda.Stream(device=dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -340,12 +357,11 @@ class _DecodeGraph:
             self.hidden, self.logits = runner.decode_forward_static(*args)
 
     def run(self, host: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, pos, write, gather, mask = host
+        ids, pos, write, table = host
         self.ids.copy_(ids, non_blocking=True)
         self.pos.copy_(pos, non_blocking=True)
         self.write.copy_(write, non_blocking=True)
-        self.gather.copy_(gather, non_blocking=True)
-        self.mask.copy_(mask, non_blocking=True)
+        self.table.copy_(table, non_blocking=True)
         self.graph.replay()
         return self.hidden, self.logits
 
