@@ -219,3 +219,16 @@ def test_full_size_plan_has_real_dimensions() -> None:
     plan = plan_shards([TensorSpec(k, v) for k, v in specs.items()], 4 * 2**30)
     assert 4 <= len(plan) <= 6
     assert sum(math.prod(s) for s in (t.shape for t in s3_state_specs("full"))) == 123_714_568
+
+
+def test_random_hift_is_audible_and_unclipped(tiny_ckpt: Path) -> None:
+    from stepaudio2.flashcosyvoice.modules.hifigan import HiFTGenerator
+
+    state = torch.load(str(tiny_ckpt / "assets/token2wav/hift.pt"), map_location="cpu", weights_only=True)
+    hift = HiFTGenerator()
+    hift.load_state_dict({k.removeprefix("generator."): v for k, v in state.items()})
+    mel = torch.randn(1, 80, 20, generator=torch.Generator().manual_seed(0)) * 2 - 5
+    f0 = hift.f0_predictor(mel).detach()
+    wav, _ = hift.eval()(mel)
+    assert 150 < float(f0.mean()) < 300
+    assert 0.03 < float(wav.pow(2).mean().sqrt()) < 0.5 and float((wav.abs() > 0.98).float().mean()) < 0.01

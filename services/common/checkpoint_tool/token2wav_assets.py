@@ -7,7 +7,8 @@ speech_tokenizer_v2_25hz.onnx}`` and ``assets/HT_ref_audio.wav`` (model-spec §5
   the DiT depth but keeps the DiT at hidden 512 / 8 heads / head_dim 64, because stepaudio2's streaming
   path writes into fixed-size scratch buffers of those widths.
 * hift: always the full-size ``HiFTGenerator`` (it has no config file; loaders hard-code its shape), keys
-  ``generator.``-prefixed as in the real file.
+  ``generator.``-prefixed as in the real file; the f0 and output heads are re-scaled so the random vocoder
+  is audible and unclipped (see ``_make_hift_audible``).
 * campplus.onnx: a small valid graph, [1, T, 80] fbank -> [1, 192] embedding, that onnxruntime executes.
 * speech_tokenizer_v2_25hz.onnx: a weights-only ONNX laid out the way ``s3tokenizer.utils.onnx2torch``
   harvests initializers (that is all s3tokenizer ever does with the real file). ``tiny``: 128-d, 2 heads,
@@ -147,8 +148,29 @@ def write_hift(out: Path, seed: int, device: str) -> int:
     with torch.device("meta"):
         hift = HiFTGenerator()
     specs = [TensorSpec("generator." + s.name, s.shape) for s in _state_specs(hift)]
-    torch.save(_materialise(specs, seed, "hift.pt", device), out / "hift.pt")
+    state = _materialise(specs, seed, "hift.pt", device)
+    _make_hift_audible(state)
+    torch.save(state, out / "hift.pt")
     return sum(int(np.prod(s.shape)) for s in specs)
+
+
+# n_fft // 2 + 1 = 9 log-magnitude channels come first in conv_post's output, then 9 phase channels.
+_HIFT_MAGNITUDE_CHANNELS = 9
+
+
+def _make_hift_audible(state: dict[str, torch.Tensor]) -> None:
+    """Re-scale two heads so a random HiFT produces usable audio instead of a clipped square wave.
+
+    With the generic init the f0 head predicts |N(0, ~1)| Hz (the sine source is silent) and conv_post's
+    log-magnitudes are O(1-10), so exp() saturates and ~70 % of samples hit the +-0.99 clamp. Here the f0
+    head is centred on 200 Hz (spread ~20-30 Hz) and conv_post is damped with the magnitudes biased down,
+    which gives an rms around 0.13 with (almost) no clipped samples on random mels.
+    """
+    p = "generator."
+    state[p + "f0_predictor.classifier.weight"] *= 40.0
+    state[p + "f0_predictor.classifier.bias"] = torch.full_like(state[p + "f0_predictor.classifier.bias"], 200.0)
+    state[p + "conv_post.parametrizations.weight.original0"] *= 0.25
+    state[p + "conv_post.bias"][:_HIFT_MAGNITUDE_CHANNELS] -= 0.5
 
 
 # ----------------------------------------------------------------------------------------- ONNX files
