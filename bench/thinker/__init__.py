@@ -1,0 +1,1 @@
+"""Thinker engine benchmark (``python -m bench.thinker``): decode/prefill throughput vs transformers and roofline."""

@@ -1,0 +1,269 @@
+"""Thinker engine benchmark: ``python -m bench.thinker --checkpoint DIR --device cuda``.
+
+Measures, on the checkpoint's ``llm.*`` weights (a full-size random checkpoint has the real shapes,
+bytes and FLOPs), in one process and one run:
+
+* decode throughput of our engine at each batch size (``--batches``, default 1,4,8): wall time of
+  full engine steps (scheduler + forward + sampling + events), after warm-up, every row decoding;
+* prefill throughput of one ``--prompt-len`` prompt (single engine step);
+* the same two numbers for transformers ``generate()`` / forward on the *same* module and weights
+  (decode ms/step = (t(n new tokens) - t(1 new token)) / (n - 1), so prefill is excluded);
+* the HBM roofline of a decode step: bytes every step must read (all weights except the embedding
+  table, plus the KV of the batch) / memory bandwidth (auto for H200/H100/A100, or ``--hbm-gbps``).
+
+Prints one JSON object, then a Markdown table (the form BENCHMARKS.md records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from services.common.checkpoint import Checkpoint
+from services.thinker.engine import EngineConfig, ThinkerEngine
+from services.thinker.runner import build_qwen3_llm
+from services.thinker.sampling import Sampler, SamplingConfig
+from services.thinker.scheduler import Sequence, WorkItem
+
+# Peak HBM bandwidth (bytes/s) by device name fragment; override with --hbm-gbps.
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.039e12, "L40S": 0.864e12, "4090": 1.008e12}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, 100_000, (n,), generator=g).tolist()
+
+
+def hbm_bandwidth(device: torch.device, override_gbps: float | None) -> float | None:
+    if override_gbps:
+        return override_gbps * 1e9
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
+
+
+def weight_bytes_per_step(llm: torch.nn.Module) -> int:
+    """Bytes a decode step reads from weights: everything except the embedding table (one row is read)."""
+    embed = llm.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in llm.parameters())
+    return total - embed.numel() * embed.element_size()
+
+
+# --------------------------------------------------------------------------------------------- engine
+def engine_decode(
+    engine: ThinkerEngine, batch: int, context: int, steps: int, warmup: int
+) -> dict[str, float]:
+    seqs: list[Sequence] = []
+    for i in range(batch):
+        cfg = SamplingConfig(max_tokens=warmup + steps + 4, ignore_eos=True, stop_token_ids=())
+        seq = engine.open(lambda _ev: None)
+        engine.submit(seq, WorkItem(_prompt(context, 100 + i), sampler=Sampler(cfg)))
+        seqs.append(seq)
+    while not all(s.wants_decode for s in seqs):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    dt = _timed(lambda: [engine.step() for _ in range(steps)], engine.device)
+    assert all(s.wants_decode for s in seqs), "a sequence stopped during the timed window"
+    for s in seqs:
+        engine.close(s)
+    engine.step()
+    return {
+        "batch": batch,
+        "ms_per_step": 1e3 * dt / steps,
+        "tok_s_per_stream": steps / dt,
+        "tok_s_total": batch * steps / dt,
+    }
+
+
+def engine_prefill(engine: ThinkerEngine, prompt_len: int, iters: int) -> dict[str, float]:
+    times = []
+    for i in range(iters + 1):  # the first run warms up kernels for this shape
+        seq = engine.open(lambda _ev: None)
+        cfg = SamplingConfig(max_tokens=1, ignore_eos=True, stop_token_ids=())
+        engine.submit(seq, WorkItem(_prompt(prompt_len, 7 + i), sampler=Sampler(cfg)))
+        t = _timed(engine.run_until_idle, engine.device)
+        if i:
+            times.append(t)
+    t = statistics.median(times)
+    return {"prompt_len": prompt_len, "ms": 1e3 * t, "tok_s": prompt_len / t}
+
+
+# --------------------------------------------------------------------------------------- transformers
+@torch.inference_mode()
+def hf_decode(
+    llm: torch.nn.Module, batch: int, context: int, steps: int, device: torch.device
+) -> dict[str, float]:
+    ids = torch.tensor([_prompt(context, 100 + i) for i in range(batch)], device=device)
+    mask = torch.ones_like(ids)
+
+    def gen(n: int) -> None:
+        llm.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+
+    gen(2)  # warm-up
+    t1 = _timed(lambda: gen(1), device)
+    tn = _timed(lambda: gen(steps + 1), device)
+    dt = max(tn - t1, 1e-9)
+    return {"batch": batch, "ms_per_step": 1e3 * dt / steps, "tok_s_per_stream": steps / dt}
+
+
+@torch.inference_mode()
+def hf_prefill(llm: torch.nn.Module, prompt_len: int, iters: int, device: torch.device) -> dict[str, float]:
+    ids = torch.tensor([_prompt(prompt_len, 7)], device=device)
+    llm(input_ids=ids, use_cache=True)
+    t = statistics.median(_timed(lambda: llm(input_ids=ids, use_cache=True), device) for _ in range(iters))
+    return {"prompt_len": prompt_len, "ms": 1e3 * t, "tok_s": prompt_len / t}
+
+
+# ---------------------------------------------------------------------------------------------- report
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"Thinker engine benchmark — {result['device_name']}, {result['dtype']}, "
+        f"context {result['context_len']} tokens, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}",
+        "",
+        "| batch | engine ms/step | engine tok/s per stream | engine tok/s total | transformers ms/step "
+        "| speed-up | roofline ms/step | % of roofline |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    hf = {r["batch"]: r for r in result.get("transformers_decode", [])}
+    for r in result["engine_decode"]:
+        h = hf.get(r["batch"])
+        roof = r.get("roofline_ms")
+        lines.append(
+            f"| {r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} "
+            f"| {h['ms_per_step']:.2f} | {h['ms_per_step'] / r['ms_per_step']:.1f}x "
+            if h
+            else f"| {r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} | – | – "
+        )
+        lines[-1] += f"| {roof:.2f} | {100 * roof / r['ms_per_step']:.0f}% |" if roof else "| – | – |"
+    p, hp = result["engine_prefill"], result.get("transformers_prefill")
+    lines += [
+        "",
+        "| prefill | tokens | engine ms | engine tok/s | transformers ms | transformers tok/s |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| one prompt | {p['prompt_len']} | {p['ms']:.1f} | {p['tok_s']:.0f} | "
+        + (f"{hp['ms']:.1f} | {hp['tok_s']:.0f} |" if hp else "– | – |"),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.thinker", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    ap.add_argument("--batches", default="1,4,8", help="comma-separated decode batch sizes")
+    ap.add_argument("--context-len", type=int, default=512, help="prompt tokens before the timed decode")
+    ap.add_argument("--decode-steps", type=int, default=128)
+    ap.add_argument("--warmup-steps", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=512, help="prefill benchmark prompt length")
+    ap.add_argument("--prefill-iters", type=int, default=5)
+    ap.add_argument("--hf-decode-steps", type=int, default=32)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--kv-budget-gb", type=float, default=None)
+    ap.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth for the roofline (GB/s)")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    torch.manual_seed(0)
+    ckpt = Checkpoint(args.checkpoint)
+    t0 = time.perf_counter()
+    llm = build_qwen3_llm(
+        ckpt.config,
+        ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=dtype, device=device),
+        dtype,
+        str(device),
+    )
+    load_s = time.perf_counter() - t0
+    batches = [int(b) for b in args.batches.split(",") if b]
+    max_tokens_needed = args.context_len + args.warmup_steps + args.decode_steps + 8
+    budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else None
+    engine = ThinkerEngine(
+        llm,
+        EngineConfig(
+            max_num_seqs=max(batches),
+            max_step_tokens=max(512, args.prompt_len, args.context_len),
+            kv_budget_bytes=budget,
+            use_cuda_graphs=not args.no_cuda_graphs,
+        ),
+        device,
+    )
+    if engine.cache.capacity_tokens < max(batches) * max_tokens_needed:
+        print("KV budget too small for the largest batch; raise --kv-budget-gb", file=sys.stderr)
+        return 2
+    bandwidth = hbm_bandwidth(device, args.hbm_gbps)
+    weights = weight_bytes_per_step(llm)
+    decode = []
+    for b in batches:
+        r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps)
+        mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
+        step_bytes = weights + b * mean_ctx * engine.layout.bytes_per_token
+        r["bytes_per_step"] = step_bytes
+        r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
+        decode.append(r)
+    prefill = engine_prefill(engine, args.prompt_len, args.prefill_iters)
+    result: dict[str, Any] = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "cuda_graphs": engine.runner.use_cuda_graphs,
+        "context_len": args.context_len,
+        "decode_steps": args.decode_steps,
+        "weight_bytes_per_step": weights,
+        "hbm_bytes_per_s": bandwidth,
+        "load_s": load_s,
+        "engine_decode": decode,
+        "engine_prefill": prefill,
+    }
+    engine.shutdown()
+    if not args.no_hf:
+        result["transformers_decode"] = [
+            hf_decode(llm, b, args.context_len, args.hf_decode_steps, device) for b in batches
+        ]
+        result["transformers_prefill"] = hf_prefill(llm, args.prompt_len, args.prefill_iters, device)
+    text = json.dumps(result, indent=2)
+    print(text)
+    print()
+    print(markdown(result))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
