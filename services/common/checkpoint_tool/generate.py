@@ -14,7 +14,7 @@ import torch
 from .config_templates import SIZES, build_config, build_generation_config, build_preprocessor_config
 from .token2wav_assets import write_token2wav_assets
 from .tokenizer_synth import write_tokenizer_files
-from .weights import all_specs, write_sharded_weights
+from .weights import all_specs, print_progress, write_sharded_weights
 
 # Full-size shards are packed up to this many bytes (the real checkpoint ships ~4-5 GB shards).
 DEFAULT_FULL_SHARD_GB = 4.0
@@ -47,7 +47,7 @@ def make_checkpoint(
     device: str = "cpu",
     force: bool = False,
     max_shard_gb: float | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print_progress,
 ) -> Path:
     """Generate the checkpoint; deterministic for (size, seed, device).
 

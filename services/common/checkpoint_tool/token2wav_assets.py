@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import yaml
 
-from .weights import TensorSpec, make_tensor
+from .weights import TensorSpec, make_tensor, print_progress
 
 FLOW_TAGS: dict[str, tuple[str, str]] = {
     "!new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec": ("stepaudio2.cosyvoice2.flow.flow", "CausalMaskedDiffWithXvec"),
@@ -346,7 +346,9 @@ def write_reference_audio(path: Path, seed: int) -> None:
     sf.write(str(path), synth_reference_audio(seed), REF_AUDIO_RATE, subtype="PCM_16")
 
 
-def write_token2wav_assets(root: Path, size: str, seed: int, device: str, log: Callable[[str], None] = print) -> None:
+def write_token2wav_assets(
+    root: Path, size: str, seed: int, device: str, log: Callable[[str], None] = print_progress
+) -> None:
     out = root / "assets" / "token2wav"
     out.mkdir(parents=True, exist_ok=True)
     n = write_flow(out, size, seed, device)

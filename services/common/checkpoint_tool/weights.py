@@ -28,6 +28,11 @@ from torch import nn
 RESAMPLER_HEAD_DIM = 128
 
 
+def print_progress(message: str) -> None:
+    """Default progress sink: flushed, so progress shows up live when stdout is a pipe or a log file."""
+    print(message, flush=True)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -203,6 +208,7 @@ def all_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
 
 # ------------------------------------------------------------------------------------------- sharding
 BF16_BYTES = 2
+PROGRESS_EVERY_BYTES = 2**30  # full size: a progress line per GiB drawn, and one per shard written
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int | None) -> list[list[TensorSpec]]:
@@ -241,7 +247,7 @@ def write_sharded_weights(
     seed: int,
     device: str = "cpu",
     max_shard_bytes: int | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print_progress,
 ) -> dict[str, Any]:
     """Generate and write every shard plus ``model.safetensors.index.json``; returns the index.
 
@@ -258,11 +264,18 @@ def write_sharded_weights(
     for i, group in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{n:05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
+        since_log = 0
         for spec in group:
             # Seeded by tensor name only (not the shard file), so re-sharding keeps the values.
             t = make_tensor(seed, "model", spec, device=device, dtype=torch.bfloat16)
             tensors[spec.name] = t.cpu() if t.device.type != "cpu" else t
             weight_map[spec.name] = fname
+            since_log += t.numel() * t.element_size()
+            if since_log >= PROGRESS_EVERY_BYTES:
+                drawn = done_bytes + sum(x.numel() * x.element_size() for x in tensors.values())
+                log(f"    drawing {fname}: {drawn / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB "
+                    f"({time.monotonic() - t0:.0f} s)")
+                since_log = 0
         save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
         shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         done_bytes += shard_bytes
