@@ -17,18 +17,95 @@ ARG CPU_BASE_IMAGE=python:3.11-slim-bookworm
 ARG GATEWAY_BASE_IMAGE=python:3.11-slim-bookworm
 
 # ===================================================================================================
-# Per variant: python-* (base + Python + the unprivileged user), build-* (the venv), runtime-* (base +
-# venv + entrypoint). The venv is built in its own stage so pip caches and wheels never reach an image.
-
-FROM ${CUDA_BASE_IMAGE} AS python-cuda
-COPY docker/ensure-python.sh /usr/local/sbin/ensure-python.sh
-RUN sh /usr/local/sbin/ensure-python.sh
+# Stage order matters for the classic (non-BuildKit) builder, which builds every stage up to the target:
+# the CPU variants come first and the CUDA variants last, so a CPU or gateway build never needs the CUDA
+# base image. Per variant: python-* (base + Python + the unprivileged user), build-* (the venv, in its own
+# stage so pip caches and wheels never reach an image), runtime-* (base + venv + entrypoint), targets.
+# The ENTRYPOINT fills MINICPMO_STAGE_SETTINGS from the deploy profile (docker/entrypoint.py) and execs the
+# command, so the service itself is the process that receives SIGTERM.
+#
+# CPU stage images
 
 FROM ${CPU_BASE_IMAGE} AS python-cpu
 COPY docker/ensure-python.sh /usr/local/sbin/ensure-python.sh
 RUN sh /usr/local/sbin/ensure-python.sh
 
+FROM python-cpu AS build-cpu
+ARG PIP_OFFLINE=0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY constraints/ constraints/
+COPY docker/pip-install.sh docker/pip-install.sh
+COPY docker/wheelhouse/ docker/wheelhouse/
+RUN PIP_OFFLINE=${PIP_OFFLINE} TORCH_INDEX_URL=${TORCH_INDEX_URL} sh docker/pip-install.sh deps
+COPY services/ services/
+COPY gateway/ gateway/
+RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh project
+
+FROM python-cpu AS runtime-cpu
+COPY --from=build-cpu /opt/venv /opt/venv
+COPY docker/grpc_health_probe.py docker/entrypoint.py /opt/minicpmo/docker/
+COPY configs/deploy/ /opt/minicpmo/configs/deploy/
+ENV PATH=/opt/venv/bin:$PATH HOME=/home/minicpmo PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 NUMBA_CACHE_DIR=/tmp/numba MINICPMO_CHECKPOINT=/models/MiniCPM-o-4_5 \
+    MINICPMO_DEVICE=cpu OMP_NUM_THREADS=2
+WORKDIR /home/minicpmo
+USER 10001:10001
+ENTRYPOINT ["python", "/opt/minicpmo/docker/entrypoint.py"]
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "/opt/minicpmo/docker/grpc_health_probe.py"]
+CMD ["sh", "-c", "exec python -m services.${MINICPMO_STAGE} --checkpoint \"${MINICPMO_CHECKPOINT}\" --device ${MINICPMO_DEVICE} --port ${MINICPMO_GRPC_PORT}"]
+
+FROM runtime-cpu AS thinker-cpu
+ENV MINICPMO_STAGE=thinker MINICPMO_GRPC_PORT=50051
+EXPOSE 50051 51051
+
+FROM runtime-cpu AS talker-cpu
+ENV MINICPMO_STAGE=talker MINICPMO_GRPC_PORT=50052
+EXPOSE 50052 51052
+
+FROM runtime-cpu AS code2wav-cpu
+ENV MINICPMO_STAGE=code2wav MINICPMO_GRPC_PORT=50053
+EXPOSE 50053 51053
+
+# ===================================================================================================
+# Gateway image
+
 FROM ${GATEWAY_BASE_IMAGE} AS python-gateway
+COPY docker/ensure-python.sh /usr/local/sbin/ensure-python.sh
+RUN sh /usr/local/sbin/ensure-python.sh
+
+FROM python-gateway AS build-gateway
+ARG PIP_OFFLINE=0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY constraints/ constraints/
+COPY docker/pip-install.sh docker/pip-install.sh
+COPY docker/wheelhouse/ docker/wheelhouse/
+RUN PIP_OFFLINE=${PIP_OFFLINE} TORCH_INDEX_URL=${TORCH_INDEX_URL} sh docker/pip-install.sh deps
+COPY services/ services/
+COPY gateway/ gateway/
+RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh project
+
+FROM python-gateway AS gateway
+COPY --from=build-gateway /opt/venv /opt/venv
+COPY docker/http_health_probe.py docker/entrypoint.py /opt/minicpmo/docker/
+COPY configs/deploy/ /opt/minicpmo/configs/deploy/
+ENV PATH=/opt/venv/bin:$PATH HOME=/home/minicpmo PYTHONUNBUFFERED=1 MINICPMO_HTTP_PORT=8099
+WORKDIR /home/minicpmo
+USER 10001:10001
+EXPOSE 8099
+ENTRYPOINT ["python", "/opt/minicpmo/docker/entrypoint.py"]
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "/opt/minicpmo/docker/http_health_probe.py"]
+CMD ["sh", "-c", "exec python -m gateway --host 0.0.0.0 --port ${MINICPMO_HTTP_PORT} --thinker-addr dns:///thinker:50051 --talker-addr dns:///talker:50052 --code2wav-addr dns:///code2wav:50053"]
+
+# ===================================================================================================
+# CUDA stage images
+
+FROM ${CUDA_BASE_IMAGE} AS python-cuda
 COPY docker/ensure-python.sh /usr/local/sbin/ensure-python.sh
 RUN sh /usr/local/sbin/ensure-python.sh
 
@@ -46,36 +123,6 @@ COPY services/ services/
 COPY gateway/ gateway/
 RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh project
 
-FROM python-cpu AS build-cpu
-ARG PIP_OFFLINE=0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY constraints/ constraints/
-COPY docker/pip-install.sh docker/pip-install.sh
-COPY docker/wheelhouse/ docker/wheelhouse/
-RUN PIP_OFFLINE=${PIP_OFFLINE} TORCH_INDEX_URL=${TORCH_INDEX_URL} sh docker/pip-install.sh deps
-COPY services/ services/
-COPY gateway/ gateway/
-RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh project
-
-FROM python-gateway AS build-gateway
-ARG PIP_OFFLINE=0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY constraints/ constraints/
-COPY docker/pip-install.sh docker/pip-install.sh
-COPY docker/wheelhouse/ docker/wheelhouse/
-RUN PIP_OFFLINE=${PIP_OFFLINE} TORCH_INDEX_URL=${TORCH_INDEX_URL} sh docker/pip-install.sh deps
-COPY services/ services/
-COPY gateway/ gateway/
-RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh project
-
-# ===================================================================================================
-# Runtime layers. ENTRYPOINT fills MINICPMO_STAGE_SETTINGS from the deploy profile (see
-# docker/entrypoint.py) and execs the command, so the service is the process that receives SIGTERM.
-
 FROM python-cuda AS runtime-cuda
 COPY --from=build-cuda /opt/venv /opt/venv
 COPY docker/grpc_health_probe.py docker/entrypoint.py /opt/minicpmo/docker/
@@ -91,23 +138,6 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
 # sh only expands the variables; exec makes the stage the process that gets the runtime's SIGTERM.
 CMD ["sh", "-c", "exec python -m services.${MINICPMO_STAGE} --checkpoint \"${MINICPMO_CHECKPOINT}\" --device ${MINICPMO_DEVICE} --port ${MINICPMO_GRPC_PORT}"]
 
-FROM python-cpu AS runtime-cpu
-COPY --from=build-cpu /opt/venv /opt/venv
-COPY docker/grpc_health_probe.py docker/entrypoint.py /opt/minicpmo/docker/
-COPY configs/deploy/ /opt/minicpmo/configs/deploy/
-ENV PATH=/opt/venv/bin:$PATH HOME=/home/minicpmo PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1 NUMBA_CACHE_DIR=/tmp/numba MINICPMO_CHECKPOINT=/models/MiniCPM-o-4_5 \
-    MINICPMO_DEVICE=cpu OMP_NUM_THREADS=2
-WORKDIR /home/minicpmo
-USER 10001:10001
-ENTRYPOINT ["python", "/opt/minicpmo/docker/entrypoint.py"]
-HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "/opt/minicpmo/docker/grpc_health_probe.py"]
-CMD ["sh", "-c", "exec python -m services.${MINICPMO_STAGE} --checkpoint \"${MINICPMO_CHECKPOINT}\" --device ${MINICPMO_DEVICE} --port ${MINICPMO_GRPC_PORT}"]
-
-# ===================================================================================================
-# Targets.
-
 FROM runtime-cuda AS thinker-cuda
 ENV MINICPMO_STAGE=thinker MINICPMO_GRPC_PORT=50051
 EXPOSE 50051 51051
@@ -119,28 +149,3 @@ EXPOSE 50052 51052
 FROM runtime-cuda AS code2wav-cuda
 ENV MINICPMO_STAGE=code2wav MINICPMO_GRPC_PORT=50053
 EXPOSE 50053 51053
-
-FROM runtime-cpu AS thinker-cpu
-ENV MINICPMO_STAGE=thinker MINICPMO_GRPC_PORT=50051
-EXPOSE 50051 51051
-
-FROM runtime-cpu AS talker-cpu
-ENV MINICPMO_STAGE=talker MINICPMO_GRPC_PORT=50052
-EXPOSE 50052 51052
-
-FROM runtime-cpu AS code2wav-cpu
-ENV MINICPMO_STAGE=code2wav MINICPMO_GRPC_PORT=50053
-EXPOSE 50053 51053
-
-FROM python-gateway AS gateway
-COPY --from=build-gateway /opt/venv /opt/venv
-COPY docker/http_health_probe.py docker/entrypoint.py /opt/minicpmo/docker/
-COPY configs/deploy/ /opt/minicpmo/configs/deploy/
-ENV PATH=/opt/venv/bin:$PATH HOME=/home/minicpmo PYTHONUNBUFFERED=1 MINICPMO_HTTP_PORT=8099
-WORKDIR /home/minicpmo
-USER 10001:10001
-EXPOSE 8099
-ENTRYPOINT ["python", "/opt/minicpmo/docker/entrypoint.py"]
-HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["python", "/opt/minicpmo/docker/http_health_probe.py"]
-CMD ["sh", "-c", "exec python -m gateway --host 0.0.0.0 --port ${MINICPMO_HTTP_PORT} --thinker-addr dns:///thinker:50051 --talker-addr dns:///talker:50052 --code2wav-addr dns:///code2wav:50053"]
