@@ -126,22 +126,30 @@ def duplex_rules(t: int, budget: DuplexBudget) -> StepRules:
 
 
 # -------------------------------------------------------------------------------- batched kernels
-def apply_repetition_penalty(
-    logits: torch.Tensor, histories: Sequence[Sequence[int]], penalties: torch.Tensor
-) -> torch.Tensor:
-    """Frequency penalty over each row's last ``PENALTY_WINDOW`` ids (rows with penalty 1 are untouched)."""
+def _penalty_from_padded(logits: torch.Tensor, padded: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
+    """``padded`` [B, W] holds each row's recent ids, padded with ``vocab`` (a dummy bin)."""
     bsz, vocab = logits.shape
-    width = max([min(len(h), PENALTY_WINDOW) for h in histories] + [1])
-    padded = torch.full((bsz, width), vocab, dtype=torch.long)  # column `vocab` is a dummy bin
-    for i, h in enumerate(histories):
-        recent = list(h)[-PENALTY_WINDOW:]
-        if recent:
-            padded[i, : len(recent)] = torch.tensor(recent, dtype=torch.long)
-    padded = padded.to(logits.device)
     freq = torch.zeros(bsz, vocab + 1, dtype=logits.dtype, device=logits.device)
     freq.scatter_add_(1, padded, torch.ones_like(padded, dtype=logits.dtype))
     alpha = torch.pow(penalties[:, None].to(logits.dtype), freq[:, :vocab])
     return torch.where(logits < 0, logits * alpha, logits / alpha)
+
+
+def _padded_histories(histories: Sequence[Sequence[int]], vocab: int) -> list[list[int]]:
+    width = max([min(len(h), PENALTY_WINDOW) for h in histories] + [1])
+    out = []
+    for h in histories:
+        recent = list(h)[-PENALTY_WINDOW:]
+        out.append(recent + [vocab] * (width - len(recent)))
+    return out
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, histories: Sequence[Sequence[int]], penalties: torch.Tensor
+) -> torch.Tensor:
+    """Frequency penalty over each row's last ``PENALTY_WINDOW`` ids (rows with penalty 1 are untouched)."""
+    padded = torch.tensor(_padded_histories(histories, logits.shape[1]), dtype=torch.long, device=logits.device)
+    return _penalty_from_padded(logits, padded, penalties.to(logits.device))
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -155,14 +163,69 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(mask, float("-inf"))
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int | None = None) -> torch.Tensor:
     """transformers ``TopKLogitsWarper(min_tokens_to_keep=3)`` with a per-row k (k ≥ vocab keeps all)."""
     vocab = logits.shape[-1]
     k = torch.clamp(top_k, min=MIN_TOKENS_TO_KEEP, max=vocab).to(torch.long)
-    k_max = int(k.max())
+    if k_max is None:
+        k_max = int(k.max())
+    k_max = min(max(k_max, MIN_TOKENS_TO_KEEP), vocab)
     best = torch.topk(logits, k_max, dim=-1).values  # sorted descending; k_max is small (25) in practice
     threshold = best.gather(1, (k - 1)[:, None])
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+_WARP, _MASK_EOS, _GREEDY = 1, 2, 4
+
+
+def _sample_packed(
+    logits: torch.Tensor, rows: Sequence[RowState], rules: Sequence[StepRules], eos_id: int, draw_uniforms: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1–5 with every per-row knob packed into two small tensors (two host→device copies per step).
+
+    Returns (final scores, picked ids on the device).
+    """
+    dev = logits.device
+    bsz, vocab = logits.shape
+    penalize = [rule.apply_penalty and r.params.repetition_penalty != 1.0 for r, rule in zip(rows, rules, strict=True)]
+    floats: list[list[float]] = []
+    ints: list[list[int]] = []
+    hist = _padded_histories([r.history if p else [] for r, p in zip(rows, penalize, strict=True)], vocab)
+    k_max = MIN_TOKENS_TO_KEEP
+    for r, rule, pen, h in zip(rows, rules, penalize, hist, strict=True):
+        prm = r.params
+        flags = (_WARP if rule.apply_warpers else 0) | (_MASK_EOS if rule.mask_eos else 0)
+        flags |= _GREEDY if prm.greedy else 0
+        uniform = r.uniform() if draw_uniforms and not prm.greedy else 0.0
+        floats.append([prm.temperature, prm.repetition_penalty if pen else 1.0, prm.top_p, uniform])
+        top_k = prm.top_k if rule.apply_warpers else 1
+        k_max = max(k_max, top_k)
+        ints.append([top_k, flags, *h])
+    f = torch.tensor(floats, dtype=torch.float32).to(dev, non_blocking=True)
+    i = torch.tensor(ints, dtype=torch.long).to(dev, non_blocking=True)
+    flags = i[:, 1]
+    scores = logits.float() / f[:, 0:1]
+    if any(penalize):
+        scores = _penalty_from_padded(scores, i[:, 2:], f[:, 1])
+    if any(rule.apply_warpers for rule in rules):
+        warped = apply_top_k(apply_top_p(scores, f[:, 2]), i[:, 0], k_max)
+        scores = torch.where((flags & _WARP).bool()[:, None], warped, scores)
+    if any(rule.mask_eos for rule in rules):
+        eos_col = scores[:, eos_id]
+        scores[:, eos_id] = torch.where((flags & _MASK_EOS).bool(), torch.full_like(eos_col, float("-inf")), eos_col)
+    return scores, _pick(scores, f[:, 3], (flags & _GREEDY).bool())
+
+
+def _pick(scores: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Softmax, then inverse-CDF with one uniform per row (argmax for greedy rows)."""
+    probs = torch.softmax(scores, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0]
+    # Guard the rounding edge (target ≥ the last cumulative value): fall back to the last token with mass.
+    vocab = probs.shape[1]
+    last_positive = (vocab - 1) - torch.argmax(torch.flip(probs > 0, dims=[1]).to(torch.int8), dim=1)
+    picked = torch.minimum(picked, last_positive)
+    return torch.where(greedy, torch.argmax(probs, dim=-1), picked)
 
 
 def process_logits(
@@ -171,57 +234,20 @@ def process_logits(
     rules: Sequence[StepRules],
     eos_id: int,
 ) -> torch.Tensor:
-    """Steps 1–4 for a batch: returns the final scores the draw is made from (fp32, same shape)."""
-    dev = logits.device
-    scores = logits.float()
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
-    scores = scores / temps[:, None]
-    pen = [r.params.repetition_penalty if rule.apply_penalty else 1.0 for r, rule in zip(rows, rules, strict=True)]
-    if any(p != 1.0 for p in pen):
-        scores = apply_repetition_penalty(
-            scores, [r.history for r in rows], torch.tensor(pen, dtype=torch.float32, device=dev)
-        )
-    if any(rule.apply_warpers for rule in rules):
-        warp = torch.tensor([rule.apply_warpers for rule in rules], dtype=torch.bool, device=dev)
-        top_p = torch.tensor(
-            [r.params.top_p if rule.apply_warpers else 1.0 for r, rule in zip(rows, rules, strict=True)],
-            dtype=torch.float32,
-            device=dev,
-        )
-        top_k = torch.tensor(
-            # rows without warpers are restored by the where() below; a small k keeps the top-k cheap
-            [r.params.top_k if rule.apply_warpers else 1 for r, rule in zip(rows, rules, strict=True)],
-            dtype=torch.long,
-            device=dev,
-        )
-        warped = apply_top_k(apply_top_p(scores, top_p), top_k)
-        scores = torch.where(warp[:, None], warped, scores)
-    mask_eos = torch.tensor([rule.mask_eos for rule in rules], dtype=torch.bool, device=dev)
-    if bool(mask_eos.any()):
-        scores[:, eos_id] = torch.where(mask_eos, torch.full_like(scores[:, eos_id], float("-inf")), scores[:, eos_id])
-    return scores
+    """Steps 1–4 for a batch: the final scores the draw is made from (fp32; no RNG is consumed)."""
+    return _sample_packed(logits, rows, rules, eos_id, draw_uniforms=False)[0]
 
 
 def draw(scores: torch.Tensor, rows: Sequence[RowState]) -> list[int]:
-    """Step 5: softmax and one draw per row (inverse CDF with the row's own uniform; argmax if greedy)."""
-    probs = torch.softmax(scores, dim=-1)
+    """Step 5 alone on already-processed scores (one uniform per non-greedy row)."""
     greedy = [r.params.greedy for r in rows]
     uniforms = torch.tensor([0.0 if g else r.uniform() for r, g in zip(rows, greedy, strict=True)])
-    cdf = probs.cumsum(dim=-1)
-    target = uniforms.to(device=probs.device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
-    picked = torch.searchsorted(cdf, target, right=True)[:, 0]
-    # Guard the rounding edge (target ≥ the last cumulative value): fall back to the last token with mass.
-    vocab = probs.shape[1]
-    last_positive = (vocab - 1) - torch.argmax(torch.flip(probs > 0, dims=[1]).to(torch.int8), dim=1)
-    picked = torch.minimum(picked, last_positive)
-    argmax = torch.argmax(probs, dim=-1)
-    greedy_t = torch.tensor(greedy, dtype=torch.bool, device=probs.device)
-    out = torch.where(greedy_t, argmax, picked)
-    return [int(x) for x in out.tolist()]
+    picked = _pick(scores, uniforms.to(scores.device), torch.tensor(greedy, device=scores.device))
+    return [int(x) for x in picked.tolist()]
 
 
 def sample(
     logits: torch.Tensor, rows: Sequence[RowState], rules: Sequence[StepRules], eos_id: int
 ) -> list[int]:
     """One batched sampling step; the caller records kept frames with ``RowState.remember``."""
-    return draw(process_logits(logits, rows, rules, eos_id), rows)
+    return [int(x) for x in _sample_packed(logits, rows, rules, eos_id, draw_uniforms=True)[1].tolist()]
