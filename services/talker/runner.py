@@ -218,13 +218,28 @@ class TalkerRunner:
             self._graphs[key] = graph
         return graph
 
-    def warmup_graphs(self, batch_sizes: list[int], read_lens: list[int]) -> None:
-        """Capture graphs ahead of traffic (benchmarks, server start) so no request pays for capture."""
+    def warmup_graphs(self, max_batch: int | None = None, max_len: int | None = None) -> int:
+        """Capture every (batch, length) bucket up to the limits ahead of traffic; returns the graph count.
+
+        Server start and benchmarks call this so no request pays for a capture mid-stream.
+        """
         if not self.use_cuda_graphs:
-            return
-        for n in batch_sizes:
-            for length in read_lens:
-                self._graph(min(n, self.cache.num_slots), min(length, self.context))
+            return 0
+        top_batch = min(max_batch or self.cache.num_slots, self.cache.num_slots)
+        top_len = min(next_bucket(max_len or self.context, MIN_LENGTH_BUCKET), self.context)
+        batches = sorted({min(next_bucket(b), self.cache.num_slots) for b in range(1, top_batch + 1)})
+        lengths = []
+        length = MIN_LENGTH_BUCKET
+        while True:
+            lengths.append(min(length, self.context))
+            if length >= top_len:
+                break
+            length *= 2
+        with torch.inference_mode():
+            for n in batches:
+                for read_len in lengths:
+                    self._graph(n, read_len)
+        return len(self._graphs)
 
 
 class _DecodeGraph:

@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     ap.add_argument("--max-streams", type=int, default=16, help="KV slots = concurrent streams decoding")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
+    ap.add_argument("--no-graph-warmup", action="store_true", help="capture CUDA graphs lazily instead of at start")
     ap.add_argument("--log-level", default="INFO")
     add_serve_arguments(ap, STAGE)
     args = ap.parse_args(argv)
@@ -306,6 +307,10 @@ def main(argv: list[str] | None = None) -> None:
     engine, ckpt = build_engine(
         args.checkpoint, args.device, args.dtype, args.max_streams, False if args.no_cuda_graphs else None
     )
+    if not args.no_graph_warmup:
+        graphs = engine.runner.warmup_graphs()
+        if graphs:
+            log.info("captured %d talker decode CUDA graphs", graphs)
     engine.start()
     server = make_server(engine, stage_info(engine, ckpt, args.device), serve_options_from_args(args))
     try:
