@@ -86,6 +86,49 @@ class _AttnPlan:
     # (row_start, n, gather [L], mask [G*n, L])
 
 
+@dataclass
+class _FusedLayer:
+    """One decoder layer's weights arranged for fewer kernels: QKV and gate|up as single GEMMs.
+
+    The module's own parameters are re-pointed at views of the fused tensors, so no weight is stored
+    twice and the transformers module (used by baselines and the fidelity dump) still works unchanged.
+    """
+
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qk_norm_weight: torch.Tensor  # [Hq + Hkv, D]: q_norm rows then k_norm rows
+    gate_up_weight: torch.Tensor
+    input_norm: nn.Module
+    post_norm: nn.Module
+    o_proj: nn.Module
+    down_proj: nn.Module
+    act_fn: nn.Module
+    qk_eps: float
+
+
+def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate output rows of several Linear layers and re-point each layer at its slice."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    has_bias = all(lin.bias is not None for lin in linears)
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None  # type: ignore[union-attr]
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    return weight, bias
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with the exact operation order of transformers' Qwen3RMSNorm (fp32 statistics)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
 def _next_pow2(n: int, floor: int) -> int:
     p = floor
     while p < n:
@@ -114,9 +157,35 @@ class ModelRunner:
         self.max_positions = int(cfg.max_position_embeddings)
         self.dtype = self.model.embed_tokens.weight.dtype
         self.cos, self.sin = self._rope_tables()
+        self.layers = [self._fuse(layer) for layer in self.model.layers]
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool = None
+
+    def _fuse(self, layer: nn.Module) -> _FusedLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_w, qkv_b = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up_w, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        qk_norm = torch.cat(
+            [
+                attn.q_norm.weight.detach().expand(self.num_heads, self.head_dim),
+                attn.k_norm.weight.detach().expand(self.num_kv_heads, self.head_dim),
+            ]
+        )
+        if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+            raise ValueError("q_norm and k_norm must share one epsilon to be fused")
+        return _FusedLayer(
+            qkv_weight=qkv_w,
+            qkv_bias=qkv_b,
+            qk_norm_weight=qk_norm,
+            gate_up_weight=gate_up_w,
+            input_norm=layer.input_layernorm,
+            post_norm=layer.post_attention_layernorm,
+            o_proj=attn.o_proj,
+            down_proj=mlp.down_proj,
+            act_fn=mlp.act_fn,
+            qk_eps=float(attn.q_norm.variance_epsilon),
+        )
 
     # ------------------------------------------------------------------------------------------ rope
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,20 +220,22 @@ class ModelRunner:
         t = x.shape[0]
         cos = self.cos.index_select(0, positions)[:, None, :]
         sin = self.sin.index_select(0, positions)[:, None, :]
-        for idx, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(t, self.num_heads, self.head_dim))
-            k = attn.k_norm(attn.k_proj(h).view(t, self.num_kv_heads, self.head_dim))
-            v = attn.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        for idx, lay in enumerate(self.layers):
+            h = lay.input_norm(x)
+            qkv = F.linear(h, lay.qkv_weight, lay.qkv_bias)
+            qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+            # q_norm and k_norm in one pass (same epsilon), then one rotary pass over q and k heads.
+            qk = self._rotate(_rms_norm(qk, lay.qk_norm_weight, lay.qk_eps), cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
             k_cache, v_cache = self.cache.k[idx], self.cache.v[idx]
             k_cache.index_copy_(0, write_slots, k)
             v_cache.index_copy_(0, write_slots, v)
             o = self._attend(q, k_cache, v_cache, plan)
-            x = x + attn.o_proj(o.reshape(t, self.num_heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + lay.o_proj(o.reshape(t, hq * d))
+            gate, up = F.linear(lay.post_norm(x), lay.gate_up_weight).chunk(2, dim=-1)
+            x = x + lay.down_proj(lay.act_fn(gate) * up)
         return self.model.norm(x)
 
     def _attend(
