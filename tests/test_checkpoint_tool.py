@@ -17,6 +17,7 @@ import torch
 from services.common.checkpoint import Checkpoint, load_tokenizer
 from services.common.checkpoint_tool.cli import main
 from services.common.checkpoint_tool.config_templates import build_config
+from services.common.checkpoint_tool.generate import GENERATOR_VERSION, read_manifest
 from services.common.checkpoint_tool.token2wav_assets import s3_state_specs, write_flow
 from services.common.checkpoint_tool.tokenizer_synth import write_tokenizer_files
 from services.common.checkpoint_tool.weights import (
@@ -74,6 +75,9 @@ def test_layout_is_complete(tiny_ckpt: Path) -> None:
     assert index["metadata"]["total_size"] == 2 * sum(math.prod(s.shape) for s in specs)
     size = sum(p.stat().st_size for p in tiny_ckpt.rglob("*") if p.is_file())
     assert size < 300 * 2**20
+    manifest = read_manifest(tiny_ckpt)
+    assert manifest is not None and manifest["generator_version"] == GENERATOR_VERSION
+    assert (manifest["size"], manifest["seed"]) == ("tiny", 0)
 
 
 # --------------------------------------------------------------------------------------- determinism

@@ -18,6 +18,18 @@ from .weights import all_specs, print_progress, write_sharded_weights
 
 # Full-size shards are packed up to this many bytes (the real checkpoint ships ~4-5 GB shards).
 DEFAULT_FULL_SHARD_GB = 4.0
+# Bumped whenever the bytes written for a given (size, seed) change, so cached checkpoints can be refreshed.
+GENERATOR_VERSION = 1
+MANIFEST = "minicpmo_checkpoint_manifest.json"
+
+
+def read_manifest(root: str | Path) -> dict[str, Any] | None:
+    """The generator's manifest of a checkpoint directory, or None (e.g. a real download)."""
+    path = Path(root) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -79,5 +91,8 @@ def make_checkpoint(
     write_sharded_weights(out, specs, seed=seed, device=device, max_shard_bytes=max_bytes, log=log)
 
     write_token2wav_assets(out, size, seed, device, log=log)
+    # Written last: its presence means the directory is complete.
+    _write_json(out / MANIFEST, {"generator": "minicpmo-checkpoint", "generator_version": GENERATOR_VERSION,
+                                 "size": size, "seed": seed, "device": device.split(":")[0]})
     log(f"done in {time.monotonic() - t0:.1f} s, {dir_size_bytes(out) / 2**20:.1f} MiB on disk")
     return out
