@@ -284,3 +284,47 @@ def test_graph_body_with_padded_rows_matches_eager(llm: torch.nn.Module) -> None
     assert torch.allclose(logits[:2].float(), eager.decode_logits, atol=1e-4, rtol=1e-4)
     again = engine.runner.step(StepInput(decode=rows))  # padded rows wrote to scratch only
     assert torch.equal(again.decode_hidden, eager.decode_hidden)
+
+
+def test_runner_logits_and_hidden_equal_transformers(llm: torch.nn.Module) -> None:
+    """Chunked prefill + decode over the paged cache vs one transformers forward (fp32, <= 1e-4)."""
+    from services.thinker.kv_cache import KVLayout, PagedKVCache
+    from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
+
+    cfg = llm.config
+    layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, 16)
+    runner = ModelRunner(llm, PagedKVCache(layout, 16 * layout.bytes_per_block, "cpu"))
+    blocks = runner.cache.pool.allocate(4)
+    ids = list(range(2000, 2037))
+    with torch.no_grad():
+        ref = llm(torch.tensor([ids]), output_hidden_states=True)
+    a = runner.step(StepInput(prefill=[PrefillChunk(ids[:20], 0, blocks, want_logits=True)]))
+    b = runner.step(StepInput(prefill=[PrefillChunk(ids[20:36], 20, blocks, want_logits=True)]))
+    c = runner.step(StepInput(decode=[DecodeRow(ids[36], 36, blocks)]))
+    assert torch.allclose(a.prefill_logits[0], ref.logits[0, 19], atol=1e-4, rtol=0)
+    assert torch.allclose(b.prefill_logits[0], ref.logits[0, 35], atol=1e-4, rtol=0)
+    assert torch.allclose(c.decode_logits[0], ref.logits[0, 36], atol=1e-4, rtol=0)
+    assert torch.allclose(c.decode_hidden[0], ref.hidden_states[-1][0, 36], atol=1e-4, rtol=0)
+
+
+def test_engine_metrics_exported(llm: torch.nn.Module) -> None:
+    engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20), "cpu")
+    before = {
+        name: REGISTRY.get_sample_value(name) or 0.0
+        for name in ("minicpmo_thinker_prefill_tokens_total", "minicpmo_thinker_decode_tokens_total")
+    }
+    ttft_before = REGISTRY.get_sample_value("minicpmo_thinker_ttft_seconds_count") or 0.0
+    run_requests(engine, [PROMPTS[2]], [greedy(5)])
+    assert REGISTRY.get_sample_value("minicpmo_thinker_prefill_tokens_total") - before[
+        "minicpmo_thinker_prefill_tokens_total"
+    ] == len(PROMPTS[2])
+    assert (
+        REGISTRY.get_sample_value("minicpmo_thinker_decode_tokens_total")
+        - before["minicpmo_thinker_decode_tokens_total"]
+        == 4
+    )  # 5 tokens: the first comes from the prefill step
+    assert REGISTRY.get_sample_value("minicpmo_thinker_ttft_seconds_count") == ttft_before + 1
+    assert REGISTRY.get_sample_value("minicpmo_thinker_decode_tokens_per_second") > 0
+    assert REGISTRY.get_sample_value("minicpmo_thinker_kv_budget_bytes") == engine.cache.budget_bytes
+    assert REGISTRY.get_sample_value("minicpmo_stage_queue_depth", {"stage": "thinker"}) == 0
+    assert REGISTRY.get_sample_value("minicpmo_thinker_running") == 0

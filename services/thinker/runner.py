@@ -72,7 +72,6 @@ class StepOutput:
     decode_hidden: torch.Tensor  # [len(decode), hidden]
     decode_logits: torch.Tensor  # [len(decode), vocab] fp32
     prefill_logits: list[torch.Tensor | None]  # last-row logits per chunk, when asked
-    prefill_last_hidden: list[torch.Tensor]  # [hidden] of each chunk's last row
 
 
 @dataclass
@@ -307,7 +306,7 @@ class ModelRunner:
             if graph is not None:
                 hidden, logits = graph.run(self._decode_host(inp.decode, graph.batch, graph.blocks))
                 b = len(inp.decode)
-                return StepOutput(hidden[:b].clone(), logits[:b].float(), [], [])
+                return StepOutput(hidden[:b].clone(), logits[:b].float(), [])
         return self._eager_step(inp)
 
     def _eager_step(self, inp: StepInput) -> StepOutput:
@@ -350,11 +349,9 @@ class ModelRunner:
         hidden = self._layers_forward(x, positions, write, plan)
         # Logits only where a next token is drawn: every decode row and the last row of chunks that ask.
         want = list(range(b))
-        last_rows: list[int] = []
         row = b
         for chunk in inp.prefill:
             row += len(chunk.token_ids)
-            last_rows.append(row - 1)
             if chunk.want_logits:
                 want.append(row - 1)
         logits = self.llm.lm_head(hidden[want]).float() if want else hidden.new_zeros((0, 1))
@@ -370,7 +367,6 @@ class ModelRunner:
             decode_hidden=hidden[:b],
             decode_logits=logits[:b],
             prefill_logits=prefill_logits,
-            prefill_last_hidden=[hidden[r] for r in last_rows],
         )
 
     # ------------------------------------------------------------------------------------ cuda graphs
