@@ -206,3 +206,21 @@ def test_vocab_size_151936_is_accepted_by_the_shape_check(tiny_ckpt: Path, tmp_p
     with pytest.raises(CheckpointError, match=r"'llm\.(lm_head|model\.embed_tokens)\.weight' has shape \[151748, 128\], "
                                               r"expected \[151936, 128\].*vocab_size"):
         check_checkpoint(bad)
+
+
+def test_hift_with_legacy_weight_norm_names_is_accepted(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Real-world hift.pt files may carry weight_g/weight_v instead of parametrization names."""
+    from services.common.checkpoint_tool.check import CheckReport, check_hift
+
+    state = torch.load(str(tiny_ckpt / "assets/token2wav/hift.pt"), map_location="cpu", weights_only=True)
+    legacy = {k.replace(".parametrizations.weight.original0", ".weight_g")
+               .replace(".parametrizations.weight.original1", ".weight_v").removeprefix("generator."): v
+              for k, v in state.items()}
+    torch.save(legacy, tmp_path / "hift.pt")
+    report = CheckReport(tmp_path)
+    check_hift(tmp_path, report)
+    assert "legacy weight_g/weight_v" in report.lines[-1] and "generator." not in report.lines[-1]
+    legacy.pop("conv_post.weight_v")
+    torch.save(legacy, tmp_path / "hift.pt")
+    with pytest.raises(CheckpointError, match=r"hift\.pt: missing tensor 'conv_post\.parametrizations\.weight\.original1'"):
+        check_hift(tmp_path, report)

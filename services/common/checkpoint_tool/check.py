@@ -273,17 +273,31 @@ def check_flow(d: Path, report: CheckReport) -> None:
                f"{enc.get('num_blocks')}+{enc.get('num_up_blocks')} blocks; DiT depth {dit.get('depth')}")
 
 
+def _parametrized_weight_norm_names(state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Map legacy ``weight_g``/``weight_v`` keys to the parametrization names (torch converts them the same
+    way when such a file is loaded into a parametrized module)."""
+    renamed = {}
+    legacy = False
+    for key, value in state.items():
+        for old, new in ((".weight_g", ".parametrizations.weight.original0"),
+                         (".weight_v", ".parametrizations.weight.original1")):
+            if key.endswith(old):
+                key, legacy = key[: -len(old)] + new, True
+        renamed[key] = value
+    return renamed, legacy
+
+
 def check_hift(d: Path, report: CheckReport) -> None:
     from stepaudio2.flashcosyvoice.modules.hifigan import HiFTGenerator
 
     state = _torch_load(d / "hift.pt")
     prefixed = any(k.startswith("generator.") for k in state)
-    state = {k.removeprefix("generator."): v for k, v in state.items()}
+    state, legacy = _parametrized_weight_norm_names({k.removeprefix("generator."): v for k, v in state.items()})
     with torch.device("meta"):
         want = HiFTGenerator().state_dict()
     _compare_state(d / "hift.pt", state, want)
     report.add("hift", f"{sum(t.numel() for t in want.values()) / 1e6:.1f} M params"
-               f"{', generator.-prefixed' if prefixed else ''}")
+               f"{', generator.-prefixed' if prefixed else ''}{', legacy weight_g/weight_v' if legacy else ''}")
 
 
 def check_campplus(d: Path, report: CheckReport) -> None:

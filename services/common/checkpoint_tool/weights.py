@@ -163,7 +163,7 @@ def thinker_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
         specs += _shapes(llm, "llm.")
         del llm
         vision = SiglipVisionModel(
-            SiglipVisionConfig(**{k: v for k, v in vc.items() if k != "model_type"}, vision_use_head=False)
+            SiglipVisionConfig(**{**{k: v for k, v in vc.items() if k != "model_type"}, "vision_use_head": False})
         )
         stored_layers = int(vc["num_hidden_layers"]) - (1 if cfg.get("drop_vision_last_layer", True) else 0)
 
