@@ -27,11 +27,20 @@ def model(tiny_ckpt: Path) -> MiniCPMTTS:
 
 
 def cond_input(
-    model: MiniCPMTTS, n: int, seed: int, *, last: bool = True, turn_end: bool = False, epoch: int = 0, turn: int = 0
+    model: MiniCPMTTS,
+    n: int,
+    seed: int,
+    *,
+    last: bool = True,
+    turn_end: bool = False,
+    epoch: int = 0,
+    turn: int = 0,
 ) -> ConditionInput:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 151000, (n,), generator=gen)
-    return ConditionInput(ids, torch.randn(n, model.cfg.llm_dim, generator=gen), last, turn_end, epoch, turn, 0)
+    return ConditionInput(
+        ids, torch.randn(n, model.cfg.llm_dim, generator=gen), last, turn_end, epoch, turn, 0
+    )
 
 
 class Sink:
@@ -66,7 +75,9 @@ def eos_bias(model: MiniCPMTTS, monkeypatch: pytest.MonkeyPatch, bias: float = 1
     monkeypatch.setattr(model, "head_logits", biased)
 
 
-def _reference_greedy(model: MiniCPMTTS, cond: torch.Tensor, codes: list[int], min_frames: int, penalty: float):
+def _reference_greedy(
+    model: MiniCPMTTS, cond: torch.Tensor, codes: list[int], min_frames: int, penalty: float
+):
     """Plain unbatched loop (transformers LlamaModel + DynamicCache), teacher-forced on the engine's codes.
 
     Returns (raw logits per step, processed scores per step) with upstream's whole-utterance rules written
@@ -76,8 +87,12 @@ def _reference_greedy(model: MiniCPMTTS, cond: torch.Tensor, codes: list[int], m
     raws, scores = [], []
     with torch.inference_mode():
         cache = DynamicCache()
-        res = model.model(inputs_embeds=cond[None], position_ids=torch.arange(cond.shape[0])[None],
-                          past_key_values=cache, use_cache=True)
+        res = model.model(
+            inputs_embeds=cond[None],
+            position_ids=torch.arange(cond.shape[0])[None],
+            past_key_values=cache,
+            use_cache=True,
+        )
         pos = cond.shape[0]
         for t in range(len(codes) + 1):
             raw = model.head_logits(res.last_hidden_state[0, -1])
@@ -93,7 +108,9 @@ def _reference_greedy(model: MiniCPMTTS, cond: torch.Tensor, codes: list[int], m
             if t == len(codes):
                 break
             x = model.emb_code[0](torch.tensor([[codes[t]]]))
-            res = model.model(inputs_embeds=x, position_ids=torch.tensor([[pos]]), past_key_values=cache, use_cache=True)
+            res = model.model(
+                inputs_embeds=x, position_ids=torch.tensor([[pos]]), past_key_values=cache, use_cache=True
+            )
             pos += 1
     return raws, scores
 
@@ -136,11 +153,15 @@ def test_greedy_batched_engine_equals_plain_reference_loop(model: MiniCPMTTS) ->
 def _seeded_frames(model: MiniCPMTTS, extra_streams: int, frames: int = 60) -> list[int]:
     engine = TalkerEngine(model, max_streams=8)
     target = Sink()
-    st = engine.open(engine.make_settings(sampling=engine.default_sampling(seed=1234), fixed_frames=frames), target)
+    st = engine.open(
+        engine.make_settings(sampling=engine.default_sampling(seed=1234), fixed_frames=frames), target
+    )
     others = []
     for k in range(extra_streams):
         s = Sink()
-        o = engine.open(engine.make_settings(sampling=engine.default_sampling(seed=k), fixed_frames=frames + 7 * k), s)
+        o = engine.open(
+            engine.make_settings(sampling=engine.default_sampling(seed=k), fixed_frames=frames + 7 * k), s
+        )
         engine.chunk(o, cond_input(model, 4 + k, 500 + k))
         engine.step()
         others.append(s)
@@ -171,7 +192,9 @@ def test_whole_utterance_min_50_frames_and_eos_never_emitted(model: MiniCPMTTS, 
 def test_whole_utterance_max_frames_gives_length(model: MiniCPMTTS) -> None:
     engine = TalkerEngine(model, max_streams=1)
     sink = Sink()
-    engine.chunk(engine.open(engine.make_settings(max_new_frames=30, min_new_frames=30), sink), cond_input(model, 6, 8))
+    engine.chunk(
+        engine.open(engine.make_settings(max_new_frames=30, min_new_frames=30), sink), cond_input(model, 6, 8)
+    )
     engine.run_until_idle()
     if sink.done[0].finish_reason == "length":
         assert len(sink.frames) == 30
@@ -183,7 +206,9 @@ def test_streaming_chunks_stop_at_eos_and_recompute_previous_chunk(model: MiniCP
     eos_bias(model, monkeypatch, bias=6.0)  # EOS likely but not certain: chunks end on the model's EOS
     engine = TalkerEngine(model, max_streams=1)
     obs: list[tuple[int, int, int]] = []  # (segment, step in segment, cache length at these logits)
-    engine.logits_observer = lambda st, lg: obs.append((st.turn_segments, st.seg_t, engine.runner.cache.lengths[st.slot]))
+    engine.logits_observer = lambda st, lg: obs.append(
+        (st.turn_segments, st.seg_t, engine.runner.cache.lengths[st.slot])
+    )
     sink = Sink()
     st = engine.open(engine.make_settings(sampling=engine.default_sampling(seed=3)), sink)
     for k in range(3):
@@ -214,6 +239,21 @@ def test_duplex_units_budgets_and_turn_end(model: MiniCPMTTS, monkeypatch) -> No
     assert EOS not in sink.frames
     assert [w.window.is_last for w in sink.windows] == [False, False, True]
     assert sink.done[-1].frames == 50
+
+
+def test_duplex_new_turn_id_closes_the_open_turn(model: MiniCPMTTS) -> None:
+    engine = TalkerEngine(model, max_streams=1)
+    sink = Sink()
+    st = engine.open(engine.make_settings(duplex=True), sink)
+    engine.chunk(st, cond_input(model, 5, 1, last=False, turn=1))
+    engine.chunk(st, cond_input(model, 5, 2, last=False, turn=1))
+    engine.chunk(st, cond_input(model, 5, 3, last=False, turn=2))  # turn 1 never got turn_end
+    engine.end(st)
+    engine.run_until_idle()
+    last = [w for w in sink.windows if w.window.is_last]
+    assert [w.meta.turn_id for w in last] == [1, 2]
+    fresh = [w for w in sink.windows if w.meta.turn_id == 2]
+    assert fresh[0].window.codes[:3] == [SIL] * 3 and len(sink.done) == 1
 
 
 def test_duplex_turn_end_runs_past_boundaries(model: MiniCPMTTS) -> None:
@@ -281,8 +321,12 @@ def test_bad_chunks_raise_typed_errors_before_queueing(model: MiniCPMTTS) -> Non
     engine = TalkerEngine(model, max_streams=1)
     st: StreamState = engine.open(engine.make_settings(), Sink())
     bad: list[Callable[[], ConditionInput]] = [
-        lambda: ConditionInput(torch.tensor([1, 2]), torch.randn(2, model.cfg.llm_dim + 1), True, False, 0, 0, 0),
-        lambda: ConditionInput(torch.tensor([1, 10**6]), torch.randn(2, model.cfg.llm_dim), True, False, 0, 0, 0),
+        lambda: ConditionInput(
+            torch.tensor([1, 2]), torch.randn(2, model.cfg.llm_dim + 1), True, False, 0, 0, 0
+        ),
+        lambda: ConditionInput(
+            torch.tensor([1, 10**6]), torch.randn(2, model.cfg.llm_dim), True, False, 0, 0, 0
+        ),
     ]
     for make in bad:
         with pytest.raises(StageError) as exc:

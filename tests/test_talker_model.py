@@ -41,7 +41,9 @@ def test_sizes_come_from_tts_config(model: MiniCPMTTS, tiny_ckpt: Path) -> None:
 
 def test_head_is_the_materialised_weight_norm(model: MiniCPMTTS, tiny_ckpt: Path) -> None:
     t = Checkpoint(tiny_ckpt).load_tensors(("tts.head_code.",), dtype=torch.float32)
-    lin = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(model.cfg.hidden_size, 6562, bias=False))
+    lin = torch.nn.utils.parametrizations.weight_norm(
+        torch.nn.Linear(model.cfg.hidden_size, 6562, bias=False)
+    )
     with torch.no_grad():
         lin.parametrizations.weight.original0.copy_(t["tts.head_code.0.parametrizations.weight.original0"])
         lin.parametrizations.weight.original1.copy_(t["tts.head_code.0.parametrizations.weight.original1"])
@@ -52,11 +54,16 @@ def test_conditions_per_mode(model: MiniCPMTTS) -> None:
     ids, hidden = _condition(model, 7, 1)
     proj = F.normalize(model.projector_semantic(hidden), p=2, dim=-1)
     rows = model.emb_text(ids) + proj
-    eos, bos = model.emb_text.weight[model.cfg.text_eos_token_id], model.emb_text.weight[model.cfg.audio_bos_token_id]
+    eos, bos = (
+        model.emb_text.weight[model.cfg.text_eos_token_id],
+        model.emb_text.weight[model.cfg.audio_bos_token_id],
+    )
     whole = model.whole_utterance_condition(ids, hidden)
     torch.testing.assert_close(whole, torch.cat([rows, eos[None], bos[None]]))
     assert torch.equal(model.streaming_chunk_condition(ids, hidden, text_finished=True), whole)
-    torch.testing.assert_close(model.streaming_chunk_condition(ids, hidden, False), torch.cat([rows, bos[None]]))
+    torch.testing.assert_close(
+        model.streaming_chunk_condition(ids, hidden, False), torch.cat([rows, bos[None]])
+    )
     torch.testing.assert_close(model.duplex_unit_condition(ids, hidden), torch.cat([rows, bos[None]]))
 
 
@@ -99,7 +106,9 @@ def _reference_logits(model: MiniCPMTTS, cond: torch.Tensor, codes: list[int]) -
         p = cond.shape[0]
         for c in codes:
             x = model.emb_code[0](torch.tensor([[c]]))
-            res = model.model(inputs_embeds=x, position_ids=torch.tensor([[p]]), past_key_values=cache, use_cache=True)
+            res = model.model(
+                inputs_embeds=x, position_ids=torch.tensor([[p]]), past_key_values=cache, use_cache=True
+            )
             out.append(model.head_logits(res.last_hidden_state[0, -1]))
             p += 1
     return out
@@ -115,7 +124,9 @@ def test_runner_batched_decode_matches_transformers(model: MiniCPMTTS) -> None:
     # stream 2 joins the batch late: it is prefilled but sits out the first 4 steps
     for step in range(12):
         active = [i for i in range(3) if not (i == 2 and step < 4)]
-        logits = runner.decode([slots[i] for i in active], [codes[i][step - (4 if i == 2 else 0)] for i in active])
+        logits = runner.decode(
+            [slots[i] for i in active], [codes[i][step - (4 if i == 2 else 0)] for i in active]
+        )
         for row, i in enumerate(active):
             got[i].append(logits[row])
     for i in range(3):

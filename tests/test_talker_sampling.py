@@ -45,7 +45,9 @@ def test_repetition_penalty_is_per_row_and_identity_at_one() -> None:
 def test_warpers_match_transformers_with_min_keep_3(top_p: float, top_k: int) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, VOCAB, generator=gen) * 3
-    ref = TopKLogitsWarper(top_k, min_tokens_to_keep=3)(None, TopPLogitsWarper(top_p, min_tokens_to_keep=3)(None, logits))
+    ref = TopKLogitsWarper(top_k, min_tokens_to_keep=3)(
+        None, TopPLogitsWarper(top_p, min_tokens_to_keep=3)(None, logits)
+    )
     ours = smp.apply_top_k(smp.apply_top_p(logits, torch.full((4,), top_p)), torch.full((4,), top_k))
     assert torch.equal(torch.isinf(ours), torch.isinf(ref))
     assert int((~torch.isinf(ours)).sum(dim=1).min()) >= 3

@@ -55,14 +55,18 @@ def test_loopback_round_trip(tiny_ckpt: Path) -> None:
     async def run() -> None:
         engine, ckpt = build_engine(str(tiny_ckpt), "cpu", None, 4, None)
         engine.start()
-        server = make_server(engine, stage_info(engine, ckpt, "cpu"), ServeOptions(host="127.0.0.1", port=0, metrics_port=0))
+        server = make_server(
+            engine, stage_info(engine, ckpt, "cpu"), ServeOptions(host="127.0.0.1", port=0, metrics_port=0)
+        )
         port = await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = talker_pb2_grpc.TalkerServiceStub(ch)
                 info = await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=10)
                 assert info.stage == "talker" and info.model_version == "4.5"
-                assert info.properties["condition_hidden_size"] == "128" and info.limits["max_context"] == 4096
+                assert (
+                    info.properties["condition_hidden_size"] == "128" and info.limits["max_context"] == 4096
+                )
                 health = await health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(service="minicpmo.v1.TalkerService"), timeout=10
                 )
@@ -75,10 +79,16 @@ def test_loopback_round_trip(tiny_ckpt: Path) -> None:
                 kinds = [r.WhichOneof("kind") for r in resp]
                 assert kinds == ["window", "window", "window", "done"]
                 wins = [r.window for r in resp[:3]]
-                assert list(wins[0].codes[:3]) == [SIL] * 3 and [w.is_last for w in wins] == [False, False, True]
+                assert list(wins[0].codes[:3]) == [SIL] * 3 and [w.is_last for w in wins] == [
+                    False,
+                    False,
+                    True,
+                ]
                 frames = [c for w in wins for c in w.codes[w.left_context :]]
                 assert len(frames) == 60 and resp[-1].done.usage.extra["codec_frames"] == 60
-                assert [r.window.id.chunk_seq for r in resp[:3]] == [0, 1, 2] and resp[0].window.id.request_id == "r"
+                assert [r.window.id.chunk_seq for r in resp[:3]] == [0, 1, 2] and resp[
+                    0
+                ].window.id.request_id == "r"
 
                 # same seed, same frames (the server path is deterministic per request)
                 again = await _collect(
@@ -106,7 +116,9 @@ def test_loopback_round_trip(tiny_ckpt: Path) -> None:
                     [
                         _open(fixed_frames=40),
                         talker_pb2.TalkerRequest(
-                            control=common_pb2.Control(interrupt=common_pb2.Interrupt(new_epoch=3, reason="barge-in"))
+                            control=common_pb2.Control(
+                                interrupt=common_pb2.Interrupt(new_epoch=3, reason="barge-in")
+                            )
                         ),
                         _chunk(5, 6, last=True, epoch=3),
                     ],
@@ -137,7 +149,9 @@ def test_client_half_close_without_chunks_gets_done(tiny_ckpt: Path) -> None:
     async def run() -> None:
         engine, ckpt = build_engine(str(tiny_ckpt), "cpu", None, 1, None)
         engine.start()
-        server = make_server(engine, stage_info(engine, ckpt, "cpu"), ServeOptions(host="127.0.0.1", port=0, metrics_port=0))
+        server = make_server(
+            engine, stage_info(engine, ckpt, "cpu"), ServeOptions(host="127.0.0.1", port=0, metrics_port=0)
+        )
         port = await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:

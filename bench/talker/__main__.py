@@ -74,7 +74,10 @@ def run_baseline(model: MiniCPMTTS, conds: list[tuple[torch.Tensor, torch.Tensor
 
     cfg = model.cfg
     dev = model.device
-    top_p, top_k = TopPLogitsWarper(cfg.top_p, min_tokens_to_keep=3), TopKLogitsWarper(cfg.top_k, min_tokens_to_keep=3)
+    top_p, top_k = (
+        TopPLogitsWarper(cfg.top_p, min_tokens_to_keep=3),
+        TopKLogitsWarper(cfg.top_k, min_tokens_to_keep=3),
+    )
     rows = torch.stack([model.whole_utterance_condition(ids, hidden) for ids, hidden in conds])
     bsz, length, _ = rows.shape
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -151,7 +154,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
     result = {
         "bench": "talker",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
         "dtype": dtype_name,
         "cuda_graphs": engine.runner.use_cuda_graphs,
         "model": {

@@ -389,8 +389,8 @@ class TalkerEngine:
         s = st.settings
         assert st.slot is not None
         if st.form is TurnForm.DUPLEX and cond.turn_id != st.turn_id:
-            self._finish_turn(st, "stop")  # the previous duplex turn never saw turn_end: close it
-            self.runner.cache.reset(st.slot)
+            # the previous duplex turn never saw turn_end: close its windows, keep the slot for this one
+            self._finish_turn(st, "stop", release_slot=False)
         if not st.in_turn:
             st.new_turn(cond.turn_id)
             self.runner.cache.reset(st.slot)
@@ -411,7 +411,9 @@ class TalkerEngine:
         else:
             rows = model.duplex_unit_condition(cond.token_ids, cond.hidden)
         st.turn_condition_rows += int(cond.token_ids.numel())
-        budget = smp.duplex_budget(st.turn_segments == 0, cond.turn_end) if st.form is TurnForm.DUPLEX else None
+        budget = (
+            smp.duplex_budget(st.turn_segments == 0, cond.turn_end) if st.form is TurnForm.DUPLEX else None
+        )
         context_rows = self._context_rows(st, rows, budget)
         st.seg_condition = rows
         st.seg_frames = []
@@ -426,7 +428,9 @@ class TalkerEngine:
         logits = self.runner.prefill(st.slot, context_rows)
         self._after_logits(st, logits[None])
 
-    def _context_rows(self, st: StreamState, rows: torch.Tensor, budget: smp.DuplexBudget | None) -> torch.Tensor:
+    def _context_rows(
+        self, st: StreamState, rows: torch.Tensor, budget: smp.DuplexBudget | None
+    ) -> torch.Tensor:
         """Decide what to prefill: append to the KV, or reset and recompute a one-chunk window."""
         assert st.slot is not None
         context = self.runner.context
@@ -564,7 +568,7 @@ class TalkerEngine:
                 for w in st.windower.flush_partial():  # upstream force_flush at turn start
                     st.emit(WindowOut(st.meta(), w))
 
-    def _finish_turn(self, st: StreamState, reason: str) -> None:
+    def _finish_turn(self, st: StreamState, reason: str, release_slot: bool = True) -> None:
         """Final window (is_last) and Done for turn mode; duplex sends only the final window per turn."""
         assert st.windower is not None
         st.emit(WindowOut(st.meta(), st.windower.finish()))
@@ -576,7 +580,8 @@ class TalkerEngine:
         st.form = None
         st.phase = Phase.IDLE
         st.pending_code = None
-        self._release_slot(st)
+        if release_slot:
+            self._release_slot(st)
 
     # ----------------------------------------------------------------------------------- drain
     def idle(self) -> bool:

@@ -150,9 +150,9 @@ class TalkerRunner:
         if end > self.context:
             raise ValueError(f"prefill of {length} rows at {start} exceeds the Talker context {self.context}")
         positions = torch.arange(start, end, device=self.device)[None, :]
-        mask = (
-            torch.arange(end, device=self.device)[None, :] <= positions[0][:, None]
-        )[None, None]  # [1, 1, L, end]
+        mask = (torch.arange(end, device=self.device)[None, :] <= positions[0][:, None])[
+            None, None
+        ]  # [1, 1, L, end]
         x = rows.to(device=self.device, dtype=self.dtype)[None]
         slots = torch.tensor([slot], device=self.device)
         hidden = self._layers(x, positions, slots, positions, slice(slot, slot + 1), end, mask)

@@ -87,7 +87,9 @@ class RowState:
 def whole_utterance_rules(t: int, min_new_frames: int, never_stop: bool = False) -> StepRules:
     """Upstream ``MiniCPMTTS.generate``: step 0 raw (temperature only); EOS masked while t < min."""
     first = t == 0
-    return StepRules(apply_penalty=not first, apply_warpers=not first, mask_eos=never_stop or t < min_new_frames)
+    return StepRules(
+        apply_penalty=not first, apply_warpers=not first, mask_eos=never_stop or t < min_new_frames
+    )
 
 
 def streaming_chunk_rules(stream_frames: int, t: int) -> StepRules:
@@ -148,7 +150,9 @@ def apply_repetition_penalty(
     logits: torch.Tensor, histories: Sequence[Sequence[int]], penalties: torch.Tensor
 ) -> torch.Tensor:
     """Frequency penalty over each row's last ``PENALTY_WINDOW`` ids (rows with penalty 1 are untouched)."""
-    padded = torch.tensor(_padded_histories(histories, logits.shape[1]), dtype=torch.long, device=logits.device)
+    padded = torch.tensor(
+        _padded_histories(histories, logits.shape[1]), dtype=torch.long, device=logits.device
+    )
     return _penalty_from_padded(logits, padded, penalties.to(logits.device))
 
 
@@ -179,7 +183,11 @@ _WARP, _MASK_EOS, _GREEDY = 1, 2, 4
 
 
 def _sample_packed(
-    logits: torch.Tensor, rows: Sequence[RowState], rules: Sequence[StepRules], eos_id: int, draw_uniforms: bool
+    logits: torch.Tensor,
+    rows: Sequence[RowState],
+    rules: Sequence[StepRules],
+    eos_id: int,
+    draw_uniforms: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1–5 with every per-row knob packed into two small tensors (two host→device copies per step).
 
@@ -187,7 +195,9 @@ def _sample_packed(
     """
     dev = logits.device
     bsz, vocab = logits.shape
-    penalize = [rule.apply_penalty and r.params.repetition_penalty != 1.0 for r, rule in zip(rows, rules, strict=True)]
+    penalize = [
+        rule.apply_penalty and r.params.repetition_penalty != 1.0 for r, rule in zip(rows, rules, strict=True)
+    ]
     floats: list[list[float]] = []
     ints: list[list[int]] = []
     hist = _padded_histories([r.history if p else [] for r, p in zip(rows, penalize, strict=True)], vocab)
@@ -212,7 +222,9 @@ def _sample_packed(
         scores = torch.where((flags & _WARP).bool()[:, None], warped, scores)
     if any(rule.mask_eos for rule in rules):
         eos_col = scores[:, eos_id]
-        scores[:, eos_id] = torch.where((flags & _MASK_EOS).bool(), torch.full_like(eos_col, float("-inf")), eos_col)
+        scores[:, eos_id] = torch.where(
+            (flags & _MASK_EOS).bool(), torch.full_like(eos_col, float("-inf")), eos_col
+        )
     return scores, _pick(scores, f[:, 3], (flags & _GREEDY).bool())
 
 

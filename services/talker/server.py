@@ -72,7 +72,9 @@ def output_to_proto(st: StreamState, out: Output) -> talker_pb2.TalkerResponse |
     if isinstance(out, WindowOut):
         w = out.window
         return talker_pb2.TalkerResponse(
-            window=common_pb2.CodecWindow(id=ident, codes=w.codes, left_context=w.left_context, is_last=w.is_last)
+            window=common_pb2.CodecWindow(
+                id=ident, codes=w.codes, left_context=w.left_context, is_last=w.is_last
+            )
         )
     if isinstance(out, DoneOut):
         usage = common_pb2.Usage(
@@ -81,13 +83,17 @@ def output_to_proto(st: StreamState, out: Output) -> talker_pb2.TalkerResponse |
             total_tokens=out.condition_rows + out.frames,
         )
         usage.extra["codec_frames"] = out.frames
-        return talker_pb2.TalkerResponse(done=common_pb2.Done(id=ident, finish_reason=out.finish_reason, usage=usage))
+        return talker_pb2.TalkerResponse(
+            done=common_pb2.Done(id=ident, finish_reason=out.finish_reason, usage=usage)
+        )
     if isinstance(out, ErrorOut):
         ERRORS.labels(STAGE, out.error.code_name).inc()
         return talker_pb2.TalkerResponse(error=out.error.to_proto(ident))
     if isinstance(out, InterruptAckOut):
         return talker_pb2.TalkerResponse(
-            interrupt_ack=common_pb2.InterruptAck(id=ident, new_epoch=out.new_epoch, dropped_items=out.dropped_items)
+            interrupt_ack=common_pb2.InterruptAck(
+                id=ident, new_epoch=out.new_epoch, dropped_items=out.dropped_items
+            )
         )
     return None  # ClosedOut carries nothing on the wire
 
@@ -106,13 +112,17 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         sp = msg.sampling
         temperature = sp.temperature if sp.HasField("temperature") else None
         if temperature is not None and temperature < 0:
-            raise StageError(INVALID_ARGUMENT, "temperature must be ≥ 0 (0 means greedy)", "sampling.temperature")
+            raise StageError(
+                INVALID_ARGUMENT, "temperature must be ≥ 0 (0 means greedy)", "sampling.temperature"
+            )
         if sp.HasField("top_p") and not 0.0 < sp.top_p <= 1.0:
             raise StageError(INVALID_ARGUMENT, "top_p must lie in (0, 1]", "sampling.top_p")
         if sp.HasField("top_k") and sp.top_k < 1:
             raise StageError(INVALID_ARGUMENT, "top_k must be ≥ 1", "sampling.top_k")
         if sp.HasField("repetition_penalty") and sp.repetition_penalty <= 0:
-            raise StageError(INVALID_ARGUMENT, "repetition_penalty must be > 0", "sampling.repetition_penalty")
+            raise StageError(
+                INVALID_ARGUMENT, "repetition_penalty must be > 0", "sampling.repetition_penalty"
+            )
         greedy = temperature == 0.0
         sampling = self.engine.default_sampling(
             temperature=1.0 if greedy else temperature,
@@ -167,7 +177,9 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         except StopAsyncIteration:
             return
         if first.WhichOneof("kind") != "open":
-            err = StageError(INVALID_ARGUMENT, "the first message of a Talker stream must be TalkerOpen", "open")
+            err = StageError(
+                INVALID_ARGUMENT, "the first message of a Talker stream must be TalkerOpen", "open"
+            )
             ERRORS.labels(STAGE, err.code_name).inc()
             yield talker_pb2.TalkerResponse(error=err.to_proto())
             return
@@ -246,7 +258,14 @@ def stage_info(engine: TalkerEngine, ckpt: Checkpoint, device: str) -> common_pb
         protocol_version=PROTOCOL_VERSION,
         device=device,
         compute_dtype=dtype_to_proto(engine.model.dtype),
-        capabilities=["turn", "duplex", "streaming_conditions", "whole_utterance", "fixed_frames", "interrupt"],
+        capabilities=[
+            "turn",
+            "duplex",
+            "streaming_conditions",
+            "whole_utterance",
+            "fixed_frames",
+            "interrupt",
+        ],
     )
     info.limits["max_streams"] = engine.runner.cache.num_slots
     info.limits["max_context"] = cfg.max_position_embeddings
@@ -299,7 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     ap.add_argument("--max-streams", type=int, default=16, help="KV slots = concurrent streams decoding")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
-    ap.add_argument("--no-graph-warmup", action="store_true", help="capture CUDA graphs lazily instead of at start")
+    ap.add_argument(
+        "--no-graph-warmup", action="store_true", help="capture CUDA graphs lazily instead of at start"
+    )
     ap.add_argument("--log-level", default="INFO")
     add_serve_arguments(ap, STAGE)
     args = ap.parse_args(argv)

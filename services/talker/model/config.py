@@ -81,7 +81,9 @@ class TalkerConfig:
     def from_tts_config(cls, tts: dict[str, Any]) -> TalkerConfig:
         backbone = str(tts.get("backbone_model", "llama"))
         if backbone != "llama":
-            raise CheckpointError(f"config.json: tts_config.backbone_model {backbone!r} unsupported (llama only)")
+            raise CheckpointError(
+                f"config.json: tts_config.backbone_model {backbone!r} unsupported (llama only)"
+            )
         cfg = cls(
             hidden_size=int(_require(tts, "hidden_size")),
             intermediate_size=int(_require(tts, "intermediate_size")),
@@ -117,7 +119,9 @@ class TalkerConfig:
                 "(MiniCPM-o 4.5 uses hidden_text_merge)"
             )
         if self.projector_type != "mlp":
-            raise CheckpointError(f"config.json: tts_config.projector_type {self.projector_type!r} unsupported")
+            raise CheckpointError(
+                f"config.json: tts_config.projector_type {self.projector_type!r} unsupported"
+            )
         if self.num_vq != 1:
             raise CheckpointError(f"config.json: tts_config.num_vq {self.num_vq} unsupported (4.5 has 1)")
         if self.num_audio_tokens - 1 != CODEC_EOS_ID:

@@ -72,7 +72,9 @@ class MiniCPMTTS(nn.Module):
         self.projector_semantic = SemanticProjector(cfg.llm_dim, cfg.hidden_size)
         self.emb_code = nn.ModuleList([nn.Embedding(cfg.num_audio_tokens, cfg.hidden_size)])
         # head_code[0].weight, materialised from the weight-norm parametrisation at load.
-        self.head_weight = nn.Parameter(torch.empty(cfg.num_audio_tokens, cfg.hidden_size), requires_grad=False)
+        self.head_weight = nn.Parameter(
+            torch.empty(cfg.num_audio_tokens, cfg.hidden_size), requires_grad=False
+        )
 
     # ------------------------------------------------------------------------------------- loading
     @classmethod
@@ -88,7 +90,10 @@ class MiniCPMTTS(nn.Module):
         backbone_vocab = int(tensors[embed_key].shape[0])
         model = cls(cfg, backbone_vocab)
 
-        g_key, v_key = "head_code.0.parametrizations.weight.original0", "head_code.0.parametrizations.weight.original1"
+        g_key, v_key = (
+            "head_code.0.parametrizations.weight.original0",
+            "head_code.0.parametrizations.weight.original1",
+        )
         if g_key not in tensors and "head_code.0.weight_g" in tensors:  # legacy weight_norm naming
             g_key, v_key = "head_code.0.weight_g", "head_code.0.weight_v"
         g = Checkpoint.expect_shape(tensors, g_key, (cfg.num_audio_tokens, 1))
@@ -108,7 +113,9 @@ class MiniCPMTTS(nn.Module):
             state[name] = t
         missing = sorted(set(expected) - set(state))
         if missing:
-            raise CheckpointError(f"Talker tensors missing from the checkpoint: {['tts.' + m for m in missing]}")
+            raise CheckpointError(
+                f"Talker tensors missing from the checkpoint: {['tts.' + m for m in missing]}"
+            )
         model.load_state_dict(state, strict=True)
         return model.to(device=device, dtype=dtype).eval()
 
@@ -124,7 +131,9 @@ class MiniCPMTTS(nn.Module):
     def validate_condition_inputs(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> None:
         """Typed errors for inputs that would otherwise crash deep inside an embedding or matmul."""
         if token_ids.dim() != 1:
-            raise StageError(INVALID_ARGUMENT, f"token_ids must be 1-D, got shape {list(token_ids.shape)}", "token_ids")
+            raise StageError(
+                INVALID_ARGUMENT, f"token_ids must be 1-D, got shape {list(token_ids.shape)}", "token_ids"
+            )
         if hidden.dim() != 2 or hidden.shape[1] != self.cfg.llm_dim:
             raise StageError(
                 INVALID_ARGUMENT,
@@ -137,7 +146,9 @@ class MiniCPMTTS(nn.Module):
                 f"{token_ids.shape[0]} token ids but {hidden.shape[0]} hidden rows; they must align 1:1",
                 "hidden",
             )
-        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.cfg.num_text_tokens):
+        if token_ids.numel() and (
+            int(token_ids.min()) < 0 or int(token_ids.max()) >= self.cfg.num_text_tokens
+        ):
             raise StageError(
                 INVALID_ARGUMENT,
                 f"token ids must lie in [0, {self.cfg.num_text_tokens}); got range "
