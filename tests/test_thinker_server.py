@@ -147,6 +147,16 @@ def test_multimodal_prompt_and_typed_errors(backend) -> None:  # noqa: ANN001
         assert got[-1].HasField("done") and got[-1].done.usage.completion_tokens == 3
         assert got[-1].done.usage.prompt_tokens > 64  # image + audio rows were expanded
 
+        # A reference voice goes into the speech system prompt (audio rows in the prompt).
+        plain = text_open("Hello.", want_speech=True, sampling=thinker_pb2.SamplingParams(max_tokens=2))
+        voiced = text_open("Hello.", want_speech=True, sampling=thinker_pb2.SamplingParams(max_tokens=2))
+        voiced.ref_audio.CopyFrom(audio)
+        p_plain, p_voiced = [
+            (await _collect(stub, [thinker_pb2.ThinkerRequest(open=o)]))[-1].done.usage.prompt_tokens
+            for o in (plain, voiced)
+        ]
+        assert p_voiced >= p_plain + 10  # 1 s of reference audio = 10 rows + framing
+
         async def first_error(requests: list[thinker_pb2.ThinkerRequest]) -> common_pb2.Error:
             out = await _collect(stub, requests)
             assert out[-1].HasField("error"), out
@@ -239,3 +249,32 @@ async def _wait_kv_zero(engine, timeout: float = 5.0) -> None:  # noqa: ANN001
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"KV not freed: {engine.kv_used_bytes} bytes still allocated")
+
+
+def test_graceful_drain_finishes_open_streams_and_refuses_new(backend) -> None:  # noqa: ANN001
+    from services.common.errors import UNAVAILABLE
+
+    async def run() -> None:
+        server = make_server(backend, ServeOptions(host="127.0.0.1", port=0, metrics_port=0))
+        port = await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = thinker_pb2_grpc.ThinkerServiceStub(ch)
+            open_msg = text_open(
+                "Go on.", sampling=thinker_pb2.SamplingParams(max_tokens=40, ignore_eos=True)
+            )
+            call = stub.Generate(_one(open_msg), timeout=60)
+            it = call.__aiter__()
+            first = await it.__anext__()
+            assert first.HasField("text")
+            stopping = asyncio.create_task(server.stop(grace=2.0))  # what SIGTERM triggers
+            while not server.servicer.draining:
+                await asyncio.sleep(0.01)
+            refused = await _collect(stub, [thinker_pb2.ThinkerRequest(open=text_open("hi"))])
+            assert refused[-1].error.code == UNAVAILABLE
+            rest = [r async for r in it]
+            assert rest[-1].HasField("done") and rest[-1].done.finish_reason == "length"
+            assert rest[-1].done.usage.completion_tokens == 40
+            await stopping
+        await _wait_kv_zero(backend.engine)
+
+    asyncio.run(run())

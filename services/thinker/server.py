@@ -350,13 +350,15 @@ def make_server(backend: ThinkerBackend, options: ServeOptions) -> StageServer:
         while not backend.engine.is_idle():
             await asyncio.sleep(0.05)
 
-    return StageServer(
+    stage_server = StageServer(
         STAGE,
         SERVICE_NAME,
         lambda server: thinker_pb2_grpc.add_ThinkerServiceServicer_to_server(servicer, server),
         options,
         drain=drain,
     )
+    stage_server.servicer = servicer  # type: ignore[attr-defined]  # tests and operators inspect drain state
+    return stage_server
 
 
 def parse_size(text: str) -> int:
