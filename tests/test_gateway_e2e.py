@@ -1,0 +1,233 @@
+"""End to end: ``minicpmo-serve`` on the tiny checkpoint (three real stage processes + the gateway),
+driven with the official ``openai`` SDK and raw HTTP, as a client would.
+
+One launched pipeline is shared by the whole module (start-up dominates the cost). Replies are short
+(thinker max 12 tokens, talker max 50 frames = 2 s) to keep the CPU time down.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import soundfile as sf
+
+from tests.gateway_server import free_port
+from tests.media_samples import data_url, png_bytes, wav_bytes
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+MODEL = "openbmb/MiniCPM-o-4_5"
+STARTUP_TIMEOUT_S = 900
+OVERRIDES = {"thinker": {"sampling": {"max_tokens": 12}}, "talker": {"sampling": {"max_new_frames": 50}}}
+
+
+@dataclass
+class Served:
+    url: str
+    stage_ports: dict[str, int]
+    proc: subprocess.Popen[str]
+    log_dir: Path
+
+
+@pytest.fixture(scope="module")
+def served(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    log_dir = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "gateway.launcher",
+        "--checkpoint", str(tiny_ckpt),
+        "--deploy-config", "cpu",
+        "--device", "cpu",
+        "--stage-ports", "auto",
+        "--port", str(port),
+        "--log-dir", str(log_dir),
+        "--stage-overrides", json.dumps(OVERRIDES),
+        "--startup-timeout", str(STARTUP_TIMEOUT_S),
+    ]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    out_path = log_dir / "launcher.out"
+    out = open(out_path, "w")  # noqa: SIM115 - the child writes to it until teardown
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+    stage_ports: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S + 60
+        while True:
+            text = out_path.read_text()
+            if "[minicpmo-serve] ready" in text:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"minicpmo-serve did not start:\n{text}")
+            time.sleep(1)
+        for stage, p in re.findall(r"start (thinker|talker|code2wav)-0 on cpu port (\d+)", text):
+            stage_ports[stage] = int(p)
+        yield Served(f"http://127.0.0.1:{port}", stage_ports, proc, log_dir)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out.close()
+    # Ctrl-C / SIGTERM stops every child: nothing listens on the stage ports any more.
+    for port_ in stage_ports.values():
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port_ + 1000}/metrics", timeout=2)
+
+
+@pytest.fixture(scope="module")
+def client(served: Served):
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", timeout=600, max_retries=0)
+
+
+def _stage_gauges(served: Served) -> dict[str, float]:
+    """In-flight requests and open streams per stage, read from each stage's Prometheus endpoint."""
+    out: dict[str, float] = {}
+    for stage, port in served.stage_ports.items():
+        text = httpx.get(f"http://127.0.0.1:{port + 1000}/metrics", timeout=5).text
+        for name in ("minicpmo_stage_in_flight", "minicpmo_stage_streams_active"):
+            m = re.search(rf'^{name}{{stage="{stage}"}} ([0-9.e+-]+)$', text, re.M)
+            assert m, f"{stage} does not export {name}"
+            out[f"{stage}.{name.rsplit('_', 2)[-2] + '_' + name.rsplit('_', 1)[-1]}"] = float(m.group(1))
+    return out
+
+
+def test_text_only(client) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello!"}],
+                                          modalities=["text"])
+    assert len(resp.choices) == 1
+    msg = resp.choices[0].message
+    assert msg.content and msg.audio is None
+    assert resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_text_and_audio_non_streaming(client) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "wav"},
+        extra_body={"chat_template_kwargs": {"use_tts_template": True, "enable_thinking": False},
+                    "ref_audio": data_url(wav_bytes(1.0, 16000), "audio/wav")},
+    )
+    choice = resp.choices[0]
+    assert choice.message.content
+    audio = choice.message.audio
+    assert re.fullmatch(r"audio-[0-9a-f]{16}", audio.id) and audio.transcript == ""
+    assert audio.expires_at > resp.created
+    info = sf.info(io.BytesIO(base64.b64decode(audio.data)))
+    assert (info.format, info.subtype, info.samplerate, info.channels) == ("WAV", "PCM_16", 24000, 1)
+    meta = choice.model_extra["audio_metadata"]
+    assert meta == {"format": "wav", "sample_rate_hz": 24000, "frame_count": info.frames, "channels": 1}
+    assert info.frames > 0
+
+
+def test_streaming_order_done_and_single_finish(served: Served) -> None:
+    payload = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+               "messages": [{"role": "user", "content": "Hi"}], "audio": {"format": "wav"}}
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=payload, timeout=600) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    content = [c for c in chunks if c["choices"]]
+    assert content[0]["choices"][0]["delta"].get("role") == "assistant"
+    finishing = [i for i, c in enumerate(content) if c["choices"][0].get("finish_reason")]
+    assert finishing == [len(content) - 1]
+    audio = [c for c in content if c["modality"] == "audio" and c["choices"][0]["delta"].get("content")]
+    assert audio, "speech was requested"
+    frames = 0
+    for c in audio:  # every audio chunk is its own decodable WAV whose length matches its metadata
+        info = sf.info(io.BytesIO(base64.b64decode(c["choices"][0]["delta"]["content"])))
+        assert info.samplerate == 24000 and info.frames == c["choices"][0]["audio_metadata"]["frame_count"]
+        frames += info.frames
+    first_audio = content.index(audio[0])
+    assert all(c["modality"] in ("text", "audio") for c in content)
+    assert first_audio > 0
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+    assert frames > 0
+
+
+def test_image_and_audio_inputs(client) -> None:
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(png_bytes(96, 64), "image/png")}},
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav_bytes(1.0)).decode(), "format": "wav"}},
+        {"type": "text", "text": "What do you see and hear?"},
+    ]
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What?"}],
+                                           modalities=["text"])
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          modalities=["text"])
+    assert resp.choices[0].message.content
+    # the image (64 slice embeddings + framing) and 1 s of audio (10 embeddings) reached the prompt
+    assert resp.usage.prompt_tokens >= plain.usage.prompt_tokens + 64 + 10
+
+
+def test_client_disconnect_releases_all_stage_work(served: Served) -> None:
+    payload = {"model": MODEL, "stream": True, "max_tokens": 200,
+               "sampling_params_list": [{"max_tokens": 200}, {"max_tokens": 500}],
+               "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=payload, timeout=600) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if '"modality":"audio"' in line:
+                break
+        busy = _stage_gauges(served)
+        assert any(busy.values()), busy
+    deadline = time.monotonic() + 60
+    gauges = _stage_gauges(served)
+    while any(gauges.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        gauges = _stage_gauges(served)
+    assert not any(gauges.values()), gauges
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        (b'{"model": "openbmb/MiniCPM-o-4_5", "messages": [', 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 42}]}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400),
+        ({"model": "not-this-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "audio": {"format": "aac"}}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(png_bytes()[:40], "image/png")}}]}]}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF\x00garbage").decode()}}]}]}, 400),
+        (b'{"model": "openbmb/MiniCPM-o-4_5", "pad": "' + b"x" * (33 * 1024 * 1024) + b'"}', 413),
+    ],
+)
+def test_bad_inputs(served: Served, body, status: int) -> None:
+    url = f"{served.url}/v1/chat/completions"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    health = httpx.get(f"{served.url}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "healthy"
+
+
+def test_models_and_metrics(served: Served) -> None:
+    models = httpx.get(f"{served.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    metrics = httpx.get(f"{served.url}/metrics").text
+    assert re.search(r'minicpmo_gateway_requests_total\{route="/v1/chat/completions",status="200"\} [1-9]', metrics)
+    assert re.search(r"minicpmo_gateway_time_to_first_audio_seconds_count [1-9]", metrics)
