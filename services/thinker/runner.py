@@ -191,13 +191,17 @@ class ModelRunner:
         # Recompute inv_freq in fp32 from the config: a model cast to bf16 also casts its rotary buffer,
         # which would shift every angle; the reference computes them in fp32.
         rotary = self.model.rotary_emb
-        rope_type = getattr(rotary, "rope_type", "default")
+        cfg = self.llm.config
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", getattr(rotary, "rope_type", "default"))
         if rope_type == "default":
-            inv_freq, _ = type(rotary).compute_default_rope_parameters(self.llm.config)
+            base = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+            steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(torch.float32)
+            inv_freq = 1.0 / (base ** (steps / self.head_dim))
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](self.llm.config, self.device)
+            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](cfg, self.device)
         inv_freq = inv_freq.to(device=self.device, dtype=torch.float32)
         pos = torch.arange(self.max_positions, device=self.device, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
@@ -441,26 +445,13 @@ def build_qwen3_llm(
     Used when the full thinker model (vision/audio towers) is not needed, e.g. text-only tests and the
     benchmark; the multimodal path takes ``ThinkerModel.llm`` instead.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "rope_theta",
-        "head_dim",
-        "hidden_act",
-        "attention_bias",
-        "tie_word_embeddings",
-    )
-    kwargs = {k: config[k] for k in keys if k in config}
-    qcfg = Qwen3Config(**kwargs)
-    qcfg._attn_implementation = "sdpa"
+    from services.thinker.model.config import qwen3_config_from_checkpoint
+
+    qcfg = qwen3_config_from_checkpoint(config)
+    if qcfg.tie_word_embeddings and "lm_head.weight" not in tensors:
+        tensors = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}
     with torch.device("meta"):
         llm = Qwen3ForCausalLM(qcfg)
     llm.load_state_dict(tensors, strict=True, assign=True)
@@ -468,5 +459,4 @@ def build_qwen3_llm(
     llm.model.rotary_emb = type(llm.model.rotary_emb)(qcfg)
     llm = llm.to(device=device, dtype=dtype)
     llm.model.rotary_emb = type(llm.model.rotary_emb)(qcfg).to(device)  # keep inv_freq in fp32
-    llm.eval()
-    return llm
+    return llm.eval().requires_grad_(False)
