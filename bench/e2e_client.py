@@ -35,6 +35,9 @@ class RequestResult:
     rtf: float | None = None
     text_chars: int = 0
     audio_chunks: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    started_s: float = 0.0  # offset of the send from the start of the level (queueing analysis)
     error: str = ""
 
 
@@ -45,6 +48,7 @@ class LevelSummary:
     failed: int
     wall_s: float
     req_per_s: float
+    truncated: bool = False  # the level hit its deadline before every request was sent
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
@@ -94,6 +98,10 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 if "error" in chunk:
                     res.error = str(chunk["error"])[:300]
                     return res
+                usage = chunk.get("usage")
+                if usage:
+                    res.prompt_tokens = usage.get("prompt_tokens")
+                    res.completion_tokens = usage.get("completion_tokens")
                 now = time.perf_counter() - t0
                 for choice in chunk.get("choices", []):
                     content = (choice.get("delta") or {}).get("content") or ""
@@ -122,6 +130,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
         res.e2e_s = time.perf_counter() - t0
+    finally:
+        if not res.ok and not res.error:
+            res.error = "cancelled"
     return res
 
 
@@ -132,17 +143,36 @@ async def run_level(
     num_requests: int,
     timeout: float = 300.0,
     progress: bool = True,
+    deadline: float | None = None,
+    bodies: list[dict[str, Any]] | None = None,
+    require_audio: bool = False,
 ) -> tuple[LevelSummary, list[RequestResult]]:
-    """Send ``num_requests`` copies of ``body`` with at most ``concurrency`` in flight."""
+    """Send ``num_requests`` requests with at most ``concurrency`` in flight.
+
+    ``bodies`` (optional) gives a distinct body per request (cycled); otherwise every request sends
+    ``body``. ``deadline`` (a ``time.monotonic()`` value) stops *sending* new requests once passed;
+    requests already in flight finish (bounded by ``timeout``) and the summary is flagged ``truncated``.
+    ``require_audio`` counts a request that completed without any audio as failed.
+    """
     url = base_url.rstrip("/") + "/v1/chat/completions"
     results: list[RequestResult] = []
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    skipped = 0
     async with httpx.AsyncClient(limits=limits) as client:
 
-        async def worker() -> None:
+        async def worker(index: int) -> None:
+            nonlocal skipped
             async with sem:
-                r = await one_request(client, url, body, timeout)
+                if deadline is not None and time.monotonic() >= deadline:
+                    skipped += 1
+                    return
+                req_body = bodies[index % len(bodies)] if bodies else body
+                started = time.perf_counter() - t0
+                r = await one_request(client, url, req_body, timeout)
+                r.started_s = started
+                if require_audio and r.ok and r.audio_s <= 0:
+                    r.ok, r.error = False, "completed without audio"
                 results.append(r)
                 if progress:
                     tag = "ok" if r.ok else f"FAILED {r.error}"
@@ -153,7 +183,7 @@ async def run_level(
                     )
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(num_requests)))
+        await asyncio.gather(*(worker(i) for i in range(num_requests)))
         wall = time.perf_counter() - t0
     ok = [r for r in results if r.ok]
     summary = LevelSummary(
@@ -162,6 +192,7 @@ async def run_level(
         failed=len(results) - len(ok),
         wall_s=wall,
         req_per_s=len(ok) / wall if wall > 0 else 0.0,
+        truncated=skipped > 0,
         metrics={
             "ttft_ms": percentiles([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
             "ttfp_ms": percentiles([r.ttfp_s * 1000 for r in ok if r.ttfp_s is not None]),
@@ -175,7 +206,8 @@ async def run_level(
 
 def markdown_table(levels: list[LevelSummary]) -> str:
     rows = [
-        "| c | req | failed | req/s | TTFT p50/p90/p99 ms | TTFP p50/p90/p99 ms | E2E p50/p99 ms | RTF mean/p90 | audio s |",
+        "| c | req | failed | req/s | TTFT p50/p90/p99 ms | TTFP p50/p90/p99 ms | E2E p50/p90/p99 ms "
+        "| RTF mean/p50/p90/p99 | audio s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -187,9 +219,10 @@ def markdown_table(levels: list[LevelSummary]) -> str:
     for lv in levels:
         m = lv.metrics
         rows.append(
-            f"| {lv.concurrency} | {lv.requests} | {lv.failed} | {lv.req_per_s:.2f} | "
+            f"| {lv.concurrency} | {lv.requests}{' (cut)' if lv.truncated else ''} | {lv.failed} | "
+            f"{lv.req_per_s:.2f} | "
             f"{fmt(m['ttft_ms'], ('p50', 'p90', 'p99'))} | {fmt(m['ttfp_ms'], ('p50', 'p90', 'p99'))} | "
-            f"{fmt(m['e2e_ms'], ('p50', 'p99'))} | {fmt(m['rtf'], ('mean', 'p90'), 3)} | "
+            f"{fmt(m['e2e_ms'], ('p50', 'p90', 'p99'))} | {fmt(m['rtf'], ('mean', 'p50', 'p90', 'p99'), 3)} | "
             f"{fmt(m['audio_s'], ('mean',), 2)} |"
         )
     return "\n".join(rows)

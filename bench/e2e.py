@@ -1,0 +1,551 @@
+"""End-to-end benchmark of the chat route: launch the pipeline, drive it per concurrency, tear it down.
+
+    python -m bench.e2e --checkpoint DIR --deploy-config configs/deploy/minicpmo_4_5.yaml --device cuda \\
+        --concurrency 1,4,8 --requests-per-level 32 --out-dir results/e2e
+
+What it does, in order (each step prints progress; the whole run is bounded by ``--max-seconds``):
+
+1. resolves the deploy profile (``--device`` forces every stage onto cpu/cuda, the workload's
+   first-chunk size is applied as a profile override) and starts the three stage processes and the
+   gateway with the launcher's own child plan (:func:`gateway.launcher.plan_children`) on free ports;
+   with several stages on one GPU they are separate processes time-slicing the GPU, or MPS clients with
+   ``--mps`` (an MPS control daemon private to this run);
+2. waits for the gateway's ``/health`` (200 only when every stage answers its gRPC health check);
+3. warms up (``--warmup`` requests at c=1, then ``--warmup-rounds`` × c requests before each level, so
+   CUDA graphs of each batch size are captured before anything is timed);
+4. per concurrency level sends ``--requests-per-level`` streaming requests with at most c in flight and
+   records TTFT, TTFP, E2E, RTF per request (definitions in :mod:`bench.e2e_client`, anchors.md §A.7);
+5. optionally sends ``--timeline-requests`` non-streaming requests at c=1 with ``return_stage_metrics``
+   to record where the time goes inside the gateway (first text, first speech chunk, first codec
+   window, first audio, last audio);
+6. writes ``e2e.json`` (workload, environment, per-level percentiles, every request) and ``e2e.md``;
+7. always stops the gateway and the stages (and the MPS daemon), on success, failure, Ctrl-C, SIGTERM
+   (``timeout`` sends SIGTERM) or when ``--max-seconds`` runs out.
+
+Workload (pinned, anchors.md §A.3/§A.7): every request is a distinct user text of exactly
+``--prompt-tokens`` (64) tokens by the checkpoint's tokenizer, with speech output; no ``ref_audio``, so
+code2wav uses the checkpoint's default voice, whose prompt features it caches after the first request;
+the thinker speaks exactly ``--spoken-tokens`` tokens (``min_tokens = max_tokens``, ``ignore_eos``) cut
+into a first hidden chunk of ``--first-chunk-tokens`` (10); the talker produces exactly
+``--audio-frames`` codec frames (``fixed_frames``; 200 frames at 25 Hz = 8.0 s of audio); codec windows
+are the profile's (``minicpmo_4_5``: first window 25 frames = 1 s of audio, 3 frames of left context).
+The talker's fixed-frame mode gathers a turn's chunks before decoding (services/talker/engine.py), so
+TTFP includes the thinker's whole spoken span; with the default ``--spoken-tokens 10`` the span is the
+first chunk, which makes TTFP the streaming first-chunk path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.e2e_client import LevelSummary, RequestResult, markdown_table, percentiles, run_level
+from services.common.deploy_profile import STAGES, DeployProfile, load_profile, parse_overrides
+
+# Reference numbers shown next to ours (anchors.md §A.3, GH#7865: vLLM-Omni MiniCPM-o 4.5, 1×H100, chat
+# route, Seed-TTS prompts; a different workload, so a side-by-side, not a like-for-like comparison).
+REFERENCE = {
+    "source": "vLLM-Omni MiniCPM-o 4.5 nightly baseline, 1xH100, Seed-TTS chat route (anchors.md A.3, GH#7865)",
+    "ttfp_ms": {"1": 458.16, "8": 2068.62},
+    "rtf": {"8": 1.0324},
+}
+TARGETS = {"ttfp_p50_ms": {"1": 150.0, "8": 400.0}, "ttfp_p50_ms_floor_c1": 250.0, "rtf_mean_c8": 0.3}
+CODEC_FRAME_RATE_HZ = 25
+FILLER_TEXT = (
+    "The harbour town woke slowly under a grey sky while fishing boats returned with their nets and the "
+    "market stalls opened one by one. Children ran along the sea wall, a baker carried trays of warm bread "
+    "across the square, and an old clockmaker adjusted the tower clock that had been running late for "
+    "three weeks. Travellers from the inland valleys arrived by the morning train, asking for directions "
+    "to the lighthouse, the museum of maritime history and the small library that kept letters written "
+    "by sailors over two centuries. In the afternoon the wind turned, the clouds opened, and the whole "
+    "bay shone with a pale golden light that painters had tried to capture for generations. "
+)
+
+
+class BenchAbort(Exception):
+    """SIGTERM/SIGINT or the overall deadline: stop, tear down, write what was measured."""
+
+
+# ---- workload ------------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    prompt_tokens: int = 64
+    spoken_tokens: int = 10
+    first_chunk_tokens: int = 10
+    audio_frames: int = 200
+    seed: int = 42
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.audio_frames / CODEC_FRAME_RATE_HZ
+
+
+def make_prompts(tokenizer: Any, count: int, tokens: int) -> list[str]:
+    """``count`` distinct texts that each encode to exactly ``tokens`` tokens (no prefix sharing)."""
+    words = FILLER_TEXT.split()
+    prompts: list[str] = []
+    offset = 0
+    attempts = 0
+    while len(prompts) < count:
+        attempts += 1
+        if attempts > 50 * count + 100:
+            raise RuntimeError(f"could not build {count} prompts of exactly {tokens} tokens")
+        rotated = words[offset % len(words) :] + words[: offset % len(words)]
+        text = f"Request {len(prompts)}: " + " ".join(rotated * 4)
+        offset += 7
+        ids = tokenizer.encode(text, add_special_tokens=False)[:tokens]
+        candidate = tokenizer.decode(ids)
+        if len(tokenizer.encode(candidate, add_special_tokens=False)) == tokens and candidate not in prompts:
+            prompts.append(candidate)
+    return prompts
+
+
+def request_body(prompt: str, w: Workload, model: str, stream: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "modalities": ["text", "audio"],
+        "stream": stream,
+        "sampling_params_list": [
+            {"temperature": 0.0, "max_tokens": w.spoken_tokens, "min_tokens": w.spoken_tokens, "ignore_eos": True},
+            {"fixed_frames": w.audio_frames, "seed": w.seed},
+        ],
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    else:
+        body["return_stage_metrics"] = True
+    return body
+
+
+def resolve_profile(args: argparse.Namespace, w: Workload) -> DeployProfile:
+    profile = load_profile(args.deploy_config)
+    if args.device:
+        profile = profile.with_device(args.device)
+    overrides = parse_overrides(args.stage_overrides)
+    thinker = dict(overrides.get("thinker", {}))
+    thinker.setdefault("first_hidden_chunk_tokens", w.first_chunk_tokens)
+    overrides["thinker"] = thinker
+    gateway = dict(overrides.get("gateway", {}))
+    # Admission must not reject the benchmark's own concurrency (429s would count as failures).
+    limit = max(args.levels) + 2
+    if profile.gateway.max_concurrent_requests < limit:
+        gateway["max_concurrent_requests"] = limit
+    if gateway:
+        overrides["gateway"] = gateway
+    return profile.with_overrides(overrides)
+
+
+# ---- environment -----------------------------------------------------------------------------------
+def _run_text(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "git_commit": _run_text(["git", "rev-parse", "HEAD"]),
+    }
+    gpus = _run_text(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    if gpus:
+        env["gpus"] = gpus.splitlines()
+    for mod in ("torch", "transformers", "grpc", "fastapi", "httpx"):
+        with contextlib.suppress(Exception):
+            env[f"{mod}_version"] = __import__(mod).__version__
+    with contextlib.suppress(Exception):
+        import torch
+
+        env["cuda_version"] = torch.version.cuda
+    return env
+
+
+# ---- pipeline --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_stage_args(items: list[str]) -> dict[str, list[str]]:
+    """``--stage-args thinker='--kv-budget 16G'`` (repeatable) -> extra argv per stage."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        stage, sep, rest = item.partition("=")
+        if not sep or stage not in STAGES:
+            raise SystemExit(f"--stage-args {item!r}: expected STAGE=ARGS with STAGE in {list(STAGES)}")
+        out.setdefault(stage, []).extend(shlex.split(rest))
+    return out
+
+
+class MpsDaemon:
+    """An NVIDIA MPS control daemon private to this run (own pipe/log dirs; GPU settings untouched)."""
+
+    def __init__(self, root: Path) -> None:
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(root / "log"),
+        }
+        self.started = False
+
+    def start(self) -> None:
+        binary = shutil.which("nvidia-cuda-mps-control")
+        if binary is None:
+            raise RuntimeError("--mps: nvidia-cuda-mps-control is not on PATH")
+        for path in self.env.values():
+            Path(path).mkdir(parents=True, exist_ok=True)
+        subprocess.run([binary, "-d"], env={**os.environ, **self.env}, check=True, timeout=30)
+        self.started = True
+        os.environ.update(self.env)  # children inherit os.environ through the launcher's Supervisor
+
+    def stop(self) -> None:
+        if not self.started:
+            return
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
+                           env={**os.environ, **self.env}, timeout=30)
+        self.started = False
+
+
+class Pipeline:
+    """The launcher's children for one profile, on free ports, with logs under ``log_dir``."""
+
+    def __init__(self, profile: DeployProfile, checkpoint: Path, log_dir: Path,
+                 stage_args: dict[str, list[str]]) -> None:
+        from gateway.launcher import Supervisor, pick_free_stage_ports, plan_children
+
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        profile_file = log_dir / "profile.yaml"
+        profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+        self.port = free_port()
+        children = plan_children(profile, checkpoint.resolve(), profile_file, self.port,
+                                 stage_ports=pick_free_stage_ports(profile))
+        for child in children:
+            if child.stage is not None:
+                child.argv += stage_args.get(child.stage, [])
+        self.children = children
+        self.supervisor = Supervisor(children, log_dir)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        for child in self.children:
+            print(f"[e2e] start {child.name} on {child.device} port {child.port}: {' '.join(child.argv[2:])}",
+                  flush=True)
+            self.supervisor.start(child)
+        pids = {c.name: self.supervisor.procs[c.name].pid for c in self.children}
+        (self.log_dir / "pids.json").write_text(json.dumps(pids))
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until the gateway's /health is 200 (every stage serving); raises if a child dies."""
+        import httpx
+
+        t0 = time.monotonic()
+        last_note = t0
+        while True:
+            self.supervisor.check_alive()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=3).status_code == 200:
+                    return time.monotonic() - t0
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                tails = "\n".join(self.supervisor.tail(c) for c in self.children)
+                raise TimeoutError(f"pipeline not healthy after {timeout_s:.0f} s\n{tails}")
+            if now - last_note >= 10:
+                print(f"[e2e] waiting for health ... {now - t0:.0f} s", flush=True)
+                last_note = now
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        print("[e2e] stopping the pipeline", flush=True)
+        self.supervisor.stop()
+
+
+# ---- measurement -----------------------------------------------------------------------------------
+@dataclass
+class LevelResult:
+    summary: LevelSummary
+    requests: list[RequestResult] = field(default_factory=list)
+
+
+async def timeline(url: str, bodies: list[dict[str, Any]], timeout: float) -> list[dict[str, float]]:
+    """Gateway-side marks (seconds from request start) of non-streaming requests, one at a time."""
+    import httpx
+
+    out: list[dict[str, float]] = []
+    async with httpx.AsyncClient() as client:
+        for body in bodies:
+            resp = await client.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+            if resp.status_code == 200 and resp.json().get("metrics"):
+                out.append({k: float(v) for k, v in resp.json()["metrics"].items()})
+            else:
+                print(f"[e2e] timeline request failed: HTTP {resp.status_code} {resp.text[:200]}", flush=True)
+    return out
+
+
+def summarize_timeline(marks: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    keys = sorted({k for m in marks for k in m})
+    return {k: percentiles([m[k] * 1000 for m in marks if k in m]) for k in keys}
+
+
+def level_verdicts(levels: list[LevelSummary]) -> list[str]:
+    """Targets of issue 9 checked against what was measured (never against estimates)."""
+    notes: list[str] = []
+    for lv in levels:
+        ttfp = lv.metrics.get("ttfp_ms", {}).get("p50")
+        rtf = lv.metrics.get("rtf", {}).get("mean")
+        target = TARGETS["ttfp_p50_ms"].get(str(lv.concurrency))
+        if ttfp is not None and target is not None:
+            ok = "meets" if ttfp <= target else "misses"
+            notes.append(f"c={lv.concurrency}: TTFP p50 {ttfp:.0f} ms {ok} the {target:.0f} ms target")
+            if lv.concurrency == 1:
+                floor = TARGETS["ttfp_p50_ms_floor_c1"]
+                notes.append(f"c=1: TTFP p50 {'within' if ttfp <= floor else 'above'} the {floor:.0f} ms floor")
+        if lv.concurrency == 8 and rtf is not None:
+            ok = "meets" if rtf <= TARGETS["rtf_mean_c8"] else "misses"
+            notes.append(f"c=8: RTF mean {rtf:.3f} {ok} the {TARGETS['rtf_mean_c8']} target")
+    return notes
+
+
+def render_markdown(report: dict[str, Any], levels: list[LevelSummary]) -> str:
+    w = report["workload"]
+    lines = [
+        f"## End-to-end chat route — profile `{report['profile']}`, {report['gpu_sharing']}",
+        "",
+        f"Workload: {w['prompt_tokens']}-token text prompts (distinct per request), default cached voice, "
+        f"first thinker chunk {w['first_chunk_tokens']} tokens, {w['spoken_tokens']} spoken tokens, "
+        f"talker fixed {w['audio_frames']} frames = {w['audio_seconds']:.1f} s of audio, codec windows "
+        f"first {w['first_window_frames']} / then {w['window_frames']} frames with {w['left_context_frames']} "
+        f"frames of left context. Warm-up: {report['warmup']} requests + {report['warmup_rounds']} round(s) "
+        "of c requests per level.",
+        "",
+        markdown_table(levels),
+        "",
+    ]
+    if report.get("timeline_ms"):
+        lines += ["Gateway timeline at c=1 (ms from request start, p50 over "
+                  f"{report['timeline_requests']} non-streaming requests):", ""]
+        lines += ["| mark | p50 | p90 |", "|---|---|---|"]
+        for key, m in sorted(report["timeline_ms"].items(), key=lambda kv: kv[1].get("p50", 0.0)):
+            if m:
+                lines.append(f"| {key} | {m['p50']:.1f} | {m['p90']:.1f} |")
+        lines.append("")
+    ref = report["reference"]
+    lines += [
+        f"Reference ({ref['source']}): TTFP {ref['ttfp_ms']['1']:.0f} ms at c=1, {ref['ttfp_ms']['8']:.0f} ms "
+        f"at c=8; RTF {ref['rtf']['8']:.2f} at c=8.",
+        "",
+    ]
+    lines += [f"- {note}" for note in report["verdicts"]]
+    return "\n".join(lines) + "\n"
+
+
+async def drive(args: argparse.Namespace, url: str, w: Workload, model: str, prompts: list[str],
+                deadline: float) -> tuple[list[LevelResult], list[dict[str, float]]]:
+    bodies = [request_body(p, w, model) for p in prompts]
+    timeout = args.request_timeout
+    if args.warmup:
+        print(f"[e2e] warm-up: {args.warmup} request(s) at c=1", flush=True)
+        summary, _ = await run_level(url, {}, 1, args.warmup, timeout, bodies=bodies[-args.warmup:],
+                                     deadline=deadline, require_audio=True)
+        if summary.failed:
+            raise RuntimeError("warm-up request failed; see the lines above and the stage logs")
+    results: list[LevelResult] = []
+    for c in args.levels:
+        if time.monotonic() >= deadline:
+            print(f"[e2e] out of time before c={c}; skipping the remaining levels", flush=True)
+            break
+        if args.warmup_rounds:
+            n = args.warmup_rounds * c
+            print(f"[e2e] c={c}: warm-up {n} request(s)", flush=True)
+            await run_level(url, {}, c, n, timeout, progress=False, bodies=bodies[:n], deadline=deadline)
+        print(f"[e2e] c={c}: {args.requests_per_level} request(s)", flush=True)
+        summary, reqs = await run_level(url, {}, c, args.requests_per_level, timeout, bodies=bodies,
+                                        deadline=deadline, require_audio=True)
+        results.append(LevelResult(summary, reqs))
+        m = summary.metrics
+        print(f"[e2e] c={c} done: {summary.requests} req, {summary.failed} failed, {summary.req_per_s:.2f} req/s, "
+              f"TTFP p50 {m['ttfp_ms'].get('p50', float('nan')):.0f} ms, "
+              f"RTF mean {m['rtf'].get('mean', float('nan')):.3f}", flush=True)
+    marks: list[dict[str, float]] = []
+    if args.timeline_requests and time.monotonic() < deadline:
+        print(f"[e2e] timeline: {args.timeline_requests} non-streaming request(s) at c=1", flush=True)
+        tl_bodies = [request_body(p, w, model, stream=False) for p in prompts[: args.timeline_requests]]
+        marks = await timeline(url, tl_bodies, timeout)
+    return results, marks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (full-size random for GPU numbers)")
+    p.add_argument("--deploy-config", default="minicpmo_4_5", help="profile file or bundled name")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device")
+    p.add_argument("--stage-overrides", default=None, help="JSON deep-merged into the profile (as minicpmo-serve)")
+    p.add_argument("--stage-args", action="append", default=[], metavar="STAGE=ARGS",
+                   help="extra CLI flags for a stage process, e.g. thinker='--kv-budget 16G' (repeatable)")
+    p.add_argument("--thinker-kv-budget", default="16G",
+                   help="thinker --kv-budget on CUDA (its default takes most free memory, which starves "
+                        "colocated stages); 'auto' keeps the stage default")
+    p.add_argument("--mps", action="store_true", help="run the stages as clients of a private MPS daemon")
+    p.add_argument("--url", default=None, help="benchmark an already running gateway instead of launching one")
+    p.add_argument("--concurrency", default="1,4,8", help="comma-separated levels")
+    p.add_argument("--requests-per-level", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2, help="requests at c=1 before the first level")
+    p.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds of c requests before each level")
+    p.add_argument("--timeline-requests", type=int, default=5, help="non-streaming requests with stage marks")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--spoken-tokens", type=int, default=10, help="thinker tokens (min = max, EOS ignored)")
+    p.add_argument("--first-chunk-tokens", type=int, default=10)
+    p.add_argument("--audio-frames", type=int, default=200, help="talker frames (25 per second of audio)")
+    p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--startup-timeout", type=float, default=420.0)
+    p.add_argument("--max-seconds", type=float, default=480.0,
+                   help="overall budget; levels stop being started/sent after it (teardown follows)")
+    p.add_argument("--out-dir", default=None, help="default: $OUT/e2e or ./bench-results/e2e")
+    return p
+
+
+def _install_signal_handlers() -> None:
+    def _abort(signum: int, _frame: object) -> None:
+        raise BenchAbort(f"received signal {signum}")
+
+    signal.signal(signal.SIGTERM, _abort)
+    signal.signal(signal.SIGINT, _abort)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t_start = time.monotonic()
+    deadline = t_start + args.max_seconds
+    args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    w = Workload(args.prompt_tokens, args.spoken_tokens, args.first_chunk_tokens, args.audio_frames)
+    out_dir = Path(args.out_dir or Path(os.environ.get("OUT", "bench-results")) / "e2e")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import httpx  # noqa: F401 - fail before launching anything
+    except ImportError:
+        print("bench.e2e needs httpx (pip install httpx, or add it to the GPU host wheels)", file=sys.stderr)
+        return 2
+
+    from services.common.checkpoint import Checkpoint
+
+    checkpoint = Path(args.checkpoint)
+    profile = resolve_profile(args, w)
+    stage_args = parse_stage_args(args.stage_args)
+    on_cuda = any(d.startswith("cuda") for s in STAGES for d in profile.stage(s).devices)
+    if on_cuda and args.thinker_kv_budget != "auto" and "--kv-budget" not in stage_args.get("thinker", []):
+        stage_args.setdefault("thinker", []).extend(["--kv-budget", args.thinker_kv_budget])
+    talker = profile.stage("talker")
+    n_prompts = max(args.requests_per_level, max(args.levels) * max(args.warmup_rounds, 1), args.warmup,
+                    args.timeline_requests, 1)
+    print(f"[e2e] building {n_prompts} prompts of {w.prompt_tokens} tokens", flush=True)
+    prompts = make_prompts(Checkpoint(checkpoint).tokenizer(), n_prompts, w.prompt_tokens)
+    devices = {s: list(profile.stage(s).devices) for s in STAGES}
+    shared_gpu = on_cuda and len({d for ds in devices.values() for d in ds}) < sum(len(ds) for ds in devices.values())
+    sharing = ("MPS" if args.mps else "separate processes time-slicing") + " on a shared GPU" if shared_gpu else (
+        "one device per stage" if on_cuda else "CPU")
+    report: dict[str, Any] = {
+        "bench": "e2e",
+        "profile": profile.name,
+        "profile_source": profile.source,
+        "devices": devices,
+        "gpu_sharing": sharing,
+        "mps": bool(args.mps),
+        "stage_args": stage_args,
+        "checkpoint": str(checkpoint.resolve()),
+        "workload": {
+            **asdict(w),
+            "audio_seconds": w.audio_seconds,
+            "first_window_frames": talker.codec.first_window_frames,
+            "window_frames": talker.codec.window_frames,
+            "left_context_frames": talker.codec.left_context_frames,
+            "hidden_chunk_tokens": profile.stage("thinker").hidden_chunk_tokens,
+            "voice": "checkpoint default (cached by code2wav after first use)",
+        },
+        "warmup": args.warmup,
+        "warmup_rounds": args.warmup_rounds,
+        "requests_per_level": args.requests_per_level,
+        "timeline_requests": args.timeline_requests,
+        "environment": environment(),
+        "reference": REFERENCE,
+        "targets": TARGETS,
+        "status": "started",
+    }
+    pipeline: Pipeline | None = None
+    mps: MpsDaemon | None = None
+    levels: list[LevelResult] = []
+    marks: list[dict[str, float]] = []
+    rc = 0
+    _install_signal_handlers()
+    try:
+        url = args.url
+        if url is None:
+            if args.mps:
+                mps = MpsDaemon(Path(tempfile.mkdtemp(prefix="mps-", dir=out_dir)))
+                mps.start()
+            pipeline = Pipeline(profile, checkpoint, out_dir / "logs", stage_args)
+            pipeline.start()
+            budget = min(args.startup_timeout, max(1.0, deadline - time.monotonic()))
+            report["startup_s"] = pipeline.wait_healthy(budget)
+            print(f"[e2e] pipeline healthy after {report['startup_s']:.1f} s at {pipeline.url}", flush=True)
+            url = pipeline.url
+        report["url"] = url
+        levels, marks = asyncio.run(drive(args, url, w, profile.served_model_name, prompts, deadline))
+        report["status"] = "ok" if levels and not any(lv.summary.failed for lv in levels) else "failures"
+        if len(levels) < len(args.levels):
+            report["status"] = "incomplete"
+    except BenchAbort as exc:
+        report["status"] = f"aborted: {exc}"
+        rc = 3
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        report["status"] = f"error: {exc}"
+        print(f"[e2e] error: {exc}", file=sys.stderr, flush=True)
+        rc = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # teardown must not be interrupted halfway
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if pipeline is not None:
+            pipeline.stop()
+        if mps is not None:
+            mps.stop()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    summaries = [lv.summary for lv in levels]
+    report["levels"] = [asdict(lv.summary) for lv in levels]
+    report["requests"] = {str(lv.summary.concurrency): [asdict(r) for r in lv.requests] for lv in levels}
+    report["timeline_ms"] = summarize_timeline(marks)
+    report["verdicts"] = level_verdicts(summaries)
+    report["wall_s"] = time.monotonic() - t_start
+    (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
+    md = render_markdown(report, summaries)
+    (out_dir / "e2e.md").write_text(md)
+    print(md, flush=True)
+    print(f"[e2e] status: {report['status']}; wrote {out_dir / 'e2e.json'} and {out_dir / 'e2e.md'}", flush=True)
+    if rc == 0 and report["status"] != "ok":
+        rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""The end-to-end benchmark harness on CPU: percentile math, the pinned workload, one short real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.e2e import Workload, make_prompts, request_body
+from bench.e2e_client import percentiles
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_percentiles_match_numpy_linear_interpolation() -> None:
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 5, 101):
+        values = rng.exponential(100.0, size=n).tolist()
+        got = percentiles(values)
+        for key, q in (("p50", 50), ("p90", 90), ("p99", 99)):
+            assert got[key] == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+        assert got["mean"] == pytest.approx(float(np.mean(values)))
+        assert got["min"] == min(values) and got["max"] == max(values)
+
+
+def test_percentiles_known_values_and_empty() -> None:
+    got = percentiles([4.0, 1.0, 3.0, 2.0])
+    assert got["p50"] == 2.5
+    assert got["p90"] == pytest.approx(3.7)
+    assert percentiles([]) == {}
+
+
+def test_prompts_have_exact_token_count_and_are_distinct(tiny_ckpt: Path) -> None:
+    from services.common.checkpoint import Checkpoint
+
+    tok = Checkpoint(tiny_ckpt).tokenizer()
+    prompts = make_prompts(tok, 12, 64)
+    assert len(set(prompts)) == 12
+    assert all(len(tok.encode(p, add_special_tokens=False)) == 64 for p in prompts)
+
+
+def test_request_body_pins_the_workload() -> None:
+    w = Workload(prompt_tokens=64, spoken_tokens=10, first_chunk_tokens=10, audio_frames=200)
+    body = request_body("hi", w, "m")
+    thinker, talker = body["sampling_params_list"]
+    assert thinker["min_tokens"] == thinker["max_tokens"] == 10 and thinker["ignore_eos"] is True
+    assert talker["fixed_frames"] == 200 and w.audio_seconds == 8.0
+    assert body["stream"] is True and "ref_audio" not in body
+    # The gateway accepts these overrides as they are (no 400 at request time).
+    from gateway.openai.protocol import parse_chat_request
+
+    req = parse_chat_request(body, "m")
+    assert req.thinker_sampling["ignore_eos"] is True and req.talker_sampling["fixed_frames"] == 200
+
+
+@pytest.mark.slow
+def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "e2e"
+    cmd = [
+        sys.executable, "-m", "bench.e2e", "--checkpoint", str(tiny_ckpt), "--deploy-config", "cpu",
+        "--concurrency", "1,2", "--requests-per-level", "2", "--warmup", "1", "--warmup-rounds", "0",
+        "--timeline-requests", "1", "--audio-frames", "25", "--max-seconds", "500", "--out-dir", str(out),
+    ]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=700)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "e2e.json").read_text())
+    assert report["status"] == "ok"
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    for lv in report["levels"]:
+        assert lv["requests"] == 2 and lv["failed"] == 0 and lv["req_per_s"] > 0
+        for metric in ("ttft_ms", "ttfp_ms", "e2e_ms", "rtf", "audio_s"):
+            assert {"mean", "p50", "p90", "p99"} <= set(lv["metrics"][metric])
+        assert lv["metrics"]["ttft_ms"]["p50"] <= lv["metrics"]["e2e_ms"]["p50"]
+        # 25 fixed frames = 1 s of codec time; the vocoder adds a short tail.
+        assert 1.0 <= lv["metrics"]["audio_s"]["mean"] < 1.5
+    for reqs in report["requests"].values():
+        assert all(r["ok"] and r["completion_tokens"] == 10 and r["prompt_tokens"] > 64 for r in reqs)
+    assert "first_audio" in report["timeline_ms"]
+    assert report["workload"]["first_window_frames"] == 25
+    md = (out / "e2e.md").read_text()
+    assert "| 1 | 2 | 0 |" in md and "| 2 | 2 | 0 |" in md
+    # Teardown: every child the harness started is gone.
+    pids = json.loads((out / "logs" / "pids.json").read_text())
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
