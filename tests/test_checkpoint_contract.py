@@ -224,3 +224,18 @@ def test_hift_with_legacy_weight_norm_names_is_accepted(tiny_ckpt: Path, tmp_pat
     torch.save(legacy, tmp_path / "hift.pt")
     with pytest.raises(CheckpointError, match=r"hift\.pt: missing tensor 'conv_post\.parametrizations\.weight\.original1'"):
         check_hift(tmp_path, report)
+
+
+def test_checkpoint_with_151936_rows_is_accepted(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A real download may pad the LLM tables to 151,936 rows; consistent config + tensors pass."""
+    shard1 = "model-00001-of-00002.safetensors"
+    ok = linked_copy(tiny_ckpt, tmp_path / "c", skip=[shard1, "config.json"])
+    _rewrite_json(tiny_ckpt, ok, "config.json", lambda c: c.update(vocab_size=151936))
+    tensors = load_file(str(tiny_ckpt / shard1))
+    for name in ("llm.model.embed_tokens.weight", "llm.lm_head.weight"):
+        t = tensors[name]
+        tensors[name] = torch.cat([t, torch.zeros(151936 - t.shape[0], t.shape[1], dtype=t.dtype)])
+    save_file(tensors, str(ok / shard1), metadata={"format": "pt"})
+    report = check_checkpoint(ok, load_assets=False)
+    assert any("embed_tokens rows 151936" in line for line in report.lines)
+    assert any("151748 entries" in line for line in report.lines)  # tokenizer size read from its own file

@@ -236,3 +236,10 @@ def test_random_hift_is_audible_and_unclipped(tiny_ckpt: Path) -> None:
     wav, _ = hift.eval()(mel)
     assert 150 < float(f0.mean()) < 300
     assert 0.03 < float(wav.pow(2).mean().sqrt()) < 0.5 and float((wav.abs() > 0.98).float().mean()) < 0.01
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error path of a CPU-only host")
+def test_make_on_missing_cuda_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["make", "--size", "tiny", "--device", "cuda", str(tmp_path / "x")]) == 1
+    assert "CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
