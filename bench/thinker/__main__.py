@@ -76,7 +76,8 @@ def engine_decode(
 ) -> dict[str, float]:
     seqs: list[Sequence] = []
     for i in range(batch):
-        cfg = SamplingConfig(max_tokens=warmup + steps + 4, ignore_eos=True, stop_token_ids=())
+        # Headroom: earlier rows keep decoding while later rows are still in (chunked) prefill.
+        cfg = SamplingConfig(max_tokens=warmup + steps + 1024, ignore_eos=True, stop_token_ids=())
         seq = engine.open(lambda _ev: None)
         engine.submit(seq, WorkItem(_prompt(context, 100 + i), sampler=Sampler(cfg)))
         seqs.append(seq)
@@ -148,7 +149,8 @@ def hf_prefill(llm: torch.nn.Module, prompt_len: int, iters: int, device: torch.
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Thinker engine benchmark — {result['device_name']}, {result['dtype']}, "
-        f"context {result['context_len']} tokens, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}",
+        f"context {result['context_len']} tokens, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, "
+        f"torch.compile {'on' if result.get('compiled_layers') else 'off'}",
         "",
         "| batch | engine ms/step | engine tok/s per stream | engine tok/s total | transformers ms/step "
         "| speed-up | roofline ms/step | % of roofline |",
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-decode-steps", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer blocks")
     ap.add_argument("--kv-budget-gb", type=float, default=None)
     ap.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth for the roofline (GB/s)")
     ap.add_argument("--json-out", default=None)
@@ -219,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             max_step_tokens=max(512, args.prompt_len, args.context_len),
             kv_budget_bytes=budget,
             use_cuda_graphs=not args.no_cuda_graphs,
+            compile_layers=args.compile,
         ),
         device,
     )
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "cuda_graphs": engine.runner.use_cuda_graphs,
+        "compiled_layers": args.compile,
         "context_len": args.context_len,
         "decode_steps": args.decode_steps,
         "weight_bytes_per_step": weights,
