@@ -8,9 +8,10 @@
   ``~/.cache/minicpmo``), so a newcomer sees the whole pipeline answer on a laptop.
 * Without ``--deploy-config`` it uses the 1-GPU profile when CUDA is available, else the CPU profile.
 * Every stage replica is a child process ``python -m services.<stage> --checkpoint DIR --device D
-  --port P``. A replica placed on ``cuda:N`` runs with ``CUDA_VISIBLE_DEVICES=N`` and ``--device cuda:0``,
-  so it sees exactly its own GPU; CPU replicas run with ``CUDA_VISIBLE_DEVICES=""``. Each child also gets
-  its resolved profile section in ``MINICPMO_STAGE_SETTINGS`` (memory share, max sequences, dtype).
+  --port P`` plus the profile's engine knobs (:func:`stage_flags`). A replica placed on ``cuda:N`` runs
+  with ``CUDA_VISIBLE_DEVICES=N`` and ``--device cuda:0``, so it sees exactly its own GPU; CPU replicas
+  run with ``CUDA_VISIBLE_DEVICES=""``. Each child also gets its resolved profile section in
+  ``MINICPMO_STAGE_SETTINGS`` (memory share, max sequences, dtype).
 * The gateway child gets every replica's address (``ip:port`` lists, balanced round-robin) and the
   resolved profile (overrides applied) as a YAML file.
 * It waits until every stage answers its gRPC health check and the gateway's ``/health`` is 200, prints
@@ -44,6 +45,7 @@ from services.common.deploy_profile import (
     STAGES,
     DeployProfile,
     ProfileError,
+    StageProfile,
     load_profile,
     parse_overrides,
 )
@@ -72,6 +74,18 @@ def _device_env(device: str) -> tuple[str, dict[str, str]]:
     return "cuda", {}  # bare "cuda": whatever GPUs the launcher itself sees
 
 
+def stage_flags(sp: StageProfile) -> list[str]:
+    """The profile's engine knobs as each stage CLI spells them (checked against --help by the tests)."""
+    if sp.name == "thinker":
+        flags = ["--dtype", sp.dtype, "--max-num-seqs", str(sp.max_num_seqs)]
+        if sp.max_model_len:
+            flags += ["--max-context", str(sp.max_model_len)]
+        return flags
+    if sp.name == "talker":
+        return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs)]
+    return ["--max-batch", str(sp.max_num_seqs)]  # code2wav: windows vocoded per engine step
+
+
 def plan_children(
     profile: DeployProfile,
     checkpoint: str | os.PathLike[str],
@@ -98,6 +112,7 @@ def plan_children(
                 "--device", dev_arg,
                 "--host", host,
                 "--port", str(ports[index]),
+                *stage_flags(sp),
             ]
             children.append(ChildSpec(f"{stage}-{index}", stage, argv, env, ports[index], device))
             addrs.setdefault(stage, []).append(f"{host}:{ports[index]}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from gateway.launcher import build_parser, pick_free_stage_ports, plan_children
 from services.common.deploy_profile import STAGE_SETTINGS_ENV, load_profile
 
@@ -30,6 +32,8 @@ def test_2gpu_profile_places_each_stage_on_its_gpu() -> None:
         assert _arg(child.argv, "--checkpoint") == "/ckpt"
         assert _arg(child.argv, "--port") == str(profile.stage(stage).port)
         assert f'"name": "{stage}"' in child.env[STAGE_SETTINGS_ENV]
+    assert _arg(by_name["thinker-0"].argv, "--max-num-seqs") == "8"
+    assert _arg(by_name["talker-0"].argv, "--dtype") == "bfloat16"
     gw = by_name["gateway"]
     assert gw.argv[:3] == ["py", "-m", "gateway"]
     assert _arg(gw.argv, "--thinker-addr") == "127.0.0.1:50051"
@@ -73,3 +77,17 @@ def test_cli_flags() -> None:
         ["--deploy-config", "cpu", "--stage-overrides", "{}", "--device", "cpu", "--port", "8100"]
     )
     assert (args.deploy_config, args.device, args.port) == ("cpu", "cpu", 8100)
+
+
+@pytest.mark.slow  # imports every stage's server module (torch) in a subprocess
+def test_planned_flags_exist_in_every_stage_cli() -> None:
+    """Each flag the launcher passes is one the stage CLI accepts (guards against renamed flags)."""
+    import subprocess
+    import sys
+
+    children = plan_children(load_profile("minicpmo_4_5"), "/ckpt", "/p.yaml", 8099, python=sys.executable)
+    for child in children:
+        helptext = subprocess.run(child.argv[:3] + ["--help"], capture_output=True, text=True, timeout=120).stdout
+        flags = [a for a in child.argv[3:] if a.startswith("--")]
+        missing = [f for f in flags if f not in helptext]
+        assert not missing, f"{child.name}: flags {missing} not in `{' '.join(child.argv[1:3])} --help`"
