@@ -348,7 +348,7 @@ class GrpcDuplexPipeline:
 
     async def _talker_pump(self, turn: _SpeechTurn) -> None:
         last_sent = False
-        seq = 1
+        seq = 0  # code2wav numbers windows from 0 (the open message is not counted)
         try:
             async for resp in turn.talker.responses():
                 kind = resp.WhichOneof("kind")

@@ -1,0 +1,339 @@
+"""End-to-end realtime tests: the gateway (uvicorn on loopback) in front of REAL thinker, talker and code2wav
+stage servers on the tiny checkpoint. Nothing is faked: every response here was decided by the thinker's
+duplex policy, voiced by the talker and vocalised by code2wav.
+
+The random-weight model would mostly listen in the native lane, so responses are forced through the turn
+lane (append, commit, ``response.create``), where the thinker must speak on the requested unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import wave
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from realtime_helpers import pcm16_b64, session_body, tone
+from realtime_invariants import check_response_invariants
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("thinker", "talker", "code2wav")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stage_addrs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    from gateway.stage_clients import StageSet
+
+    logs = tmp_path_factory.mktemp("stage_logs")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+    addrs: dict[str, str] = {}
+    for stage in STAGES:
+        port, metrics = _free_port(), _free_port()
+        addrs[stage] = f"127.0.0.1:{port}"
+        log = (logs / f"{stage}.log").open("wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", f"services.{stage}", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
+             "--port", str(port), "--metrics-port", str(metrics)],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        ))
+
+    async def healthy() -> bool:
+        stages = StageSet(addrs)
+        try:
+            return all(ok for ok, _ in (await stages.health()).values())
+        finally:
+            await stages.close()
+
+    deadline = time.time() + 600
+    try:
+        while not asyncio.run(healthy()):
+            dead = [p for p in procs if p.poll() is not None]
+            if dead or time.time() > deadline:
+                text = "\n".join((logs / f"{s}.log").read_text(errors="replace")[-2000:] for s in STAGES)
+                pytest.fail(f"stage servers did not become healthy:\n{text}")
+            time.sleep(1.0)
+        yield addrs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def gateway_url(stage_addrs: dict[str, str]) -> Iterator[str]:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    app = create_app(GatewayConfig(stage_addrs=stage_addrs))
+    settings = app.state.realtime_settings
+    settings.seed = 0
+    settings.max_response_units = 3
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield f"ws://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(30)
+
+
+class Conn:
+    """A synchronous WebSocket client that records every event it receives."""
+
+    def __init__(self, url: str) -> None:
+        from websockets.sync.client import connect
+
+        self.ws = connect(url, max_size=None, open_timeout=30)
+        self.events: list[dict[str, Any]] = []
+
+    def send(self, event: dict[str, Any]) -> None:
+        self.ws.send(json.dumps(event))
+
+    def recv(self, timeout: float = 300.0) -> dict[str, Any]:
+        event = json.loads(self.ws.recv(timeout=timeout))
+        self.events.append(event)
+        return event
+
+    def until(self, type_: str, timeout: float = 300.0) -> dict[str, Any]:
+        end = time.time() + timeout
+        while True:
+            event = self.recv(max(0.1, end - time.time()))
+            if event["type"] == type_:
+                return event
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+def _open(conn: Conn, **overrides: Any) -> dict[str, Any]:
+    conn.send({"type": "session.update", "session": session_body(**overrides)})
+    created = conn.until("session.created", 60)
+    conn.until("session.updated", 60)
+    return created
+
+
+def _commit_speech(conn: Conn, seconds: float = 1.5) -> None:
+    conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(seconds))})
+    conn.send({"type": "input_audio_buffer.commit"})
+    conn.until("conversation.item.done", 60)
+
+
+def test_turn_lane_spoken_response(gateway_url: str) -> None:
+    conn = Conn(f"{gateway_url}/v1/realtime?duplex=1")
+    try:
+        _open(conn)
+        _commit_speech(conn)
+        conn.send({"type": "response.create"})
+        conn.until("rate_limits.updated")
+        summary = check_response_invariants(conn.events)
+        (rid, info), = summary.items()
+        assert info["status"] == "completed"
+        assert info["audio_deltas"] >= 1 and info["audio_bytes"] > 0
+        # playback truth and history
+        conn.send({"type": "playback.ack", "response_id": rid, "played_ms": 400})
+        ack = conn.until("playback.acknowledged", 30)
+        assert ack["event"]["item_id"] == "item_" + rid
+        conn.send({"type": "conversation.item.retrieve", "item_id": "item_" + rid})
+        item = conn.until("conversation.item.retrieved", 30)["item"]
+        assert item["content"][0]["transcript"] == info["transcript"]
+        conn.send({"type": "session.close"})
+        closed = conn.until("session.closed", 30)
+        assert closed["reason"] == "client_close"
+        assert conn.events[-1]["type"] == "session.closed"
+    finally:
+        conn.close()
+
+
+def test_barge_in_across_stages(gateway_url: str) -> None:
+    """B2: after barge_in no audio of the cancelled response arrives; every stage acks the new epoch."""
+    conn = Conn(f"{gateway_url}/v1/duplex")
+    try:
+        _open(conn, extra_body={"max_response_units": 40})
+        _commit_speech(conn)
+        conn.send({"type": "response.create"})
+        first_audio = conn.until("response.output_audio.delta")
+        rid = first_audio["response_id"]
+        conn.send({"type": "barge_in"})
+        end = time.time() + 120
+        stages_acked: dict[str, dict[str, Any]] = {}
+        done_seen = False
+        while time.time() < end and not (done_seen and len(stages_acked) == 3):
+            event = conn.recv(max(0.1, end - time.time()))
+            if event["type"] == "response.done" and event["response_id"] == rid:
+                done_seen = True
+            if event["type"] == "duplex.stage_interrupt_ack":
+                stages_acked[event["event"]["stage"]] = event["event"]
+        assert done_seen
+        assert set(stages_acked) == set(STAGES), stages_acked
+        assert all(a["epoch"] == 1 for a in stages_acked.values())
+        # the stages report the old epoch's work dropped: the thinker had units queued or running
+        assert sum(a["dropped_items"] for a in stages_acked.values()) >= 1
+        # let any straggler arrive, then prove none of it belongs to the cancelled response
+        conn.send({"type": "session.heartbeat"})
+        conn.until("session.heartbeat_ack", 60)
+        time.sleep(2.0)
+        conn.send({"type": "session.heartbeat"})
+        conn.until("session.heartbeat_ack", 60)
+        summary = check_response_invariants(conn.events)
+        info = summary[rid]
+        assert info["status"] == "cancelled" and info["reason"] == "barge_in"
+        md = info["done"]["response"]["metadata"]
+        assert md["epoch"] == 1 and md["cancelled_epoch"] == 0
+        # the session keeps working at the new epoch
+        _commit_speech(conn)
+        conn.send({"type": "response.create"})
+        created = conn.until("response.created")
+        assert created["response"]["metadata"]["epoch"] == 1
+        conn.until("rate_limits.updated")
+        summary = check_response_invariants(conn.events)
+        assert summary[created["response_id"]]["status"] == "completed"
+        assert summary[created["response_id"]]["audio_bytes"] > 0
+    finally:
+        conn.close()
+
+
+def test_demo_client_end_to_end(gateway_url: str, tmp_path: Path) -> None:
+    wav = tmp_path / "in.wav"
+    ref = tmp_path / "ref.wav"
+    for path, x in ((wav, tone(2.2)), (ref, tone(1.0, freq=180.0))):
+        with wave.open(str(path), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(16000)
+            w.writeframes((x * 32767).astype("<i2").tobytes())
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "realtime_duplex_demo.py"), "--url", f"{gateway_url}/v1/realtime",
+         "--input-wav", str(wav), "--ref-audio", str(ref), "--output-dir", str(out), "--turn-lane",
+         "--no-realtime", "--require-audio", "--timeout", "300"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["ok"] and result["session_closed"] and not result["errors"]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    summary = check_response_invariants([{k: v for k, v in e.items() if k != "t"} for e in events])
+    assert len(summary) == 1
+    with wave.open(str(out / "reply.wav")) as w:
+        assert w.getframerate() == 24000 and w.getnframes() * 1000 // 24000 == result["reply_audio_ms"] > 0
+
+
+def _load_vllm_omni_duplex_client(tmp_path: Path) -> Any:
+    """Import ``vllm_omni/clients/duplex.py`` unmodified from the vllm-omni 0.30.0 wheel."""
+    wheel = os.environ.get("VLLM_OMNI_WHEEL")
+    if not wheel:
+        dl = tmp_path / "wheel"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "vllm-omni==0.30.0", "--no-deps", "-d", str(dl)],
+            capture_output=True, text=True, timeout=600,
+        )
+        found = list(dl.glob("vllm_omni-0.30.0-*.whl"))
+        if proc.returncode != 0 or not found:
+            pytest.skip(f"vllm-omni 0.30.0 wheel not available: {proc.stderr[-300:]}")
+        wheel = str(found[0])
+    root = tmp_path / "pkgs"
+    with zipfile.ZipFile(wheel) as zf:
+        for name in ("vllm_omni/clients/duplex.py", "vllm_omni/clients/utils.py", "vllm_omni/clients/minicpmo_4_5.py"):
+            zf.extract(name, root)
+    for pkg in ("vllm_omni", "vllm_omni/clients"):
+        (root / pkg / "__init__.py").write_text("")  # only the client modules, none of the server code
+    try:
+        import pybase64  # noqa: F401
+    except ImportError:
+        # The client imports pybase64 (a faster drop-in of base64); the stdlib module has the same API.
+        (root / "pybase64.py").write_text("from base64 import b64decode, b64encode  # noqa: F401\n")
+    sys.path.insert(0, str(root))
+    import vllm_omni.clients.duplex as duplex
+    import vllm_omni.clients.minicpmo_4_5 as preset
+
+    return duplex, preset
+
+
+def test_vllm_omni_duplex_client(gateway_url: str, tmp_path: Path) -> None:
+    duplex, preset = _load_vllm_omni_duplex_client(tmp_path)
+    from realtime_helpers import wav_data_uri
+
+    async def run() -> tuple[list[Any], list[str]]:
+        config = preset.create_duplex_session_config(
+            ref_audio=wav_data_uri(tone(1.0, freq=180.0)), auto_response=False
+        )
+        handles: list[Any] = []
+        audio: list[bytes] = []
+        async with duplex.DuplexClient(gateway_url, model="openbmb/MiniCPM-o-4_5", config=config) as client:
+            assert client.session_id and client.session_id.startswith("duplex-")
+            pcm = (tone(1.5) * 32767).astype("<i2").tobytes()
+            await client.stream_pcm(pcm, chunk_ms=200, realtime=False)
+            await client.commit(create_response=True)
+            async for handle in client.responses():
+                handles.append(handle)
+                async for chunk in handle.audio():
+                    audio.append(chunk)
+                await handle.wait(timeout_s=300)
+                break
+        return handles, [base64.b64encode(a).decode() for a in audio]
+
+    handles, audio = asyncio.run(run())
+    assert len(handles) == 1 and handles[0].decision == "speak"
+    assert handles[0].done_event is not None
+    assert sum(len(base64.b64decode(a)) for a in audio) > 0
+
+
+def test_stock_openai_realtime_client_turn_lane(gateway_url: str) -> None:
+    """The official ``openai`` SDK's realtime connection converses in the turn lane, unmodified."""
+    openai = pytest.importorskip("openai")
+    from realtime_helpers import wav_data_uri
+
+    client = openai.OpenAI(api_key="unused", base_url=gateway_url.replace("ws://", "http://") + "/v1",
+                           websocket_base_url=gateway_url + "/v1")
+    realtime = getattr(client, "realtime", None) or client.beta.realtime
+    with realtime.connect(model="openbmb/MiniCPM-o-4_5", extra_query={"autostart": "0"}) as conn:
+        conn.send({"type": "session.update", "session": {"modalities": ["audio", "text"],
+                                                         "ref_audio": wav_data_uri(tone(1.0, freq=180.0))}})
+        types: list[str] = []
+        events: list[dict[str, Any]] = []
+        deadline = time.time() + 300
+        sent = False
+        for event in conn:
+            data = event.model_dump() if hasattr(event, "model_dump") else dict(event)
+            events.append(data)
+            types.append(data["type"])
+            if data["type"] == "session.updated" and not sent:
+                sent = True
+                conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.2))})
+                conn.send({"type": "input_audio_buffer.commit"})
+                conn.send({"type": "response.create"})
+            if data["type"] == "response.done" or time.time() > deadline:
+                break
+        assert "session.created" in types and "response.created" in types
+        assert types.count("response.output_audio.delta") >= 1
+        assert events[-1]["type"] == "response.done" and events[-1]["response"]["status"] == "completed"
