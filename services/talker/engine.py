@@ -107,11 +107,13 @@ class TalkerEngine:
         max_streams: int = 16,
         max_prefills_per_step: int = 4,
         use_cuda_graphs: bool | None = None,
+        streaming_max_samples_per_chunk: int = STREAMING_MAX_SAMPLES_PER_CHUNK,
     ) -> None:
         self.model = model
         self.cfg = model.cfg
         self.runner = TalkerRunner(model, num_slots=max_streams, use_cuda_graphs=use_cuda_graphs)
         self.max_prefills_per_step = max_prefills_per_step
+        self.streaming_chunk_cap = streaming_max_samples_per_chunk
         self.eos = self.cfg.eos_id
         self._inbox: queue.Queue[_Command] = queue.Queue()
         self._wake = threading.Event()
@@ -444,7 +446,7 @@ class TalkerEngine:
         recompute = False
         if st.form is TurnForm.STREAMING and st.turn_segments > 0:
             recompute = self.cfg.attention_type == "sliding_recompute"
-            headroom = STREAMING_MAX_SAMPLES_PER_CHUNK
+            headroom = self.streaming_chunk_cap
             recompute = recompute or used + rows.shape[0] + headroom > context
         elif st.form is TurnForm.DUPLEX and st.turn_segments > 0:
             assert budget is not None
@@ -531,7 +533,7 @@ class TalkerEngine:
             if st.turn_frames >= s.max_new_frames:
                 self._finish_turn(st, "length")
                 return
-            if st.seg_t >= STREAMING_MAX_SAMPLES_PER_CHUNK or cache_full:
+            if st.seg_t >= self.streaming_chunk_cap or cache_full:
                 self._end_segment(st)  # the last frame stays unfed, as upstream's 500-sample cap leaves it
                 return
         st.pending_code = code
