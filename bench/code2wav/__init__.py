@@ -1,0 +1,1 @@
+"""Code2Wav benchmark (``python -m bench.code2wav``)."""
