@@ -224,22 +224,29 @@ class StageStream:
 
     async def _retrying(self, op: Any) -> Any:
         """Run ``op(call)``; on a retryable failure reopen + replay, then report whether a retry happened."""
-        while True:
-            try:
-                return await op(self._call), False
-            except grpc.aio.AioRpcError as err:
-                if not self._can_retry(err):
-                    raise self._failure(err) from err
-                log.warning("%s stream unavailable before first output (%s); retrying once", self.stage, err.details())
-                try:
-                    await self._reopen()
-                    return None, True
-                except grpc.aio.AioRpcError as err2:
-                    raise self._failure(err2) from err2
-            except asyncio.InvalidStateError as err:
-                raise StageFailure(
-                    self.stage, 502, f"{self.stage} stream closed while sending", "stage_closed", "BadGatewayError"
-                ) from err
+        try:
+            return await op(self._call), False
+        except grpc.aio.AioRpcError as err:
+            failure = err
+        except asyncio.InvalidStateError:
+            # Writing to a call that already ended: its final status says why (e.g. UNAVAILABLE).
+            failure = await self._terminal_error()
+        if not self._can_retry(failure):
+            raise self._failure(failure) from failure
+        log.warning("%s stream unavailable before first output (%s); retrying once", self.stage, failure.details())
+        try:
+            await self._reopen()
+        except grpc.aio.AioRpcError as err2:
+            raise self._failure(err2) from err2
+        except asyncio.InvalidStateError:
+            err3 = await self._terminal_error()
+            raise self._failure(err3) from err3
+        return None, True
+
+    async def _terminal_error(self) -> grpc.aio.AioRpcError:
+        code = await self._call.code()
+        details = await self._call.details()
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
     def _failure(self, err: grpc.aio.AioRpcError) -> StageFailure:
         return StageFailure.from_rpc_error(self.stage, self.client.target, err)

@@ -157,7 +157,7 @@ def test_openai_sdk_streaming_and_media(gateway: ThreadedGateway, media_root) ->
 def test_client_disconnect_cancels_every_stage(gateway: ThreadedGateway, fakes: FakeStages) -> None:
     fakes.thinker.tokens = 200
     fakes.thinker.token_delay_s = 0.05
-    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=_chat("hi", stream=True), timeout=30) as r:
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=_chat("hi", stream=True, max_tokens=200), timeout=30) as r:
         seen_audio = False
         for line in r.iter_lines():
             if '"modality":"audio"' in line:
@@ -189,7 +189,7 @@ def test_concurrency_limit_429(gateway: ThreadedGateway, fakes: FakeStages) -> N
     client = httpx.Client(timeout=30)
     try:
         for _ in range(3):
-            s = client.stream("POST", f"{gateway.url}/v1/chat/completions", json=_chat("hi", stream=True))
+            s = client.stream("POST", f"{gateway.url}/v1/chat/completions", json=_chat("hi", stream=True, max_tokens=200))
             resp = s.__enter__()
             assert resp.status_code == 200
             streams.append(s)
@@ -272,5 +272,45 @@ def test_api_key_and_stage_down() -> None:
             r = httpx.post(url, json=_chat("hi"), headers=auth, timeout=30)
             assert r.status_code == 503
             assert "thinker" in r.json()["error"]["message"]
+    finally:
+        fakes.stop()
+
+
+def test_non_streaming_disconnect_cancels_every_stage(gateway: ThreadedGateway, fakes: FakeStages) -> None:
+    fakes.thinker.tokens = 200
+    fakes.thinker.token_delay_s = 0.05
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat("hi", max_tokens=200), timeout=1.5)
+    assert _wait_idle(fakes) == {"thinker": 0, "talker": 0, "code2wav": 0}
+
+
+def test_ref_audio_reaches_thinker_and_code2wav(gateway: ThreadedGateway, fakes: FakeStages) -> None:
+    ref = data_url(wav_bytes(0.75, rate=22050), "audio/wav")
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat("hi", extra_body={"ref_audio": ref}), timeout=30)
+    assert r.status_code == 200, r.text
+    for stage in ("thinker", "code2wav"):
+        pcm = fakes.logs[stage].opens[-1].ref_audio
+        assert pcm.sample_rate == 22050 and len(pcm.data) == 2 * int(0.75 * 22050), stage
+    bad = httpx.post(f"{gateway.url}/v1/chat/completions",
+                     json=_chat("hi", ref_audio=data_url(b"not audio", "audio/wav")), timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ref_audio"
+
+
+def test_stage_failure_mid_stream_is_an_sse_error_then_done() -> None:
+    fakes = FakeStages()
+    try:
+        fakes.stages["code2wav"].stop()
+        config = GatewayConfig(stage_addrs=fakes.addrs, profile=load_profile("cpu"))
+        with ThreadedGateway(config) as gw:
+            with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=_chat("hi", stream=True), timeout=30) as r:
+                assert r.status_code == 200  # the thinker answered before code2wav was needed
+                lines = [line for line in r.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+            err = json.loads(lines[-2][len("data: "):])["error"]
+            assert err["code"] == 503 and "code2wav" in err["message"]
+            non_stream = httpx.post(f"{gw.url}/v1/chat/completions", json=_chat("hi"), timeout=30)
+            assert non_stream.status_code == 503
+            metrics = httpx.get(f"{gw.url}/metrics").text
+            assert 'minicpmo_gateway_stage_errors_total{code="stage_unavailable",stage="code2wav"}' in metrics
     finally:
         fakes.stop()
