@@ -61,6 +61,7 @@ class EngineConfig:
     block_size: int = 16
     kv_budget_bytes: int | None = None
     use_cuda_graphs: bool = True
+    compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
 
 
 @dataclass
@@ -101,7 +102,9 @@ class ThinkerEngine:
                 self.layout, self.device, self.max_context, min(config.max_num_seqs, 8)
             )
         self.cache = PagedKVCache(self.layout, budget, self.device)
-        self.runner = ModelRunner(llm, self.cache, use_cuda_graphs=config.use_cuda_graphs)
+        self.runner = ModelRunner(
+            llm, self.cache, use_cuda_graphs=config.use_cuda_graphs, compile_layers=config.compile_layers
+        )
         self.scheduler = Scheduler(
             self.cache.pool,
             self.layout,

@@ -93,16 +93,18 @@ class _FusedLayer:
     twice and the transformers module (used by baselines and the fidelity dump) still works unchanged.
     """
 
+    input_norm_weight: torch.Tensor
+    input_eps: float
     qkv_weight: torch.Tensor
     qkv_bias: torch.Tensor | None
     qk_norm_weight: torch.Tensor  # [Hq + Hkv, D]: q_norm rows then k_norm rows
-    gate_up_weight: torch.Tensor
-    input_norm: nn.Module
-    post_norm: nn.Module
-    o_proj: nn.Module
-    down_proj: nn.Module
-    act_fn: nn.Module
     qk_eps: float
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm_weight: torch.Tensor
+    post_eps: float
+    gate_up_weight: torch.Tensor
+    down_weight: torch.Tensor
 
 
 def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -128,6 +130,54 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(dtype)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _pre_attention(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    qk_norm_weight: torch.Tensor,
+    qk_eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    hq: int,
+    hkv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, fused QKV, q/k norms in one pass, rotary over q and k heads: ``(q, k, v)``.
+
+    Plain tensors in, tensors out (no module or dataclass), so one compiled graph serves every layer.
+    """
+    t = x.shape[0]
+    d = qk_norm_weight.shape[-1]
+    qkv = F.linear(_rms_norm(x, norm_weight, norm_eps), qkv_weight, qkv_bias)
+    qk = qkv[:, : (hq + hkv) * d].reshape(t, hq + hkv, d)
+    v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
+    qk = _rotate(_rms_norm(qk, qk_norm_weight, qk_eps), cos, sin)
+    return qk[:, :hq], qk[:, hq:], v
+
+
+def _post_attention(
+    x: torch.Tensor,
+    o: torch.Tensor,
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+) -> torch.Tensor:
+    """Output projection + residual, then the SwiGLU MLP (fused gate|up) + residual."""
+    x = x + F.linear(o, o_weight, o_bias)
+    gate, up = F.linear(_rms_norm(x, norm_weight, norm_eps), gate_up_weight).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_weight)
+
+
 def _next_pow2(n: int, floor: int) -> int:
     p = floor
     while p < n:
@@ -142,7 +192,14 @@ class ModelRunner:
     GRAPH_MIN_CONTEXT = 256
     GRAPH_MAX_CONTEXT = 16384
 
-    def __init__(self, llm: nn.Module, cache: PagedKVCache, *, use_cuda_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        llm: nn.Module,
+        cache: PagedKVCache,
+        *,
+        use_cuda_graphs: bool = True,
+        compile_layers: bool = False,
+    ) -> None:
         self.llm = llm
         self.model = llm.model
         self.cache = cache
@@ -157,6 +214,12 @@ class ModelRunner:
         self.dtype = self.model.embed_tokens.weight.dtype
         self.cos, self.sin = self._rope_tables()
         self.layers = [self._fuse(layer) for layer in self.model.layers]
+        # Optional torch.compile of the two pure per-layer blocks (norms, rotary, SwiGLU fused into a few
+        # kernels around the GEMMs). One compiled function serves every layer (same shapes, other weights).
+        self._pre, self._post = _pre_attention, _post_attention
+        if compile_layers:
+            self._pre = torch.compile(_pre_attention, dynamic=True)
+            self._post = torch.compile(_post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graph_pool = None
@@ -173,17 +236,21 @@ class ModelRunner:
         )
         if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
             raise ValueError("q_norm and k_norm must share one epsilon to be fused")
+        if getattr(layer.mlp.config, "hidden_act", "silu") != "silu":
+            raise ValueError("the thinker runner implements the SwiGLU MLP of Qwen3 (hidden_act silu)")
         return _FusedLayer(
+            input_norm_weight=layer.input_layernorm.weight,
+            input_eps=float(layer.input_layernorm.variance_epsilon),
             qkv_weight=qkv_w,
             qkv_bias=qkv_b,
             qk_norm_weight=qk_norm,
-            gate_up_weight=gate_up_w,
-            input_norm=layer.input_layernorm,
-            post_norm=layer.post_attention_layernorm,
-            o_proj=attn.o_proj,
-            down_proj=mlp.down_proj,
-            act_fn=mlp.act_fn,
             qk_eps=float(attn.q_norm.variance_epsilon),
+            o_weight=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias,
+            post_norm_weight=layer.post_attention_layernorm.weight,
+            post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+            gate_up_weight=gate_up_w,
+            down_weight=mlp.down_proj.weight,
         )
 
     # ------------------------------------------------------------------------------------------ rope
@@ -209,12 +276,6 @@ class ModelRunner:
         scale = float(getattr(rotary, "attention_scaling", 1.0))
         return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
     # --------------------------------------------------------------------------------------- forward
     def _layers_forward(
         self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, plan: _AttnPlan
@@ -225,20 +286,33 @@ class ModelRunner:
         sin = self.sin.index_select(0, positions)[:, None, :]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         for idx, lay in enumerate(self.layers):
-            h = lay.input_norm(x)
-            qkv = F.linear(h, lay.qkv_weight, lay.qkv_bias)
-            qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
-            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-            # q_norm and k_norm in one pass (same epsilon), then one rotary pass over q and k heads.
-            qk = self._rotate(_rms_norm(qk, lay.qk_norm_weight, lay.qk_eps), cos, sin)
-            q, k = qk[:, :hq], qk[:, hq:]
+            q, k, v = self._pre(
+                x,
+                lay.input_norm_weight,
+                lay.input_eps,
+                lay.qkv_weight,
+                lay.qkv_bias,
+                lay.qk_norm_weight,
+                lay.qk_eps,
+                cos,
+                sin,
+                hq,
+                hkv,
+            )
             k_cache, v_cache = self.cache.k[idx], self.cache.v[idx]
             k_cache.index_copy_(0, write_slots, k)
             v_cache.index_copy_(0, write_slots, v)
             o = self._attend(q, k_cache, v_cache, plan)
-            x = x + lay.o_proj(o.reshape(t, hq * d))
-            gate, up = F.linear(lay.post_norm(x), lay.gate_up_weight).chunk(2, dim=-1)
-            x = x + lay.down_proj(lay.act_fn(gate) * up)
+            x = self._post(
+                x,
+                o.reshape(t, hq * d),
+                lay.o_weight,
+                lay.o_bias,
+                lay.post_norm_weight,
+                lay.post_eps,
+                lay.gate_up_weight,
+                lay.down_weight,
+            )
         return self.model.norm(x)
 
     def _attend(

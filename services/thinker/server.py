@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         "--max-step-tokens", type=int, default=512, help="tokens per engine step (prefill chunk budget)"
     )
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer blocks (GPU)")
     ap.add_argument("--log-level", default="INFO")
     add_serve_arguments(ap, STAGE)
     args = ap.parse_args(argv)
@@ -399,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.kv_block_size,
         kv_budget_bytes=args.kv_budget,
         use_cuda_graphs=not args.no_cuda_graphs,
+        compile_layers=args.compile,
     )
     backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
     backend.engine.start()
