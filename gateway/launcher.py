@@ -211,6 +211,18 @@ def _gateway_healthy(port: int) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the launcher dies without cleaning up (e.g. SIGKILL)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 class Supervisor:
     """Starts, watches and stops the children."""
 
@@ -229,7 +241,12 @@ class Supervisor:
         out = None if (self.verbose or path is None) else open(path, "wb")  # noqa: SIM115 - owned by the child
         try:
             self.procs[child.name] = subprocess.Popen(
-                child.argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+                child.argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
             )
         finally:
             if out is not None:

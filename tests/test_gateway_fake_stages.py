@@ -314,3 +314,26 @@ def test_stage_failure_mid_stream_is_an_sse_error_then_done() -> None:
             assert 'minicpmo_gateway_stage_errors_total{code="stage_unavailable",stage="code2wav"}' in metrics
     finally:
         fakes.stop()
+
+
+def test_round_robin_over_replicas_and_openai_audio_delta() -> None:
+    """Two thinker replicas behind one ip-list address both get work; delta.audio mirrors delta.content."""
+    first, second = FakeStages(), FakeStages()
+    try:
+        addrs = dict(first.addrs)
+        addrs["thinker"] = f"{first.addrs['thinker']},{second.addrs['thinker']}"
+        config = GatewayConfig(stage_addrs=addrs, profile=load_profile("cpu"), openai_audio_delta=True)
+        with ThreadedGateway(config) as gw:
+            for _ in range(6):
+                r = httpx.post(f"{gw.url}/v1/chat/completions", json=_chat("hi", modalities=["text"]), timeout=30)
+                assert r.status_code == 200
+            assert len(first.logs["thinker"].opens) >= 1 and len(second.logs["thinker"].opens) >= 1
+            assert len(first.logs["thinker"].opens) + len(second.logs["thinker"].opens) == 6
+            with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=_chat("hi", stream=True), timeout=30) as r:
+                audio = [json.loads(line[6:]) for line in r.iter_lines() if '"modality":"audio"' in line]
+            deltas = [c["choices"][0]["delta"] for c in audio if c["choices"][0]["delta"].get("content")]
+            assert deltas and all(d["audio"]["data"] == d["content"] for d in deltas)
+            assert len({d["audio"]["id"] for d in deltas}) == 1
+    finally:
+        first.stop()
+        second.stop()
