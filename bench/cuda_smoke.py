@@ -1,0 +1,271 @@
+"""CUDA smoke check: CUDA-graphed decode gives the same tokens as eager decode, for the thinker and the talker.
+
+    python -m bench.cuda_smoke --checkpoint DIR [--device cuda] [--tokens 48] [--out-dir DIR]
+
+Each engine is built twice on the same weights, once with ``use_cuda_graphs=True`` (decode steps replay a
+graph captured per batch/context bucket) and once with ``False`` (eager), and runs the same greedy
+requests: batch 1, then 3 concurrent requests (padded to the 4-row graph bucket, so the padding path is
+exercised too) with different prompt lengths.
+
+* thinker: :class:`services.thinker.engine.ThinkerEngine`, greedy, ``ignore_eos``; compared: sampled
+  tokens and the final-norm hidden row of every fed token;
+* talker: :class:`services.talker.engine.TalkerEngine`, greedy codes with the model's repetition penalty,
+  fixed frame count; compared: codes and the fp32 logits of every step.
+
+Verdict per request: ``identical`` (same tokens), ``near-tie`` (the first differing token is one where the
+eager top-2 logit margin is below ``--tie-margin`` and everything before it agreed within tolerance -
+random weights make such ties common) or ``MISMATCH``. Any MISMATCH, or hidden/logit differences above
+tolerance before the first differing token, exits 1. Without CUDA it prints ``skipped: no CUDA`` and exits
+0 (``--allow-cpu`` runs both variants on CPU, where graphs are inactive, to test the harness itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Comparison:
+    stage: str
+    batch: int
+    request: int
+    tokens: int
+    verdict: str  # identical | near-tie | MISMATCH
+    first_diff: int | None = None
+    margin_at_diff: float | None = None
+    max_abs_diff_before: float = 0.0  # hidden rows (thinker) or logits (talker) on the shared prefix
+    max_rel_diff_before: float = 0.0
+    compared_rows: int = 0
+    detail: str = ""
+
+
+@dataclass
+class Run:
+    tokens: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)  # per step: hidden row (thinker) / logits (talker)
+
+
+def compare(stage: str, batch: int, request: int, eager: Run, graph: Run,
+            margins: list[float], tie_margin: float, rel_tol: float) -> Comparison:
+    """``margins[k]`` = eager top-2 margin of the logits that chose token k (nan when unknown)."""
+    n = min(len(eager.tokens), len(graph.tokens))
+    first = next((k for k in range(n) if eager.tokens[k] != graph.tokens[k]), None)
+    if first is None and len(eager.tokens) != len(graph.tokens):
+        first = n
+    upto = first if first is not None else n
+    max_abs = max_rel = 0.0
+    pairs = list(zip(eager.rows[:upto], graph.rows[:upto], strict=False))
+    for a, b in pairs:
+        d = (a.float() - b.float()).abs().max().item()
+        scale = max(a.float().abs().max().item(), 1e-6)
+        max_abs, max_rel = max(max_abs, d), max(max_rel, d / scale)
+    c = Comparison(stage, batch, request, len(eager.tokens), "identical", first, None, max_abs, max_rel, len(pairs))
+    if first is not None:
+        margin = margins[first] if first < len(margins) else float("nan")
+        c.margin_at_diff = margin
+        near_tie = margin == margin and margin < tie_margin  # nan (unknown margin) is never a tie
+        c.verdict = "near-tie" if near_tie and max_rel <= rel_tol else "MISMATCH"
+        c.detail = f"eager {eager.tokens[first:first + 3]} vs graph {graph.tokens[first:first + 3]} at step {first}"
+    elif max_rel > rel_tol:
+        c.verdict = "MISMATCH"
+        c.detail = f"same tokens but max relative difference {max_rel:.3g} > {rel_tol}"
+    return c
+
+
+def _margin(logits: torch.Tensor) -> float:
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+# ---- thinker -------------------------------------------------------------------------------------
+def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, prompts: list[list[int]],
+                 tokens: int, kv_bytes: int) -> list[Run]:
+    from services.thinker.engine import EngineConfig, ThinkerEngine
+    from services.thinker.sampling import Sampler, SamplingConfig
+    from services.thinker.scheduler import WorkItem
+
+    engine = ThinkerEngine(llm, EngineConfig(max_num_seqs=8, kv_budget_bytes=kv_bytes, use_cuda_graphs=graphs),
+                           device)
+    runs = [Run() for _ in prompts]
+    for run, prompt in zip(runs, prompts, strict=True):
+        def sink(ev: Any, run: Run = run) -> None:
+            if ev.error is not None:
+                raise RuntimeError(f"thinker engine error: {ev.error}")
+            if ev.hidden is not None:
+                run.rows.append(ev.hidden.detach().to("cpu", torch.float32))
+            if ev.token is not None:
+                run.tokens.append(int(ev.token))
+
+        cfg = SamplingConfig(max_tokens=tokens, ignore_eos=True, stop_token_ids=())
+        seq = engine.open(sink)
+        engine.submit(seq, WorkItem(prompt, sampler=Sampler(cfg), emit_hidden=True))
+    engine.run_until_idle()
+    active = engine.runner.use_cuda_graphs
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if graphs and device.type == "cuda" and not active:
+        raise RuntimeError("thinker engine did not enable CUDA graphs")
+    return runs
+
+
+def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Comparison]:
+    from services.common.checkpoint import Checkpoint
+    from services.thinker.runner import build_qwen3_llm
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ckpt = Checkpoint(args.checkpoint)
+    t0 = time.perf_counter()
+    llm = build_qwen3_llm(ckpt.config, ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=dtype,
+                                                          device=device), dtype, str(device))
+    print(f"[cuda_smoke] thinker LLM loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    gen = torch.Generator().manual_seed(1)
+    vocab = int(ckpt.config.get("vocab_size", 151_000))
+    out: list[Comparison] = []
+    for batch, lengths in ((1, [64]), (3, [64, 97, 33])):
+        prompts = [torch.randint(1000, min(vocab, 100_000), (n,), generator=gen).tolist() for n in lengths]
+        eager = thinker_runs(llm, device, False, prompts, args.tokens, args.kv_bytes)
+        graph = thinker_runs(llm, device, True, prompts, args.tokens, args.kv_bytes)
+        for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
+            # Row k is the hidden of token k fed back; it chose token k+1. Token 0 came from the prefill.
+            with torch.inference_mode():
+                margins = [float("nan")] + [
+                    _margin(llm.lm_head(r.to(device, dtype))) for r in e.rows[: len(e.tokens) - 1]
+                ]
+            c = compare("thinker", batch, i, e, g, margins, args.tie_margin, args.rel_tol)
+            out.append(c)
+            print(f"[cuda_smoke] thinker batch {batch} request {i}: {c.verdict} ({c.tokens} tokens, "
+                  f"max rel diff {c.max_rel_diff_before:.2e} over {c.compared_rows} rows) {c.detail}", flush=True)
+    del llm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---- talker --------------------------------------------------------------------------------------
+def talker_runs(model: Any, graphs: bool, conds: list[tuple[torch.Tensor, torch.Tensor]],
+                frames: int) -> list[Run]:
+    from services.talker.engine import TalkerEngine
+    from services.talker.streams import ConditionInput, DoneOut, ErrorOut, WindowOut
+
+    engine = TalkerEngine(model, max_streams=8, use_cuda_graphs=graphs)
+    if graphs and model.device.type == "cuda" and not engine.runner.use_cuda_graphs:
+        raise RuntimeError("talker engine did not enable CUDA graphs")
+    runs = [Run() for _ in conds]
+    by_stream: dict[int, Run] = {}
+
+    def observe(st: Any, logits: torch.Tensor) -> None:
+        by_stream[id(st)].rows.append(logits.detach().to("cpu", torch.float32))
+
+    engine.logits_observer = observe
+    for k, ((ids, hidden), run) in enumerate(zip(conds, runs, strict=True)):
+        def emit(out: Any, run: Run = run, k: int = k) -> None:
+            if isinstance(out, ErrorOut):
+                raise RuntimeError(f"talker engine error: {out.error}")
+            if isinstance(out, WindowOut):
+                run.tokens.extend(out.window.codes[out.window.left_context:])
+            if isinstance(out, DoneOut) and out.frames != frames:
+                raise RuntimeError(f"talker stream {k} finished with {out.frames} frames, wanted {frames}")
+
+        settings = engine.make_settings(sampling=engine.default_sampling(greedy=True), fixed_frames=frames)
+        st = engine.open(settings, emit)
+        by_stream[id(st)] = run
+        engine.chunk(st, ConditionInput(ids, hidden, True, False, 0, 0, 0))
+    engine.run_until_idle()
+    del engine
+    return runs
+
+
+def check_talker(args: argparse.Namespace, device: torch.device) -> list[Comparison]:
+    from services.common.checkpoint import Checkpoint
+    from services.talker.model.tts import MiniCPMTTS
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = MiniCPMTTS.from_checkpoint(Checkpoint(args.checkpoint), dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(2)
+    out: list[Comparison] = []
+    for batch, lengths in ((1, [40]), (3, [40, 17, 64])):
+        conds = [(torch.randint(0, 151_000, (n,), generator=gen), torch.randn(n, model.cfg.llm_dim, generator=gen))
+                 for n in lengths]
+        eager = talker_runs(model, False, conds, args.frames)
+        graph = talker_runs(model, True, conds, args.frames)
+        for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
+            margins = [_margin(r) for r in e.rows]
+            c = compare("talker", batch, i, e, g, margins, args.tie_margin, args.rel_tol)
+            out.append(c)
+            print(f"[cuda_smoke] talker batch {batch} request {i}: {c.verdict} ({c.tokens} frames, "
+                  f"max rel diff {c.max_rel_diff_before:.2e} over {c.compared_rows} logit rows) {c.detail}", flush=True)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.cuda_smoke", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--stages", default="thinker,talker")
+    p.add_argument("--tokens", type=int, default=48, help="thinker tokens per request")
+    p.add_argument("--frames", type=int, default=60, help="talker frames per stream")
+    p.add_argument("--kv-gb", type=float, default=2.0, help="thinker KV budget per engine")
+    p.add_argument("--tie-margin", type=float, default=0.05, help="top-2 logit margin counted as a tie")
+    p.add_argument("--rel-tol", type=float, default=0.05,
+                   help="max |graph - eager| / max |eager| on the shared prefix (bf16 kernels may differ)")
+    p.add_argument("--allow-cpu", action="store_true", help="run on CPU (graphs inactive) to test the harness")
+    p.add_argument("--out-dir", default=None, help="default: $OUT/cuda_smoke or ./bench-results/cuda_smoke")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.kv_bytes = int(args.kv_gb * 2**30)
+    device = torch.device(args.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        if not args.allow_cpu:
+            print("[cuda_smoke] skipped: no CUDA", flush=True)
+            return 0
+        device = torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    out_dir = Path(args.out_dir or Path(os.environ.get("OUT", "bench-results")) / "cuda_smoke")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    results: list[Comparison] = []
+    if "thinker" in stages:
+        results += check_thinker(args, device)
+    if "talker" in stages:
+        results += check_talker(args, device)
+    failed = [c for c in results if c.verdict == "MISMATCH"]
+    report = {
+        "bench": "cuda_smoke",
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "cuda_graphs_active": device.type == "cuda",
+        "tie_margin": args.tie_margin,
+        "rel_tol": args.rel_tol,
+        "status": "fail" if failed else "pass",
+        "comparisons": [asdict(c) for c in results],
+    }
+    (out_dir / "cuda_smoke.json").write_text(json.dumps(report, indent=2))
+    lines = ["| stage | batch | request | tokens | verdict | first diff | margin | max rel diff before |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in results:
+        margin = "—" if c.margin_at_diff is None else f"{c.margin_at_diff:.3g}"
+        lines.append(f"| {c.stage} | {c.batch} | {c.request} | {c.tokens} | {c.verdict} | "
+                     f"{'—' if c.first_diff is None else c.first_diff} | {margin} | {c.max_rel_diff_before:.2e} |")
+    (out_dir / "cuda_smoke.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    print(f"[cuda_smoke] {report['status']}: {len(results) - len(failed)}/{len(results)} requests agree "
+          f"(device {report['device_name']})", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""CUDA smoke harness: the comparison rules, the CPU skip, and a CPU dry run of both engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.cuda_smoke import Run, compare
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(tokens: list[int], scale: float = 1.0) -> Run:
+    return Run(tokens=list(tokens), rows=[torch.full((4,), float(t) * scale) for t in tokens])
+
+
+def test_compare_identical_near_tie_and_mismatch() -> None:
+    margins = [1.0, 1.0, 0.01, 1.0]
+    same = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4]), margins, 0.05, 0.05)
+    assert same.verdict == "identical" and same.first_diff is None and same.compared_rows == 4
+    tie = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 9, 9]), margins, 0.05, 0.05)
+    assert tie.verdict == "near-tie" and tie.first_diff == 2 and tie.margin_at_diff == 0.01
+    wrong = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 7, 3, 4]), margins, 0.05, 0.05)
+    assert wrong.verdict == "MISMATCH" and wrong.first_diff == 1
+    drift = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4], scale=1.5), margins, 0.05, 0.05)
+    assert drift.verdict == "MISMATCH" and drift.max_rel_diff_before > 0.05
+    short = compare("thinker", 1, 0, _run([1, 2, 3]), _run([1, 2]), [float("nan")] * 3, 0.05, 0.05)
+    assert short.verdict == "MISMATCH" and short.first_diff == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+def test_skips_without_cuda(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.cuda_smoke", "--checkpoint", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "skipped: no CUDA" in proc.stdout
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_of_both_engines(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "smoke"
+    cmd = [sys.executable, "-m", "bench.cuda_smoke", "--checkpoint", str(tiny_ckpt), "--allow-cpu",
+           "--device", "cpu", "--tokens", "8", "--frames", "12", "--out-dir", str(out)]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "cuda_smoke.json").read_text())
+    assert report["status"] == "pass" and len(report["comparisons"]) == 8
+    for c in report["comparisons"]:
+        assert c["verdict"] == "identical"
+        assert c["tokens"] == (8 if c["stage"] == "thinker" else 12)
+        assert c["compared_rows"] >= c["tokens"] - 1
