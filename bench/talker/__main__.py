@@ -57,6 +57,7 @@ def run_engine(engine: TalkerEngine, conds: list[tuple[torch.Tensor, torch.Tenso
         settings = engine.make_settings(sampling=engine.default_sampling(seed=k), fixed_frames=frames)
         st = engine.open(settings, done.append)
         engine.chunk(st, ConditionInput(ids, hidden, True, False, 0, 0, 0))
+        engine.end(st)  # one turn per stream: the engine drops it after its Done
     engine.run_until_idle()
     _sync(engine.runner.device)
     wall = time.perf_counter() - t0

@@ -69,6 +69,7 @@ def run_dump(
     )
     st = engine.open(settings, outputs.append)
     engine.chunk(st, ConditionInput(token_ids, hidden, True, False, 0, 0, 0))
+    engine.end(st)
     engine.run_until_idle()
     codes: list[int] = []
     for out in outputs:
