@@ -40,6 +40,7 @@ _STAGE_ERROR_CODES = {
     common_pb2.ERROR_CODE_UNAVAILABLE: "stage_unavailable",
 }
 _ACK_WAIT_S = 5.0
+_CLOSE_WAIT_S = 2.0
 
 
 # ------------------------------------------------------------------------------------------ events
@@ -188,19 +189,23 @@ class GrpcDuplexPipeline:
             asyncio.create_task(self._interrupt_turn(turn, new_epoch, reason))
 
     async def close(self) -> None:
+        """Abort every stage stream of the session (which frees its KV/caches) and stop the pumps.
+
+        The RPCs are cancelled first, so no pump can stay blocked on a stage; the wait for the pumps to
+        unwind is bounded, so a slow stage can never hold up ``session.closed``.
+        """
         if self._closed:
             return
         self._closed = True
         if self.turn is not None:
             self._cancel_turn(self.turn)
             self.turn = None
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
         if self.thinker is not None:
             self.thinker.cancel()
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=_CLOSE_WAIT_S)
 
     # ---------------------------------------------------------------- thinker
 

@@ -1,0 +1,69 @@
+"""The browser client's server: static page, config, and the same-origin WebSocket proxy to a real gateway.
+
+The gateway runs under uvicorn on loopback (no stage is contacted: the session only opens, heartbeats and
+closes). The page's JavaScript itself is not executed here (no browser in the test environment).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from realtime_helpers import session_body
+
+from examples.online_serving.minicpmo.realtime_web.__main__ import create_app as create_web_app
+
+
+@pytest.fixture()
+def gateway_ws() -> Iterator[str]:
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    app = create_app(GatewayConfig(stage_addrs={s: "127.0.0.1:1" for s in ("thinker", "talker", "code2wav")}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"ws://127.0.0.1:{port}/v1/realtime"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_page_config_and_proxy(gateway_ws: str, tmp_path: Path) -> None:
+    ref = tmp_path / "ref.wav"
+    with wave.open(str(ref), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((np.sin(np.arange(16000) / 9) * 9000).astype("<i2").tobytes())
+    web = create_web_app(gateway_ws, ref)
+    with TestClient(web) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and "app.js" in page.text
+        script = client.get("/app.js").text
+        assert "getUserMedia" in script and "input_audio_buffer.append" in script
+        config = client.get("/config.json").json()
+        assert config["ref_audio"].startswith("data:audio/wav;base64,") and config["realtime_url"] is None
+        with client.websocket_connect("/v1/realtime?duplex=1&autostart=0") as ws:
+            ws.send_json({"type": "session.update", "session": session_body(ref_audio=config["ref_audio"])})
+            created = ws.receive_json()
+            assert created["type"] == "session.created" and created["session"]["id"].startswith("duplex-")
+            assert ws.receive_json()["type"] == "session.updated"
+            ws.send_json({"type": "session.heartbeat"})
+            assert ws.receive_json()["type"] == "session.heartbeat_ack"
+            ws.send_json({"type": "session.close"})
+            assert ws.receive_json()["type"] == "session.closed"
