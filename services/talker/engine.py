@@ -269,6 +269,9 @@ class TalkerEngine:
             self._error(st, err)
         except ValueError as err:
             self._error(st, StageError(INVALID_ARGUMENT, str(err)))
+        except Exception:  # a bug in one stream's bookkeeping must not take the batch down
+            log.exception("talker stream %s failed", st.settings.request_id)
+            self._error(st, StageError(INTERNAL, "talker failed on this stream; see server log"))
 
     def _drain_commands(self) -> bool:
         did = False
@@ -371,7 +374,10 @@ class TalkerEngine:
 
     def _fail_all(self, err: StageError) -> None:
         for st in list(self._streams):
-            self._error(st, err)
+            try:
+                self._error(st, err)
+            except Exception:  # a broken emit must not stop the others from being told
+                self._remove(st)
 
     def _maybe_finish_idle(self, st: StreamState) -> None:
         """End received and nothing left: close the turn (if any), send Done, close the stream."""

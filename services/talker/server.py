@@ -193,7 +193,10 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         outbox: asyncio.Queue[Output] = asyncio.Queue()
 
         def emit(out: Output) -> None:
-            loop.call_soon_threadsafe(outbox.put_nowait, out)
+            try:
+                loop.call_soon_threadsafe(outbox.put_nowait, out)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is left to read this
+                pass
 
         st = self.engine.open(settings, emit, epoch=first.open.id.epoch)
         STREAMS_ACTIVE.labels(STAGE).inc()
