@@ -347,3 +347,27 @@ def test_duplex_penalty_history_is_per_unit(model: MiniCPMTTS) -> None:
     engine.run_until_idle()
     assert [h for h in seen if h >= 0] == [0, 0]  # each unit starts with an empty penalty history
     assert row.history == []
+
+
+def test_first_window_size_and_flush_control(model: MiniCPMTTS) -> None:
+    engine = TalkerEngine(model, max_streams=1)
+    sink = Sink()
+    st = engine.open(engine.make_settings(fixed_frames=40, first_window_frames=10), sink)
+    engine.chunk(st, cond_input(model, 5, 11))
+    engine.run_until_idle()
+    sizes = [(w.window.left_context, w.window.new_frames, w.window.is_last) for w in sink.windows]
+    assert sizes == [(3, 10, False), (3, 25, False), (3, 5, True)]
+    assert sink.windows[0].window.codes[:3] == [SIL] * 3
+    assert [w.meta.chunk_seq for w in sink.windows] == [0, 1, 2]
+
+    # Flush: a duplex mid-turn unit's buffered frames leave now instead of waiting for 25
+    flushed = Sink()
+    st = engine.open(engine.make_settings(duplex=True, window_frames=40), flushed)
+    engine.chunk(st, cond_input(model, 5, 12, last=False))
+    engine.chunk(st, cond_input(model, 5, 13, last=False))
+    engine.run_until_idle()
+    before = len(flushed.windows)
+    engine.flush(st)
+    engine.run_until_idle()
+    assert len(flushed.windows) == before + 1 and not flushed.windows[-1].window.is_last
+    assert len(flushed.frames) == 50
