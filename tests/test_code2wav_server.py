@@ -157,3 +157,47 @@ def test_talker_windows_cover_every_code() -> None:
     assert [len(w) for w, _ in wins] == [28, 28, 6] and [last for _, last in wins] == [False, False, True]
     assert wins[0][0][:3] == [CODEC_SILENCE_ID] * 3
     assert [c for w, _ in wins for c in w[3:]] == codes[3 - 3 : 22] + codes[22:47] + codes[47:]
+
+
+def test_engine_batches_streams_and_interrupt_drops_queued_windows(tiny_ckpt: Path) -> None:
+    from services.code2wav.service import build_engine
+
+    async def scenario() -> None:
+        engine, _ = build_engine(_args(tiny_ckpt))
+        await engine.start()
+        try:
+            a = await engine.open_stream("a", None, seed=1)
+            b = await engine.open_stream("b", None, seed=2)
+            first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
+            # Same tick, no await in between: both windows are queued before the scheduler runs, and
+            # equal shapes from two streams become one batch.
+            engine.submit(a, first, 3, False, "a0")
+            engine.submit(b, first, 3, False, "b0")
+            (tag_a, res_a), (tag_b, res_b) = await asyncio.wait_for(
+                asyncio.gather(a.outputs.get(), b.outputs.get()), 300
+            )
+            assert (tag_a, tag_b) == ("a0", "b0") and res_a.samples.shape[0] == res_b.samples.shape[
+                0
+            ] == 20160
+            assert list(engine.batch_history) == [2]
+            assert not np.array_equal(res_a.samples, res_b.samples)  # different seeds
+
+            # Interrupt in the same tick as two queued windows: both are dropped, nothing is emitted.
+            second = first[-3:] + CODES[25:50]
+            engine.submit(b, second, 3, False, "b1")
+            engine.submit(
+                b,
+                second[-3:] + CODES[50:75] if len(CODES) >= 75 else second[-3:] + CODES[:25],
+                3,
+                False,
+                "b2",
+            )
+            assert engine.interrupt(b, 1) == 2
+            engine.submit(b, [CODEC_SILENCE_ID] * 3 + CODES[:4], 3, True, "b-new")
+            tag_b, res_b = await asyncio.wait_for(b.outputs.get(), 300)
+            assert tag_b == "b-new" and res_b.is_last and res_b.samples.shape[0] == 2 * 7 * 480
+            assert b.outputs.empty() and list(engine.batch_history) == [2, 1]
+        finally:
+            await engine.stop()
+
+    asyncio.run(scenario())

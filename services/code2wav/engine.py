@@ -42,6 +42,11 @@ REAL_TIME_FACTOR = Histogram(
 CACHE_BYTES = Gauge("minicpmo_code2wav_cache_bytes", "Flow + vocoder cache bytes held by open streams")
 STREAMS_OPEN = Gauge("minicpmo_code2wav_streams", "Open Code2Wav streams")
 AUDIO_SECONDS = Counter("minicpmo_code2wav_audio_seconds_total", "Seconds of audio produced")
+FIRST_WINDOW_SECONDS = Histogram(
+    "minicpmo_code2wav_first_window_seconds",
+    "Time from a stream's first window arriving to its audio being ready",
+    buckets=(0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+)
 DROPPED_WINDOWS = Counter("minicpmo_code2wav_dropped_windows_total", "Queued windows dropped by interrupts")
 
 
@@ -97,6 +102,7 @@ class Code2WavEngine:
         self._accepting = True
         self._default_prompt: PromptFeatures | None = None
         self.steps = 0
+        self.batch_history: deque[int] = deque(maxlen=1024)  # rows per model batch, newest last
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -232,6 +238,7 @@ class Code2WavEngine:
         self.runner.last_batch_sizes.clear()
         for size in sizes:
             BATCH_SIZE.labels(STAGE).observe(size)
+            self.batch_history.append(size)
         STEP_SECONDS.labels(STAGE).observe(elapsed)
         audio = sum(r.samples.shape[0] for r in results) / self.runner.model.sample_rate
         if audio > 0:
@@ -245,6 +252,7 @@ class Code2WavEngine:
                 continue  # interrupted while running: the audio belongs to an abandoned epoch
             if handle.first_window_latency is None:
                 handle.first_window_latency = now - window.enqueued
+                FIRST_WINDOW_SECONDS.observe(handle.first_window_latency)
             handle.outputs.put_nowait((window.tag, result))
         self._update_cache_gauge()
         self._wake.set()
