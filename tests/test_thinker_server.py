@@ -278,3 +278,32 @@ def test_graceful_drain_finishes_open_streams_and_refuses_new(backend) -> None: 
         await _wait_kv_zero(backend.engine)
 
     asyncio.run(run())
+
+
+def test_concurrent_streams_batch_and_match_solo_runs(backend) -> None:  # noqa: ANN001
+    """Four streams at once share engine steps (continuous batching) and give their solo greedy tokens."""
+    texts = ["one", "two words here", "a somewhat longer third prompt", "4"]
+
+    async def body(stub, ch) -> None:  # noqa: ANN001
+        def open_req(text: str) -> list[thinker_pb2.ThinkerRequest]:
+            return [
+                thinker_pb2.ThinkerRequest(
+                    open=text_open(text, sampling=thinker_pb2.SamplingParams(max_tokens=8))
+                )
+            ]
+
+        def ids(resps: list[thinker_pb2.ThinkerResponse]) -> list[int]:
+            return [t for r in resps if r.HasField("text") for t in r.text.token_ids]
+
+        solo = [ids(await _collect(stub, open_req(t))) for t in texts]
+        from services.common.metrics import BATCH_SIZE
+
+        rows_before = BATCH_SIZE.labels("thinker")._sum.get()
+        steps_before = sum(b.get() for b in BATCH_SIZE.labels("thinker")._buckets)
+        together = await asyncio.gather(*(_collect(stub, open_req(t)) for t in texts))
+        rows = BATCH_SIZE.labels("thinker")._sum.get() - rows_before
+        steps = sum(b.get() for b in BATCH_SIZE.labels("thinker")._buckets) - steps_before
+        assert [ids(r) for r in together] == solo
+        assert rows / steps > 1.5  # steps carried several streams at once
+
+    asyncio.run(_with_server(backend, body))

@@ -498,7 +498,8 @@ class _DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         if runner._graph_pool is None:
             runner._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(self.graph, pool=runner._graph_pool):
+        # thread_local: the encoder worker threads may use the GPU while the engine thread captures.
+        with torch.cuda.graph(self.graph, pool=runner._graph_pool, capture_error_mode="thread_local"):
             self.hidden, self.logits = runner.decode_forward_static(*args)
 
     def run(self, host: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
