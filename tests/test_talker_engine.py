@@ -371,3 +371,18 @@ def test_first_window_size_and_flush_control(model: MiniCPMTTS) -> None:
     engine.run_until_idle()
     assert len(flushed.windows) == before + 1 and not flushed.windows[-1].window.is_last
     assert len(flushed.frames) == 50
+
+
+def test_empty_whole_utterance_finishes_without_audio(model: MiniCPMTTS) -> None:
+    engine = TalkerEngine(model, max_streams=1)
+    sink = Sink()
+    st = engine.open(engine.make_settings(), sink)
+    engine.chunk(
+        st,
+        ConditionInput(
+            torch.zeros(0, dtype=torch.long), torch.zeros(0, model.cfg.llm_dim), True, False, 0, 0, 0
+        ),
+    )
+    engine.run_until_idle()
+    assert sink.frames == [] and sink.done[0].frames == 0
+    assert [w.window.codes for w in sink.windows] == [[SIL] * 3]  # one last window so Code2Wav can close

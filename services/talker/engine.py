@@ -411,6 +411,10 @@ class TalkerEngine:
         elif st.form is TurnForm.WHOLE:
             raise StageError(FAILED_PRECONDITION, "chunk after the last chunk of the turn", "chunk")
         st.unit_seq = cond.unit_seq
+        if st.form is TurnForm.WHOLE and cond.token_ids.numel() == 0:
+            # Nothing to say (vllm-omni finishes such a request at once): no babble from an empty condition.
+            self._finish_turn(st, "stop")
+            return
         model = self.model
         if st.form is TurnForm.WHOLE:
             rows = model.whole_utterance_condition(cond.token_ids, cond.hidden)
