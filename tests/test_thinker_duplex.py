@@ -63,7 +63,7 @@ def duplex_open(**kw: object) -> thinker_pb2.ThinkerRequest:
             mode=thinker_pb2.STREAM_MODE_DUPLEX,
             sampling=greedy,
             hidden_dtype=common_pb2.DTYPE_FLOAT32,
-            **kw,
+            **({"want_speech": True} | kw),
         )
     )
 
@@ -142,6 +142,12 @@ def test_forced_speak_units_hand_off_aligned_spans(backend) -> None:  # noqa: AN
             assert u.context_tokens - prev_ctx == 13 + fed
         prev_ctx = u.context_tokens
     assert speech and speech[0].turn_start
+
+    # Without want_speech the decisions and transcripts are the same, but no hidden rows travel.
+    quiet = asyncio.run(_session(backend, [duplex_open(force_speak=True, want_speech=False), unit(0), END]))
+    assert not any(r.HasField("speech") for r in quiet)
+    first = next(r.unit for r in quiet if r.HasField("unit"))
+    assert list(first.token_ids) == list(units[0].token_ids) and first.transcript == units[0].transcript
 
 
 def test_interrupt_drops_stale_work_and_acks(backend) -> None:  # noqa: ANN001

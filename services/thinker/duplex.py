@@ -7,7 +7,7 @@ voice rows, optional seeded user text), prefilled once into a *persistent* engin
 engine does not feed a unit's terminator, so the next unit re-injects it (and ``<|chunk_eos|>`` when
 the unit hit the 19-token cap), which yields the same token sequence as upstream's feed-after-decode.
 
-Per unit the stream answers with a ``SpeechChunk`` when the unit spoke (span rules of §3.3: the first
+Per unit the stream answers with a ``SpeechChunk`` when the unit spoke and ``want_speech`` is set (span rules of §3.3: the first
 decision token is not spoken; the span ends before a boundary token or right after ``<|turn_eos|>``;
 rows are the hidden states of the span tokens, 1:1) and always a ``UnitResult`` (decision, transcript,
 token ids, turn end, context size). ``Control.interrupt`` bumps the epoch: the running unit is cancelled
@@ -357,7 +357,8 @@ class DuplexSession:
             force_listen=force_listen,
             force_speak=(force_speak and not force_listen),
         )
-        return WorkItem(ids.tolist(), embeds, sampler=policy, emit_hidden=True, feed_last=True)
+        speech = bool(self.open.want_speech)
+        return WorkItem(ids.tolist(), embeds, sampler=policy, emit_hidden=speech, feed_last=True)
 
     # -------------------------------------------------------------------------------------- results
     def unit_responses(
@@ -371,15 +372,17 @@ class DuplexSession:
         else:
             self.reinject = [CHUNK_EOS, UNIT_CLOSE]
         self.units_done += 1
-        span = [k for k in select_span(gen) if k in outcome.rows]
+        span = select_span(gen)
         speak = bool(gen) and gen[0] not in UNIT_TERMINATORS
         turn_end = any(gen[k] == TURN_EOS for k in span)
         out: list[thinker_pb2.ThinkerResponse] = []
         tok = self.processor.tokenizer
         transcript = tok.decode([gen[k] for k in span], skip_special_tokens=True) if span else ""
-        if span:
-            ids = [gen[k] for k in span]
-            hidden = torch.stack([outcome.rows[k] for k in span])
+        # Every span token was fed back (feed_last covers the 19-token cap), so each has its row.
+        spoken = [k for k in span if k in outcome.rows]
+        if spoken and self.open.want_speech:
+            ids = [gen[k] for k in spoken]
+            hidden = torch.stack([outcome.rows[k] for k in spoken])
             chunk = thinker_pb2.SpeechChunk(
                 id=self.ident(unit_seq),
                 token_ids=ids,
@@ -391,6 +394,7 @@ class DuplexSession:
                 is_last=turn_end,
             )
             out.append(thinker_pb2.ThinkerResponse(speech=chunk))
+        if span:
             self.model_turn_open = not turn_end
         result = thinker_pb2.UnitResult(
             id=self.ident(unit_seq),
