@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+from google.protobuf import text_format
 
 from services.common.grpc_server import GRPC_OPTIONS
 from services.common.pb import (
@@ -75,7 +76,7 @@ def _describe(msg: Any) -> str:
     if kind == "audio":
         return f"{tag} samples={len(body.pcm.data) // 2} sr={body.pcm.sample_rate} last={body.is_last}"
     if kind == "done":
-        return f"{tag} finish_reason={body.finish_reason} usage={{{str(body.usage).strip()}}}"
+        return f"{tag} finish_reason={body.finish_reason} usage={{{text_format.MessageToString(body.usage, as_one_line=True)}}}"
     if kind == "error":
         return f"{tag} code={common_pb2.ErrorCode.Name(body.code)} param={body.param!r} {body.message}"
     return f"{tag} {body}"
