@@ -256,14 +256,26 @@ def test_duplex_new_turn_id_closes_the_open_turn(model: MiniCPMTTS) -> None:
     assert fresh[0].window.codes[:3] == [SIL] * 3 and len(sink.done) == 1
 
 
-def test_duplex_turn_end_runs_past_boundaries(model: MiniCPMTTS) -> None:
+def test_duplex_turn_end_ignores_eos_just_after_the_25_frame_boundary(model: MiniCPMTTS, monkeypatch) -> None:
+    original = model.head_logits
+    calls = {"n": 0}
+
+    def eos_from_step_25(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden).clone()
+        if calls["n"] >= 25:  # call k gives the logits of sample t = k (one stream)
+            logits[..., EOS] += 1e4
+        calls["n"] += 1
+        return logits
+
+    monkeypatch.setattr(model, "head_logits", eos_from_step_25)
     engine = TalkerEngine(model, max_streams=1)
     sink = Sink()
     st = engine.open(engine.make_settings(duplex=True), sink)
     engine.chunk(st, cond_input(model, 5, 1, last=False, turn_end=True))
     engine.end(st)
     engine.run_until_idle()
-    assert len(sink.frames) <= 103  # 104 samples, the last dropped
+    # EOS is masked for t = 25..29 at a turn end, then honoured: 30 frames, not 25 (and not 103)
+    assert len(sink.frames) == 30 and EOS not in sink.frames
 
 
 def test_duplex_rollover_keeps_the_stream_going_past_4096(model: MiniCPMTTS) -> None:
