@@ -328,3 +328,13 @@ def test_engine_metrics_exported(llm: torch.nn.Module) -> None:
     assert REGISTRY.get_sample_value("minicpmo_thinker_kv_budget_bytes") == engine.cache.budget_bytes
     assert REGISTRY.get_sample_value("minicpmo_stage_queue_depth", {"stage": "thinker"}) == 0
     assert REGISTRY.get_sample_value("minicpmo_thinker_running") == 0
+
+
+def test_engines_sharing_one_model_do_not_copy_weights(llm: torch.nn.Module) -> None:
+    first = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=1 << 20), "cpu")
+    second = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=1 << 20), "cpu")
+    for a, b in zip(first.runner.layers, second.runner.layers, strict=True):
+        assert a.qkv_weight.data_ptr() == b.qkv_weight.data_ptr()
+        assert a.gate_up_weight.data_ptr() == b.gate_up_weight.data_ptr()
+    attn = llm.model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == first.runner.layers[0].qkv_weight.data_ptr()

@@ -108,16 +108,33 @@ class _FusedLayer:
 
 
 def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate output rows of several Linear layers and re-point each layer at its slice."""
+    """Concatenate output rows of several Linear layers and re-point each layer at its slice.
+
+    Idempotent: a second runner over the same module finds the layers already pointing into one fused
+    tensor and reuses it (no second copy of the weights, however many engines share the model).
+    """
+    fused = getattr(linears[0], "_thinker_fused", None)
+    if fused is not None and all(getattr(lin, "_thinker_fused", None) is fused for lin in linears):
+        weight, bias = fused
+        start = 0
+        intact = True
+        for lin in linears:
+            n = lin.weight.shape[0]
+            intact &= lin.weight.data_ptr() == weight[start : start + n].data_ptr()
+            start += n
+        if intact:
+            return weight, bias
     weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
     has_bias = all(lin.bias is not None for lin in linears)
     bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None  # type: ignore[union-attr]
     start = 0
+    record = (weight, bias)
     for lin in linears:
         n = lin.weight.shape[0]
         lin.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
         if bias is not None:
             lin.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
+        lin._thinker_fused = record  # type: ignore[assignment]
         start += n
     return weight, bias
 
