@@ -32,18 +32,47 @@ Key = tuple[tuple[tuple[int, ...], torch.dtype] | None, ...]
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph  # anything with replay(); tests substitute a host-side emulation
     inputs: list[torch.Tensor | None]
     outputs: tuple[torch.Tensor, ...]
+
+
+Capture = Callable[[Callable[..., tuple[torch.Tensor, ...]], tuple[torch.Tensor | None, ...]], _Captured]
+
+
+def capture_cuda_graph(
+    fn: Callable[..., tuple[torch.Tensor, ...]], args: tuple[torch.Tensor | None, ...]
+) -> _Captured:
+    """Warm ``fn`` up on a side stream, then capture it on static copies of ``args``."""
+    inputs = [None if a is None else a.clone() for a in args]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up kernels, cuBLAS/cuFFT plans and the allocator off the graph
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*inputs)
+    if isinstance(outputs, torch.Tensor):
+        outputs = (outputs,)
+    return _Captured(graph, inputs, tuple(outputs))
 
 
 class ShapeKeyedGraphs:
     """Replays one CUDA graph per input-shape key of ``fn``; eager for keys it cannot (or may not) hold."""
 
-    def __init__(self, name: str, fn: Callable[..., tuple[torch.Tensor, ...]], max_graphs: int = 32) -> None:
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., tuple[torch.Tensor, ...]],
+        max_graphs: int = 32,
+        capture: Capture = capture_cuda_graph,
+    ) -> None:
         self.name = name
         self.fn = fn
         self.max_graphs = max_graphs
+        self.capture = capture
         self.graphs: dict[Key, _Captured | None] = {}
         self.replays = 0
         self.eager_calls = 0
@@ -51,21 +80,6 @@ class ShapeKeyedGraphs:
     @staticmethod
     def key(args: tuple[torch.Tensor | None, ...]) -> Key:
         return tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
-
-    def _capture(self, args: tuple[torch.Tensor | None, ...]) -> _Captured:
-        inputs = [None if a is None else a.clone() for a in args]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm up kernels, cuBLAS/cuFFT plans and the allocator off the graph
-                self.fn(*inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = self.fn(*inputs)
-        if isinstance(outputs, torch.Tensor):
-            outputs = (outputs,)
-        return _Captured(graph, inputs, tuple(outputs))
 
     def __call__(self, *args: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         key = self.key(args)
@@ -75,7 +89,7 @@ class ShapeKeyedGraphs:
                 entry = None
             else:
                 try:
-                    entry = self._capture(args)
+                    entry = self.capture(self.fn, args)
                     log.info("captured %s graph #%d for %s", self.name, len(self.graphs) + 1, key)
                 except Exception as exc:  # noqa: BLE001 - a shape we cannot capture simply runs eager
                     log.warning(
@@ -95,22 +109,29 @@ class ShapeKeyedGraphs:
         return entry.outputs
 
 
-def enable_cuda_graphs(runner: object, max_graphs: int = 32) -> dict[str, ShapeKeyedGraphs]:
-    """Route the runner's DiT estimator and HiFT parts through shape-keyed CUDA graphs (CUDA only)."""
+def enable_cuda_graphs(
+    runner: object, max_graphs: int = 32, capture: Capture | None = None
+) -> dict[str, ShapeKeyedGraphs]:
+    """Route the runner's DiT estimator and HiFT parts through shape-keyed CUDA graphs (CUDA only).
+
+    ``capture`` replaces the real capture (tests emulate replay semantics on CPU with it)."""
     flow = runner.flow  # type: ignore[attr-defined]
     vocoder = runner.vocoder  # type: ignore[attr-defined]
-    if runner.device.type != "cuda":  # type: ignore[attr-defined]
-        return {}
+    if capture is None:
+        if runner.device.type != "cuda":  # type: ignore[attr-defined]
+            return {}
+        capture = capture_cuda_graph
     dit = flow.dit
     hift = vocoder.hift
     estimator = ShapeKeyedGraphs(
         "dit",
         lambda x, mu, temb, spks, cond, cnn, att: dit_blocks_chunk(dit, x, mu, temb, spks, cond, cnn, att),
         max_graphs,
+        capture,
     )
-    f0 = ShapeKeyedGraphs("hift_f0", lambda mel: (hift.f0_predictor(mel),), max_graphs)
+    f0 = ShapeKeyedGraphs("hift_f0", lambda mel: (hift.f0_predictor(mel),), max_graphs, capture)
     decode = ShapeKeyedGraphs(
-        "hift_decode", lambda mel, source: (hift_pre_istft(hift, mel, source),), max_graphs
+        "hift_decode", lambda mel, source: (hift_pre_istft(hift, mel, source),), max_graphs, capture
     )
     eager_estimator = flow.estimator
 
