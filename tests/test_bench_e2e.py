@@ -89,3 +89,24 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
     pids = json.loads((out / "logs" / "pids.json").read_text())
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+@pytest.mark.slow
+def test_inprocess_pipeline_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "inproc"
+    cmd = [
+        sys.executable, "-m", "bench.inprocess", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
+        "--deploy-config", "cpu", "--concurrency", "1,2", "--requests-per-level", "2", "--warmup", "1",
+        "--warmup-rounds", "0", "--audio-frames", "25", "--out-dir", str(out),
+    ]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "inprocess.json").read_text())
+    assert report["status"] == "ok" and [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    for lv in report["levels"]:
+        assert lv["failed"] == 0 and 1.0 <= lv["metrics"]["audio_s"]["mean"] < 1.5
+        assert lv["metrics"]["ttft_ms"]["p50"] < lv["metrics"]["ttfp_ms"]["p50"] < lv["metrics"]["e2e_ms"]["p50"]
+    for reqs in report["requests"].values():
+        assert all(r["completion_tokens"] == 10 for r in reqs)
+    assert report["workload"]["prompt_tokens_with_template"] > 64
