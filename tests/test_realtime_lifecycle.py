@@ -287,3 +287,30 @@ def test_response_create_while_active_and_deferred_commit(setup: tuple[TestClien
         events += receive_until(ws, "rate_limits.updated")  # the deferred response
         summary = check_response_invariants([e for e in events if e["type"] != "error"])
         assert len(summary) == 2 and all(v["status"] == "completed" for v in summary.values())
+
+
+def test_b1_soft_interrupt_is_model_owned(setup: tuple[TestClient, dict[str, Any]]) -> None:
+    """Native lane, listen_only: user speech over the assistant is streamed to the model, no overlap
+    decision, no epoch change, no cancellation; the model's follow-up gets a fresh response id."""
+    client, knobs = setup
+    with client.websocket_connect("/v1/duplex") as ws:
+        ws.send_json({"type": "session.update", "session": session_body(extra_body={"auto_response": True})})
+        receive_until(ws, "session.updated")
+        session = next(iter(client.app.state.realtime.registry.sessions.values()))
+        pipeline = knobs["pipelines"][0]
+        session.post_pipeline(UnitOutcome(0, 0, "speak", "one ", False, 30))
+        events = receive_until(ws, "response.speak")
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.0))})  # user talks over it
+        ws.send_json({"type": "session.heartbeat"})
+        events += receive_until(ws, "session.heartbeat_ack")
+        assert len(pipeline.pushed) == 1  # the overlapping unit went to the model
+        session.post_pipeline(UnitOutcome(0, 1, "speak", "two", True, 30))  # the model ends its turn
+        session.post_pipeline(AudioOut(0, np.full(24_000, 0.1, dtype=np.float32), True))
+        events += receive_until(ws, "rate_limits.updated")
+        session.post_pipeline(UnitOutcome(0, 2, "speak", "again", True, 30))  # and answers the user
+        session.post_pipeline(AudioOut(0, np.full(12_000, 0.1, dtype=np.float32), True))
+        events += receive_until(ws, "rate_limits.updated")
+        summary = check_response_invariants(events)
+        assert len(summary) == 2 and all(v["status"] == "completed" for v in summary.values())
+        assert not any(e["type"] in ("overlap.decision", "error") for e in events)
+        assert session.epoch == 0 and pipeline.interrupts == []

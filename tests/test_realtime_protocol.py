@@ -470,3 +470,19 @@ def test_s9_input_backpressure(client: TestClient) -> None:
         err = ws.receive_json()
         check_error(err, "input_backpressure", "s9")
         assert err["error"]["type"] == "rate_limit_error"
+
+
+def test_i8_declared_rates_give_equivalent_units(client: TestClient) -> None:
+    """The same speech declared at 16 kHz and at 24 kHz reaches the model as the same 16 kHz units."""
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        for rate in (16000, 24000):
+            ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(2.0, rate=rate)), "sample_rate_hz": rate})
+            ws.send_json({"type": "input_audio_buffer.commit"})
+            receive_until(ws, "conversation.item.done")
+        first, second = app_session(ws, client).committed_backlog
+        assert len(first.units) == len(second.units) == 2
+        a = np.concatenate([u.samples for u in first.units])
+        b = np.concatenate([u.samples for u in second.units])
+        inner = slice(160, -160)  # resampler edge transients
+        assert np.max(np.abs(a[inner] - b[inner])) < 0.01
