@@ -133,6 +133,8 @@ class PipelineRun:
             while True:
                 item = await self.queue.get()
                 if item is None:
+                    # Normal end: let every stage end its stream itself (no cancel races on its side).
+                    await asyncio.gather(*(stream.finish() for stream in self.streams.values()))
                     break
                 if isinstance(item, BaseException):
                     raise item

@@ -276,11 +276,27 @@ class StageStream:
         while (msg := await self.read()) is not None:
             yield msg
 
+    async def finish(self, timeout_s: float = 2.0) -> None:
+        """Normal end: half-close and read to the end so the stage's handler returns on its own, then
+        cancel whatever did not end within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                if not self._half_closed:
+                    self._half_closed = True
+                    await self._call.done_writing()
+                while await self._call.read() is not grpc.aio.EOF:
+                    pass
+        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+        finally:
+            self.cancel()
+
     def cancel(self) -> None:
         """Abort the call; the stage sees CANCELLED and frees the stream's state."""
         if not self._closed:
             self._closed = True
-            self._call.cancel()
+            if not self._call.done():
+                self._call.cancel()
 
 
 class StageSet:

@@ -25,7 +25,7 @@ import pytest
 import soundfile as sf
 
 from tests.gateway_server import free_port
-from tests.media_samples import data_url, png_bytes, wav_bytes
+from tests.media_samples import data_url, mp4_bytes, png_bytes, wav_bytes
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -178,7 +178,30 @@ def test_image_and_audio_inputs(client) -> None:
     assert resp.usage.prompt_tokens >= plain.usage.prompt_tokens + 64 + 10
 
 
+def test_video_input(client) -> None:
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What?"}],
+                                           modalities=["text"])
+    content = [{"type": "video_url", "video_url": {"url": data_url(mp4_bytes(3.0), "video/mp4")}},
+               {"type": "text", "text": "What happens?"}]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          modalities=["text"])
+    assert resp.choices[0].message.content
+    # three frames at the profile's 1 fps (64 embeddings each) and a 3 s soundtrack (~30 embeddings)
+    assert resp.usage.prompt_tokens >= plain.usage.prompt_tokens + 3 * 64 + 25
+
+
+def _wait_idle(served: Served, timeout_s: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    gauges = _stage_gauges(served)
+    while any(gauges.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        gauges = _stage_gauges(served)
+    return gauges
+
+
 def test_client_disconnect_releases_all_stage_work(served: Served) -> None:
+    idle = _wait_idle(served)
+    assert not any(idle.values()), f"work left over from completed requests: {idle}"
     payload = {"model": MODEL, "stream": True, "max_tokens": 200,
                "sampling_params_list": [{"max_tokens": 200}, {"max_tokens": 500}],
                "messages": [{"role": "user", "content": "Tell me a long story."}]}
@@ -189,12 +212,8 @@ def test_client_disconnect_releases_all_stage_work(served: Served) -> None:
                 break
         busy = _stage_gauges(served)
         assert any(busy.values()), busy
-    deadline = time.monotonic() + 60
-    gauges = _stage_gauges(served)
-    while any(gauges.values()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        gauges = _stage_gauges(served)
-    assert not any(gauges.values()), gauges
+    gauges = _wait_idle(served)
+    assert not any(gauges.values()), f"work left after the client disconnected: {gauges}"
 
 
 @pytest.mark.parametrize(
