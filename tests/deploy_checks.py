@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -444,10 +445,25 @@ def merge_compose(base: Mapping[str, Any], override: Mapping[str, Any], _key: st
     return copy.deepcopy(override)
 
 
-def compose_config(files: Iterable[Path]) -> dict[str, Any]:
+_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate(value: Any, env: Mapping[str, str]) -> Any:
+    """Substitute ``${VAR}`` / ``${VAR:-default}`` in every string, as compose does before merging."""
+    if isinstance(value, str):
+        return _VARIABLE.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+    if isinstance(value, Mapping):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    return value
+
+
+def compose_config(files: Iterable[Path], env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The merged, interpolated configuration of ``files`` (``env`` defaults to no variables set)."""
     config: dict[str, Any] = {}
     for path in files:
-        config = merge_compose(config, load_yaml(path))
+        config = merge_compose(config, interpolate(load_yaml(path), env or {}))
     return config
 
 

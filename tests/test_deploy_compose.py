@@ -5,6 +5,7 @@ exactly as that layout's profile says. Negative tests prove a typo or a wrong GP
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -65,6 +66,15 @@ def test_cpu_layout_uses_host_networking_on_loopback_only() -> None:
         assert str(svc.get("image", "")).endswith(("-cpu", "-gateway")), name
 
 
+def test_cpu_layout_ports_move_together() -> None:
+    """On a shared host the CPU layout's ports can be moved; the gateway and health checks follow."""
+    env = {"MINICPMO_THINKER_PORT": "41051", "MINICPMO_TALKER_PORT": "41052", "MINICPMO_CODE2WAV_PORT": "41053"}
+    config = compose_config(LAYOUTS["cpu"].compose_files, env)
+    profile = load_profile("cpu").with_overrides({s: {"port": int(p)} for s, p in
+                                                  zip(("thinker", "talker", "code2wav"), env.values(), strict=True)})
+    assert check_compose_layout(config, profile, "cpu.yaml") == []
+
+
 def test_replicas_share_the_stage_name_for_dns_balancing() -> None:
     config = compose_config(LAYOUTS["8x4090"].compose_files)
     assert sorted(compose_stage_services(config, "thinker")) == ["thinker", "thinker-1", "thinker-2", "thinker-3"]
@@ -88,7 +98,9 @@ def test_docker_compose_merges_the_layout_like_the_checks_do(layout: str) -> Non
     """Cross-check the merge done by the tests against compose's own (`docker-compose config`, no daemon)."""
     spec = LAYOUTS[layout]
     args = [a for f in spec.compose_files for a in ("-f", str(f))]
-    proc = subprocess.run(["docker-compose", *args, "config"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINICPMO_", "COMPOSE_"))}
+    proc = subprocess.run(["docker-compose", *args, "config"], capture_output=True, text=True, timeout=60,
+                          cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr
     merged = yaml.safe_load(proc.stdout)
     assert check_compose_layout(merged, load_profile(spec.profile), f"{spec.profile}.yaml") == []
