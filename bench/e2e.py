@@ -502,8 +502,10 @@ def main(argv: list[str] | None = None) -> int:
         url = args.url
         if url is None:
             if args.mps:
-                mps = MpsDaemon(Path(tempfile.mkdtemp(prefix="mps-", dir=out_dir)))
+                # Short path under /tmp: the daemon's unix sockets must fit the 108-byte limit.
+                mps = MpsDaemon(Path(tempfile.mkdtemp(prefix="minicpmo-mps-")))
                 mps.start()
+                report["mps_env"] = mps.env
             pipeline = Pipeline(profile, checkpoint, out_dir / "logs", stage_args)
             pipeline.start()
             budget = min(args.startup_timeout, max(1.0, deadline - time.monotonic()))
@@ -518,8 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     except BenchAbort as exc:
         report["status"] = f"aborted: {exc}"
         rc = 3
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        report["status"] = f"error: {exc}"
+    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+        report["status"] = f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        report["error_detail"] = str(exc)
         print(f"[e2e] error: {exc}", file=sys.stderr, flush=True)
         rc = 1
     finally:

@@ -21,16 +21,21 @@ def _run(tokens: list[int], scale: float = 1.0) -> Run:
 
 
 def test_compare_identical_near_tie_and_mismatch() -> None:
-    margins = [1.0, 1.0, 0.01, 1.0]
-    same = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4]), margins, 0.05, 0.05)
+    top2 = [(1, 5, 1.0), (2, 6, 1.0), (3, 9, 0.01), (4, 8, 1.0)]
+    same = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4]), top2, 0.05)
     assert same.verdict == "identical" and same.first_diff is None and same.compared_rows == 4
-    tie = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 9, 9]), margins, 0.05, 0.05)
+    tie = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 9, 9]), top2, 0.05)
     assert tie.verdict == "near-tie" and tie.first_diff == 2 and tie.margin_at_diff == 0.01
-    wrong = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 7, 3, 4]), margins, 0.05, 0.05)
-    assert wrong.verdict == "MISMATCH" and wrong.first_diff == 1
-    drift = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4], scale=1.5), margins, 0.05, 0.05)
-    assert drift.verdict == "MISMATCH" and drift.max_rel_diff_before > 0.05
-    short = compare("thinker", 1, 0, _run([1, 2, 3]), _run([1, 2]), [float("nan")] * 3, 0.05, 0.05)
+    # small margin but the graph did not pick the runner-up: a real difference
+    odd = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 7, 4]), top2, 0.05)
+    assert odd.verdict == "MISMATCH"
+    wrong = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 6, 3, 4]), top2, 0.05)
+    assert wrong.verdict == "MISMATCH" and wrong.first_diff == 1  # runner-up, but a clear margin
+    drift = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4], scale=1.5), top2, 0.05)
+    assert drift.verdict == "identical" and drift.max_rel_diff_before > 0.3  # reported only
+    strict = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4], scale=1.5), top2, 0.05, rel_tol=0.1)
+    assert strict.verdict == "MISMATCH"
+    short = compare("thinker", 1, 0, _run([1, 2, 3]), _run([1, 2]), [None] * 3, 0.05)
     assert short.verdict == "MISMATCH" and short.first_diff == 2
 
 
