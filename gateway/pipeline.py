@@ -122,7 +122,6 @@ class PipelineRun:
         self.timings: dict[str, float] = {}
         self.thinker_done: common_pb2.Done | None = None
         self.audio_samples = 0
-        self.speech_started = asyncio.Event()
         self.audio_finished = asyncio.Event()
         self.saw_text_delta = False
 

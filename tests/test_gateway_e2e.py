@@ -23,9 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 import soundfile as sf
-
-from tests.gateway_server import free_port
-from tests.media_samples import data_url, mp4_bytes, png_bytes, wav_bytes
+from gateway_server import free_port
+from media_samples import data_url, mp4_bytes, png_bytes, wav_bytes
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")

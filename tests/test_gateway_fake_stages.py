@@ -16,12 +16,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import soundfile as sf
+from gateway_fakes import SAMPLES_PER_FRAME, FakeStages
+from gateway_server import ThreadedGateway
+from media_samples import data_url, mp4_bytes, png_bytes, wav_bytes
 
 from gateway.config import GatewayConfig
 from services.common.deploy_profile import load_profile
-from tests.gateway_fakes import SAMPLES_PER_FRAME, FakeStages
-from tests.gateway_server import ThreadedGateway
-from tests.media_samples import data_url, mp4_bytes, png_bytes, wav_bytes
 
 MODEL = "openbmb/MiniCPM-o-4_5"
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from media_samples import data_url, png_bytes, wav_bytes
 
 from gateway.audio_encoding import SUPPORTED_FORMATS, encode_audio, normalize_format
 from gateway.media import MediaError, MediaPolicy, check_image, decode_audio, load_url
@@ -16,7 +17,6 @@ from gateway.openai.errors import APIError
 from gateway.openai.protocol import parse_chat_request
 from gateway.stage_clients import normalize_target
 from services.common.deploy_profile import MediaLimits
-from tests.media_samples import data_url, png_bytes, wav_bytes
 
 MODEL = "openbmb/MiniCPM-o-4_5"
 
