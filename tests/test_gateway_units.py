@@ -74,6 +74,9 @@ def test_ref_audio_from_extra_body() -> None:
         ({"messages": [{"role": "user", "content": "hi"}], "sampling_params_list": {"temperature": 1}}, 400,
          "sampling_params_list"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\n"]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+         "response_format"),
     ],
 )
 def test_invalid_requests(body: dict, status: int, param: str) -> None:

@@ -264,6 +264,13 @@ def parse_chat_request(body: Any, served_model_name: str) -> ChatRequest:
     if stop not in (None, [], ""):
         raise _bad("'stop' strings are not supported; use sampling_params_list[0].stop_token_ids", "stop")
 
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise _bad(f"'{key}' (tool calling) is not supported by this server", key)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise _bad("only response_format {\"type\": \"text\"} is supported", "response_format")
+
     thinker: dict[str, Any] = {}
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
