@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from gateway.realtime import metrics
 from gateway.stage_clients import StageFailure, StageSet, StageStream
 from services.common.pb import code2wav_pb2, common_pb2, talker_pb2, thinker_pb2
 from services.common.tensors import pcm_from_float, pcm_to_float
@@ -144,6 +146,7 @@ class GrpcDuplexPipeline:
         self.speech_from_unit: int | None = None  # turn lane: speech only from the requested unit on
         self._in_seq = 0
         self._speech_turns = 0
+        self._interrupt_sent = 0.0
         self._closed = False
         self.ref_pcm = pcm_from_float(session.cfg.ref_audio, 16_000) if session.cfg.ref_audio is not None else None
 
@@ -176,6 +179,7 @@ class GrpcDuplexPipeline:
 
     def interrupt(self, new_epoch: int, reason: str) -> None:
         self.epoch = new_epoch
+        self._interrupt_sent = time.monotonic()
         self.speech_from_unit = None
         if self.thinker is not None:
             ctl = common_pb2.Control(
@@ -266,6 +270,7 @@ class GrpcDuplexPipeline:
                     await self._on_speech(resp.speech)
                 elif kind == "interrupt_ack":
                     ack = resp.interrupt_ack
+                    metrics.BARGE_IN_STAGE.labels("thinker").observe(time.monotonic() - self._interrupt_sent)
                     self.session.post_pipeline(StageAck("thinker", int(ack.new_epoch), int(ack.dropped_items)))
                 elif kind == "error":
                     err = resp.error
@@ -369,6 +374,7 @@ class GrpcDuplexPipeline:
                 elif kind == "interrupt_ack":
                     ack = resp.interrupt_ack
                     turn.note_ack("talker")
+                    metrics.BARGE_IN_STAGE.labels("talker").observe(time.monotonic() - self._interrupt_sent)
                     self.session.post_pipeline(StageAck("talker", int(ack.new_epoch), int(ack.dropped_items)))
                 elif kind == "error":
                     err = resp.error
@@ -408,6 +414,7 @@ class GrpcDuplexPipeline:
                 elif kind == "interrupt_ack":
                     ack = resp.interrupt_ack
                     turn.note_ack("code2wav")
+                    metrics.BARGE_IN_STAGE.labels("code2wav").observe(time.monotonic() - self._interrupt_sent)
                     self.session.post_pipeline(StageAck("code2wav", int(ack.new_epoch), int(ack.dropped_items)))
                 elif kind == "error":
                     err = resp.error

@@ -49,7 +49,7 @@ def session_body(**overrides: Any) -> dict[str, Any]:
     return body
 
 
-def receive_until(ws: Any, type_: str, limit: int = 200) -> list[dict[str, Any]]:
+def receive_until(ws: Any, type_: str, limit: int = 5000) -> list[dict[str, Any]]:
     """Events up to and including the first of ``type_`` (starlette TestClient websocket)."""
     seen: list[dict[str, Any]] = []
     for _ in range(limit):

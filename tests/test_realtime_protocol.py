@@ -486,3 +486,15 @@ def test_i8_declared_rates_give_equivalent_units(client: TestClient) -> None:
         b = np.concatenate([u.samples for u in second.units])
         inner = slice(160, -160)  # resampler edge transients
         assert np.max(np.abs(a[inner] - b[inner])) < 0.01
+
+
+def test_api_key_guards_the_socket() -> None:
+    app = create_app(GatewayConfig(stage_addrs={"thinker": "127.0.0.1:1", "talker": "127.0.0.1:1", "code2wav": "127.0.0.1:1"},
+                                   api_key="sekret"))
+    with TestClient(app) as client:
+        with client.websocket_connect("/v1/duplex") as ws:
+            check_error(ws.receive_json(), "invalid_api_key")
+        with client.websocket_connect("/v1/duplex", headers={"Authorization": "Bearer sekret"}) as ws:
+            open_session(ws)
+        metrics_text = client.get("/metrics").text
+        assert "minicpmo_realtime_sessions" in metrics_text

@@ -6,6 +6,7 @@ session exactly as it was (malformed frames never derail a session).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -234,6 +235,7 @@ async def text_append(s: DuplexSession, event: dict[str, Any]) -> None:
 
 async def hard_interrupt(s: DuplexSession, reason: str, *, cleared: bool = False) -> None:
     """Bump the epoch, fence every live stage stream, and close the active response as cancelled."""
+    s.interrupt_started = time.monotonic()
     s.epoch += 1
     s.pipeline.interrupt(s.epoch, reason)
     s.lifecycle.deferred_create = False

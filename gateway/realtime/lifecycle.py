@@ -14,11 +14,13 @@ fence: the stages drop them too once they see the interrupt).
 from __future__ import annotations
 
 import base64
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gateway.realtime import events as ev
+from gateway.realtime import metrics
 from gateway.realtime.audio import encode_output_audio
 from gateway.realtime.errors import RealtimeError
 
@@ -214,6 +216,7 @@ class ResponseLifecycle:
         s = self.s
         payload, rate = encode_output_audio(samples, s.cfg.output_format)
         resp.audio_samples += samples.size
+        metrics.AUDIO_SECONDS.inc(samples.size / 24_000)
         text, resp.pending_text = resp.pending_text, ""
         resp.transcript += text
         resp.marks.append(ev.TextMark(len(resp.transcript), resp.audio_ms))
@@ -321,6 +324,9 @@ class ResponseLifecycle:
             },
         )
         s.emit("rate_limits.updated", rate_limits=[])
+        metrics.RESPONSES.labels(status).inc()
+        if status == "cancelled" and s.interrupt_started is not None:
+            metrics.BARGE_IN_GATEWAY.observe(time.monotonic() - s.interrupt_started)
         if self.deferred_create and self.active is None:
             self.deferred_create = False
             if s.committed_backlog:

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gateway.realtime import metrics
 from gateway.realtime.config import SessionConfig
 from gateway.realtime.errors import RealtimeError
 from gateway.realtime.session import DuplexSession, hash_token
@@ -31,6 +32,7 @@ class SessionRegistry:
 
     def open(self, cfg: SessionConfig) -> DuplexSession:
         if len(self.sessions) >= self.settings.max_sessions:
+            metrics.SESSIONS_REJECTED.labels("resource_exhausted").inc()
             raise RealtimeError(
                 "resource_exhausted",
                 f"duplex_session_capacity_exhausted: limit={self.settings.max_sessions}",
@@ -38,11 +40,13 @@ class SessionRegistry:
             )
         session = DuplexSession(self.settings, cfg, self.pipeline_factory, self._finished)
         self.sessions[session.id] = session
+        metrics.SESSIONS.set(len(self.sessions))
         session.start()
         return session
 
     def _finished(self, session: DuplexSession) -> None:
         self.sessions.pop(session.id, None)
+        metrics.SESSIONS.set(len(self.sessions))
         self._ended[session.id] = time.monotonic()
         while len(self._ended) > _TOMBSTONE_LIMIT:
             self._ended.popitem(last=False)

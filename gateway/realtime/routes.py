@@ -72,8 +72,20 @@ class RealtimeEndpoint:
             return message["text"]
         return ""  # binary frame
 
+    def _authorized(self, ws: WebSocket) -> bool:
+        """The gateway's API key (if configured) guards the socket too: ``Authorization: Bearer <key>``."""
+        config = getattr(ws.app.state, "config", None)
+        if config is None or not getattr(config, "api_key", None):
+            return True
+        from gateway.app import check_api_key
+
+        return check_api_key(config, ws.headers.get("authorization"))
+
     async def serve(self, ws: WebSocket) -> None:
         await ws.accept()
+        if not self._authorized(ws):
+            await self._handshake_fail(ws, RealtimeError("invalid_api_key", "invalid or missing API key"))
+            return
         params = ws.query_params
         autostart = params.get("autostart") != "0" and params.get("resume") != "1"
         session: DuplexSession | None = None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gateway.realtime import events as ev
+from gateway.realtime import metrics
 from gateway.realtime.audio import UNIT_SAMPLES, AudioUnit, UnitAssembler
 from gateway.realtime.config import SessionConfig, render_session
 from gateway.realtime.errors import RealtimeError
@@ -115,6 +116,7 @@ class DuplexSession:
         self._task: asyncio.Task[None] | None = None
         self._grace_task: asyncio.Task[None] | None = None
         self.stage_acks: list[dict[str, Any]] = []
+        self.interrupt_started: float | None = None  # monotonic time of the last hard interrupt
         if settings.supports_session_resume:
             self.rotate_token()
 
@@ -143,6 +145,7 @@ class DuplexSession:
         return event
 
     def emit_error(self, exc: RealtimeError) -> None:
+        metrics.ERRORS.labels(exc.code).inc()
         self.emit("error", error=exc.body())
 
     def session_object(self) -> dict[str, Any]:
@@ -332,6 +335,7 @@ class DuplexSession:
         """Send one unit to the thinker under the current epoch; returns its session-wide unit index."""
         seq = self.unit_seq
         self.unit_seq += 1
+        metrics.UNITS.inc()
         self.pipeline.push_unit(unit.samples, unit.frames, seq, self.epoch, self.turn_id, request_response)
         return seq
 
