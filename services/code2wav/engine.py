@@ -72,6 +72,7 @@ class StreamHandle:
     state: StreamState
     cursor: WindowCursor = field(default_factory=WindowCursor)
     pending: deque[PendingWindow] = field(default_factory=deque)
+    # (tag, WindowResult | StageError | None): None wakes the reader after an abandoned-epoch window.
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_flight: bool = False
     needs_reset: bool = False
@@ -248,8 +249,13 @@ class Code2WavEngine:
         for (handle, window), result in zip(batch, results, strict=True):
             handle.in_flight = False
             IN_FLIGHT.labels(STAGE).dec()
-            if handle.closed or window.epoch != handle.epoch:
-                continue  # interrupted while running: the audio belongs to an abandoned epoch
+            if handle.closed:
+                continue
+            if window.epoch != handle.epoch:
+                # Interrupted while running: the audio belongs to an abandoned epoch. Still wake the
+                # stream's reader so a pending end-of-stream check sees the window is gone.
+                handle.outputs.put_nowait((window.tag, None))
+                continue
             if handle.first_window_latency is None:
                 handle.first_window_latency = now - window.enqueued
                 FIRST_WINDOW_SECONDS.observe(handle.first_window_latency)

@@ -87,6 +87,8 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
                     )
                     return
                 tag, item = await handle.outputs.get()
+                if item is None:
+                    continue  # a window of an abandoned epoch finished; nothing to send
                 if isinstance(item, StageError):
                     yield _error(item, tag if isinstance(tag, common_pb2.Identity) else identity)
                     return
