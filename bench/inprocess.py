@@ -34,7 +34,7 @@ import torch
 
 from bench.e2e import Workload, environment, make_prompts
 from bench.e2e_client import LevelSummary, RequestResult, markdown_table, percentiles
-from services.common.deploy_profile import DeployProfile, load_profile
+from services.common.deploy_profile import DeployProfile, load_profile, parse_overrides
 
 
 class Engines:
@@ -254,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--deploy-config", default="minicpmo_4_5", help="profile for max sequences and codec windows")
+    p.add_argument("--stage-overrides", default=None, help="JSON deep-merged into the profile (as bench.e2e)")
     p.add_argument("--concurrency", default="1,4,8")
     p.add_argument("--requests-per-level", type=int, default=32)
     p.add_argument("--warmup", type=int, default=2)
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t_start = time.monotonic()
     w = Workload(args.prompt_tokens, args.spoken_tokens, 10, args.audio_frames)
-    profile = load_profile(args.deploy_config)
+    profile = load_profile(args.deploy_config).with_overrides(parse_overrides(args.stage_overrides))
     out_dir = Path(args.out_dir or Path(os.environ.get("OUT", "bench-results")) / "inprocess")
     out_dir.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(drive(args, profile, w, t_start + args.max_seconds))
