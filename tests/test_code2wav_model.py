@@ -5,6 +5,7 @@ window validation, reference-voice errors and the safe flow.yaml loader."""
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,15 +25,17 @@ WAV_ATOL = 1e-3  # HiFT's phase integration amplifies float-order differences (m
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_ckpt: Path) -> types.SimpleNamespace:
-    torch.set_num_threads(1)
+def stack(tiny_ckpt: Path) -> Iterator[types.SimpleNamespace]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # steadier on the shared 2-core host; restored for other test modules
     ckpt = Checkpoint(tiny_ckpt)
     model = load_token2wav(ckpt.token2wav_dir, "cpu")
     voices = ReferenceVoiceEncoder(ckpt.token2wav_dir, model.device, model.dims.up_rate)
     prompt = voices.encode_file(ckpt.ref_audio_path)
-    return types.SimpleNamespace(
+    yield types.SimpleNamespace(
         ckpt=ckpt, model=model, voices=voices, prompt=prompt, runner=Code2WavRunner(model)
     )
+    torch.set_num_threads(threads)
 
 
 def _codes(seed: int, n: int) -> list[int]:
