@@ -476,13 +476,25 @@ class TalkerEngine:
 
     # -------------------------------------------------------------------------------- decoding
     def _decode(self, batch: list[StreamState]) -> None:
+        """One graphed decode+sample step for ``batch``; only the picked ids come back to the host."""
         t0 = time.perf_counter()
-        slots = [st.slot for st in batch]
-        codes = [st.pending_code for st in batch]
-        logits = self.runner.decode(slots, codes)  # type: ignore[arg-type]
+        vocab = self.cfg.num_audio_tokens
+        slots: list[int] = []
+        codes: list[int] = []
+        packed: list[tuple[list[int], list[float]]] = []
         for st in batch:
+            slots.append(st.slot)  # type: ignore[arg-type]
+            codes.append(st.pending_code)  # type: ignore[arg-type]
             st.pending_code = None
-        self._after_logits_batch(batch, logits)
+            packed.append(smp.pack_row(st.row, self._rules(st), vocab))  # type: ignore[arg-type]
+        observer = self.logits_observer
+        ids, logits = self.runner.decode_sample(slots, codes, packed, want_logits=observer is not None)
+        if observer is not None:
+            assert logits is not None
+            for i, st in enumerate(batch):
+                observer(st, logits[i])
+        for st, code in zip(batch, ids, strict=True):
+            self._guarded(st, lambda s, c=code: self._on_sample(s, c))
         BATCH_SIZE.labels(STAGE).observe(len(batch))
         DECODE_ROWS.set(len(batch))
         STEP_SECONDS.labels(STAGE).observe(time.perf_counter() - t0)
@@ -500,13 +512,16 @@ class TalkerEngine:
         return smp.duplex_rules(st.seg_t, st.seg_budget)
 
     def _after_logits_batch(self, batch: list[StreamState], logits: torch.Tensor) -> None:
+        """Sample after a prefill (eager, same :func:`sampling.sample_packed` the decode graph runs)."""
         if self.logits_observer is not None:
             for i, st in enumerate(batch):
                 self.logits_observer(st, logits[i])
         rows = [st.row for st in batch]
         rules = [self._rules(st) for st in batch]
-        ids = smp.sample(logits, rows, rules, self.eos)  # type: ignore[arg-type]
-        for st, code in zip(batch, ids, strict=True):
+        ints, floats = smp.pack_rows(rows, rules, logits.shape[-1])  # type: ignore[arg-type]
+        dev = logits.device
+        picked = smp.sample_packed(logits, ints.to(dev), floats.to(dev), self.eos, self.runner.vocab_salt)
+        for st, code in zip(batch, picked.tolist(), strict=True):
             self._guarded(st, lambda s, c=code: self._on_sample(s, c))
 
     def _on_sample(self, st: StreamState, code: int) -> None:

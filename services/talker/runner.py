@@ -22,6 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from services.talker import sampling as smp
 from services.talker.kv_cache import SlotKVCache
 from services.talker.model.tts import MiniCPMTTS
 
@@ -85,6 +86,12 @@ class TalkerRunner:
             use_cuda_graphs = self.device.type == "cuda"
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        vocab = cfg.num_audio_tokens
+        # Sampler constants made once, outside any capture; idle rows: greedy, nothing applied.
+        self.vocab_salt = smp.vocab_salt(vocab, self.device)
+        idle_ints, idle_floats = smp.idle_row(vocab)
+        self._idle_ints: list[int] = idle_ints
+        self._idle_floats: list[float] = idle_floats
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
 
     # ----------------------------------------------------------------------------------- attention
@@ -160,18 +167,78 @@ class TalkerRunner:
         return self.model.head_logits(hidden[0, -1])
 
     # -------------------------------------------------------------------------------------- decode
-    def _decode_eager(
-        self, codes: torch.Tensor, positions: torch.Tensor, active: torch.Tensor, read_len: int
-    ) -> torch.Tensor:
+    def _step_eager(
+        self, ints: torch.Tensor, floats: torch.Tensor, read_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode forward + sampling over slots ``0..n-1``; returns (fp32 logits [n, V], ids [n]).
+
+        ``ints`` [n, 3 + sampler int columns] = (code, position, active, sampler knobs…), ``floats`` the
+        sampler's fp32 knobs. Everything is a fixed-shape tensor op, so this exact function is what the
+        CUDA graph captures and what CPU runs eagerly: tests on CPU exercise the graphed path's logic.
+        """
+        codes, positions, active = ints[:, 0], ints[:, 1], ints[:, 2].bool()
         n = codes.shape[0]
         x = self.model.emb_code[0](codes)[:, None, :]
         write_index = torch.where(active, positions, torch.full_like(positions, self.cache.scratch_index))
         rope_pos = torch.where(active, positions, torch.zeros_like(positions))
-        limit = torch.where(active, positions, torch.zeros_like(positions))
-        mask = (torch.arange(read_len, device=codes.device)[None, :] <= limit[:, None])[:, None, None, :]
+        mask = (torch.arange(read_len, device=codes.device)[None, :] <= rope_pos[:, None])[:, None, None, :]
         slots = torch.arange(n, device=codes.device)
         hidden = self._layers(x, rope_pos[:, None], slots, write_index[:, None], slice(0, n), read_len, mask)
-        return self.model.head_logits(hidden[:, 0])
+        logits = self.model.head_logits(hidden[:, 0])
+        ids = smp.sample_packed(logits, ints[:, 3:], floats, self.cfg.eos_id, self.vocab_salt)
+        return logits, ids
+
+    def _host_inputs(
+        self, slots: list[int], codes: list[int], rows: list[tuple[list[int], list[float]]] | None
+    ) -> tuple[int, int, list[list[int]], list[list[float]]]:
+        """(batch bucket n, length bucket, int rows, float rows) for one step; advances nothing."""
+        n = min(next_bucket(max(slots) + 1), self.cache.num_slots)
+        int_rows = [[0, 0, 0, *self._idle_ints] for _ in range(n)]
+        float_rows = [self._idle_floats] * n
+        lengths = self.cache.lengths
+        top = 0
+        for k, s in enumerate(slots):
+            pos = lengths[s]
+            if pos >= self.context:
+                raise ValueError(f"slot {s} is at the Talker context limit {self.context}")
+            top = max(top, pos)
+            if rows is None:
+                int_rows[s] = [int(codes[k]), pos, 1, *self._idle_ints]
+            else:
+                int_rows[s] = [int(codes[k]), pos, 1, *rows[k][0]]
+                float_rows[s] = rows[k][1]
+        read_len = min(next_bucket(top + 1, MIN_LENGTH_BUCKET), self.context)
+        return n, read_len, int_rows, float_rows
+
+    @torch.inference_mode()
+    def decode_sample(
+        self,
+        slots: list[int],
+        codes: list[int],
+        rows: list[tuple[list[int], list[float]]],
+        want_logits: bool = False,
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Feed one codec id to each of ``slots`` and draw each one's next id in the same step.
+
+        ``rows`` are the sampler knobs per slot (:func:`sampling.pack_row`). Returns the picked ids (one
+        device→host copy of ``n`` int64 per step) and, if asked, the fp32 logits [len(slots), V] (device
+        memory that the next step overwrites: copy what you keep).
+        """
+        if not slots:
+            return [], None
+        n, read_len, int_rows, float_rows = self._host_inputs(slots, codes, rows)
+        ints = torch.tensor(int_rows, dtype=torch.int64)
+        floats = torch.tensor(float_rows, dtype=torch.float32)
+        if self.use_cuda_graphs:
+            logits, ids = self._graph(n, read_len).run(ints, floats)
+        else:
+            logits, ids = self._step_eager(ints.to(self.device), floats.to(self.device), read_len)
+        picked = ids.tolist()
+        lengths = self.cache.lengths
+        for s in slots:
+            lengths[s] += 1
+        out_logits = logits.index_select(0, torch.tensor(slots, device=self.device)) if want_logits else None
+        return [picked[s] for s in slots], out_logits
 
     @torch.inference_mode()
     def decode(self, slots: list[int], codes: list[int] | torch.Tensor) -> torch.Tensor:
@@ -179,35 +246,15 @@ class TalkerRunner:
 
         The step runs over the slot prefix ``0..n-1`` (n = a power-of-two bucket covering the highest slot)
         so shapes stay fixed per bucket; each slot's position is its cache length, which then advances.
+        Same graphs as :meth:`decode_sample` (rows get neutral sampler knobs; their draws are ignored).
         """
         if not slots:
             return torch.empty(0, self.cfg.num_audio_tokens, device=self.device)
-        n = min(next_bucket(max(slots) + 1), self.cache.num_slots)
-        positions = [0] * n
-        active = [False] * n
-        code_row = [0] * n
         code_list = codes.tolist() if isinstance(codes, torch.Tensor) else list(codes)
-        for s, c in zip(slots, code_list, strict=True):
-            pos = self.cache.lengths[s]
-            if pos >= self.context:
-                raise ValueError(f"slot {s} is at the Talker context limit {self.context}")
-            positions[s] = pos
-            active[s] = True
-            code_row[s] = int(c)
-        read_len = min(next_bucket(max(positions[s] for s in slots) + 1, MIN_LENGTH_BUCKET), self.context)
-        codes_t = torch.tensor(code_row, dtype=torch.long)
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        active_t = torch.tensor(active, dtype=torch.bool)
-        if self.use_cuda_graphs:
-            logits = self._graph(n, read_len).run(codes_t, pos_t, active_t)
-        else:
-            logits = self._decode_eager(
-                codes_t.to(self.device), pos_t.to(self.device), active_t.to(self.device), read_len
-            )
-        for s in slots:
-            self.cache.lengths[s] += 1
-        index = torch.tensor(slots, device=self.device)
-        return logits.index_select(0, index)
+        idle = (self._idle_ints, self._idle_floats)
+        _, logits = self.decode_sample(slots, code_list, [idle] * len(slots), want_logits=True)
+        assert logits is not None
+        return logits
 
     def _graph(self, n: int, read_len: int) -> _DecodeGraph:
         key = (n, read_len)
@@ -243,26 +290,40 @@ class TalkerRunner:
 
 
 class _DecodeGraph:
-    """One captured decode step for a fixed (batch, attention length); inputs are copied into static buffers."""
+    """One captured decode+sample step for a fixed (batch, attention length).
+
+    Host inputs are copied into static device buffers through pinned staging tensors; the picked ids
+    come back through a pinned buffer with a single small device→host copy and one stream sync.
+    """
 
     def __init__(self, runner: TalkerRunner, n: int, read_len: int, pool: object) -> None:
         dev = runner.device
-        self.codes = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.active = torch.zeros(n, dtype=torch.bool, device=dev)  # all inactive: warm-up writes hit scratch
+        width = 3 + smp.INT_COLUMNS
+        self.ints = torch.zeros(n, width, dtype=torch.int64, device=dev)  # all inactive: writes hit scratch
+        self.ints[:, 3:] = torch.tensor(runner._idle_ints, dtype=torch.int64, device=dev)
+        self.floats = torch.ones(n, smp.FLOAT_COLUMNS, dtype=torch.float32, device=dev)
+        self.ints_staging = torch.zeros(n, width, dtype=torch.int64).pin_memory()
+        self.floats_staging = torch.zeros(n, smp.FLOAT_COLUMNS, dtype=torch.float32).pin_memory()
+        self.ids_host = torch.zeros(n, dtype=torch.int64).pin_memory()
+        self.done = torch.cuda.Event()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):
-                runner._decode_eager(self.codes, self.positions, self.active, read_len)
+                runner._step_eager(self.ints, self.floats, read_len)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
-            self.logits = runner._decode_eager(self.codes, self.positions, self.active, read_len)
+            self.logits, self.ids = runner._step_eager(self.ints, self.floats, read_len)
 
-    def run(self, codes: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        self.codes.copy_(codes, non_blocking=True)
-        self.positions.copy_(positions, non_blocking=True)
-        self.active.copy_(active, non_blocking=True)
+    def run(self, ints: torch.Tensor, floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay with these inputs; returns (static logits, ids on the host)."""
+        self.ints_staging.copy_(ints)
+        self.floats_staging.copy_(floats)
+        self.ints.copy_(self.ints_staging, non_blocking=True)
+        self.floats.copy_(self.floats_staging, non_blocking=True)
         self.graph.replay()
-        return self.logits
+        self.ids_host.copy_(self.ids, non_blocking=True)
+        self.done.record()
+        self.done.synchronize()
+        return self.logits, self.ids_host

@@ -1,4 +1,4 @@
-"""Codec sampling exactly as upstream MiniCPMTTS, batched over rows with per-row parameters.
+"""Codec sampling with upstream MiniCPMTTS's rules, batched over rows with per-row parameters.
 
 Upstream order for one step (``MiniCPMTTS.generate`` / ``generate_chunk`` / ``TTSStreamingGenerator``):
 
@@ -14,9 +14,17 @@ Which of (2)/(3) apply is a per-row, per-step decision the engine makes through 
 no processors and no warpers on a stream's very first sample (upstream's ``audio_bos`` step), and duplex
 units apply only the penalty (their warpers are built upstream but never called, model-spec §4.4 b).
 
-The draw is inverse-CDF sampling with one uniform per row taken from the request's own
-``torch.Generator`` (seeded per request), so a stream's samples depend only on its seed and its logits,
-never on which other streams share the batch. ``greedy`` rows take the argmax instead (tests, fidelity).
+How it runs: every per-row knob (temperature, penalty, top-p, top-k, rule flags, seed, draw counter,
+the 16-frame history) is packed into one int64 and one fp32 tensor (:func:`pack_rows`), and
+:func:`sample_packed` does steps 1–5 as fixed-shape tensor ops with no host decision in between, so
+the runner captures it in the same CUDA graph as the decode forward and only the picked ids come back.
+
+The draw is a Gumbel-max (exponential race): ``argmax(scores + g)`` with ``g = −log(−log u)`` picks token
+``i`` with probability ``softmax(scores)_i``. Each ``u`` is a counter-based uniform: an integer hash of
+(request seed, the row's draw index within its turn, vocab id), computed with 32-bit arithmetic in
+torch ops. A row's draw is therefore a pure function of its own seed, draw index and scores: it does not
+depend on which other streams share the batch, needs no CPU generator, no device→host round trip and no
+graph-unfriendly RNG state. ``greedy`` rows take the argmax instead (tests, fidelity).
 """
 
 from __future__ import annotations
@@ -61,15 +69,11 @@ class StepRules:
 
 @dataclass
 class RowState:
-    """Per-request sampling state: its params, its RNG and its penalty history (last frames only)."""
+    """Per-request sampling state: its params, its draw counter and its penalty history (last frames only)."""
 
     params: SamplingParams
-    generator: torch.Generator = field(init=False)
     history: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(int(self.params.seed))
+    draws: int = 0  # random draws made so far this turn: the counter of the next draw's uniforms
 
     def remember(self, code: int) -> None:
         self.history.append(int(code))
@@ -78,9 +82,6 @@ class RowState:
 
     def clear_history(self) -> None:
         self.history.clear()
-
-    def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
 
 
 # -------------------------------------------------------------------------------------- step rules
@@ -127,9 +128,98 @@ def duplex_rules(t: int, budget: DuplexBudget) -> StepRules:
     return StepRules(apply_penalty=t > 0, apply_warpers=False, mask_eos=mask)
 
 
+# ------------------------------------------------------------------------------ counter-based uniforms
+_U32 = 0xFFFFFFFF
+_SEED_SALT = 0x9E3779B9
+_VOCAB_SALT = 0x632BE5AB
+
+
+def _mul_u32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x · c) mod 2³² for int64 tensors holding values in [0, 2³²), with no int64 overflow on any device.
+
+    x = hi·2¹⁶ + lo, so x·c ≡ lo·c + ((hi·c) mod 2¹⁶)·2¹⁶; every partial product stays below 2⁴⁸.
+    """
+    low = (x & 0xFFFF) * c
+    high = ((x >> 16) * (c & 0xFFFF)) & 0xFFFF
+    return (low + (high << 16)) & _U32
+
+
+def mix_u32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (xorshift-multiply, "lowbias32" constants) in int64 torch ops."""
+    x = x ^ (x >> 16)
+    x = _mul_u32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul_u32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def vocab_salt(vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-vocab-id hash constants [V] (int64); the runner makes them once, before any graph capture."""
+    return mix_u32(torch.arange(vocab, dtype=torch.int64, device=device) ^ _VOCAB_SALT)
+
+
+def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from its 64-bit seed (two halves) and its draw counter."""
+    key = mix_u32(seed_lo ^ _SEED_SALT)
+    key = mix_u32(key ^ seed_hi)
+    return mix_u32(key ^ counter)
+
+
+def counter_uniforms(keys: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
+    """fp32 uniforms in (0, 1) [B, V]: hash(row key, vocab id), top 24 bits, centred in their cell."""
+    bits = mix_u32(keys[:, None] ^ salt[None, :]) >> 8
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+# ------------------------------------------------------------------------------------ packed rows
+_WARP, _MASK_EOS, _GREEDY = 1, 2, 4
+# int64 columns: seed low/high 32 bits, draw counter, top-k, flags, then the padded penalty history
+_SEED_LO, _SEED_HI, _COUNTER, _TOP_K, _FLAGS, _HISTORY = 0, 1, 2, 3, 4, 5
+INT_COLUMNS = _HISTORY + PENALTY_WINDOW
+# fp32 columns: temperature, penalty (1.0 when the penalty does not apply), top-p
+FLOAT_COLUMNS = 3
+
+
+def pack_row(
+    row: RowState, rule: StepRules, vocab: int, consume_draw: bool = True
+) -> tuple[list[int], list[float]]:
+    """One row's knobs as (int64 columns, fp32 columns); a non-greedy row's draw counter advances here."""
+    prm = row.params
+    penalize = rule.apply_penalty and prm.repetition_penalty != 1.0
+    recent = row.history[-PENALTY_WINDOW:] if penalize else []
+    seed = int(prm.seed) & 0xFFFFFFFFFFFFFFFF
+    counter = row.draws & _U32
+    if consume_draw and not prm.greedy:
+        row.draws += 1
+    flags = (_WARP if rule.apply_warpers else 0) | (_MASK_EOS if rule.mask_eos else 0)
+    flags |= _GREEDY if prm.greedy else 0
+    ints = [seed & _U32, seed >> 32, counter, prm.top_k, flags, *recent]
+    ints.extend([vocab] * (INT_COLUMNS - len(ints)))
+    floats = [float(prm.temperature), float(prm.repetition_penalty) if penalize else 1.0, float(prm.top_p)]
+    return ints, floats
+
+
+def idle_row(vocab: int) -> tuple[list[int], list[float]]:
+    """Harmless knobs for batch rows that sit out a step (greedy, nothing applied; the result is ignored)."""
+    return [0, 0, 0, vocab, _GREEDY] + [vocab] * PENALTY_WINDOW, [1.0, 1.0, 1.0]
+
+
+def pack_rows(
+    rows: Sequence[RowState], rules: Sequence[StepRules], vocab: int, consume_draw: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors (int64 [B, INT_COLUMNS], fp32 [B, FLOAT_COLUMNS]) for :func:`sample_packed`."""
+    packed = [pack_row(r, rule, vocab, consume_draw) for r, rule in zip(rows, rules, strict=True)]
+    ints = torch.tensor([p[0] for p in packed], dtype=torch.int64).reshape(len(packed), INT_COLUMNS)
+    floats = torch.tensor([p[1] for p in packed], dtype=torch.float32).reshape(len(packed), FLOAT_COLUMNS)
+    return ints, floats
+
+
 # -------------------------------------------------------------------------------- batched kernels
 def _penalty_from_padded(logits: torch.Tensor, padded: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
-    """``padded`` [B, W] holds each row's recent ids, padded with ``vocab`` (a dummy bin)."""
+    """``padded`` [B, W] holds each row's recent ids, padded with ``vocab`` (a dummy bin).
+
+    A row with penalty 1 is returned unchanged bit for bit (1^n = 1, x·1 = x/1 = x).
+    """
     bsz, vocab = logits.shape
     freq = torch.zeros(bsz, vocab + 1, dtype=logits.dtype, device=logits.device)
     freq.scatter_add_(1, padded, torch.ones_like(padded, dtype=logits.dtype))
@@ -137,32 +227,35 @@ def _penalty_from_padded(logits: torch.Tensor, padded: torch.Tensor, penalties: 
     return torch.where(logits < 0, logits * alpha, logits / alpha)
 
 
-def _padded_histories(histories: Sequence[Sequence[int]], vocab: int) -> list[list[int]]:
-    width = max([min(len(h), PENALTY_WINDOW) for h in histories] + [1])
-    out = []
-    for h in histories:
-        recent = list(h)[-PENALTY_WINDOW:]
-        out.append(recent + [vocab] * (width - len(recent)))
-    return out
-
-
 def apply_repetition_penalty(
     logits: torch.Tensor, histories: Sequence[Sequence[int]], penalties: torch.Tensor
 ) -> torch.Tensor:
     """Frequency penalty over each row's last ``PENALTY_WINDOW`` ids (rows with penalty 1 are untouched)."""
-    padded = torch.tensor(
-        _padded_histories(histories, logits.shape[1]), dtype=torch.long, device=logits.device
-    )
-    return _penalty_from_padded(logits, padded, penalties.to(logits.device))
+    vocab = logits.shape[1]
+    padded = [list(h)[-PENALTY_WINDOW:] for h in histories]
+    padded = [h + [vocab] * (PENALTY_WINDOW - len(h)) for h in padded]
+    index = torch.tensor(padded, dtype=torch.long, device=logits.device).reshape(len(padded), PENALTY_WINDOW)
+    return _penalty_from_padded(logits, index, penalties.to(logits.device))
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """transformers ``TopPLogitsWarper(min_tokens_to_keep=3)`` with a per-row p (p = 1 keeps all)."""
+def _top_p_removed(
+    logits: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' top-p in ascending sorted order: (removed flags, sorted values, sort indices).
+
+    The removed tokens are always a prefix of the ascending order (the cumulative mass only grows).
+    """
     sorted_logits, sorted_idx = torch.sort(logits, descending=False, dim=-1)
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     remove = cumulative <= (1 - top_p[:, None])
     remove[:, -MIN_TOKENS_TO_KEEP:] = False
     remove = remove & (top_p[:, None] < 1.0)
+    return remove, sorted_logits, sorted_idx
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """transformers ``TopPLogitsWarper(min_tokens_to_keep=3)`` with a per-row p (p = 1 keeps all)."""
+    remove, _, sorted_idx = _top_p_removed(logits, top_p)
     mask = remove.scatter(1, sorted_idx, remove)
     return logits.masked_fill(mask, float("-inf"))
 
@@ -179,87 +272,87 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int | None = N
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-_WARP, _MASK_EOS, _GREEDY = 1, 2, 4
+def apply_warpers(logits: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """``apply_top_k(apply_top_p(x))`` from a single sort, with no host sync (graph-capturable).
 
-
-def _sample_packed(
-    logits: torch.Tensor,
-    rows: Sequence[RowState],
-    rules: Sequence[StepRules],
-    eos_id: int,
-    draw_uniforms: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 1–5 with every per-row knob packed into two small tensors (two host→device copies per step).
-
-    Returns (final scores, picked ids on the device).
+    Top-p removes an ascending prefix of ``r`` tokens, so the top-p-masked row sorted descending is the
+    original sorted row with its last ``r`` entries at −inf; its k-th largest value — top-k's threshold —
+    is therefore ``sorted_ascending[V − k]`` when ``k ≤ V − r`` and −inf otherwise. Same kept set as the
+    two warpers applied one after the other (ties with the k-th value kept).
     """
-    dev = logits.device
-    bsz, vocab = logits.shape
-    penalize = [
-        rule.apply_penalty and r.params.repetition_penalty != 1.0 for r, rule in zip(rows, rules, strict=True)
-    ]
-    floats: list[list[float]] = []
-    ints: list[list[int]] = []
-    hist = _padded_histories([r.history if p else [] for r, p in zip(rows, penalize, strict=True)], vocab)
-    k_max = MIN_TOKENS_TO_KEEP
-    for r, rule, pen, h in zip(rows, rules, penalize, hist, strict=True):
-        prm = r.params
-        flags = (_WARP if rule.apply_warpers else 0) | (_MASK_EOS if rule.mask_eos else 0)
-        flags |= _GREEDY if prm.greedy else 0
-        uniform = r.uniform() if draw_uniforms and not prm.greedy else 0.0
-        floats.append([prm.temperature, prm.repetition_penalty if pen else 1.0, prm.top_p, uniform])
-        top_k = prm.top_k if rule.apply_warpers else 1
-        k_max = max(k_max, top_k)
-        ints.append([top_k, flags, *h])
-    f = torch.tensor(floats, dtype=torch.float32).to(dev, non_blocking=True)
-    i = torch.tensor(ints, dtype=torch.long).to(dev, non_blocking=True)
-    flags = i[:, 1]
-    scores = logits.float() / f[:, 0:1]
-    if any(penalize):
-        scores = _penalty_from_padded(scores, i[:, 2:], f[:, 1])
-    if any(rule.apply_warpers for rule in rules):
-        warped = apply_top_k(apply_top_p(scores, f[:, 2]), i[:, 0], k_max)
-        scores = torch.where((flags & _WARP).bool()[:, None], warped, scores)
-    if any(rule.mask_eos for rule in rules):
-        eos_col = scores[:, eos_id]
-        scores[:, eos_id] = torch.where(
-            (flags & _MASK_EOS).bool(), torch.full_like(eos_col, float("-inf")), eos_col
-        )
-    return scores, _pick(scores, f[:, 3], (flags & _GREEDY).bool())
+    vocab = logits.shape[-1]
+    remove, sorted_logits, sorted_idx = _top_p_removed(logits, top_p)
+    kept = vocab - remove.sum(dim=-1, keepdim=True)
+    k = torch.clamp(top_k, min=MIN_TOKENS_TO_KEEP, max=vocab).to(torch.long)[:, None]
+    kth = sorted_logits.gather(1, vocab - k)
+    threshold = torch.where(k <= kept, kth, torch.full_like(kth, float("-inf")))
+    mask = remove.scatter(1, sorted_idx, remove) | (logits < threshold)
+    return logits.masked_fill(mask, float("-inf"))
 
 
-def _pick(scores: torch.Tensor, uniforms: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """Softmax, then inverse-CDF with one uniform per row (argmax for greedy rows)."""
-    probs = torch.softmax(scores, dim=-1)
-    cdf = probs.cumsum(dim=-1)
-    picked = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0]
-    # Guard the rounding edge (target ≥ the last cumulative value): fall back to the last token with mass.
-    vocab = probs.shape[1]
-    last_positive = (vocab - 1) - torch.argmax(torch.flip(probs > 0, dims=[1]).to(torch.int8), dim=1)
-    picked = torch.minimum(picked, last_positive)
-    return torch.where(greedy, torch.argmax(probs, dim=-1), picked)
+def process_packed(
+    logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, eos_id: int
+) -> torch.Tensor:
+    """Steps 1–4 on packed rows: the fp32 scores the draw is made from. Fixed shapes, no host decisions."""
+    vocab = logits.shape[-1]
+    flags = ints[:, _FLAGS]
+    scores = logits.float() / floats[:, 0:1]
+    scores = _penalty_from_padded(scores, ints[:, _HISTORY:], floats[:, 1])
+    warped = apply_warpers(scores, floats[:, 2], ints[:, _TOP_K])
+    scores = torch.where((flags & _WARP).bool()[:, None], warped, scores)
+    eos_column = torch.arange(vocab, device=logits.device) == eos_id
+    return scores.masked_fill((flags & _MASK_EOS).bool()[:, None] & eos_column[None, :], float("-inf"))
 
 
+def pick_packed(scores: torch.Tensor, ints: torch.Tensor, salt: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 5: Gumbel-max with counter-based uniforms per row (argmax of the softmax for greedy rows)."""
+    if salt is None:
+        salt = vocab_salt(scores.shape[-1], scores.device)
+    keys = row_keys(ints[:, _SEED_LO], ints[:, _SEED_HI], ints[:, _COUNTER])
+    gumbel = -torch.log(-torch.log(counter_uniforms(keys, salt)))
+    sampled = torch.argmax(scores + gumbel, dim=-1)
+    greedy = torch.argmax(torch.softmax(scores, dim=-1), dim=-1)
+    return torch.where((ints[:, _FLAGS] & _GREEDY).bool(), greedy, sampled)
+
+
+def sample_packed(
+    logits: torch.Tensor,
+    ints: torch.Tensor,
+    floats: torch.Tensor,
+    eos_id: int,
+    salt: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Steps 1–5 for a batch of packed rows; returns the picked ids on the logits' device.
+
+    The one function both paths run: eagerly on CPU and after a prefill, captured inside the decode
+    CUDA graph on GPU. ``salt`` (:func:`vocab_salt`) must be passed when capturing.
+    """
+    return pick_packed(process_packed(logits, ints, floats, eos_id), ints, salt)
+
+
+# ----------------------------------------------------------------------------- list-based helpers
 def process_logits(
     logits: torch.Tensor,
     rows: Sequence[RowState],
     rules: Sequence[StepRules],
     eos_id: int,
 ) -> torch.Tensor:
-    """Steps 1–4 for a batch: the final scores the draw is made from (fp32; no RNG is consumed)."""
-    return _sample_packed(logits, rows, rules, eos_id, draw_uniforms=False)[0]
+    """Steps 1–4 for a batch: the final scores the draw is made from (fp32; no draw is consumed)."""
+    ints, floats = pack_rows(rows, rules, logits.shape[-1], consume_draw=False)
+    return process_packed(logits, ints.to(logits.device), floats.to(logits.device), eos_id)
 
 
 def draw(scores: torch.Tensor, rows: Sequence[RowState]) -> list[int]:
-    """Step 5 alone on already-processed scores (one uniform per non-greedy row)."""
-    greedy = [r.params.greedy for r in rows]
-    uniforms = torch.tensor([0.0 if g else r.uniform() for r, g in zip(rows, greedy, strict=True)])
-    picked = _pick(scores, uniforms.to(scores.device), torch.tensor(greedy, device=scores.device))
-    return [int(x) for x in picked.tolist()]
+    """Step 5 alone on already-processed scores (one draw per non-greedy row)."""
+    neutral = StepRules(apply_penalty=False, apply_warpers=False, mask_eos=False)
+    ints, _ = pack_rows(rows, [neutral] * len(rows), scores.shape[-1])
+    return [int(x) for x in pick_packed(scores, ints.to(scores.device)).tolist()]
 
 
 def sample(
     logits: torch.Tensor, rows: Sequence[RowState], rules: Sequence[StepRules], eos_id: int
 ) -> list[int]:
     """One batched sampling step; the caller records kept frames with ``RowState.remember``."""
-    return [int(x) for x in _sample_packed(logits, rows, rules, eos_id, draw_uniforms=True)[1].tolist()]
+    ints, floats = pack_rows(rows, rules, logits.shape[-1])
+    picked = sample_packed(logits, ints.to(logits.device), floats.to(logits.device), eos_id)
+    return [int(x) for x in picked.tolist()]
