@@ -10,6 +10,8 @@ import base64
 from collections import defaultdict
 from typing import Any
 
+from realtime_helpers import EVENT_ID_RE
+
 TERMINAL_ORDER = [
     "response.output_audio.done",
     "response.content_part.done",
@@ -30,7 +32,9 @@ def _rid(event: dict[str, Any]) -> str | None:
 
 
 def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Assert R1–R12 over ``events`` (in arrival order); returns a per-response summary."""
+    """Assert R1–R12 (and W10 for every event) over ``events`` in arrival order; returns a per-response summary."""
+    for event in events:
+        assert isinstance(event.get("type"), str) and EVENT_ID_RE.match(event.get("event_id", "")), event  # W10
     by_rid: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
     for i, event in enumerate(events):
         rid = _rid(event)
