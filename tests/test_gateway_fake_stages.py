@@ -337,3 +337,27 @@ def test_round_robin_over_replicas_and_openai_audio_delta() -> None:
     finally:
         first.stop()
         second.stop()
+
+
+def test_audio_only_and_stage_metrics(gateway: ThreadedGateway) -> None:
+    r = httpx.post(f"{gateway.url}/v1/chat/completions",
+                   json=_chat("hi", modalities=["audio"], audio={"format": "flac"}, return_stage_metrics=True),
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    message = body["choices"][0]["message"]
+    assert message["content"] is None
+    info = sf.info(io.BytesIO(base64.b64decode(message["audio"]["data"])))
+    assert info.format == "FLAC" and info.frames == body["choices"][0]["audio_metadata"]["frame_count"]
+    timings = body["metrics"]
+    assert 0 < timings["first_speech_chunk"] <= timings["first_audio"] <= timings["total"]
+
+
+def test_served_model_name_override(fakes: FakeStages) -> None:
+    config = GatewayConfig(stage_addrs=fakes.addrs, profile=load_profile("cpu"), served_model_name="minicpmo")
+    with ThreadedGateway(config) as gw:
+        assert httpx.get(f"{gw.url}/v1/models").json()["data"][0]["id"] == "minicpmo"
+        ok = httpx.post(f"{gw.url}/v1/chat/completions", json={**_chat("hi", modalities=["text"]), "model": "minicpmo"},
+                        timeout=30)
+        assert ok.status_code == 200 and ok.json()["model"] == "minicpmo"
+        assert httpx.post(f"{gw.url}/v1/chat/completions", json=_chat("hi"), timeout=30).status_code == 404
