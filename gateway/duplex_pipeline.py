@@ -56,6 +56,7 @@ class UnitOutcome:
     transcript: str
     turn_end: bool
     context_tokens: int
+    speech_turn: int = 0  # the pipeline's speaking turn this unit's speech went to (0: none)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class AudioOut:
     epoch: int
     samples: np.ndarray  # float32 mono 24 kHz
     is_last: bool
+    speech_turn: int = 0
 
 
 @dataclass
@@ -90,7 +92,7 @@ class SessionPipeline(Protocol):
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None: ...
 
-    def end_speech(self, epoch: int) -> None: ...
+    def end_speech(self, epoch: int, speech_turn: int = 0) -> None: ...
 
     def interrupt(self, new_epoch: int, reason: str) -> None: ...
 
@@ -146,6 +148,8 @@ class GrpcDuplexPipeline:
         self.speech_from_unit: int | None = None  # turn lane: speech only from the requested unit on
         self._in_seq = 0
         self._speech_turns = 0
+        self._live_turns: set[_SpeechTurn] = set()
+        self._unit_turn: dict[int, int] = {}  # unit_seq -> speaking turn its speech chunk went to
         self._interrupt_sent = 0.0
         self._closed = False
         self.ref_pcm = pcm_from_float(session.cfg.ref_audio, 16_000) if session.cfg.ref_audio is not None else None
@@ -169,11 +173,21 @@ class GrpcDuplexPipeline:
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
         self.speech_from_unit = unit_seq
 
-    def end_speech(self, epoch: int) -> None:
+    def end_speech(self, epoch: int, speech_turn: int = 0) -> None:
+        """The response voiced by ``speech_turn`` (0: the current turn) is over: end its talker input.
+
+        A turn whose thinker chunk carried ``turn_end`` was already ended by the pipeline itself; naming
+        the turn keeps a late call from ending the model's *next* turn by mistake.
+        """
         if not self.session.cfg.auto_response:
             self.speech_from_unit = None  # turn lane: no speech until the next requested response
         turn = self.turn
-        if turn is not None and turn.epoch == epoch and not turn.ending:
+        if turn is None or turn.epoch != epoch or (speech_turn and turn.turn_id != speech_turn):
+            return
+        self._end_turn(turn)
+
+    def _end_turn(self, turn: _SpeechTurn) -> None:
+        if not turn.ending:
             turn.ending = True
             asyncio.create_task(self._end_turn_input(turn))
 
@@ -187,10 +201,11 @@ class GrpcDuplexPipeline:
                 interrupt=common_pb2.Interrupt(new_epoch=new_epoch, reason=reason),
             )
             self._outbox.put_nowait(thinker_pb2.ThinkerRequest(control=ctl))
-        turn, self.turn = self.turn, None
-        if turn is not None and not turn.finished:
-            turn.interrupted = True
-            asyncio.create_task(self._interrupt_turn(turn, new_epoch, reason))
+        self.turn = None
+        for turn in list(self._live_turns):  # the current turn and any older one still finishing its audio
+            if not turn.finished and not turn.interrupted:
+                turn.interrupted = True
+                asyncio.create_task(self._interrupt_turn(turn, new_epoch, reason))
 
     async def close(self) -> None:
         """Abort every stage stream of the session (which frees its KV/caches) and stop the pumps.
@@ -201,9 +216,9 @@ class GrpcDuplexPipeline:
         if self._closed:
             return
         self._closed = True
-        if self.turn is not None:
-            self._cancel_turn(self.turn)
-            self.turn = None
+        for turn in list(self._live_turns):
+            self._cancel_turn(turn)
+        self.turn = None
         if self.thinker is not None:
             self.thinker.cancel()
         for task in self._tasks:
@@ -290,7 +305,7 @@ class GrpcDuplexPipeline:
         decision = "speak" if unit.decision == thinker_pb2.UNIT_DECISION_SPEAK else "listen"
         self.session.post_pipeline(
             UnitOutcome(epoch, int(unit.id.unit_seq), decision, unit.transcript, bool(unit.turn_end),
-                        int(unit.context_tokens))
+                        int(unit.context_tokens), self._unit_turn.pop(int(unit.id.unit_seq), 0))
         )
 
     async def _on_speech(self, chunk: thinker_pb2.SpeechChunk) -> None:
@@ -305,6 +320,7 @@ class GrpcDuplexPipeline:
         if turn is None or turn.finished or turn.ending:
             self._speech_turns += 1
             turn = await self._open_turn(epoch, self._speech_turns)
+        self._unit_turn[int(chunk.id.unit_seq)] = turn.turn_id
         talker_chunk = talker_pb2.TalkerChunk(
             id=common_pb2.Identity(
                 request_id=self.session.id, session_id=self.session.id, epoch=epoch,
@@ -320,6 +336,9 @@ class GrpcDuplexPipeline:
             await turn.talker.write(talker_pb2.TalkerRequest(chunk=talker_chunk))
         except BaseException as exc:  # noqa: BLE001
             self._fail("talker", exc)
+            return
+        if chunk.turn_end:
+            self._end_turn(turn)  # decided here, in stream order: the next speech opens a new turn
 
     # ---------------------------------------------------------------- talker + code2wav
 
@@ -328,6 +347,7 @@ class GrpcDuplexPipeline:
         code2wav = self.stages["code2wav"].open_stream(deadline_s=3600.0)
         turn = _SpeechTurn(epoch, turn_id, talker, code2wav)
         self.turn = turn
+        self._live_turns.add(turn)
         open_id = common_pb2.Identity(request_id=self.session.id, session_id=self.session.id, epoch=epoch, turn_id=turn_id)
         tsampling = talker_pb2.TalkerSampling()
         if self.settings.seed is not None:
@@ -410,7 +430,7 @@ class GrpcDuplexPipeline:
 
                         samples = resample(samples, rate, 24_000)
                     sent_last = bool(resp.audio.is_last)
-                    self.session.post_pipeline(AudioOut(turn.epoch, samples, sent_last))
+                    self.session.post_pipeline(AudioOut(turn.epoch, samples, sent_last, turn.turn_id))
                 elif kind == "interrupt_ack":
                     ack = resp.interrupt_ack
                     turn.note_ack("code2wav")
@@ -425,7 +445,7 @@ class GrpcDuplexPipeline:
                 elif kind == "done":
                     break
             if not turn.interrupted and not sent_last:
-                self.session.post_pipeline(AudioOut(turn.epoch, np.zeros(0, dtype=np.float32), True))
+                self.session.post_pipeline(AudioOut(turn.epoch, np.zeros(0, dtype=np.float32), True, turn.turn_id))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001
@@ -433,6 +453,7 @@ class GrpcDuplexPipeline:
                 self._fail("code2wav", exc, turn.epoch)
         finally:
             turn.finished = True
+            self._live_turns.discard(turn)
             if self.turn is turn:
                 self.turn = None
             turn.talker.cancel()

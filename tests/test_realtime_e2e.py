@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from realtime_helpers import pcm16_b64, session_body, tone
 from realtime_invariants import check_response_invariants
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("thinker", "talker", "code2wav")
+# A small thinker context so one test can run a session past it (S8); every other session stays far below.
+THINKER_MAX_CONTEXT = 512
 
 
 def _free_port() -> int:
@@ -51,9 +54,10 @@ def stage_addrs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         port, metrics = _free_port(), _free_port()
         addrs[stage] = f"127.0.0.1:{port}"
         log = (logs / f"{stage}.log").open("wb")
+        extra = ["--max-context", str(THINKER_MAX_CONTEXT)] if stage == "thinker" else []
         procs.append(subprocess.Popen(
             [sys.executable, "-m", f"services.{stage}", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
-             "--port", str(port), "--metrics-port", str(metrics)],
+             "--port", str(port), "--metrics-port", str(metrics), *extra],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         ))
 
@@ -184,16 +188,19 @@ def test_barge_in_across_stages(gateway_url: str) -> None:
         first_audio = conn.until("response.output_audio.delta")
         rid = first_audio["response_id"]
         conn.send({"type": "barge_in"})
+        sent_at = time.time()
         end = time.time() + 120
         stages_acked: dict[str, dict[str, Any]] = {}
         done_seen = False
         while time.time() < end and not (done_seen and len(stages_acked) == 3):
             event = conn.recv(max(0.1, end - time.time()))
-            if event["type"] == "response.done" and event["response_id"] == rid:
+            if event["type"] == "response.done" and event["response_id"] == rid and not done_seen:
                 done_seen = True
+                print(f"barge-in: client-observed barge_in -> cancelled response.done {1000 * (time.time() - sent_at):.1f} ms")
             if event["type"] == "duplex.stage_interrupt_ack":
                 stages_acked[event["event"]["stage"]] = event["event"]
         assert done_seen
+        print(f"barge-in: stage acks {stages_acked}")
         assert set(stages_acked) == set(STAGES), stages_acked
         assert all(a["epoch"] == 1 for a in stages_acked.values())
         # the stages report the old epoch's work dropped: the thinker had units queued or running
@@ -209,7 +216,9 @@ def test_barge_in_across_stages(gateway_url: str) -> None:
         assert info["status"] == "cancelled" and info["reason"] == "barge_in"
         md = info["done"]["response"]["metadata"]
         assert md["epoch"] == 1 and md["cancelled_epoch"] == 0
-        # the session keeps working at the new epoch
+        # the session keeps working at the new epoch (with a short answer this time)
+        conn.send({"type": "session.update", "session": {"extra_body": {"max_response_units": 2}}})
+        conn.until("session.updated", 60)
         _commit_speech(conn)
         conn.send({"type": "response.create"})
         created = conn.until("response.created")
@@ -220,6 +229,33 @@ def test_barge_in_across_stages(gateway_url: str) -> None:
         assert summary[created["response_id"]]["audio_bytes"] > 0
     finally:
         conn.close()
+
+
+def test_native_lane_decisions_and_context_limit(gateway_url: str) -> None:
+    """Native lane: every unit gets a model decision; past the thinker's context the session ends with the
+    stable ``context_length_exceeded`` code (S8) while another session keeps working."""
+    conn = Conn(f"{gateway_url}/v1/duplex")
+    other = Conn(f"{gateway_url}/v1/duplex")
+    try:
+        _open(conn, extra_body={"auto_response": True})
+        _open(other)
+        seconds = THINKER_MAX_CONTEXT // 13 + 5  # a listen unit costs 13 tokens (model-spec 6.5)
+        x = np.zeros(seconds * 16000, dtype=np.float32)
+        for i in range(0, x.size, 8000):
+            conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x[i : i + 8000])})
+        error = conn.until("error", 900)
+        assert error["error"]["code"] == "context_length_exceeded"
+        assert error["error"]["type"] == "invalid_request_error"
+        closed = conn.until("session.closed", 60)
+        assert closed["reason"] == "context_length_exceeded"
+        decisions = [e for e in conn.events if e["type"] in ("response.listen", "response.created")]
+        assert decisions, "the model decided nothing before the limit"
+        check_response_invariants(conn.events)
+        other.send({"type": "session.heartbeat"})
+        assert other.until("session.heartbeat_ack", 60)["type"] == "session.heartbeat_ack"
+    finally:
+        conn.close()
+        other.close()
 
 
 def test_demo_client_end_to_end(gateway_url: str, tmp_path: Path) -> None:

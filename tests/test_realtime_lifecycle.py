@@ -57,7 +57,7 @@ class ScriptedPipeline:
     def allow_speech_from(self, unit_seq: int, first: int) -> None:
         pass
 
-    def end_speech(self, epoch: int) -> None:
+    def end_speech(self, epoch: int, speech_turn: int = 0) -> None:
         self.speaking = False
         last = AudioOut(epoch, np.full(4_800, 0.1, dtype=np.float32), True)
         asyncio.get_running_loop().call_later(self.unit_delay_s * 2, self.session.post_pipeline, last)
@@ -318,3 +318,30 @@ def test_b1_soft_interrupt_is_model_owned(setup: tuple[TestClient, dict[str, Any
         assert len(summary) == 2 and all(v["status"] == "completed" for v in summary.values())
         assert not any(e["type"] in ("overlap.decision", "error") for e in events)
         assert session.epoch == 0 and pipeline.interrupts == []
+
+
+def test_native_back_to_back_turns_get_their_own_responses(setup: tuple[TestClient, dict[str, Any]]) -> None:
+    """The model starts its next turn while the previous turn's audio is still arriving: the second turn's
+    decision and early audio wait for the first response's done, then form their own response."""
+    client, _ = setup
+    with client.websocket_connect("/v1/duplex") as ws:
+        ws.send_json({"type": "session.update", "session": session_body(extra_body={"auto_response": True})})
+        receive_until(ws, "session.updated")
+        session = next(iter(client.app.state.realtime.registry.sessions.values()))
+        half = np.full(12_000, 0.1, dtype=np.float32)
+        for event in (
+            UnitOutcome(0, 0, "speak", "first", True, 30, speech_turn=1),
+            AudioOut(0, half, False, speech_turn=1),
+            UnitOutcome(0, 1, "speak", "second", True, 30, speech_turn=2),
+            AudioOut(0, half, False, speech_turn=2),  # the next turn's audio, early
+            AudioOut(0, np.zeros(0, dtype=np.float32), True, speech_turn=1),
+            AudioOut(0, half[:7_200], True, speech_turn=2),
+        ):
+            session.post_pipeline(event)
+        events = receive_until(ws, "rate_limits.updated")
+        events += receive_until(ws, "rate_limits.updated")
+        summary = check_response_invariants(events)
+        first, second = summary.values()
+        assert (first["transcript"], first["audio_bytes"]) == ("first", 24_000)
+        assert (second["transcript"], second["audio_bytes"]) == ("second", 2 * (12_000 + 7_200))
+        assert first["status"] == second["status"] == "completed"

@@ -63,6 +63,7 @@ class ResponseState:
     committed_ms: int = 0
     history_transcript: str | None = None
     superseded_by_user_turn: bool = False
+    speech_turn: int = 0  # the pipeline's speaking turn voicing this response (0: not known yet)
 
     @property
     def item_id(self) -> str:

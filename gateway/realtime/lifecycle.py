@@ -36,6 +36,10 @@ class ResponseLifecycle:
         self.last: ev.ResponseState | None = None
         self.responses: dict[str, ev.ResponseState] = {}
         self.deferred_create = False
+        # Native lane: the model may start its next turn before the previous turn's audio is complete.
+        # Its decisions and audio wait here until the previous response is done.
+        self.queued_units: list[Any] = []
+        self.early_audio: dict[int, list[Any]] = {}
 
     # ---------------------------------------------------------------- creation
 
@@ -140,6 +144,14 @@ class ResponseLifecycle:
                                   "metadata": {"reason": "model_listen", "unit_seq": out.unit_seq}},
                     )
                 return  # turn lane: the model only answers when asked
+        if speak and out.speech_turn:
+            if resp.speech_turn == 0:
+                resp.speech_turn = out.speech_turn
+            elif out.speech_turn != resp.speech_turn and resp.thinker_turn_ended:
+                self.queued_units.append(out)  # the next model turn; it opens its own response
+                return
+        if resp.thinker_turn_ended:
+            return  # a decision after the turn ended belongs to no response (the talker is finishing)
         resp.units_seen += 1
         if speak:
             if not resp.spoke:
@@ -166,7 +178,7 @@ class ResponseLifecycle:
                 response={"object": "realtime.response", "status": "listening",
                           "metadata": {"reason": "model_listen", "unit_seq": out.unit_seq}},
             )
-            s.pipeline.end_speech(resp.epoch)
+            s.pipeline.end_speech(resp.epoch, resp.speech_turn)
             self.finish(resp, "completed", "model_listen")
             return
         cap = s.cfg.max_response_units or s.settings.max_response_units
@@ -174,7 +186,7 @@ class ResponseLifecycle:
             ended = True
         if ended:
             resp.thinker_turn_ended = True
-            s.pipeline.end_speech(resp.epoch)
+            s.pipeline.end_speech(resp.epoch, resp.speech_turn)
             if not resp.wants_audio:
                 self.finish(resp, "completed", "stop")
         elif resp.lane == "turn":
@@ -196,6 +208,10 @@ class ResponseLifecycle:
 
     def _on_audio(self, out: Any) -> None:
         resp = self.active
+        if out.speech_turn and (resp is None or (resp.speech_turn and out.speech_turn != resp.speech_turn)):
+            if resp is not None and out.speech_turn > resp.speech_turn:
+                self.early_audio.setdefault(out.speech_turn, []).append(out)  # next turn, held until its response
+            return
         if resp is None or resp.epoch != out.epoch or not resp.wants_audio:
             return
         samples = out.samples
@@ -325,6 +341,16 @@ class ResponseLifecycle:
         )
         s.emit("rate_limits.updated", rate_limits=[])
         metrics.RESPONSES.labels(status).inc()
+        if status != "completed":
+            self.queued_units.clear()
+            self.early_audio.clear()
+        elif self.queued_units and self.active is None:
+            queued, self.queued_units = self.queued_units, []
+            for out in queued:
+                self._on_unit(out)
+            if self.active is not None:
+                for audio in self.early_audio.pop(self.active.speech_turn, []):
+                    self._on_audio(audio)
         if status == "cancelled" and s.interrupt_started is not None:
             metrics.BARGE_IN_GATEWAY.observe(time.monotonic() - s.interrupt_started)
         if self.deferred_create and self.active is None:
