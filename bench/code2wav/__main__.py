@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.code2wav.model.loader import load_token2wav
+from services.code2wav.model.loader import load_token2wav, normalise_hift_keys
 from services.code2wav.model.prompt import PromptFeatures, ReferenceVoiceEncoder
 from services.code2wav.runner import Code2WavRunner, cfm_noise_table
 from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
@@ -193,7 +193,7 @@ def bench_reference(
     )
     hift = HiFTGenerator()
     state = torch.load(ckpt.token2wav_dir / "hift.pt", map_location="cpu", weights_only=True)
-    hift.load_state_dict({k.removeprefix("generator."): v for k, v in state.items()})
+    hift.load_state_dict(normalise_hift_keys(state))
     hift.stft_window = hift.stft_window.to(device)
     t2w = Token2wav.__new__(Token2wav)
     t2w.float16, t2w.n_timesteps = False, cfm_steps

@@ -121,7 +121,8 @@ class Code2WavRunner:
         self, prompt: PromptFeatures, seed: int, noise: torch.Tensor | None
     ) -> tuple[FlowCache, torch.Tensor, torch.Tensor]:
         key = (prompt.digest, seed)
-        if noise is None:
+        injected = noise is not None
+        if not injected:
             with self._origin_lock:
                 hit = self._origins.get(key)
                 if hit is not None:
@@ -135,6 +136,8 @@ class Code2WavRunner:
         )
         cache = self.flow.setup(torch.cat([prompt.tokens, silence], dim=1), prompt.mel, spk_cond, noise)
         entry = (cache.to(self.cache_dtype), spk_cond, noise)
+        if injected:  # an injected noise table is not what ``seed`` means: never share it
+            return entry
         with self._origin_lock:
             self._origins[key] = entry
             while len(self._origins) > self._origin_cache_size:

@@ -64,7 +64,7 @@ def _flow_dims(flow: CausalMaskedDiffWithXvec) -> FlowDims:
     )
 
 
-def _normalise_hift_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def normalise_hift_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Strip the optional ``generator.`` prefix and map legacy weight-norm names to parametrizations."""
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
@@ -123,7 +123,7 @@ def load_token2wav(asset_dir: str | Path, device: str | torch.device = "cpu") ->
         raise Token2WavLoadError(f"{asset_dir / 'flow.pt'} does not match flow.yaml: {exc}") from exc
     hift = HiFTGenerator()
     try:
-        hift.load_state_dict(_normalise_hift_keys(_torch_load(asset_dir / "hift.pt")), strict=True)
+        hift.load_state_dict(normalise_hift_keys(_torch_load(asset_dir / "hift.pt")), strict=True)
     except RuntimeError as exc:
         raise Token2WavLoadError(f"{asset_dir / 'hift.pt'} does not match HiFTGenerator: {exc}") from exc
     _fold_weight_norm(hift)
