@@ -48,6 +48,43 @@ def check_api_key(config: GatewayConfig, authorization: str | None) -> bool:
     return hmac.compare_digest(authorization[7:].strip().encode(), config.api_key.encode())
 
 
+class _AuthAndCountMiddleware:
+    """API-key check for ``/v1/*`` and per-route request counting, as plain ASGI.
+
+    Plain ASGI rather than ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware wraps ``receive``,
+    which hides the client's disconnect from the route (``request.is_disconnected()``), and the chat
+    route relies on it to cancel stage work when a non-streaming client goes away.
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], config: GatewayConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        status = {"code": 500}
+
+        async def send_counting(message: dict) -> None:  # type: ignore[type-arg]
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            headers = dict(scope.get("headers") or [])
+            authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+            if path.startswith("/v1/") and not check_api_key(self.config, authorization):
+                err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
+                await error_response(err)(scope, receive, send_counting)
+            else:
+                await self.app(scope, receive, send_counting)
+        finally:
+            if path not in _PUBLIC_PATHS:
+                metrics.REQUESTS.labels(path if path.startswith("/v1/") else "other", str(status["code"])).inc()
+
+
 def _mount_realtime(app: FastAPI) -> None:
     try:
         module = importlib.import_module("gateway.realtime")
@@ -95,16 +132,7 @@ def create_app(config: GatewayConfig, extra_routers: Sequence[APIRouter] = (), m
         log.exception("unhandled error")
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500)
 
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        path = request.url.path
-        if path.startswith("/v1/") and not check_api_key(config, request.headers.get("authorization")):
-            response: Response = error_response(APIError(401, "invalid or missing API key (Authorization: Bearer <key>)"))
-        else:
-            response = await call_next(request)
-        if path not in _PUBLIC_PATHS:
-            metrics.REQUESTS.labels(path if path.startswith("/v1/") else "other", str(response.status_code)).inc()
-        return response
+    app.add_middleware(_AuthAndCountMiddleware, config=config)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, object]:
