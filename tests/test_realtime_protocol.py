@@ -498,3 +498,13 @@ def test_api_key_guards_the_socket() -> None:
             open_session(ws)
         metrics_text = client.get("/metrics").text
         assert "minicpmo_realtime_sessions" in metrics_text
+
+
+def test_idle_timeout_detaches_and_session_is_resumable(client: TestClient) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        created = open_session(ws, idle_timeout_s=0.3)
+        assert ws.receive()["type"] == "websocket.close"  # no frame for 0.3 s: treated as a disconnect
+    with client.websocket_connect("/v1/duplex?autostart=0") as ws:
+        ws.send_json({"type": "session.resume", "session_id": created["session"]["id"],
+                      "resume_token": created["resume_token"], "last_received_server_event_seq": 1})
+        assert ws.receive_json()["type"] == "session.resumed"

@@ -159,6 +159,9 @@ class RealtimeEndpoint:
                 await asyncio.wait_for(writer, 5.0)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+            if ws.application_state == WebSocketState.CONNECTED and ws.client_state == WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):
+                    await ws.close(1000)  # idle timeout: end the socket; the session waits for a resume
 
     async def _write(self, ws: WebSocket, attachment: Attachment) -> None:
         while True:
