@@ -508,3 +508,14 @@ def test_idle_timeout_detaches_and_session_is_resumable(client: TestClient) -> N
         ws.send_json({"type": "session.resume", "session_id": created["session"]["id"],
                       "resume_token": created["resume_token"], "last_received_server_event_seq": 1})
         assert ws.receive_json()["type"] == "session.resumed"
+
+
+def test_w5_no_resume_token_without_the_capability(app: Any, client: TestClient) -> None:
+    app.state.realtime_settings.supports_session_resume = False
+    with client.websocket_connect("/v1/duplex") as ws:
+        created = open_session(ws)
+        assert created["session"]["capabilities"]["supports_session_resume"] is False
+        assert "resume_token" not in created and "attachment_generation" not in created
+    with client.websocket_connect("/v1/duplex?autostart=0") as ws:
+        ws.send_json({"type": "session.resume", "session_id": created["session"]["id"], "resume_token": "x"})
+        check_error(ws.receive_json(), "unsupported_session_resume")
