@@ -519,3 +519,19 @@ def test_w5_no_resume_token_without_the_capability(app: Any, client: TestClient)
     with client.websocket_connect("/v1/duplex?autostart=0") as ws:
         ws.send_json({"type": "session.resume", "session_id": created["session"]["id"], "resume_token": "x"})
         check_error(ws.receive_json(), "unsupported_session_resume")
+
+
+def test_s9_pending_input_bytes(app: Any, client: TestClient) -> None:
+    app.state.realtime_settings.max_pending_input_bytes = 200_000  # ~3 s of buffered 16 kHz float audio
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        for _ in range(3):
+            ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.0))})
+        ws.send_json({"type": "input_audio_buffer.append", "event_id": "big", "audio": pcm16_b64(tone(1.0))})
+        err = ws.receive_json()
+        check_error(err, "input_backpressure", "big")
+        ws.send_json({"type": "input_audio_buffer.clear"})
+        assert ws.receive_json()["type"] == "input_audio_buffer.cleared"
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.0))})
+        ws.send_json({"type": "session.heartbeat"})
+        assert ws.receive_json()["type"] == "session.heartbeat_ack"  # accepted again after the clear
