@@ -165,7 +165,7 @@ def test_client_disconnect_cancels_every_stage(gateway: ThreadedGateway, fakes: 
                 break
         assert seen_audio
         assert all(v >= 1 for v in fakes.active().values())
-    assert _wait_idle(fakes) == {"thinker": 0, "talker": 0, "code2wav": 0}
+    assert _wait_idle(fakes, timeout=3.0) == {"thinker": 0, "talker": 0, "code2wav": 0}
 
 
 def test_retry_once_before_first_output(gateway: ThreadedGateway, fakes: FakeStages) -> None:
@@ -199,7 +199,7 @@ def test_concurrency_limit_429(gateway: ThreadedGateway, fakes: FakeStages) -> N
         for s in streams:
             s.__exit__(None, None, None)
         client.close()
-    assert _wait_idle(fakes) == {"thinker": 0, "talker": 0, "code2wav": 0}
+    assert _wait_idle(fakes, timeout=3.0) == {"thinker": 0, "talker": 0, "code2wav": 0}
 
 
 @pytest.mark.parametrize(
