@@ -39,9 +39,36 @@ def next_bucket(value: int, minimum: int = 1) -> int:
     return b
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers ``LlamaRMSNorm`` arithmetic (fp32 statistics, cast back, then × weight) in 3–4 kernels.
+
+    ``F.rms_norm`` on the fp32 copy without a weight is the normalisation alone (one fused kernel on
+    CUDA); the cast and the weight product then happen in the same order as in transformers.
+    """
+    h = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _fuse_rows(modules: list[torch.nn.Linear], tag: str, owner: torch.nn.Module) -> torch.Tensor | None:
+    """One weight [sum(out), in] for several bias-free projections; the modules then view into it.
+
+    Idempotent (several runners may share one model) and memory-neutral: the original weights become
+    views of the fused tensor, so nothing is stored twice. Returns None when a projection has a bias.
+    """
+    fused = getattr(owner, tag, None)
+    if fused is not None:
+        return fused
+    if any(m.bias is not None for m in modules):
+        return None
+    with torch.no_grad():
+        fused = torch.cat([m.weight.detach() for m in modules], dim=0).contiguous()
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    setattr(owner, tag, fused)
+    return fused
 
 
 class TalkerRunner:
@@ -81,7 +108,20 @@ class TalkerRunner:
         emb = torch.cat((freqs, freqs), dim=-1)
         scaling = float(getattr(model.model.rotary_emb, "attention_scaling", 1.0))
         self.cos_table = (emb.cos() * scaling).to(self.dtype)
-        self.sin_table = (emb.sin() * scaling).to(self.dtype)
+        sin = (emb.sin() * scaling).to(self.dtype)
+        # rotate_half(x)·sin == roll(x, D/2)·[−sin₁, sin₂]: the negation moves into the table (exact).
+        half = sin.shape[-1] // 2
+        self.sin_signed_table = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        # Fused projections (q|k|v, gate|up): fewer, larger GEMMs per layer in the decode graph.
+        self._qkv_weights = [
+            _fuse_rows(
+                [la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj], "talker_qkv", la.self_attn
+            )
+            for la in self.layers
+        ]
+        self._gate_up_weights = [
+            _fuse_rows([la.mlp.gate_proj, la.mlp.up_proj], "talker_gate_up", la.mlp) for la in self.layers
+        ]
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
@@ -99,37 +139,49 @@ class TalkerRunner:
         self,
         layer_idx: int,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        write_slots: torch.Tensor,
-        write_index: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         read_slots: slice,
         read_len: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """x: [B, T, H]; K/V of each (row, t) go to cache[layer, write_slots[row], :, write_index[row, t]]."""
+        """x: [B, T, H]; K/V of each (row, t) go to cache[layer, slot, head, position] per ``kv_index``.
+
+        One projection GEMM for q|k|v and one RoPE pass over q|k together; per element the arithmetic
+        is transformers' (``x·cos + rotate_half(x)·sin``, the sign of ``rotate_half`` folded into sin).
+        """
         attn = self.layers[layer_idx].self_attn
         bsz, seq, _ = x.shape
-        q = attn.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos = self.cos_table[positions].unsqueeze(1)  # [B, 1, T, D]
-        sin = self.sin_table[positions].unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv_w = self._qkv_weights[layer_idx]
+        if qkv_w is not None:
+            qkv = F.linear(x, qkv_w).view(bsz, seq, hq + 2 * hkv, d)
+        else:
+            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1).view(
+                bsz, seq, hq + 2 * hkv, d
+            )
+        cos, sin_signed = rope  # [B, T, 1, D]
+        qk = qkv[:, :, : hq + hkv]
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin_signed
+        q = qk[:, :, :hq].transpose(1, 2)
+        k = qk[:, :, hq:].transpose(1, 2)
+        v = qkv[:, :, hq + hkv :].transpose(1, 2)
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        # index_put over (slot, head, position): [B, T] slot/position grids broadcast against heads.
-        slot_grid = write_slots[:, None, None].expand(bsz, self.num_kv_heads, seq)
-        head_grid = torch.arange(self.num_kv_heads, device=x.device)[None, :, None].expand(bsz, -1, seq)
-        pos_grid = write_index[:, None, :].expand(bsz, self.num_kv_heads, seq)
-        kc.index_put_((slot_grid, head_grid, pos_grid), k)
-        vc.index_put_((slot_grid, head_grid, pos_grid), v)
+        kc.index_put_(kv_index, k)
+        vc.index_put_(kv_index, v)
         keys = kc[read_slots, :, :read_len]
         values = vc[read_slots, :, :read_len]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
-        )
-        out = out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=hkv != hq)
+        out = out.transpose(1, 2).reshape(bsz, seq, hq * d)
         return attn.o_proj(out)
+
+    def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.layers[layer_idx].mlp
+        gate_up_w = self._gate_up_weights[layer_idx]
+        if gate_up_w is None:
+            return mlp(x)
+        gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def _layers(
         self,
@@ -141,11 +193,19 @@ class TalkerRunner:
         read_len: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
+        """Run every layer; RoPE rows and KV write indices are gathered once here, not per layer."""
+        bsz, seq = positions.shape
+        rope = (self.cos_table[positions].unsqueeze(2), self.sin_signed_table[positions].unsqueeze(2))
+        kv_index = (
+            write_slots[:, None, None].expand(bsz, self.num_kv_heads, seq),
+            torch.arange(self.num_kv_heads, device=x.device)[None, :, None].expand(bsz, -1, seq),
+            write_index[:, None, :].expand(bsz, self.num_kv_heads, seq),
+        )
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            x = x + self._attention(i, h, positions, write_slots, write_index, read_slots, read_len, mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.final_norm(x)
+            h = rms_norm(layer.input_layernorm, x)
+            x = x + self._attention(i, h, rope, kv_index, read_slots, read_len, mask)
+            x = x + self._mlp(i, rms_norm(layer.post_attention_layernorm, x))
+        return rms_norm(self.final_norm, x)
 
     # ------------------------------------------------------------------------------------- prefill
     @torch.inference_mode()
