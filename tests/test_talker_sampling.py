@@ -136,3 +136,117 @@ def test_draw_follows_the_distribution() -> None:
     for _ in range(2000):
         counts[smp.draw(logits, [row])[0]] += 1
     assert 0.70 < counts[7] / 2000 < 0.80  # p = 0.75
+
+
+# ---- device sampler: packed rows, counter-based draws -----------------------------------------------
+def test_mul_u32_and_hash_match_python_integers() -> None:
+    values = [0, 1, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFF]
+    x = torch.tensor(values, dtype=torch.int64)
+    for c in (0x7FEB352D, 0x846CA68B, 0xFFFFFFFF):
+        assert smp._mul_u32(x, c).tolist() == [(v * c) & 0xFFFFFFFF for v in values]
+
+    def mix(v: int) -> int:
+        v ^= v >> 16
+        v = (v * 0x7FEB352D) & 0xFFFFFFFF
+        v ^= v >> 15
+        v = (v * 0x846CA68B) & 0xFFFFFFFF
+        return v ^ (v >> 16)
+
+    assert smp.mix_u32(x).tolist() == [mix(v) for v in values]
+
+
+def test_counter_uniforms_are_open_unit_interval_and_flat() -> None:
+    keys = smp.row_keys(torch.arange(64), torch.zeros(64, dtype=torch.int64), torch.arange(64) * 7)
+    u = smp.counter_uniforms(keys, smp.vocab_salt(VOCAB))
+    assert u.shape == (64, VOCAB) and float(u.min()) > 0.0 and float(u.max()) < 1.0
+    hist = torch.histc(u.flatten(), bins=10, min=0.0, max=1.0) / u.numel()
+    assert float((hist - 0.1).abs().max()) < 0.005  # 420k draws: every decile within 5 % of its share
+    assert abs(float(torch.corrcoef(torch.stack([u[0], u[1]]))[0, 1])) < 0.05  # rows independent
+
+
+def test_fused_warpers_equal_top_p_then_top_k() -> None:
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, VOCAB, generator=gen) * 3
+    logits[1] = torch.round(logits[1])  # many exact ties, including at the k-th value
+    logits[2, :100] = float("-inf")
+    top_p = torch.tensor([0.85, 0.85, 0.5, 1.0, 0.01, 0.99])
+    top_k = torch.tensor([25, 25, 3, VOCAB, 1, 200])
+    expected = smp.apply_top_k(smp.apply_top_p(logits, top_p), top_k)
+    assert torch.equal(smp.apply_warpers(logits, top_p, top_k), expected)
+
+
+def _mixed_rows() -> tuple[list[smp.RowState], list[smp.StepRules]]:
+    rows = [
+        _row(seed=11),
+        _row(seed=12, temperature=1.3, top_p=0.6, top_k=7),
+        _row(seed=13, repetition_penalty=1.3),
+        _row(seed=14, greedy=True),
+        _row(seed=15, temperature=0.5),
+    ]
+    for i, r in enumerate(rows):
+        r.history.extend([(5 * i + j) % 40 for j in range(20)])
+    rules = [
+        smp.StepRules(True, True, True),  # whole utterance mid-floor
+        smp.StepRules(True, True, False),
+        smp.duplex_rules(3, smp.duplex_budget(False, False)),  # penalty only, EOS masked
+        smp.StepRules(True, True, False),
+        smp.StepRules(False, False, False),  # a stream's first sample: temperature only
+    ]
+    return rows, rules
+
+
+def test_packed_processing_follows_each_rule_per_row() -> None:
+    rows, rules = _mixed_rows()
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(len(rows), VOCAB, generator=gen) * 2
+    logits[:, :40] += 4.0  # the penalised ids sit among the likely ones
+    scores = smp.process_logits(logits, rows, rules, EOS)
+    for i, (r, rule) in enumerate(zip(rows, rules, strict=True)):
+        p = r.params
+        want = logits[i : i + 1] / p.temperature
+        if rule.apply_penalty:
+            want = smp.apply_repetition_penalty(want, [r.history], torch.tensor([p.repetition_penalty]))
+        if rule.apply_warpers:
+            want = smp.apply_top_k(smp.apply_top_p(want, torch.tensor([p.top_p])), torch.tensor([p.top_k]))
+        if rule.mask_eos:
+            want[0, EOS] = float("-inf")
+        assert torch.equal(scores[i : i + 1], want), f"row {i}"
+    assert all(r.draws == 0 for r in rows)  # processing alone consumes no draw
+
+
+def test_device_sampler_is_batch_invariant_and_counter_driven() -> None:
+    gen = torch.Generator().manual_seed(5)
+    steps = [torch.randn(5, VOCAB, generator=gen) for _ in range(12)]
+
+    def run(order: list[int]) -> dict[int, list[int]]:
+        rows, rules = _mixed_rows()
+        out: dict[int, list[int]] = {i: [] for i in order}
+        for logits in steps:
+            picked = smp.sample(logits[order], [rows[i] for i in order], [rules[i] for i in order], EOS)
+            for i, code in zip(order, picked, strict=True):
+                out[i].append(code)
+        return out
+
+    together = run([0, 1, 2, 3, 4])
+    shuffled = run([3, 0, 4, 2, 1])
+    for i in range(5):
+        assert together[i] == shuffled[i] == run([i])[i]  # alone, crowded, reordered: same draws
+    assert len(set(together[0])) > 3  # really random over steps (the draw counter advances)
+    assert all(c != EOS for c in together[0] + together[2])  # EOS-masked rows
+    rows, _ = _mixed_rows()
+    assert [r.draws for r in rows] == [0] * 5
+    smp.sample(steps[0], rows, _mixed_rows()[1], EOS)
+    assert [r.draws for r in rows] == [1, 1, 1, 0, 1]  # greedy rows draw nothing
+
+
+def test_gumbel_draw_matches_softmax_probabilities() -> None:
+    logits = torch.full((1, 8), float("-inf"))  # a small vocab keeps the 20k draws cheap
+    logits[0, :4] = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    row = _row(seed=99)
+    ints, _ = smp.pack_rows([row], [smp.StepRules(False, False, False)], 8, consume_draw=False)
+    batch = ints.repeat(20000, 1)
+    batch[:, 2] = torch.arange(20000)  # successive draw counters of one request
+    picks = smp.pick_packed(logits.expand(20000, -1), batch)
+    freq = torch.bincount(picks, minlength=8).float() / 20000
+    assert float((freq[:4] - torch.tensor([0.1, 0.2, 0.3, 0.4])).abs().max()) < 0.012  # ≈ 3.5 σ
+    assert float(freq[4:].sum()) == 0.0
