@@ -535,3 +535,41 @@ def test_s9_pending_input_bytes(app: Any, client: TestClient) -> None:
         ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.0))})
         ws.send_json({"type": "session.heartbeat"})
         assert ws.receive_json()["type"] == "session.heartbeat_ack"  # accepted again after the clear
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"idle_timeout_s": "soon"}, {"temperature": "hot"}, {"extra_body": {"force_listen_count": "x"}},
+     {"max_response_output_tokens": [1]}, {"sample_rate_hz": "fast"}],
+)
+def test_malformed_session_fields_are_typed_errors(client: TestClient, bad: dict[str, Any]) -> None:
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        ws.send_json({"type": "session.update", "event_id": "u1", "session": bad})
+        err = ws.receive_json()
+        assert err["type"] == "error" and err["error"]["code"] in ("invalid_session_config", "bad_event")
+        assert err["error"]["event_id"] == "u1"
+        ws.send_json({"type": "session.heartbeat"})
+        assert ws.receive_json()["type"] == "session.heartbeat_ack"
+    with client.websocket_connect("/v1/duplex") as ws:  # the same faults on the opening update
+        ws.send_json({"type": "session.update", "session": session_body(**bad)})
+        err = ws.receive_json()
+        assert err["type"] == "error" and err["error"]["code"] in ("invalid_session_config", "bad_event")
+
+
+def test_wrongly_typed_fields_never_derail_the_session(client: TestClient) -> None:
+    """Every command with every field of the wrong type: a typed client error, never internal_error."""
+    from gateway.realtime.commands import HANDLERS
+
+    junk = {"audio": 5, "delta": [], "session": 7, "item": 3, "item_id": 4, "played_ms": "x", "committed_ms": {},
+            "event": 9, "payload": 1, "server_event_seq": "x", "response": 2, "video_frames": 5,
+            "audio_end_ms": "x", "response_id": 3, "response_create": "yes", "sample_rate_hz": "fast", "format": 1}
+    skip = {"session.close", "close", "close_session"}
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        for kind in sorted(set(HANDLERS) - skip):
+            ws.send_json({"type": kind, "event_id": f"j_{kind}", **junk})
+            ws.send_json({"type": "session.heartbeat"})
+            events = receive_until(ws, "session.heartbeat_ack")
+            codes = [e["error"]["code"] for e in events if e["type"] == "error"]
+            assert "internal_error" not in codes, (kind, codes)

@@ -155,7 +155,18 @@ def _validate_turn_detection(td: Any, overlap_policy: str, opening: bool) -> dic
 def parse_session(
     obj: Any, *, current: SessionConfig | None = None, audio_started: bool = False
 ) -> SessionConfig:
-    """Build a config from a ``session`` object; with ``current``, apply it as a live update."""
+    """Build a config from a ``session`` object; with ``current``, apply it as a live update.
+
+    Any malformed value is a typed error (``invalid_session_config`` for a wrongly typed field), never
+    an exception that could take the socket down.
+    """
+    try:
+        return _parse_session(obj, current=current, audio_started=audio_started)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise RealtimeError("invalid_session_config", f"malformed session field: {exc}") from exc
+
+
+def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bool) -> SessionConfig:
     if obj is None:
         obj = {}
     if not isinstance(obj, dict):
