@@ -122,8 +122,15 @@ def test_text_and_audio_non_streaming(client) -> None:
         modalities=["text", "audio"],
         audio={"voice": "default", "format": "wav"},
         extra_body={"chat_template_kwargs": {"use_tts_template": True, "enable_thinking": False},
-                    "ref_audio": data_url(wav_bytes(1.0, 16000), "audio/wav")},
+                    "ref_audio": data_url(wav_bytes(1.0, 16000), "audio/wav"), "return_stage_metrics": True,
+                    "sampling_params_list": [{"max_tokens": 40, "ignore_eos": True}]},
     )
+    timings = resp.model_extra["metrics"]
+    # The talker started on the thinker's first speech chunk (after ~11 of 40 tokens), not at the end of
+    # the text: most of the thinker's generation time lies after that point.
+    generating = timings["thinker_done"] - timings["first_text"]
+    assert timings["thinker_done"] - timings["first_speech_chunk"] > 0.3 * generating, timings
+    assert timings["thinker_done"] < timings["audio_done"]
     choice = resp.choices[0]
     assert choice.message.content
     audio = choice.message.audio
