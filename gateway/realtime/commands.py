@@ -236,6 +236,7 @@ async def text_append(s: DuplexSession, event: dict[str, Any]) -> None:
 async def hard_interrupt(s: DuplexSession, reason: str, *, cleared: bool = False) -> None:
     """Bump the epoch, fence every live stage stream, and close the active response as cancelled."""
     s.interrupt_started = time.monotonic()
+    s.unit_sent_at.clear()  # units of the old epoch will never report a decision
     s.epoch += 1
     s.pipeline.interrupt(s.epoch, reason)
     s.lifecycle.deferred_create = False

@@ -121,6 +121,9 @@ class ResponseLifecycle:
         if event.epoch < s.epoch:
             return  # gateway fence: late output of an interrupted epoch
         if isinstance(event, UnitOutcome):
+            sent = s.unit_sent_at.pop(event.unit_seq, None)
+            if sent is not None:
+                metrics.UNIT_DECISION.observe(time.monotonic() - sent)
             self._on_unit(event)
         elif isinstance(event, AudioOut):
             self._on_audio(event)

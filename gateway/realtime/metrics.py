@@ -28,3 +28,8 @@ BARGE_IN_STAGE = Histogram(
     ["stage"],
     buckets=_FAST_BUCKETS,
 )
+UNIT_DECISION = Histogram(
+    "minicpmo_realtime_unit_decision_seconds",
+    "1 s unit sent to the thinker to its listen/speak decision arriving at the gateway",
+    buckets=_FAST_BUCKETS,
+)

@@ -116,7 +116,8 @@ class DuplexSession:
         self._task: asyncio.Task[None] | None = None
         self._grace_task: asyncio.Task[None] | None = None
         self.stage_acks: list[dict[str, Any]] = []
-        self.interrupt_started: float | None = None  # monotonic time of the last hard interrupt
+        self.interrupt_started: float | None = None
+        self.unit_sent_at: dict[int, float] = {}  # unit_seq -> when it went to the thinker (metrics)  # monotonic time of the last hard interrupt
         if settings.supports_session_resume:
             self.rotate_token()
 
@@ -336,6 +337,7 @@ class DuplexSession:
         seq = self.unit_seq
         self.unit_seq += 1
         metrics.UNITS.inc()
+        self.unit_sent_at[seq] = time.monotonic()
         self.pipeline.push_unit(unit.samples, unit.frames, seq, self.epoch, self.turn_id, request_response)
         return seq
 
