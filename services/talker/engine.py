@@ -123,6 +123,11 @@ class TalkerEngine:
         self._stop = threading.Event()
         self._cancel_all = threading.Event()
         self.frames_emitted = 0
+        # Labelled metric children resolved once (a labels() lookup per step is measurable host time).
+        self._in_flight = IN_FLIGHT.labels(STAGE)
+        self._queue_depth = QUEUE_DEPTH.labels(STAGE)
+        self._batch_size = BATCH_SIZE.labels(STAGE)
+        self._step_seconds = STEP_SECONDS.labels(STAGE)
         # Optional tap on the raw fp32 logits each stream samples from (fidelity dumps, tests).
         self.logits_observer: Callable[[StreamState, torch.Tensor], None] | None = None
 
@@ -257,8 +262,8 @@ class TalkerEngine:
         for st in list(self._streams):
             if st.phase is Phase.IDLE and not st.queue:
                 self._maybe_finish_idle(st)
-        IN_FLIGHT.labels(STAGE).set(sum(1 for s in self._streams if s.slot is not None))
-        QUEUE_DEPTH.labels(STAGE).set(len(self._waiting))
+        self._in_flight.set(self.runner.cache.num_slots - self.runner.cache.free_slots)
+        self._queue_depth.set(len(self._waiting))
         ACTIVE_STREAMS.set(len(self._streams))
         return did
 
@@ -495,9 +500,9 @@ class TalkerEngine:
                 observer(st, logits[i])
         for st, code in zip(batch, ids, strict=True):
             self._guarded(st, lambda s, c=code: self._on_sample(s, c))
-        BATCH_SIZE.labels(STAGE).observe(len(batch))
+        self._batch_size.observe(len(batch))
         DECODE_ROWS.set(len(batch))
-        STEP_SECONDS.labels(STAGE).observe(time.perf_counter() - t0)
+        self._step_seconds.observe(time.perf_counter() - t0)
 
     def _after_logits(self, st: StreamState, logits: torch.Tensor) -> None:
         self._after_logits_batch([st], logits)

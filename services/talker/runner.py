@@ -270,7 +270,6 @@ class TalkerRunner:
         read_len = min(next_bucket(top + 1, MIN_LENGTH_BUCKET), self.context)
         return n, read_len, int_rows, float_rows
 
-    @torch.inference_mode()
     def decode_sample(
         self,
         slots: list[int],
@@ -281,23 +280,27 @@ class TalkerRunner:
         """Feed one codec id to each of ``slots`` and draw each one's next id in the same step.
 
         ``rows`` are the sampler knobs per slot (:func:`sampling.pack_row`). Returns the picked ids (one
-        device→host copy of ``n`` int64 per step) and, if asked, the fp32 logits [len(slots), V] (device
-        memory that the next step overwrites: copy what you keep).
+        device→host copy of ``n`` int64 per step) and, if asked, a copy of the fp32 logits [len(slots), V]
+        (observers: dumps, tests; this adds a gather per step).
         """
         if not slots:
             return [], None
         n, read_len, int_rows, float_rows = self._host_inputs(slots, codes, rows)
-        ints = torch.tensor(int_rows, dtype=torch.int64)
-        floats = torch.tensor(float_rows, dtype=torch.float32)
-        if self.use_cuda_graphs:
-            logits, ids = self._graph(n, read_len).run(ints, floats)
-        else:
-            logits, ids = self._step_eager(ints.to(self.device), floats.to(self.device), read_len)
-        picked = ids.tolist()
+        # inference mode: the graph's static buffers are inference tensors (in-place copies need it)
+        with torch.inference_mode():
+            ints = torch.tensor(int_rows, dtype=torch.int64)
+            floats = torch.tensor(float_rows, dtype=torch.float32)
+            if self.use_cuda_graphs:
+                logits, ids = self._graph(n, read_len).run(ints, floats)
+            else:
+                logits, ids = self._step_eager(ints.to(self.device), floats.to(self.device), read_len)
+            picked = ids.tolist()
+            out_logits = None
+            if want_logits:
+                out_logits = logits.index_select(0, torch.tensor(slots, device=self.device))
         lengths = self.cache.lengths
         for s in slots:
             lengths[s] += 1
-        out_logits = logits.index_select(0, torch.tensor(slots, device=self.device)) if want_logits else None
         return [picked[s] for s in slots], out_logits
 
     @torch.inference_mode()
