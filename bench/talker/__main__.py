@@ -12,6 +12,10 @@ sampling (temperature 0.8, top-p 0.85, top-k 25, repetition penalty 1.05 over 16
   transformers' own warpers and ``torch.multinomial`` (what a straightforward port does), run for
   ``--baseline-frames`` frames because it is slow.
 
+* ms/step — engine wall time per decode step (all B streams advance one frame per step);
+  graph replay ms — GPU time of one captured decode+sample step alone (CUDA graphs only): the gap
+  between the two is host time per step (Python bookkeeping, one small H2D + one D2H copy, the sync).
+
 Targets (issue 4): ≥ 1000 frames/s at batch 1 (40× real time at 25 frames/s) and ≥ 500 frames/s per
 stream with 16 streams. Prints one JSON object, then a Markdown table for BENCHMARKS.md.
 """
@@ -29,6 +33,7 @@ import torch
 from services.common.checkpoint import Checkpoint
 from services.talker.engine import TalkerEngine
 from services.talker.model.tts import MiniCPMTTS
+from services.talker.runner import MIN_LENGTH_BUCKET, next_bucket
 from services.talker.streams import ConditionInput, DoneOut, Output
 
 FRAME_RATE = 25.0
@@ -65,6 +70,30 @@ def run_engine(engine: TalkerEngine, conds: list[tuple[torch.Tensor, torch.Tenso
     if len(finished) != len(conds) or any(o.frames != frames for o in finished):
         raise RuntimeError(f"engine run incomplete: {[(o.finish_reason, o.frames) for o in finished]}")
     return wall
+
+
+def graph_replay_ms(engine: TalkerEngine, bsz: int, length: int, replays: int = 50) -> float | None:
+    """GPU time of one captured decode+sample step (CUDA graphs only), all rows idle (writes hit scratch).
+
+    Compared with the engine's ms/step this splits a step into device time and host time.
+    """
+    runner = engine.runner
+    if not runner.use_cuda_graphs:
+        return None
+    n = min(next_bucket(bsz), runner.cache.num_slots)
+    read_len = min(next_bucket(length, MIN_LENGTH_BUCKET), runner.context)
+    with torch.inference_mode():
+        graph = runner._graph(n, read_len)
+        graph.ints[:, 2].zero_()  # inactive rows: their K/V go to the scratch column
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.graph.replay()
+        torch.cuda.synchronize(runner.device)
+        start.record()
+        for _ in range(replays):
+            graph.graph.replay()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 @torch.inference_mode()
@@ -146,7 +175,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "engine_fps_per_stream": round(args.frames / wall, 1),
             "engine_fps_total": round(bsz * args.frames / wall, 1),
             "engine_realtime_x": round(args.frames / wall / FRAME_RATE, 1),
+            "engine_ms_per_step": round(wall * 1000 / args.frames, 3),
         }
+        replay = graph_replay_ms(engine, bsz, args.cond_len + 2 + args.frames // 2)
+        if replay is not None:
+            row["graph_replay_ms"] = round(replay, 3)  # device time of one step; the rest is host time
         if args.baseline_frames > 0:
             run_baseline(model, conds, min(4, args.baseline_frames))  # warm-up
             b_wall = run_baseline(model, conds, args.baseline_frames)
@@ -184,13 +217,14 @@ def markdown_table(result: dict[str, Any]) -> str:
     head = (
         f"Talker on {result['device']} ({result['dtype']}, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, "
         f"{result['model']['layers']}×{result['model']['hidden']}, condition {result['cond_len']} rows)\n\n"
-        "| streams | engine frames/s per stream | engine frames/s total | × real time | "
-        "baseline frames/s per stream | speedup |\n|---:|---:|---:|---:|---:|---:|"
+        "| streams | engine frames/s per stream | engine frames/s total | × real time | ms/step | "
+        "graph replay ms | baseline frames/s per stream | speedup |\n|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]
     for r in result["rows"]:
         lines.append(
             f"| {r['batch']} | {r['engine_fps_per_stream']} | {r['engine_fps_total']} | {r['engine_realtime_x']} | "
+            f"{r['engine_ms_per_step']} | {r.get('graph_replay_ms', '—')} | "
             f"{r.get('baseline_fps_per_stream', '—')} | {r.get('speedup', '—')} |"
         )
     return "\n".join(lines)
