@@ -193,8 +193,12 @@ class TalkerRunner:
         read_len: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Run every layer; RoPE rows and KV write indices are gathered once here, not per layer."""
+        """Run every layer; RoPE rows, KV write indices and the additive mask are made once, not per layer.
+
+        (SDPA turns a boolean mask into the same 0/−inf additive mask on every call otherwise.)
+        """
         bsz, seq = positions.shape
+        mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
         rope = (self.cos_table[positions].unsqueeze(2), self.sin_signed_table[positions].unsqueeze(2))
         kv_index = (
             write_slots[:, None, None].expand(bsz, self.num_kv_heads, seq),
