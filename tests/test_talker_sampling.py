@@ -150,12 +150,13 @@ def test_hash_matches_python_integers() -> None:
         return v ^ (v >> 16)
 
     got = smp.mix_u32(torch.tensor(values, dtype=torch.int64)).tolist()
-    assert got == [mix(v) for v in values]
+    assert got == [mix(v) for v in values] == [smp.mix_u32_int(v) for v in values]
     assert len(set(smp.mix_u32(torch.arange(1 << 16)).tolist())) == 1 << 16  # bijective on a range
 
 
 def test_counter_uniforms_are_open_unit_interval_and_flat() -> None:
-    keys = smp.row_keys(torch.arange(64), torch.zeros(64, dtype=torch.int64), torch.arange(64) * 7)
+    keys = torch.tensor([smp.row_key(seed, 7 * seed) for seed in range(64)])
+    assert len(set(keys.tolist())) == 64
     u = smp.counter_uniforms(keys, smp.vocab_salt(VOCAB))
     assert u.shape == (64, VOCAB) and float(u.min()) > 0.0 and float(u.max()) < 1.0
     hist = torch.histc(u.flatten(), bins=10, min=0.0, max=1.0) / u.numel()
@@ -244,7 +245,7 @@ def test_gumbel_draw_matches_softmax_probabilities() -> None:
     row = _row(seed=99)
     ints, _ = smp.pack_rows([row], [smp.StepRules(False, False, False)], 8, consume_draw=False)
     batch = ints.repeat(20000, 1)
-    batch[:, 2] = torch.arange(20000)  # successive draw counters of one request
+    batch[:, 0] = torch.tensor([smp.row_key(99, c) for c in range(20000)])  # successive draws of one request
     picks = smp.pick_packed(logits.expand(20000, -1), batch)
     freq = torch.bincount(picks, minlength=8).float() / 20000
     assert float((freq[:4] - torch.tensor([0.1, 0.2, 0.3, 0.4])).abs().max()) < 0.012  # ≈ 3.5 σ

@@ -40,13 +40,13 @@ def next_bucket(value: int, minimum: int = 1) -> int:
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers ``LlamaRMSNorm`` arithmetic (fp32 statistics, cast back, then × weight) in 3–4 kernels.
+    """transformers ``LlamaRMSNorm`` arithmetic in two kernels: fused normalisation, then × weight.
 
-    ``F.rms_norm`` on the fp32 copy without a weight is the normalisation alone (one fused kernel on
-    CUDA); the cast and the weight product then happen in the same order as in transformers.
+    ``F.rms_norm`` without a weight computes ``x·rsqrt(mean(x²) + eps)`` in fp32 and rounds once to
+    ``x.dtype`` — the same single rounding as transformers' fp32 product followed by ``.to(dtype)``;
+    the weight product then happens in ``x.dtype`` as in transformers.
     """
-    h = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    return norm.weight * F.rms_norm(x, (x.shape[-1],), eps=norm.variance_epsilon)
 
 
 def _fuse_rows(modules: list[torch.nn.Linear], tag: str, owner: torch.nn.Module) -> torch.Tensor | None:

@@ -14,8 +14,8 @@ Which of (2)/(3) apply is a per-row, per-step decision the engine makes through 
 no processors and no warpers on a stream's very first sample (upstream's ``audio_bos`` step), and duplex
 units apply only the penalty (their warpers are built upstream but never called, model-spec §4.4 b).
 
-How it runs: every per-row knob (temperature, penalty, top-p, top-k, rule flags, seed, draw counter,
-the 16-frame history) is packed into one int64 and one fp32 tensor (:func:`pack_rows`), and
+How it runs: every per-row knob (temperature, penalty, top-p, top-k, rule flags, the draw key made
+from seed and draw counter, the 16-frame history) is packed into one int64 and one fp32 tensor (:func:`pack_rows`), and
 :func:`sample_packed` does steps 1–5 as fixed-shape tensor ops with no host decision in between, so
 the runner captures it in the same CUDA graph as the decode forward and only the picked ids come back.
 
@@ -152,11 +152,24 @@ def vocab_salt(vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return mix_u32(torch.arange(vocab, dtype=torch.int64, device=device) ^ _VOCAB_SALT)
 
 
-def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """One 32-bit key per row from its 64-bit seed (two halves) and its draw counter."""
-    key = mix_u32(seed_lo ^ _SEED_SALT)
-    key = mix_u32(key ^ seed_hi)
-    return mix_u32(key ^ counter)
+def mix_u32_int(x: int) -> int:
+    """:func:`mix_u32` on one Python int (the host computes per-row keys with it)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _U32
+    x ^= x >> 15
+    x = (x * 0x045D9F3B) & _U32
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, counter: int) -> int:
+    """One 32-bit key per (request seed, draw index): the row part of every uniform of that draw.
+
+    Made on the host (three integer hashes, about a microsecond) so the graph spends no kernels on it.
+    """
+    seed &= 0xFFFFFFFFFFFFFFFF
+    key = mix_u32_int((seed & _U32) ^ _SEED_SALT)
+    key = mix_u32_int(key ^ (seed >> 32))
+    return mix_u32_int(key ^ (counter & _U32))
 
 
 def counter_uniforms(keys: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
@@ -167,8 +180,8 @@ def counter_uniforms(keys: torch.Tensor, salt: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ packed rows
 _WARP, _MASK_EOS, _GREEDY = 1, 2, 4
-# int64 columns: seed low/high 32 bits, draw counter, top-k, flags, then the padded penalty history
-_SEED_LO, _SEED_HI, _COUNTER, _TOP_K, _FLAGS, _HISTORY = 0, 1, 2, 3, 4, 5
+# int64 columns: draw key (row_key of seed and draw index), top-k, flags, then the padded penalty history
+_KEY, _TOP_K, _FLAGS, _HISTORY = 0, 1, 2, 3
 INT_COLUMNS = _HISTORY + PENALTY_WINDOW
 # fp32 columns: temperature, penalty (1.0 when the penalty does not apply), top-p
 FLOAT_COLUMNS = 3
@@ -181,13 +194,12 @@ def pack_row(
     prm = row.params
     penalize = rule.apply_penalty and prm.repetition_penalty != 1.0
     recent = row.history[-PENALTY_WINDOW:] if penalize else []
-    seed = int(prm.seed) & 0xFFFFFFFFFFFFFFFF
-    counter = row.draws & _U32
+    key = 0 if prm.greedy else row_key(int(prm.seed), row.draws)
     if consume_draw and not prm.greedy:
         row.draws += 1
     flags = (_WARP if rule.apply_warpers else 0) | (_MASK_EOS if rule.mask_eos else 0)
     flags |= _GREEDY if prm.greedy else 0
-    ints = [seed & _U32, seed >> 32, counter, prm.top_k, flags, *recent]
+    ints = [key, prm.top_k, flags, *recent]
     ints.extend([vocab] * (INT_COLUMNS - len(ints)))
     floats = [float(prm.temperature), float(prm.repetition_penalty) if penalize else 1.0, float(prm.top_p)]
     return ints, floats
@@ -195,7 +207,7 @@ def pack_row(
 
 def idle_row(vocab: int) -> tuple[list[int], list[float]]:
     """Harmless knobs for batch rows that sit out a step (greedy, nothing applied; the result is ignored)."""
-    return [0, 0, 0, vocab, _GREEDY] + [vocab] * PENALTY_WINDOW, [1.0, 1.0, 1.0]
+    return [0, vocab, _GREEDY] + [vocab] * PENALTY_WINDOW, [1.0, 1.0, 1.0]
 
 
 def pack_rows(
@@ -302,8 +314,7 @@ def pick_packed(scores: torch.Tensor, ints: torch.Tensor, salt: torch.Tensor | N
     """Step 5: Gumbel-max with counter-based uniforms per row (argmax of the softmax for greedy rows)."""
     if salt is None:
         salt = vocab_salt(scores.shape[-1], scores.device)
-    keys = row_keys(ints[:, _SEED_LO], ints[:, _SEED_HI], ints[:, _COUNTER])
-    gumbel = -torch.log(-torch.log(counter_uniforms(keys, salt)))
+    gumbel = -torch.log(-torch.log(counter_uniforms(ints[:, _KEY], salt)))
     sampled = torch.argmax(scores + gumbel, dim=-1)
     greedy = torch.argmax(torch.softmax(scores, dim=-1), dim=-1)
     return torch.where((ints[:, _FLAGS] & _GREEDY).bool(), greedy, sampled)
