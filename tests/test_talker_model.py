@@ -134,3 +134,33 @@ def test_runner_batched_decode_matches_transformers(model: MiniCPMTTS) -> None:
         ref = _reference_logits(model, conds[i], used)
         for a, b in zip(got[i], ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_runner_decode_with_in_step_sampling_equals_decode_then_sample(model: MiniCPMTTS) -> None:
+    """The graphed step function (forward + sampler) draws what the separate list-based sampler draws."""
+    from services.talker import sampling as smp
+
+    fused, split = TalkerRunner(model, num_slots=4), TalkerRunner(model, num_slots=4)
+    conds = [model.whole_utterance_condition(*_condition(model, n, 30 + n)) for n in (4, 9)]
+    params = [smp.SamplingParams(0.8, 0.85, 25, 1.05, seed) for seed in (7, 8)]
+    rows_a = [smp.RowState(p) for p in params]
+    rows_b = [smp.RowState(p) for p in params]
+    slots = [1, 2]  # a gap at slot 0: idle rows inside the batch bucket
+    for runner in (fused, split):
+        for s, c in zip(slots, conds, strict=True):
+            runner.cache.lengths[s] = 0
+            runner.prefill(s, c)
+    codes = [11, 12]
+    vocab = model.cfg.num_audio_tokens
+    for t in range(8):
+        rules = [smp.whole_utterance_rules(t + 1, 50)] * 2
+        packed = [smp.pack_row(r, rule, vocab) for r, rule in zip(rows_a, rules, strict=True)]
+        ids, logits = fused.decode_sample(slots, codes, packed, want_logits=True)
+        ref_logits = split.decode(slots, codes)
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+        assert ids == smp.sample(ref_logits, rows_b, rules, model.cfg.eos_id)
+        for ra, rb, code in zip(rows_a, rows_b, ids, strict=True):
+            ra.remember(code)
+            rb.remember(code)
+        codes = ids
+    assert fused.cache.lengths == split.cache.lengths
