@@ -84,6 +84,8 @@ def graph_replay_ms(engine: TalkerEngine, bsz: int, length: int, replays: int = 
     read_len = min(next_bucket(length, MIN_LENGTH_BUCKET), runner.context)
     with torch.inference_mode():
         graph = runner._graph(n, read_len)
+        if graph is None:
+            return None
         graph.ints[:, 2].zero_()  # inactive rows: their K/V go to the scratch column
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.graph.replay()

@@ -294,8 +294,9 @@ class TalkerRunner:
         with torch.inference_mode():
             ints = torch.tensor(int_rows, dtype=torch.int64)
             floats = torch.tensor(float_rows, dtype=torch.float32)
-            if self.use_cuda_graphs:
-                logits, ids = self._graph(n, read_len).run(ints, floats)
+            graph = self._graph(n, read_len) if self.use_cuda_graphs else None
+            if graph is not None:
+                logits, ids = graph.run(ints, floats)
             else:
                 logits, ids = self._step_eager(ints.to(self.device), floats.to(self.device), read_len)
             picked = ids.tolist()
@@ -323,12 +324,23 @@ class TalkerRunner:
         assert logits is not None
         return logits
 
-    def _graph(self, n: int, read_len: int) -> _DecodeGraph:
+    def _graph(self, n: int, read_len: int) -> _DecodeGraph | None:
+        """The captured step for this bucket (captured on first use); None if capture failed.
+
+        A failed capture turns graphs off for this runner (logged as an error, visible in GetInfo and
+        the bench's ``cuda_graphs``) so the service keeps answering, eagerly, instead of failing.
+        """
         key = (n, read_len)
         graph = self._graphs.get(key)
         if graph is None:
             log.info("capturing talker decode CUDA graph: batch %d, attention length %d", n, read_len)
-            graph = _DecodeGraph(self, n, read_len, self._graph_pool)
+            try:
+                graph = _DecodeGraph(self, n, read_len, self._graph_pool)
+            except Exception:
+                log.exception("talker decode CUDA graph capture failed; decoding eagerly from now on")
+                self.use_cuda_graphs = False
+                self._graphs.clear()
+                return None
             self._graphs[key] = graph
         return graph
 
@@ -352,7 +364,8 @@ class TalkerRunner:
         with torch.inference_mode():
             for n in batches:
                 for read_len in lengths:
-                    self._graph(n, read_len)
+                    if self._graph(n, read_len) is None:
+                        return 0
         return len(self._graphs)
 
 
