@@ -17,6 +17,7 @@ Prints one JSON object, then a Markdown table (the form BENCHMARKS.md records).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -33,6 +34,9 @@ from services.thinker.sampling import Sampler, SamplingConfig
 from services.thinker.scheduler import Sequence, WorkItem
 
 # Peak HBM bandwidth (bytes/s) by device name fragment; override with --hbm-gbps.
+# Extra max_tokens per decode row: earlier rows keep decoding while later rows are still in (chunked)
+# prefill, and must not stop before the timed window ends. KV is reserved for it too.
+DECODE_HEADROOM = 1024
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.039e12, "L40S": 0.864e12, "4090": 1.008e12}
 
 
@@ -77,7 +81,7 @@ def engine_decode(
     seqs: list[Sequence] = []
     for i in range(batch):
         # Headroom: earlier rows keep decoding while later rows are still in (chunked) prefill.
-        cfg = SamplingConfig(max_tokens=warmup + steps + 1024, ignore_eos=True, stop_token_ids=())
+        cfg = SamplingConfig(max_tokens=warmup + steps + DECODE_HEADROOM, ignore_eos=True, stop_token_ids=())
         seq = engine.open(lambda _ev: None)
         engine.submit(seq, WorkItem(_prompt(context, 100 + i), sampler=Sampler(cfg)))
         seqs.append(seq)
@@ -213,8 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     load_s = time.perf_counter() - t0
     batches = [int(b) for b in args.batches.split(",") if b]
-    max_tokens_needed = args.context_len + args.warmup_steps + args.decode_steps + 8
-    budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else None
+    max_tokens_needed = args.context_len + args.warmup_steps + args.decode_steps + DECODE_HEADROOM
+    cfg = llm.config
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype.itemsize
+    # Enough KV for the largest batch (plus the prefill prompt), not "all free memory": the transformers
+    # baseline runs afterwards in the same process and needs room for its own cache.
+    needed = max(batches) * max_tokens_needed + args.prompt_len + 64 * 16
+    budget = int(args.kv_budget_gb * 2**30) if args.kv_budget_gb else int(1.25 * needed * bytes_per_token)
     engine = ThinkerEngine(
         llm,
         EngineConfig(
@@ -255,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         "engine_prefill": prefill,
     }
     engine.shutdown()
+    del engine  # free the KV pool and graphs before the baseline allocates its own cache
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if not args.no_hf:
         result["transformers_decode"] = [
             hf_decode(llm, b, args.context_len, args.hf_decode_steps, device) for b in batches
