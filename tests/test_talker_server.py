@@ -157,6 +157,11 @@ def test_client_half_close_without_chunks_gets_done(tiny_ckpt: Path) -> None:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 resp = await _collect(talker_pb2_grpc.TalkerServiceStub(ch), [_open()])
                 assert [r.WhichOneof("kind") for r in resp] == ["done"]
+                # the server's own close command may still sit in the engine inbox for a moment
+                for _ in range(100):
+                    if engine.idle():
+                        break
+                    await asyncio.sleep(0.02)
                 assert engine.idle()
         finally:
             await server.stop()
