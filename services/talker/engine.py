@@ -6,9 +6,9 @@ Design
   start of a turn to its end; streams beyond the slot count wait in FIFO order. Every step runs the
   prefills that are ready (one condition each), then **one batched decode step** for every stream that
   has a frame to feed, so streams join and leave the batch between any two steps.
-* **Per-request state** (:mod:`streams`): sampling params, a seeded ``torch.Generator``, the 16-frame
+* **Per-request state** (:mod:`streams`): sampling params, the seed's draw counter, the 16-frame
   penalty history, budgets, the window buffer and the previous segment. Sampling is batched with
-  per-row rules (:mod:`sampling`).
+  per-row rules (:mod:`sampling`) inside the decode step's CUDA graph; only the picked ids come back.
 * **Turn forms** (the first chunk of a turn decides):
 
   - *whole utterance* — the first chunk is also the last. Condition ``cond + text_eos + audio_bos``;

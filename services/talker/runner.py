@@ -1,17 +1,20 @@
 """Forward passes of the Talker backbone over the static slot cache: one-stream prefill, batched decode.
 
-The backbone weights are transformers' ``LlamaModel`` modules (q/k/v/o projections, RMSNorms, MLP), so
-the arithmetic is the library's; what this module adds is the cache discipline (:mod:`kv_cache`) that
-lets many streams at different positions decode in one batched step:
+The backbone weights are transformers' ``LlamaModel`` modules (q/k/v/o projections, RMSNorms, MLP) and
+the arithmetic per element is the library's, done in fewer kernels (fused q|k|v and gate|up GEMMs,
+RoPE/mask/KV indices once per step, fused RMSNorm); what this module adds is the cache discipline
+(:mod:`kv_cache`) that lets many streams at different positions decode in one batched step:
 
 * ``prefill(slot, rows)`` runs one stream's condition (any length) starting at its current cache length,
   writes K/V at those positions, and returns the logits of the last row;
-* ``decode(codes, positions, active, n)`` feeds one codec id for each of the slots ``0..n-1`` at once;
-  each row writes its K/V at its own position and attends to its own prefix only (a per-row mask).
-  Rows that sit out the step write to the cache's scratch column and their outputs are ignored.
+* ``decode_sample(slots, codes, rows)`` feeds one codec id for each of the slots ``0..n-1`` at once and
+  samples each row's next id in the same step (:func:`sampling.sample_packed`); each row writes its K/V
+  at its own position and attends to its own prefix only (a per-row mask). Rows that sit out the step
+  write to the cache's scratch column and their outputs are ignored. ``decode`` returns logits only.
 
-On CUDA the decode step is captured once per (batch bucket, attention-length bucket) into a CUDA graph
-and replayed; on CPU (tests) the same function runs eagerly. Buckets are powers of two so a handful of
+On CUDA the decode+sample step is captured once per (batch bucket, attention-length bucket) into a CUDA
+graph and replayed, with one small copy in and the picked ids out; on CPU (tests) the same function
+runs eagerly. Buckets are powers of two so a handful of
 graphs cover every batch size and context length.
 """
 

@@ -1,7 +1,7 @@
 """Per-stream state of the Talker engine and the plain messages it emits (the server maps them to protos).
 
 A stream is one gRPC ``Generate`` call. It carries a sequence of conditions (Thinker chunks or duplex
-units) and emits codec windows. Everything a stream owns (slot, penalty history, RNG, window buffer,
+units) and emits codec windows. Everything a stream owns (slot, penalty history, draw counter, window buffer,
 previous segment for recompute) lives here, so closing the stream frees all of it.
 """
 
