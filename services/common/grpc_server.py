@@ -38,6 +38,14 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+# The gateway's channels ping every 20 s (GRPC_OPTIONS) so a dead stage is noticed mid-stream; the
+# server must accept pings that often, or after two "strikes" it sends GOAWAY(too_many_pings) and every
+# stream on that connection dies.
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    *GRPC_OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 DEFAULT_PORTS = {"thinker": 50051, "talker": 50052, "code2wav": 50053}
 
 
@@ -100,7 +108,7 @@ class StageServer:
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
         self._add_servicer(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
