@@ -199,6 +199,15 @@ def parse_stage_args(items: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def stage_args_for(args: argparse.Namespace, profile: DeployProfile) -> dict[str, list[str]]:
+    """``--stage-args`` plus the thinker's ``--kv-budget`` on CUDA (its default would starve colocated stages)."""
+    stage_args = parse_stage_args(args.stage_args)
+    on_cuda = any(d.startswith("cuda") for s in STAGES for d in profile.stage(s).devices)
+    if on_cuda and args.thinker_kv_budget != "auto" and "--kv-budget" not in stage_args.get("thinker", []):
+        stage_args.setdefault("thinker", []).extend(["--kv-budget", args.thinker_kv_budget])
+    return stage_args
+
+
 class MpsDaemon:
     """An NVIDIA MPS control daemon private to this run (own pipe/log dirs; GPU settings untouched)."""
 
@@ -452,10 +461,8 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = Path(args.checkpoint)
     profile = resolve_profile(args, w)
-    stage_args = parse_stage_args(args.stage_args)
+    stage_args = stage_args_for(args, profile)
     on_cuda = any(d.startswith("cuda") for s in STAGES for d in profile.stage(s).devices)
-    if on_cuda and args.thinker_kv_budget != "auto" and "--kv-budget" not in stage_args.get("thinker", []):
-        stage_args.setdefault("thinker", []).extend(["--kv-budget", args.thinker_kv_budget])
     talker = profile.stage("talker")
     n_prompts = max(args.requests_per_level, max(args.levels) * max(args.warmup_rounds, 1), args.warmup,
                     args.timeline_requests, 1)
