@@ -195,3 +195,30 @@ def test_engine_batches_streams_and_interrupt_drops_queued_windows(tiny_ckpt: Pa
             await engine.stop()
 
     asyncio.run(scenario())
+
+
+def test_interrupt_after_a_window_was_collected_does_not_leak_old_audio(tiny_ckpt: Path) -> None:
+    """The race CI once hit: a window of epoch 0 is already collected for the worker when the interrupt
+    arrives. The stale window must run on the old state, and epoch 1 must start fresh: its first and last
+    window holds no hold-back audio of epoch 0."""
+    from services.code2wav.service import build_engine
+
+    async def scenario() -> None:
+        engine, _ = build_engine(_args(tiny_ckpt))
+        # No scheduling loop: the test drives collect/compute/record by hand to pin the interleaving.
+        engine._default_prompt = engine.voices.encode_file(engine.default_voice)
+        s = await engine.open_stream("s", None, seed=3)
+        first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
+        engine.submit(s, first, 3, False, "old")
+        stale = engine._collect()  # collected for the worker, not yet computed
+        engine.interrupt(s, 1)
+        engine.submit(s, [CODEC_SILENCE_ID] * 3 + CODES[:5], 3, True, "new")
+        engine._record(stale, engine._compute(stale), 0.0)  # runs on the old state; result dropped
+        fresh = engine._collect()
+        results = engine._compute(fresh)
+        engine._record(fresh, results, 0.0)
+        tags = [s.outputs.get_nowait()[0] for _ in range(s.outputs.qsize())]
+        assert tags == ["old", "new"]  # "old" only wakes the reader (result None)
+        assert results[0].is_last and results[0].samples.shape[0] == 2 * 8 * 480
+
+    asyncio.run(scenario())

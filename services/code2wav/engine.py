@@ -75,7 +75,10 @@ class StreamHandle:
     # (tag, WindowResult | StageError | None): None wakes the reader after an abandoned-epoch window.
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_flight: bool = False
-    needs_reset: bool = False
+    # Epoch the model state belongs to. A window of a newer epoch resets the state first. Comparing epochs
+    # (not a flag set by interrupt) keeps a window that was already collected when an interrupt arrived
+    # from consuming the reset meant for the new epoch.
+    state_epoch: int = 0
     closed: bool = False
     first_window_latency: float | None = None
 
@@ -151,7 +154,9 @@ class Code2WavEngine:
             except ReferenceAudioError as exc:
                 raise StageError(BAD_REFERENCE_AUDIO, str(exc), "open.ref_audio") from exc
         state = await self._in_worker(self.runner.open_stream, stream_id, prompt, seed)
-        handle = StreamHandle(stream_id=stream_id, prompt=prompt, seed=seed, epoch=epoch, state=state)
+        handle = StreamHandle(
+            stream_id=stream_id, prompt=prompt, seed=seed, epoch=epoch, state=state, state_epoch=epoch
+        )
         self.streams[id(handle)] = handle
         STREAMS_OPEN.set(len(self.streams))
         self._update_cache_gauge()
@@ -172,7 +177,6 @@ class Code2WavEngine:
         handle.pending = deque(w for w in handle.pending if w.epoch >= new_epoch)
         handle.epoch = new_epoch
         handle.cursor = WindowCursor()
-        handle.needs_reset = True
         IN_FLIGHT.labels(STAGE).dec(dropped)
         DROPPED_WINDOWS.inc(dropped)
         INTERRUPTS.labels(STAGE).inc()
@@ -200,11 +204,13 @@ class Code2WavEngine:
         return batch
 
     def _compute(self, batch: list[tuple[StreamHandle, PendingWindow]]) -> list[WindowResult]:
-        """Worker-thread body: apply pending resets, then run every window of the batch."""
-        for handle, _ in batch:
-            if handle.needs_reset:
+        """Worker-thread body: reset streams entering a new epoch, then run every window of the batch."""
+        for handle, window in batch:
+            # A stale window (its epoch was interrupted after it was collected) runs on the old state,
+            # whose result is discarded; the first window of the new epoch then starts from the voice.
+            if window.epoch > handle.state_epoch:
                 handle.state = self.runner.open_stream(handle.stream_id, handle.prompt, handle.seed)
-                handle.needs_reset = False
+                handle.state_epoch = window.epoch
         items = [(handle.state, window.tokens, window.is_last) for handle, window in batch]
         return self.runner.run(items)
 
