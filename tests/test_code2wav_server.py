@@ -222,3 +222,69 @@ def test_interrupt_after_a_window_was_collected_does_not_leak_old_audio(tiny_ckp
         assert results[0].is_last and results[0].samples.shape[0] == 2 * 8 * 480
 
     asyncio.run(scenario())
+
+
+def _gauge(metric, *labels: str) -> float:  # noqa: ANN001
+    return float((metric.labels(*labels) if labels else metric)._value.get())
+
+
+def _drain_count() -> float:
+    from services.code2wav.engine import INTERRUPT_DRAIN_SECONDS
+
+    return sum(s.value for m in INTERRUPT_DRAIN_SECONDS.collect() for s in m.samples if s.name.endswith("_count"))
+
+
+def test_batches_hold_one_shape_and_first_windows_go_first(tiny_ckpt: Path) -> None:
+    """A steady window queued earlier waits for a later stream's first window; shapes never mix."""
+    from services.code2wav.service import build_engine
+
+    async def scenario() -> None:
+        engine, _ = build_engine(_args(tiny_ckpt))
+        engine._default_prompt = engine.voices.encode_file(engine.default_voice)
+        a = await engine.open_stream("a", None, seed=1)
+        first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
+        engine.submit(a, first, 3, False, "a0")
+        batch = engine._collect()
+        engine._record(batch, engine._compute(batch), 0.0)
+        engine.submit(a, first[-3:] + CODES[25:40], 3, False, "a1")  # steady window, queued first
+        b = await engine.open_stream("b", None, seed=2)
+        c = await engine.open_stream("c", None, seed=3)
+        engine.submit(b, first, 3, False, "b0")
+        engine.submit(c, first, 3, False, "c0")
+        batch = engine._collect()
+        assert [w.tag for _, w in batch] == ["b0", "c0"]  # first windows, one shape, one batch
+        engine._record(batch, engine._compute(batch), 0.0)
+        batch = engine._collect()
+        assert [w.tag for _, w in batch] == ["a1"]
+        engine._record(batch, engine._compute(batch), 0.0)
+        assert list(engine.batch_history)[-2:] == [2, 1]
+
+    asyncio.run(scenario())
+
+
+def test_close_releases_a_running_window_from_the_gauge_at_once(tiny_ckpt: Path) -> None:
+    """Cancel latency: the in-flight gauge drops when the stream closes, not when its batch ends; the
+    batch's remaining GPU time is recorded as the drain time."""
+    from services.code2wav.engine import STAGE
+    from services.code2wav.service import build_engine
+    from services.common.metrics import IN_FLIGHT
+
+    async def scenario() -> None:
+        engine, _ = build_engine(_args(tiny_ckpt))
+        engine._default_prompt = engine.voices.encode_file(engine.default_voice)
+        s = await engine.open_stream("s", None, seed=3)
+        base = _gauge(IN_FLIGHT, STAGE)
+        first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
+        engine.submit(s, first, 3, False, "w0")
+        engine.submit(s, first[-3:] + CODES[25:40], 3, False, "w1")
+        assert _gauge(IN_FLIGHT, STAGE) == base + 2
+        running = engine._collect()
+        drains = _drain_count()
+        engine.close(s)  # one window queued, one on the "GPU"
+        assert _gauge(IN_FLIGHT, STAGE) == base
+        engine._record(running, engine._compute(running), 0.0)
+        assert _gauge(IN_FLIGHT, STAGE) == base  # not decremented twice
+        assert _drain_count() == drains + 1
+        assert s.outputs.empty()  # a closed stream gets nothing
+
+    asyncio.run(scenario())

@@ -7,9 +7,17 @@ worker thread (the runner stacks windows of equal shape into one batch), and rou
 its stream's output queue. Model work is serialised on that one thread: torch modules and CUDA graphs
 are not shared across threads, and batching (not concurrency) is what buys throughput.
 
-Interrupts: :meth:`Code2WavEngine.interrupt` moves the stream to a new epoch, drops its queued windows of
-older epochs (and discards the result of a window of an old epoch that is still running), and resets the
-stream to the voice's origin cache, so the new epoch starts at chunk 0 exactly like a fresh stream.
+Batch choice: one model batch holds windows of a single shape key (see :meth:`Code2WavRunner.batch_key`),
+so every window in it finishes together and its audio is routed as soon as that batch ends. Groups that
+hold a stream's *first* window go first (time to first audio is what a listener waits on; later windows
+have the slack of the audio already sent), then the group with the oldest window.
+
+Interrupts and closes: :meth:`Code2WavEngine.interrupt` moves the stream to a new epoch, drops its queued
+windows of older epochs (and discards the result of a window of an old epoch that is still running), and
+resets the stream to the voice's origin cache, so the new epoch starts at chunk 0 exactly like a fresh
+stream. A window already on the GPU cannot be recalled mid-kernel, but the stream no longer owes it: the
+in-flight gauge drops at the interrupt or close, and ``minicpmo_code2wav_interrupt_drain_seconds`` records
+how long that running batch still took (interrupt received -> last GPU step of the old epoch).
 """
 
 from __future__ import annotations
@@ -48,6 +56,11 @@ FIRST_WINDOW_SECONDS = Histogram(
     buckets=(0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
 DROPPED_WINDOWS = Counter("minicpmo_code2wav_dropped_windows_total", "Queued windows dropped by interrupts")
+INTERRUPT_DRAIN_SECONDS = Histogram(
+    "minicpmo_code2wav_interrupt_drain_seconds",
+    "Interrupt or close received to the end of the last model step still computing the old epoch (0 if none)",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+)
 
 
 @dataclass
@@ -59,6 +72,9 @@ class PendingWindow:
     is_last: bool
     tag: Any
     enqueued: float = field(default_factory=time.perf_counter)
+    # Set when an interrupt or close released this running window from the in-flight gauge (perf_counter
+    # time of that release); the batch's end then records the drain time instead of decrementing again.
+    released_at: float | None = None
 
 
 @dataclass
@@ -75,6 +91,7 @@ class StreamHandle:
     # (tag, WindowResult | StageError | None): None wakes the reader after an abandoned-epoch window.
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     in_flight: bool = False
+    running: PendingWindow | None = None  # the window of this stream inside the batch being computed
     # Epoch the model state belongs to. A window of a newer epoch resets the state first. Comparing epochs
     # (not a flag set by interrupt) keeps a window that was already collected when an interrupt arrived
     # from consuming the reset meant for the new epoch.
@@ -180,27 +197,66 @@ class Code2WavEngine:
         IN_FLIGHT.labels(STAGE).dec(dropped)
         DROPPED_WINDOWS.inc(dropped)
         INTERRUPTS.labels(STAGE).inc()
+        self._release_running(handle, lambda w: w.epoch < new_epoch, record_idle=True)
         return dropped
 
     def close(self, handle: StreamHandle) -> None:
         handle.closed = True
         IN_FLIGHT.labels(STAGE).dec(len(handle.pending))
         handle.pending.clear()
+        self._release_running(handle, lambda w: True, record_idle=False)
         self.streams.pop(id(handle), None)
         STREAMS_OPEN.set(len(self.streams))
         self._update_cache_gauge()
+
+    @staticmethod
+    def _release_running(handle: StreamHandle, stale: Any, record_idle: bool) -> None:
+        """Take a running window the stream no longer wants off the in-flight gauge right away.
+
+        Its batch still finishes on the GPU; :meth:`_record` then observes how long that took. With
+        nothing running, an interrupt (``record_idle``) records a drain time of zero."""
+        window = handle.running
+        if window is None:
+            if record_idle:
+                INTERRUPT_DRAIN_SECONDS.observe(0.0)
+            return
+        if window.released_at is None and stale(window):
+            window.released_at = time.perf_counter()
+            IN_FLIGHT.labels(STAGE).dec()
 
     def _update_cache_gauge(self) -> None:
         CACHE_BYTES.set(sum(h.state.cache_bytes for h in self.streams.values()))
 
     # ------------------------------------------------------------------ scheduling
     def _collect(self) -> list[tuple[StreamHandle, PendingWindow]]:
+        """The next batch: up to ``max_batch`` ready windows that share one shape key.
+
+        A window whose stream must first be reset to a new epoch gets a key of its own (its shapes are
+        only known after the reset). First windows win, then the oldest window."""
         ready = [h for h in self.streams.values() if h.pending and not h.in_flight and not h.closed]
-        ready.sort(key=lambda h: h.pending[0].enqueued)
+        if not ready:
+            return []
+        groups: dict[tuple, list[StreamHandle]] = {}
+        for handle in ready:
+            window = handle.pending[0]
+            if window.epoch > handle.state_epoch:
+                key: tuple = ("reset", id(handle))
+            else:
+                key = self.runner.batch_key(handle.state, window.tokens, window.is_last)
+            groups.setdefault(key, []).append(handle)
+
+        def urgency(members: list[StreamHandle]) -> tuple[bool, float]:
+            first = any(h.state.windows_done == 0 or h.pending[0].epoch > h.state_epoch for h in members)
+            return (not first, min(h.pending[0].enqueued for h in members))
+
+        chosen = min(groups.values(), key=urgency)
+        chosen.sort(key=lambda h: h.pending[0].enqueued)
         batch = []
-        for handle in ready[: self.max_batch]:
-            batch.append((handle, handle.pending.popleft()))
+        for handle in chosen[: self.max_batch]:
+            window = handle.pending.popleft()
+            batch.append((handle, window))
             handle.in_flight = True
+            handle.running = window
         return batch
 
     def _compute(self, batch: list[tuple[StreamHandle, PendingWindow]]) -> list[WindowResult]:
@@ -228,14 +284,23 @@ class Code2WavEngine:
                 except Exception as exc:  # noqa: BLE001 - a failed batch must not kill the scheduler
                     log.exception("code2wav batch failed")
                     for handle, window in batch:
-                        handle.in_flight = False
-                        IN_FLIGHT.labels(STAGE).dec()
+                        self._finish_running(handle, window, time.perf_counter())
                         handle.outputs.put_nowait(
                             (window.tag, StageError(INTERNAL, f"vocoder step failed: {exc}"))
                         )
                     continue
                 elapsed = time.perf_counter() - t0
                 self._record(batch, results, elapsed)
+
+    @staticmethod
+    def _finish_running(handle: StreamHandle, window: PendingWindow, now: float) -> None:
+        """The batch holding ``window`` ended: clear the stream's running slot and settle the gauge."""
+        handle.in_flight = False
+        handle.running = None
+        if window.released_at is None:
+            IN_FLIGHT.labels(STAGE).dec()
+        else:
+            INTERRUPT_DRAIN_SECONDS.observe(now - window.released_at)
 
     def _record(
         self, batch: list[tuple[StreamHandle, PendingWindow]], results: list[WindowResult], elapsed: float
@@ -253,8 +318,7 @@ class Code2WavEngine:
             AUDIO_SECONDS.inc(audio)
         now = time.perf_counter()
         for (handle, window), result in zip(batch, results, strict=True):
-            handle.in_flight = False
-            IN_FLIGHT.labels(STAGE).dec()
+            self._finish_running(handle, window, now)
             if handle.closed:
                 continue
             if window.epoch != handle.epoch:
