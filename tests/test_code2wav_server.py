@@ -229,9 +229,12 @@ def _gauge(metric, *labels: str) -> float:  # noqa: ANN001
 
 
 def _drain_count() -> float:
-    from services.code2wav.engine import INTERRUPT_DRAIN_SECONDS
+    from services.common.metrics import INTERRUPT_DRAIN
 
-    return sum(s.value for m in INTERRUPT_DRAIN_SECONDS.collect() for s in m.samples if s.name.endswith("_count"))
+    return sum(
+        s.value for m in INTERRUPT_DRAIN.collect() for s in m.samples
+        if s.name.endswith("_count") and s.labels.get("stage") == "code2wav"
+    )
 
 
 def test_batches_hold_one_shape_and_first_windows_go_first(tiny_ckpt: Path) -> None:

@@ -16,7 +16,7 @@ Interrupts and closes: :meth:`Code2WavEngine.interrupt` moves the stream to a ne
 windows of older epochs (and discards the result of a window of an old epoch that is still running), and
 resets the stream to the voice's origin cache, so the new epoch starts at chunk 0 exactly like a fresh
 stream. A window already on the GPU cannot be recalled mid-kernel, but the stream no longer owes it: the
-in-flight gauge drops at the interrupt or close, and ``minicpmo_code2wav_interrupt_drain_seconds`` records
+in-flight gauge drops at the interrupt or close, and ``minicpmo_stage_interrupt_drain_seconds`` records
 how long that running batch still took (interrupt received -> last GPU step of the old epoch).
 """
 
@@ -37,7 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.code2wav.model.prompt import PromptFeatures, ReferenceAudioError, ReferenceVoiceEncoder
 from services.code2wav.runner import Code2WavRunner, StreamState, WindowCursor, WindowResult
 from services.common.errors import BAD_REFERENCE_AUDIO, INTERNAL, RESOURCE_EXHAUSTED, UNAVAILABLE, StageError
-from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPTS, STEP_SECONDS
+from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, INTERRUPTS, STEP_SECONDS
 
 log = logging.getLogger(__name__)
 STAGE = "code2wav"
@@ -56,11 +56,6 @@ FIRST_WINDOW_SECONDS = Histogram(
     buckets=(0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
 DROPPED_WINDOWS = Counter("minicpmo_code2wav_dropped_windows_total", "Queued windows dropped by interrupts")
-INTERRUPT_DRAIN_SECONDS = Histogram(
-    "minicpmo_code2wav_interrupt_drain_seconds",
-    "Interrupt or close received to the end of the last model step still computing the old epoch (0 if none)",
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
-)
 
 
 @dataclass
@@ -218,7 +213,7 @@ class Code2WavEngine:
         window = handle.running
         if window is None:
             if record_idle:
-                INTERRUPT_DRAIN_SECONDS.observe(0.0)
+                INTERRUPT_DRAIN.labels(STAGE).observe(0.0)
             return
         if window.released_at is None and stale(window):
             window.released_at = time.perf_counter()
@@ -300,7 +295,7 @@ class Code2WavEngine:
         if window.released_at is None:
             IN_FLIGHT.labels(STAGE).dec()
         else:
-            INTERRUPT_DRAIN_SECONDS.observe(now - window.released_at)
+            INTERRUPT_DRAIN.labels(STAGE).observe(now - window.released_at)
 
     def _record(
         self, batch: list[tuple[StreamHandle, PendingWindow]], results: list[WindowResult], elapsed: float

@@ -28,4 +28,11 @@ STEP_SECONDS = Histogram(
     ["stage"],
     buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
+INTERRUPT_DRAIN = Histogram(
+    "minicpmo_stage_interrupt_drain_seconds",
+    "Interrupt or cancel received to the end of the last engine step still computing the old epoch "
+    "(the stage-side barge-in latency; 0 when nothing of it was running)",
+    ["stage"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+)
 DRAINING = Gauge("minicpmo_stage_draining", "1 while the stage drains before shutdown", ["stage"])

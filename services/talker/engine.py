@@ -49,7 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from prometheus_client import Counter, Gauge
@@ -61,7 +61,7 @@ from services.common.errors import (
     INVALID_ARGUMENT,
     StageError,
 )
-from services.common.metrics import BATCH_SIZE, IN_FLIGHT, QUEUE_DEPTH, STEP_SECONDS
+from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH, STEP_SECONDS
 from services.talker import sampling as smp
 from services.talker.model.config import DEFAULT_MAX_NEW_FRAMES, DEFAULT_MIN_NEW_FRAMES
 from services.talker.model.tts import MiniCPMTTS
@@ -95,6 +95,7 @@ class _Command:
     kind: str  # open | chunk | interrupt | flush | end | close
     stream: StreamState
     payload: object = None
+    submitted: float = field(default_factory=time.perf_counter)  # interrupt/close drain timing
 
 
 class TalkerEngine:
@@ -294,6 +295,8 @@ class TalkerEngine:
             elif cmd.kind == "chunk":
                 self._on_chunk(st, cmd.payload)  # type: ignore[arg-type]
             elif cmd.kind == "interrupt":
+                if int(cmd.payload) > st.epoch:  # type: ignore[arg-type]
+                    self._observe_drain(st, cmd, idle_counts=True)
                 self._on_interrupt(st, int(cmd.payload))  # type: ignore[arg-type]
             elif cmd.kind == "flush":
                 if st.windower is not None:
@@ -302,7 +305,18 @@ class TalkerEngine:
             elif cmd.kind == "end":
                 st.ending = True
             elif cmd.kind == "close":
+                self._observe_drain(st, cmd, idle_counts=False)
                 self._remove(st)
+
+    @staticmethod
+    def _observe_drain(st: StreamState, cmd: _Command, idle_counts: bool) -> None:
+        """Stage-side barge-in latency: commands apply between steps, so the wait since the command
+        arrived is the time the old epoch's last decode step still ran."""
+        running = st.phase is Phase.DECODE or st.in_turn
+        if running:
+            INTERRUPT_DRAIN.labels("talker").observe(time.perf_counter() - cmd.submitted)
+        elif idle_counts:
+            INTERRUPT_DRAIN.labels("talker").observe(0.0)
 
     def _on_chunk(self, st: StreamState, cond: ConditionInput) -> None:
         if cond.epoch < st.epoch:

@@ -29,7 +29,7 @@ from services.common.errors import (
     RESOURCE_EXHAUSTED,
     StageError,
 )
-from services.common.metrics import BATCH_SIZE, IN_FLIGHT, QUEUE_DEPTH, STEP_SECONDS
+from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH, STEP_SECONDS
 from services.thinker.kv_cache import KVLayout, PagedKVCache, default_kv_budget
 from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
 from services.thinker.sampling import Sampler, choose_tokens
@@ -59,7 +59,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_step_tokens: int = 512
     block_size: int = 16
-    kv_budget_bytes: int | None = None
+    kv_budget_bytes: int | None = None  # wins over memory_fraction
+    # Per-process GPU memory cap in force (set by the CLI); sizes the KV pool when kv_budget_bytes is None.
+    memory_fraction: float | None = None
+    memory_fraction_key: str = "stages.thinker.memory_fraction"  # what the budget error tells to change
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
 
@@ -99,7 +102,12 @@ class ThinkerEngine:
         budget = config.kv_budget_bytes
         if budget is None:
             budget = default_kv_budget(
-                self.layout, self.device, self.max_context, min(config.max_num_seqs, 8)
+                self.layout,
+                self.device,
+                self.max_context,
+                min(config.max_num_seqs, 8),
+                memory_fraction=config.memory_fraction,
+                memory_fraction_key=config.memory_fraction_key,
             )
         self.cache = PagedKVCache(self.layout, budget, self.device)
         self.runner = ModelRunner(
@@ -113,7 +121,7 @@ class ThinkerEngine:
             max_step_tokens=config.max_step_tokens,
         )
         self.hidden_size = int(cfg.hidden_size)
-        self._commands: queue.SimpleQueue[tuple[str, Sequence, WorkItem | None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[str, Sequence, WorkItem | None, float]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -181,7 +189,7 @@ class ThinkerEngine:
                 self._wake.clear()
 
     def _command(self, kind: str, seq: Sequence, work: WorkItem | None) -> None:
-        self._commands.put((kind, seq, work))
+        self._commands.put((kind, seq, work, time.perf_counter()))
         self._wake.set()
 
     # ------------------------------------------------------------------------------------------ step
@@ -228,9 +236,14 @@ class ThinkerEngine:
     def _drain_commands(self) -> None:
         while True:
             try:
-                kind, seq, work = self._commands.get_nowait()
+                kind, seq, work, submitted = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if kind in ("cancel", "close") and seq.work is not None:
+                # Commands apply between steps: the wait is how long the old work's last step still ran.
+                INTERRUPT_DRAIN.labels("thinker").observe(time.perf_counter() - submitted)
+            elif kind == "cancel":
+                INTERRUPT_DRAIN.labels("thinker").observe(0.0)
             if kind == "submit":
                 assert work is not None
                 self._accept(seq, work)
