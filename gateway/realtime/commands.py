@@ -21,6 +21,7 @@ from gateway.realtime.audio import (
 )
 from gateway.realtime.config import parse_session
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.server_vad import sync_server_vad
 from gateway.realtime.session import UserItem
 from gateway.realtime.video import decode_video_frames
 
@@ -52,6 +53,7 @@ async def dispatch(s: DuplexSession, event: dict[str, Any]) -> None:
 
 async def session_update(s: DuplexSession, event: dict[str, Any]) -> None:
     s.cfg = parse_session(event.get("session"), current=s.cfg, audio_started=s.audio_started)
+    s.server_vad = sync_server_vad(s)
     s.emit("session.updated", session=s.session_object())
 
 
@@ -117,7 +119,7 @@ async def append(s: DuplexSession, event: dict[str, Any]) -> None:
             metadata={"response_id": active.id},
         )
         await hard_interrupt(s, "barge_in")
-    elif active is not None and not s.cfg.auto_response:
+    elif active is not None and not s.cfg.auto_response and s.server_vad is None:
         s.emit(
             "overlap.decision",
             session_id=s.id,
@@ -129,6 +131,11 @@ async def append(s: DuplexSession, event: dict[str, Any]) -> None:
         )
 
     s.audio_started = True
+    if s.server_vad is not None:
+        await s.server_vad.push(samples, frames)
+        s.input_samples += samples.size
+        return
+    s.input_samples += samples.size
     s.input_has_audio = True
     s.input_has_speech = s.input_has_speech or speech
     units = s.assembler.push(samples, frames, speech)
@@ -157,6 +164,18 @@ async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
         raise RealtimeError("input_audio_buffer_empty", "input_audio_buffer.commit requires a non-empty input audio buffer")
     if not s.cfg.auto_response and s.pending_commits() >= s.settings.max_pending_commits:
         raise RealtimeError("input_backpressure", f"more than {s.settings.max_pending_commits} pending commits")
+    item_id = None
+    if s.server_vad is not None:
+        # The client took the turn boundary into its own hands: the item announced by speech_started (if
+        # any) ends here, and the detector starts over.
+        item_id = s.server_vad.item_id
+        s.server_vad.reset()
+    speech = s.input_has_speech and event.get("is_speech") is not False
+    seal_input(s, create=bool(create), speech=speech, item_id=item_id)
+
+
+def seal_input(s: DuplexSession, *, create: bool, speech: bool, item_id: str | None = None) -> None:
+    """Turn the uncommitted input into a user item (and, with ``create``, answer it): commit or server VAD."""
     audio_samples = s.assembler.total_samples
     residual = s.assembler.flush()
     if residual is not None:
@@ -164,9 +183,8 @@ async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
             s.forward_unit(residual)
         else:
             s.input_units.append(residual)
-    speech = s.input_has_speech and event.get("is_speech") is not False
     s.turn_id += 1
-    item = UserItem(ev.new_user_item_id(), s.turn_id, audio_samples * 1000 // 16_000, s.input_units, speech)
+    item = UserItem(item_id or ev.new_user_item_id(), s.turn_id, audio_samples * 1000 // 16_000, s.input_units, speech)
     s.input_units = []
     s.assembler.total_samples = 0
     s.input_has_audio = s.input_has_speech = False
@@ -218,6 +236,8 @@ def _drop_input(s: DuplexSession) -> None:
     s.assembler.total_samples = 0
     s.input_units = []
     s.input_has_audio = s.input_has_speech = False
+    if s.server_vad is not None:
+        s.server_vad.reset()
 
 
 async def input_cancel(s: DuplexSession, event: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 Validation order on open and on update: audio formats, then turn detection, then the MiniCPM-specific
 checks (reference audio, ``extra_body``). Turn-detection faults surface as ``invalid_session_config`` on
-the opening update and as ``unsupported_turn_detection`` on later ones, like the reference server.
+the opening update and as ``unsupported_turn_detection`` on later ones, like the reference server; the
+accepted ``server_vad`` object is echoed back with its defaults filled in.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gateway.realtime.audio import (
     validate_rate,
 )
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.vad import normalize_server_vad
 
 DEFAULT_MODEL = "openbmb/MiniCPM-o-4_5"
 DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
@@ -138,18 +140,30 @@ def decode_ref_audio(uri: Any) -> np.ndarray:
 
 
 def _validate_turn_detection(td: Any, overlap_policy: str, opening: bool) -> dict[str, Any] | None:
+    """``null`` (model-owned turn taking) or ``server_vad`` (gateway VAD, gateway/realtime/vad.py).
+
+    Each mode is tied to its overlap policy: server VAD speech always interrupts a running response, so it
+    needs ``barge_in_on_speech``; model-owned turn taking needs ``listen_only``.
+    """
     code = "invalid_session_config" if opening else "unsupported_turn_detection"
     if td is None:
         if overlap_policy != "listen_only":
             raise RealtimeError(code, "turn_detection null requires overlap_policy listen_only", param="turn_detection")
         return None
-    # The gateway has no server-side VAD: every turn-detection object, including server_vad, is refused.
     kind = td.get("type") if isinstance(td, dict) else td
-    raise RealtimeError(
-        code,
-        f"turn_detection {kind!r} is not supported; use null (model-owned turn taking)",
-        param="turn_detection",
-    )
+    if not isinstance(td, dict) or kind != "server_vad":
+        raise RealtimeError(
+            code, f"turn_detection {kind!r} is not supported; use null or server_vad", param="turn_detection"
+        )
+    try:
+        normalized = normalize_server_vad(td)
+    except ValueError as exc:
+        raise RealtimeError(code, str(exc), param="turn_detection") from None
+    if overlap_policy != "barge_in_on_speech":
+        raise RealtimeError(
+            code, "turn_detection server_vad requires overlap_policy barge_in_on_speech", param="turn_detection"
+        )
+    return normalized
 
 
 def parse_session(
@@ -196,8 +210,9 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
     # 2. turn detection
     if "overlap_policy" in obj:
         cfg.overlap_policy = obj["overlap_policy"] if obj["overlap_policy"] in OVERLAP_POLICIES else "listen_only"
-    if "turn_detection" in obj or opening:
-        cfg.turn_detection = _validate_turn_detection(obj.get("turn_detection"), cfg.overlap_policy, opening)
+    if "turn_detection" in obj or "overlap_policy" in obj or opening:
+        td = obj["turn_detection"] if "turn_detection" in obj else cfg.turn_detection
+        cfg.turn_detection = _validate_turn_detection(td, cfg.overlap_policy, opening)
     if "playback_commit_policy" in obj:
         value = obj["playback_commit_policy"]
         cfg.playback_commit_policy = value if value in PLAYBACK_POLICIES else "ack_only"
@@ -269,6 +284,13 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
     if seed_text is not None:
         cfg.initial_user_text = str(seed_text)
     cfg.extra_body = {**cfg.extra_body, **extra}
+    if cfg.turn_detection is not None and cfg.auto_response:
+        # The native lane lets the model own turn taking; a gateway VAD on top would fight it.
+        raise RealtimeError(
+            "invalid_session_config" if opening else "unsupported_turn_detection",
+            "turn_detection server_vad needs the turn lane (extra_body.auto_response false)",
+            param="turn_detection",
+        )
 
     if cfg.wants_audio and cfg.ref_audio is None:
         raise RealtimeError(

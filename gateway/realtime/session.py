@@ -26,6 +26,7 @@ from gateway.realtime.config import SessionConfig, render_session
 from gateway.realtime.errors import RealtimeError
 from gateway.realtime.journal import EventJournal
 from gateway.realtime.lifecycle import ResponseLifecycle
+from gateway.realtime.server_vad import ServerVadTurns, sync_server_vad
 from gateway.realtime.settings import RealtimeSettings
 
 if TYPE_CHECKING:
@@ -118,6 +119,9 @@ class DuplexSession:
         self.stage_acks: list[dict[str, Any]] = []
         self.interrupt_started: float | None = None
         self.unit_sent_at: dict[int, float] = {}  # unit_seq -> when it went to the thinker (metrics)  # monotonic time of the last hard interrupt
+        self.input_samples = 0  # 16 kHz samples appended this session: the server-VAD audio clock
+        self.server_vad: ServerVadTurns | None = None
+        self.server_vad = sync_server_vad(self)
         if settings.supports_session_resume:
             self.rotate_token()
 
@@ -154,6 +158,7 @@ class DuplexSession:
             "implementation_level": "model_native_duplex",
             "chunk_period_ms": 1000,
             "supports_barge_in": self.settings.supports_barge_in,
+            "supports_server_vad": True,
             "supports_session_resume": self.settings.supports_session_resume,
             "supports_audio_truncate": True,
             "supports_multi_session": self.settings.max_sessions > 1,
