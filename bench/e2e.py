@@ -298,18 +298,24 @@ class LevelResult:
     requests: list[RequestResult] = field(default_factory=list)
 
 
-async def timeline(url: str, bodies: list[dict[str, Any]], timeout: float) -> list[dict[str, float]]:
-    """Gateway-side marks (seconds from request start) of non-streaming requests, one at a time."""
+async def timeline(url: str, bodies: list[dict[str, Any]], timeout: float, concurrency: int = 1
+                   ) -> list[dict[str, float]]:
+    """Gateway-side marks (seconds from request start) of non-streaming requests, ``concurrency`` at once.
+
+    At c > 1 the marks show which stage the extra time queues in front of (profile of TTFP under load)."""
     import httpx
 
     out: list[dict[str, float]] = []
     async with httpx.AsyncClient() as client:
-        for body in bodies:
+        async def one(body: dict[str, Any]) -> None:
             resp = await client.post(url + "/v1/chat/completions", json=body, timeout=timeout)
             if resp.status_code == 200 and resp.json().get("metrics"):
                 out.append({k: float(v) for k, v in resp.json()["metrics"].items()})
             else:
                 print(f"[e2e] timeline request failed: HTTP {resp.status_code} {resp.text[:200]}", flush=True)
+
+        for start in range(0, len(bodies), concurrency):
+            await asyncio.gather(*(one(b) for b in bodies[start:start + concurrency]))
     return out
 
 
@@ -352,13 +358,21 @@ def render_markdown(report: dict[str, Any], levels: list[LevelSummary]) -> str:
         markdown_table(levels),
         "",
     ]
-    if report.get("timeline_ms"):
-        lines += ["Gateway timeline at c=1 (ms from request start, p50 over "
-                  f"{report['timeline_requests']} non-streaming requests):", ""]
-        lines += ["| mark | p50 | p90 |", "|---|---|---|"]
-        for key, m in sorted(report["timeline_ms"].items(), key=lambda kv: kv[1].get("p50", 0.0)):
-            if m:
-                lines.append(f"| {key} | {m['p50']:.1f} | {m['p90']:.1f} |")
+    by_c = report.get("timeline_ms_by_concurrency") or {}
+    if by_c:
+        cs = sorted(by_c, key=int)
+        lines += ["Gateway timeline (ms from request start, non-streaming requests; at c > 1 they are sent "
+                  "together): p50 / p90", ""]
+        lines += ["| mark | " + " | ".join(f"c={c} (n={by_c[c]['n']})" for c in cs) + " |",
+                  "|---|" + "---|" * len(cs)]
+        keys = sorted({k for c in cs for k in by_c[c]["marks"]},
+                      key=lambda k: by_c[cs[0]]["marks"].get(k, {}).get("p50", 0.0))
+        for key in keys:
+            cells = []
+            for c in cs:
+                m = by_c[c]["marks"].get(key)
+                cells.append(f"{m['p50']:.1f} / {m['p90']:.1f}" if m else "-")
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
         lines.append("")
     ref = report["reference"]
     lines += [
@@ -371,7 +385,7 @@ def render_markdown(report: dict[str, Any], levels: list[LevelSummary]) -> str:
 
 
 async def drive(args: argparse.Namespace, url: str, w: Workload, model: str, prompts: list[str],
-                deadline: float) -> tuple[list[LevelResult], list[dict[str, float]]]:
+                deadline: float) -> tuple[list[LevelResult], dict[int, list[dict[str, float]]]]:
     bodies = [request_body(p, w, model) for p in prompts]
     timeout = args.request_timeout
     if args.warmup:
@@ -397,11 +411,15 @@ async def drive(args: argparse.Namespace, url: str, w: Workload, model: str, pro
         print(f"[e2e] c={c} done: {summary.requests} req, {summary.failed} failed, {summary.req_per_s:.2f} req/s, "
               f"TTFP p50 {m['ttfp_ms'].get('p50', float('nan')):.0f} ms, "
               f"RTF mean {m['rtf'].get('mean', float('nan')):.3f}", flush=True)
-    marks: list[dict[str, float]] = []
-    if args.timeline_requests and time.monotonic() < deadline:
-        print(f"[e2e] timeline: {args.timeline_requests} non-streaming request(s) at c=1", flush=True)
-        tl_bodies = [request_body(p, w, model, stream=False) for p in prompts[: args.timeline_requests]]
-        marks = await timeline(url, tl_bodies, timeout)
+    marks: dict[int, list[dict[str, float]]] = {}
+    top = max(args.levels) if args.levels else 1
+    for c in sorted({1, top}):
+        n = args.timeline_requests if c == 1 else top
+        if not args.timeline_requests or time.monotonic() >= deadline:
+            break
+        print(f"[e2e] timeline: {n} non-streaming request(s) at c={c}", flush=True)
+        tl_bodies = [request_body(p, w, model, stream=False) for p in prompts[:n]]
+        marks[c] = await timeline(url, tl_bodies, timeout, concurrency=c)
     return results, marks
 
 
@@ -502,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline: Pipeline | None = None
     mps: MpsDaemon | None = None
     levels: list[LevelResult] = []
-    marks: list[dict[str, float]] = []
+    marks: dict[int, list[dict[str, float]]] = {}
     rc = 0
     _install_signal_handlers()
     try:
@@ -544,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [lv.summary for lv in levels]
     report["levels"] = [asdict(lv.summary) for lv in levels]
     report["requests"] = {str(lv.summary.concurrency): [asdict(r) for r in lv.requests] for lv in levels}
-    report["timeline_ms"] = summarize_timeline(marks)
+    report["timeline_ms"] = summarize_timeline(marks.get(1, []))
+    report["timeline_ms_by_concurrency"] = {
+        str(c): {"n": len(m), "marks": summarize_timeline(m)} for c, m in sorted(marks.items()) if m
+    }
     report["verdicts"] = level_verdicts(summaries)
     report["wall_s"] = time.monotonic() - t_start
     (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))

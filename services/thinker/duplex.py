@@ -35,7 +35,7 @@ import torch
 
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
 from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INTERNAL, INVALID_ARGUMENT, StageError
-from services.common.metrics import INTERRUPTS
+from services.common.metrics import INTERRUPT_DRAIN, INTERRUPTS
 from services.common.pb import common_pb2, thinker_pb2
 from services.common.tensors import dtype_from_proto, pcm_to_float, tensor_to_proto
 from services.thinker.engine import STAGE, EngineEvent
@@ -508,7 +508,9 @@ async def run_duplex_stream(
                         dropped = len(pending) + (1 if current is not None else 0)
                         pending.clear()
                         if current is not None:
-                            engine.cancel(seq)
+                            engine.cancel(seq)  # the engine records the drain of the running unit
+                        else:
+                            INTERRUPT_DRAIN.labels(STAGE).observe(0.0)  # nothing of the old epoch running
                         session.after_interrupt(new_epoch)
                         ack = common_pb2.InterruptAck(
                             id=session.ident(), new_epoch=new_epoch, dropped_items=dropped
