@@ -1,0 +1,173 @@
+"""The realtime web page's JavaScript, run in headless Chromium against the REAL pipeline.
+
+Chromium (Debian's package, driven by Playwright through ``executable_path``) opens the page served by
+``examples.online_serving.minicpmo.realtime_web``; its microphone is a WAV file (Chromium's fake capture
+device), its audio output Chromium's headless sink. The page's proxy talks to the gateway (uvicorn on
+loopback) in front of real thinker, talker and code2wav servers on the tiny checkpoint. The turn lane is
+chosen in the page ("model decides when to speak" unchecked, then "Answer now"), so the random-weight
+thinker must speak.
+
+Three independent counts of the reply audio must agree: what the gateway sent (its Prometheus counter),
+what crossed the page's WebSocket (frames seen by Chromium's network layer), and what the page's audio
+output played to the end (the page's own diagnostic counter). Any console error or uncaught page
+exception fails the test.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import threading
+import time
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gateway_server import free_port
+from realtime_helpers import tone
+from test_realtime_e2e import gateway_url, stage_addrs  # noqa: F401 - module-scoped real-stage fixtures
+
+pytestmark = pytest.mark.slow
+
+OUT_RATE = 24_000
+BROWSER_ARGS = [
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
+    "--autoplay-policy=no-user-gesture-required",
+]
+
+
+def _chromium() -> str:
+    """Debian's chromium (scripts/setup.sh installs it with apt-get); MINICPMO_CHROMIUM overrides."""
+    for candidate in (os.environ.get("MINICPMO_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        found = candidate and shutil.which(candidate)
+        if found:
+            return found
+    pytest.skip("no Chromium executable: scripts/setup.sh installs Debian's 'chromium' only where apt-get is "
+                "available (or set MINICPMO_CHROMIUM)")
+
+
+def _write_wav(path: Path, x: np.ndarray, rate: int = 16_000) -> None:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+
+
+@pytest.fixture()
+def web_url(gateway_url: str, tmp_path: Path) -> Iterator[str]:  # noqa: F811 - the imported fixture
+    import uvicorn
+
+    from examples.online_serving.minicpmo.realtime_web.__main__ import create_app
+
+    ref = tmp_path / "ref.wav"
+    _write_wav(ref, tone(1.0, freq=180.0))
+    port = free_port()
+    app = create_app(f"{gateway_url}/v1/realtime", ref)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield f"http://127.0.0.1:{port}/"
+    server.should_exit = True
+    thread.join(10)
+
+
+def _audio_seconds_sent() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("minicpmo_realtime_audio_seconds_total") or 0.0
+
+
+def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) -> None:
+    chromium = _chromium()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras")
+    mic = tmp_path / "mic.wav"
+    # A syllable-like amplitude envelope over a tone, so the gateway's energy check hears speech.
+    t = np.arange(3 * 16_000) / 16_000
+    _write_wav(mic, tone(3.0) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t)).astype(np.float32))
+
+    console_errors: list[str] = []
+    received: list[dict[str, Any]] = []
+    sent: list[dict[str, Any]] = []
+    sent_before = _audio_seconds_sent()
+
+    def on_socket(socket: Any) -> None:
+        socket.on("framereceived", lambda payload: received.append(json.loads(payload)))
+        socket.on("framesent", lambda payload: sent.append(json.loads(payload)))
+
+    def frames(type_: str) -> list[dict[str, Any]]:
+        return [e for e in received if e["type"] == type_]
+
+    def pump_until(done: Any, what: str, timeout: float = 240.0) -> None:
+        """Let Playwright deliver events until ``done()``; the page keeps running meanwhile."""
+        end = time.time() + timeout
+        while not done():
+            if time.time() > end:
+                pytest.fail(f"timed out waiting for {what}; received {[e['type'] for e in received][-30:]}")
+            page.wait_for_timeout(100)
+
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=chromium, args=[*BROWSER_ARGS, f"--use-file-for-fake-audio-capture={mic}"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 900, "height": 700})
+            page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else print(f"console {m.type}: {m.text}"))
+            page.on("pageerror", lambda exc: console_errors.append(f"pageerror: {exc}"))
+            page.on("websocket", on_socket)
+            page.goto(web_url)
+            page.uncheck("#native")  # turn lane: the page commits and asks for the response itself
+            page.click("#start")
+            page.wait_for_function("window.realtimeStats.appendsSent >= 8", timeout=30_000)
+            assert page.is_enabled("#ask") and page.is_disabled("#native")
+            page.click("#ask")
+
+            pump_until(lambda: frames("response.done"), "response.done")
+            done = frames("response.done")[0]
+            assert done["response"]["status"] == "completed", done
+            deltas = frames("response.output_audio.delta")
+            assert deltas and all(d["response_id"] == done["response_id"] for d in deltas)
+            wire_samples = sum(len(base64.b64decode(d["delta"])) // 2 for d in deltas)
+            gateway_samples = round((_audio_seconds_sent() - sent_before) * OUT_RATE)
+            assert wire_samples == gateway_samples > 0
+
+            # The page plays every received sample to the end and acknowledges what it played.
+            page.wait_for_function(f"window.realtimeStats.playedSamples >= {wire_samples}", timeout=60_000)
+            audio_ms = wire_samples * 1000 // OUT_RATE
+            pump_until(lambda: any(e["event"]["played_ms"] == audio_ms for e in frames("playback.acknowledged")),
+                       "the final playback.acknowledged")
+            stats = page.evaluate("({...window.realtimeStats})")
+            assert stats["receivedSamples"] == stats["playedSamples"] == wire_samples, stats
+            assert stats["droppedSamples"] == 0 and stats["audioDeltas"] == len(deltas), stats
+            assert page.text_content("#played") == str(wire_samples)
+            assert page.text_content("#received") == str(wire_samples)
+            acks = [e for e in sent if e["type"] == "playback.ack"]
+            assert acks and max(a["played_ms"] for a in acks) == audio_ms
+
+            transcript = "".join(e["delta"] for e in frames("response.output_audio_transcript.delta"))
+            assert transcript.strip(), "the thinker produced no text"
+            lines = page.locator("#transcript > div").all_text_contents()
+            assert lines == ["you: (spoke)", "model: " + transcript], lines
+            print(f"browser: played {stats['playedSamples']} samples ({audio_ms} ms) in {len(deltas)} deltas; "
+                  f"gateway sent {gateway_samples}; appends {stats['appendsSent']}; transcript {transcript!r}")
+
+            page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
+            page.click("#stop")
+            page.wait_for_function(
+                "document.getElementById('status').textContent.startsWith('session closed')", timeout=30_000
+            )
+            assert page.text_content("#status") == "session closed (client_close)"
+            assert not frames("error"), frames("error")
+        finally:
+            browser.close()
+    assert not console_errors, console_errors
