@@ -373,3 +373,56 @@ def test_stock_openai_realtime_client_turn_lane(gateway_url: str) -> None:
         assert "session.created" in types and "response.created" in types
         assert types.count("response.output_audio.delta") >= 1
         assert events[-1]["type"] == "response.done" and events[-1]["response"]["status"] == "completed"
+
+
+def _stream(conn: Conn, x: np.ndarray, chunk_s: float = 0.2) -> None:
+    step = int(chunk_s * 16000)
+    for i in range(0, x.size, step):
+        conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x[i : i + step])})
+
+
+def test_server_vad_turns_and_barge_in(gateway_url: str) -> None:
+    """turn_detection server_vad: a tone burst then silence is detected, committed and answered with audio;
+    speech during that answer cancels it with reason ``turn_detected``; the next silence ends the new turn."""
+    conn = Conn(f"{gateway_url}/v1/realtime")
+    try:
+        created = _open(conn, turn_detection={"type": "server_vad", "silence_duration_ms": 400},
+                        overlap_policy="barge_in_on_speech", extra_body={"max_response_units": 40})
+        assert created["session"]["turn_detection"]["silence_duration_ms"] == 400
+        silence = np.zeros(int(0.4 * 16000), dtype=np.float32)
+        _stream(conn, np.concatenate([silence, tone(1.2), silence, silence]))
+        started = conn.until("input_audio_buffer.speech_started", 60)
+        assert started["audio_start_ms"] == 100  # speech at 400 ms, 300 ms of prefix padding
+        stopped = conn.until("input_audio_buffer.speech_stopped", 60)
+        assert stopped["audio_end_ms"] == 1600 + 400 and stopped["item_id"] == started["item_id"]
+        committed = conn.until("input_audio_buffer.committed", 60)
+        assert committed["item_id"] == started["item_id"] and committed["event"]["message"] == "speech"
+        first = conn.until("response.created", 60)
+        rid = first["response_id"]
+        conn.until("response.output_audio.delta")
+
+        _stream(conn, tone(0.6, freq=330.0))  # the user talks over the answer
+        barge = conn.until("input_audio_buffer.speech_started", 60)
+        decision = conn.until("overlap.decision", 60)
+        assert decision["action"] == "barge_in" and decision["reason"] == "server_vad_speech_started"
+        assert decision["metadata"]["response_id"] == rid
+        done = conn.until("response.done", 60)
+        assert done["response_id"] == rid and done["response"]["status"] == "cancelled"
+        assert done["response"]["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
+
+        conn.send({"type": "session.update", "session": {"extra_body": {"max_response_units": 2}}})
+        conn.until("session.updated", 60)
+        _stream(conn, np.concatenate([silence, silence]))
+        stopped = conn.until("input_audio_buffer.speech_stopped", 60)
+        assert stopped["item_id"] == barge["item_id"]
+        second = conn.until("response.created", 60)
+        assert second["response"]["metadata"]["epoch"] == 1
+        conn.until("rate_limits.updated")
+        summary = check_response_invariants(conn.events)
+        assert summary[rid]["status"] == "cancelled" and summary[rid]["audio_bytes"] > 0
+        assert summary[second["response_id"]]["status"] == "completed"
+        assert summary[second["response_id"]]["audio_bytes"] > 0
+        types = [e["type"] for e in conn.events]
+        assert types.index("input_audio_buffer.speech_stopped") < types.index("input_audio_buffer.committed")
+    finally:
+        conn.close()
