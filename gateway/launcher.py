@@ -11,7 +11,8 @@
   --port P`` plus the profile's engine knobs (:func:`stage_flags`). A replica placed on ``cuda:N`` runs
   with ``CUDA_VISIBLE_DEVICES=N`` and ``--device cuda:0``, so it sees exactly its own GPU; CPU replicas
   run with ``CUDA_VISIBLE_DEVICES=""``. Each child also gets its resolved profile section in
-  ``MINICPMO_STAGE_SETTINGS`` (memory share, max sequences, dtype).
+  ``MINICPMO_STAGE_SETTINGS`` (memory share, max sequences, dtype); the memory share is also passed as
+  ``--memory-fraction``, which each stage applies as a per-process CUDA allocator cap.
 * The gateway child gets every replica's address (``ip:port`` lists, balanced round-robin) and the
   resolved profile (overrides applied) as a YAML file.
 * It waits until every stage answers its gRPC health check and the gateway's ``/health`` is 200, prints
@@ -75,15 +76,20 @@ def _device_env(device: str) -> tuple[str, dict[str, str]]:
 
 
 def stage_flags(sp: StageProfile) -> list[str]:
-    """The profile's engine knobs as each stage CLI spells them (checked against --help by the tests)."""
+    """The profile's engine knobs as each stage CLI spells them (checked against --help by the tests).
+
+    The stage would also take them from ``MINICPMO_STAGE_SETTINGS``; spelling them out keeps the child's
+    command line (``ps``, the log) self-explanatory.
+    """
+    memory = ["--memory-fraction", f"{sp.memory_fraction:g}"] if sp.memory_fraction is not None else []
     if sp.name == "thinker":
         flags = ["--dtype", sp.dtype, "--max-num-seqs", str(sp.max_num_seqs)]
         if sp.max_model_len:
             flags += ["--max-context", str(sp.max_model_len)]
-        return flags
+        return flags + memory
     if sp.name == "talker":
-        return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs)]
-    return ["--max-batch", str(sp.max_num_seqs)]  # code2wav: windows vocoded per engine step
+        return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *memory]
+    return ["--max-batch", str(sp.max_num_seqs), *memory]  # code2wav: windows vocoded per engine step
 
 
 def plan_children(

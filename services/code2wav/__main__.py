@@ -13,6 +13,9 @@ import torch
 
 from services.code2wav.dump import add_dump_arguments, dump_main
 from services.common.grpc_server import add_serve_arguments, serve_forever, serve_options_from_args
+from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
+
+log = logging.getLogger("services.code2wav")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--voice-cache", type=int, default=32, help="reference voices kept (LRU)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    add_memory_fraction_argument(parser)
     add_serve_arguments(parser, "code2wav")
     return parser
 
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         dump_parser = argparse.ArgumentParser(prog="python -m services.code2wav dump")
         add_dump_arguments(dump_parser)
         return dump_main(dump_parser.parse_args(argv[1:]))
-    args = build_parser().parse_args(argv)
+    args, fraction = parse_stage_args(build_parser(), "code2wav", argv)
+    apply_memory_cap("code2wav", args.device, fraction, log)  # before the model loads, so it counts too
     if args.threads:
         torch.set_num_threads(args.threads)
     asyncio.run(_serve(args))

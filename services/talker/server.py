@@ -35,6 +35,7 @@ from services.common.grpc_server import (
 )
 from services.common.metrics import ERRORS, INTERRUPTS, REQUESTS, STREAMS_ACTIVE
 from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
+from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
 from services.common.tensors import dtype_to_proto, tensor_from_proto
 from services.talker.engine import STAGE, TalkerEngine
 from services.talker.model.tts import MiniCPMTTS
@@ -314,7 +315,7 @@ def make_server(engine: TalkerEngine, info: common_pb2.StageInfo, options: Serve
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m services.talker", description="MiniCPM-o 4.5 Talker stage")
     ap.add_argument("--checkpoint", required=True, help="MiniCPM-o 4.5 checkpoint directory")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -325,9 +326,15 @@ def main(argv: list[str] | None = None) -> None:
         "--no-graph-warmup", action="store_true", help="capture CUDA graphs lazily instead of at start"
     )
     ap.add_argument("--log-level", default="INFO")
+    add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, fraction = parse_stage_args(build_parser(), STAGE, argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    apply_memory_cap(STAGE, args.device, fraction, log)  # before the weights load, so they count too
     engine, ckpt = build_engine(
         args.checkpoint, args.device, args.dtype, args.max_streams, False if args.no_cuda_graphs else None
     )

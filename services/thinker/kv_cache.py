@@ -14,6 +14,7 @@ never exceed the budget, whatever the scheduler does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,16 +125,74 @@ class PagedKVCache:
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
 
-def default_kv_budget(
-    layout: KVLayout, device: torch.device, max_context: int, max_num_seqs: int, gpu_fraction: float = 0.9
-) -> int:
-    """Budget when the operator gives none: most of free GPU memory, or enough for a few streams on CPU.
+# Bytes kept out of the KV pool for what else the thinker allocates after it: activations and logits of
+# a full prefill chunk, sampling buffers and the CUDA-graph memory pools of the decode batch shapes.
+KV_HEADROOM_BYTES = 2 * 1024**3
+# Without a memory fraction the pool takes this share of the memory left free after the headroom.
+FREE_MEMORY_SHARE = 0.9
 
-    On CUDA the weights are already resident when this runs, so ``mem_get_info`` reflects what is left.
+
+class KVBudgetError(ValueError):
+    """The thinker's memory cap leaves no room for a KV cache (a startup error, never raised mid-serving)."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def kv_budget_for_memory_fraction(
+    fraction: float,
+    total_bytes: int,
+    held_bytes: int,
+    headroom_bytes: int = KV_HEADROOM_BYTES,
+    min_bytes: int = 1,
+    key: str = "stages.thinker.memory_fraction",
+) -> int:
+    """KV bytes inside a per-process memory cap: ``fraction × total − held − headroom``.
+
+    ``held_bytes`` is what this process's allocator already holds when the pool is sized (the weights,
+    i.e. ``torch.cuda.memory_reserved``); the headroom covers what is allocated after the pool. The cap
+    is what ``torch.cuda.set_per_process_memory_fraction`` enforces, so a larger pool would make the
+    first prefill or CUDA-graph capture fail instead. ``min_bytes`` is the least usable pool (two blocks);
+    ``key`` names the setting to change in the error.
+    """
+    cap = int(fraction * total_bytes)
+    budget = cap - int(held_bytes) - int(headroom_bytes)
+    if budget < min_bytes:
+        # rounded up, so the suggested value is really enough
+        needed = math.ceil(1000 * (int(held_bytes) + int(headroom_bytes) + min_bytes) / total_bytes) / 1000
+        raise KVBudgetError(
+            f"{key} = {fraction:g} caps the thinker at {_gib(cap)} of {_gib(total_bytes)}, which leaves no room "
+            f"for the KV cache: the weights already hold {_gib(held_bytes)} and {_gib(headroom_bytes)} is kept "
+            f"for activations and CUDA-graph pools. Raise {key} to at least {needed:.3f}, or give --kv-budget."
+        )
+    return budget
+
+
+def default_kv_budget(
+    layout: KVLayout,
+    device: torch.device,
+    max_context: int,
+    max_num_seqs: int,
+    gpu_fraction: float = FREE_MEMORY_SHARE,
+    memory_fraction: float | None = None,
+    memory_fraction_key: str = "stages.thinker.memory_fraction",
+) -> int:
+    """Budget when the operator gives no ``--kv-budget``.
+
+    On CUDA the weights are already resident when this runs. With a per-process ``memory_fraction`` the
+    pool fills the cap (:func:`kv_budget_for_memory_fraction`); without one it takes ``gpu_fraction`` of
+    the memory ``mem_get_info`` reports free beyond the headroom, which is only safe when the thinker
+    has the GPU to itself or starts last. On CPU: enough for a few full-length streams, at most 2 GiB.
     """
     if device.type == "cuda":
+        if memory_fraction is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            held = max(torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
+            return kv_budget_for_memory_fraction(
+                memory_fraction, total, held, min_bytes=2 * layout.bytes_per_block, key=memory_fraction_key
+            )
         free, _total = torch.cuda.mem_get_info(device)
-        # Keep headroom for activations, logits of a full prefill chunk and CUDA-graph pools.
-        return int(max(0, free - 2 * 1024**3) * gpu_fraction)
+        return int(max(0, free - KV_HEADROOM_BYTES) * gpu_fraction)
     want = layout.bytes_per_token * max_context * max_num_seqs
     return int(min(want, 2 * 1024**3))

@@ -45,8 +45,14 @@ from services.common.grpc_server import (
 )
 from services.common.metrics import ERRORS, INTERRUPTS, REQUESTS, STREAMS_ACTIVE
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
+from services.common.stage_settings import (
+    add_memory_fraction_argument,
+    apply_memory_cap,
+    parse_stage_args,
+)
 from services.common.tensors import dtype_from_proto, dtype_to_proto, pcm_to_float
 from services.thinker.engine import STAGE, EngineConfig, EngineEvent, ThinkerEngine
+from services.thinker.kv_cache import KVBudgetError
 from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig
 from services.thinker.scheduler import WorkItem
 from services.thinker.turn import TTS_BOS_ID, TurnOutput
@@ -258,6 +264,7 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServiceServicer):
             chunk_tokens=open_msg.chunk_tokens or DEFAULT_CHUNK_TOKENS,
             hidden_dtype=hidden_dtype,
             stop_ids=frozenset(sampling.stop_token_ids),
+            prompt_tokens=len(prompt.ids),
         )
         engine.submit(
             seq,
@@ -370,7 +377,7 @@ def parse_size(text: str) -> int:
     return int(float(t))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m services.thinker", description="MiniCPM-o 4.5 Thinker stage")
     ap.add_argument("--checkpoint", required=True, help="MiniCPM-o 4.5 checkpoint directory")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -379,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
         "--kv-budget",
         type=parse_size,
         default=None,
-        help="KV cache bytes (e.g. 20G); default: most free memory",
+        help="KV cache bytes (e.g. 20G); default: the memory fraction's cap minus the weights and 2 GiB "
+        "headroom, or without a fraction 90%% of free GPU memory after the headroom",
     )
     ap.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--max-context", type=int, default=None, help="cap below config max_position_embeddings")
@@ -390,8 +398,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer blocks (GPU)")
     ap.add_argument("--log-level", default="INFO")
+    add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, fraction = parse_stage_args(build_parser(), STAGE, argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = EngineConfig(
         max_context=args.max_context or 1 << 30,
@@ -401,8 +414,20 @@ def main(argv: list[str] | None = None) -> None:
         kv_budget_bytes=args.kv_budget,
         use_cuda_graphs=not args.no_cuda_graphs,
         compile_layers=args.compile,
+        memory_fraction=apply_memory_cap(STAGE, args.device, fraction, log),
+        memory_fraction_key=fraction.key,
     )
-    backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
+    try:
+        backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
+    except KVBudgetError as exc:
+        raise SystemExit(f"thinker: {exc}") from None
+    if args.kv_budget is not None:
+        budget_source = "--kv-budget"
+    elif cfg.memory_fraction is not None:
+        budget_source = f"memory fraction {cfg.memory_fraction:g} from {fraction.source}"
+    else:
+        budget_source = "default"
+    log.info("thinker KV cache: %.2f GiB (%s)", backend.engine.cache.budget_bytes / 2**30, budget_source)
     backend.engine.start()
     server = make_server(backend, serve_options_from_args(args))
     try:
