@@ -41,10 +41,13 @@ def test_default_profile_is_single_gpu() -> None:
     profile = load_profile(None)
     assert profile.name == "minicpmo_4_5"
     assert {d for sp in profile.stages.values() for d in sp.devices} == {"cuda:0"}
+    # shares measured on one H200 (see the profile's comment); 12 % left for the three CUDA contexts
     fractions = [profile.stage(s).memory_fraction for s in ("thinker", "talker", "code2wav")]
-    assert fractions == [0.55, 0.15, 0.18]
+    assert fractions == [0.40, 0.08, 0.40]
+    assert [profile.stage(s).max_num_seqs for s in ("thinker", "talker", "code2wav")] == [8, 8, 8]
     talker = profile.stage("talker")
     assert (talker.codec.window_frames, talker.codec.left_context_frames) == (25, 3)
+    assert talker.codec.first_window_frames == 10  # TTFP c=1: 240 ms vs 307 ms with 25
     assert talker.sampling["top_k"] == 25 and talker.sampling["temperature"] == pytest.approx(0.8)
 
 

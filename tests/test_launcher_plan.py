@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,9 @@ def test_2gpu_profile_places_each_stage_on_its_gpu() -> None:
         assert f'"name": "{stage}"' in child.env[STAGE_SETTINGS_ENV]
     assert _arg(by_name["thinker-0"].argv, "--max-num-seqs") == "8"
     assert _arg(by_name["talker-0"].argv, "--dtype") == "bfloat16"
+    for name, fraction in {"thinker-0": 0.9, "talker-0": 0.4, "code2wav-0": 0.5}.items():
+        assert float(_arg(by_name[name].argv, "--memory-fraction")) == fraction
+        assert json.loads(by_name[name].env[STAGE_SETTINGS_ENV])["memory_fraction"] == fraction
     gw = by_name["gateway"]
     assert gw.argv[:3] == ["py", "-m", "gateway"]
     assert _arg(gw.argv, "--thinker-addr") == "127.0.0.1:50051"
@@ -52,6 +56,28 @@ def test_8x4090_replicas_get_one_gpu_and_port_each() -> None:
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in children if c.stage == "code2wav"] == ["6", "7"]
     gw = children[-1]
     assert _arg(gw.argv, "--thinker-addr") == ",".join(f"127.0.0.1:{p}" for p in (50051, 50061, 50071, 50081))
+
+
+def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
+    profile = load_profile("minicpmo_4_5")
+    children = {c.stage: c for c in plan_children(profile, "/ckpt", "/p.yaml", 8099, python="py") if c.stage}
+    expected = {
+        "thinker": ["--dtype", "bfloat16", "--max-num-seqs", "8", "--max-context", "40960", "--memory-fraction", "0.4"],
+        "talker": ["--dtype", "bfloat16", "--max-streams", "8", "--memory-fraction", "0.08"],
+        "code2wav": ["--max-batch", "8", "--memory-fraction", "0.4"],
+    }
+    for stage, flags in expected.items():
+        child = children[stage]
+        assert child.argv[-len(flags):] == flags
+        settings = json.loads(child.env[STAGE_SETTINGS_ENV])
+        assert settings["name"] == stage and settings["memory_fraction"] == float(flags[-1])
+        assert settings["max_num_seqs"] == 8
+    assert json.loads(children["talker"].env[STAGE_SETTINGS_ENV])["codec"]["first_window_frames"] == 10
+
+
+def test_stage_without_a_memory_share_gets_no_flag() -> None:
+    children = plan_children(load_profile("cpu"), "/ckpt", "/p.yaml", 8099, python="py")
+    assert all("--memory-fraction" not in c.argv for c in children)
 
 
 def test_device_cpu_override_hides_gpus() -> None:
