@@ -13,15 +13,19 @@ check names the problem. Nothing here needs a cluster, a Docker daemon or the ne
 
 from __future__ import annotations
 
+import argparse
 import copy
+import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import yaml
 
@@ -573,3 +577,85 @@ def check_compose_layout(config: Mapping[str, Any], profile: DeployProfile, prof
 
 def bundled_profile(name: str) -> DeployProfile:
     return load_profile(name)
+
+
+# ---- what a stage process resolves from a container's command and environment ------------------------
+# Where each stage CLI keeps the profile's max_num_seqs.
+MAX_SEQS_DEST = {"thinker": "max_num_seqs", "talker": "max_streams", "code2wav": "max_batch"}
+
+
+def stage_parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
+    """Each stage CLI's own argument parser (imports torch; call only where needed)."""
+    from services.code2wav.__main__ import build_parser as code2wav_parser
+    from services.talker.server import build_parser as talker_parser
+    from services.thinker.server import build_parser as thinker_parser
+
+    return {"thinker": thinker_parser, "talker": talker_parser, "code2wav": code2wav_parser}
+
+
+def _entrypoint_module() -> Any:
+    spec = importlib.util.spec_from_file_location("docker_entrypoint", REPO / "docker" / "entrypoint.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_stage_cli_settings(
+    name: str, stage: str, argv: list[str], env: Mapping[str, str], profile_file: Path, profile: DeployProfile
+) -> list[str]:
+    """The memory share and max sequences the stage process runs with are the profile's.
+
+    Replays the container start: the image entrypoint (``docker/entrypoint.py``) fills
+    ``MINICPMO_STAGE_SETTINGS`` from the profile (``profile_file``: the host copy of the file the
+    container mounts), then the stage CLI parses ``argv`` with that section as its defaults.
+    """
+    from services.common.deploy_profile import STAGE_SETTINGS_ENV
+    from services.common.stage_settings import parse_stage_args
+
+    container_env = {k: v for k, v in env.items() if k != STAGE_SETTINGS_ENV}
+    container_env["MINICPMO_DEPLOY_PROFILE"] = str(profile_file)
+    prepared = _entrypoint_module().prepare_environment(container_env)
+    if argv[:3] != ["python", "-m", f"services.{stage}"]:
+        return [f"{name}: command {argv[:3]} is not the {stage} CLI"]
+    with mock.patch.dict(os.environ, {STAGE_SETTINGS_ENV: prepared.get(STAGE_SETTINGS_ENV, "")}):
+        args, choice = parse_stage_args(stage_parsers()[stage](), stage, argv[3:])
+    want = profile.stage(stage)
+    problems: list[str] = []
+    if choice.fraction != want.memory_fraction:
+        problems.append(f"{name}: runs with memory fraction {choice.fraction} ({choice.source}), "
+                        f"profile says {want.memory_fraction}")
+    got_seqs = getattr(args, MAX_SEQS_DEST[stage])
+    if got_seqs != want.max_num_seqs:
+        problems.append(f"{name}: runs with max_num_seqs {got_seqs}, profile says {want.max_num_seqs}")
+    return problems
+
+
+def compose_profile_file(env: Mapping[str, str]) -> Path:
+    """Host path of the profile a compose service names (configs/deploy is mounted at /etc/minicpmo/profiles)."""
+    return REPO / "configs" / "deploy" / Path(env["MINICPMO_DEPLOY_PROFILE"]).name
+
+
+def check_compose_stage_settings(config: Mapping[str, Any], profile: DeployProfile) -> list[str]:
+    problems: list[str] = []
+    for stage in STAGES:
+        for name, svc in compose_stage_services(config, stage).items():
+            env = _environment(svc)
+            argv = [str(a) for a in svc.get("command") or []]
+            problems += check_stage_cli_settings(name, stage, argv, env, compose_profile_file(env), profile)
+    return problems
+
+
+def container_env(deployment: Mapping[str, Any]) -> dict[str, str]:
+    return {e["name"]: str(e.get("value", "")) for e in _container(deployment).get("env") or []}
+
+
+def check_helm_stage_settings(docs: list[Mapping[str, Any]], profile_file: Path) -> list[str]:
+    """``profile_file``: the rendered ConfigMap's profile written to disk (the pod mounts it)."""
+    profile = load_profile(profile_file)
+    problems: list[str] = []
+    for stage, dep in stage_deployments(docs).items():
+        problems += check_stage_cli_settings(
+            dep["metadata"]["name"], stage, container_command(dep), container_env(dep), profile_file, profile
+        )
+    return problems

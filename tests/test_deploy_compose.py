@@ -18,6 +18,7 @@ from tests.deploy_checks import (
     LAYOUTS,
     REPO,
     check_compose_layout,
+    check_compose_stage_settings,
     compose_config,
     compose_stage_services,
     validate_compose_schema,
@@ -48,6 +49,24 @@ def test_layout_matches_its_profile(layout: str) -> None:
     config = compose_config(spec.compose_files)
     profile = load_profile(spec.profile)
     assert check_compose_layout(config, profile, f"{spec.profile}.yaml") == []
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_stages_run_with_the_profiles_memory_share_and_limits(layout: str) -> None:
+    """Compose starts stages without the launcher: the image entrypoint + stage CLI apply the profile."""
+    spec = LAYOUTS[layout]
+    assert check_compose_stage_settings(compose_config(spec.compose_files), load_profile(spec.profile)) == []
+
+
+def test_a_command_line_flag_overriding_the_profile_is_caught() -> None:
+    spec = LAYOUTS["1gpu"]
+    config = compose_config(spec.compose_files)
+    config["services"]["code2wav"]["command"] = [*config["services"]["code2wav"]["command"],
+                                                 "--memory-fraction", "0.9", "--max-batch", "16"]
+    problems = check_compose_stage_settings(config, load_profile(spec.profile))
+    assert len(problems) == 2
+    assert "memory fraction 0.9 (--memory-fraction), profile says 0.4" in problems[0]
+    assert "max_num_seqs 16, profile says 8" in problems[1]
 
 
 def test_profiles_named_by_compose_exist_in_the_mounted_directory() -> None:

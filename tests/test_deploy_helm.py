@@ -22,6 +22,7 @@ from tests.deploy_checks import (
     by_kind,
     check_gpu_requests,
     check_graceful_termination,
+    check_helm_stage_settings,
     check_security,
     check_selectors,
     check_stage_probes,
@@ -119,6 +120,30 @@ def test_gpu_requests_follow_the_profile(layout_render: tuple[str, dict, list]) 
     # Judge the render against the profile the render itself carries AND the bundled file it names.
     assert check_gpu_requests(docs, configmap_profile(docs)) == []
     assert check_gpu_requests(docs, load_profile(LAYOUTS[layout].profile)) == []
+
+
+def _write_configmap_profile(docs: list[dict[str, Any]], tmp_path: Path) -> Path:
+    path = tmp_path / "deploy-profile.yaml"
+    data = [d for d in by_kind(docs, "ConfigMap") if "deploy-profile.yaml" in d.get("data", {})][0]["data"]
+    path.write_text(data["deploy-profile.yaml"])
+    return path
+
+
+def test_stages_run_with_the_profiles_memory_share_and_limits(
+    layout_render: tuple[str, dict, list], tmp_path: Path
+) -> None:
+    """The pod's args + env, through the image entrypoint and the stage CLI, give the profile's settings."""
+    _layout, _values, docs = layout_render
+    assert check_helm_stage_settings(docs, _write_configmap_profile(docs, tmp_path)) == []
+
+
+def test_extra_args_overriding_the_profile_are_caught(tmp_path: Path) -> None:
+    values = _merge(load_values(LAYOUTS["1gpu"].values_file),
+                    {"stages": {"thinker": {"extraArgs": ["--memory-fraction", "0.9", "--max-num-seqs", "64"]}}})
+    docs = render_chart(values)
+    problems = check_helm_stage_settings(docs, _write_configmap_profile(docs, tmp_path))
+    assert len(problems) == 2 and all("thinker" in p for p in problems)
+    assert "memory fraction 0.9 (--memory-fraction), profile says 0.4" in problems[0]
 
 
 def test_probes_target_the_port_the_stage_binds(layout_render: tuple[str, dict, list]) -> None:
