@@ -31,4 +31,9 @@ AUDIO_SECONDS = Counter("minicpmo_gateway_audio_seconds_total", "Seconds of spee
 STAGE_ERRORS = Counter(
     "minicpmo_gateway_stage_errors_total", "Failures attributed to a stage, by stable code", ["stage", "code"]
 )
+STAGE_RETRIES = Counter(
+    "minicpmo_gateway_stage_retries_total",
+    "Stage streams re-opened after failing as UNAVAILABLE before their first response (one retry at most)",
+    ["stage"],
+)
 CLIENT_DISCONNECTS = Counter("minicpmo_gateway_client_disconnects_total", "Requests abandoned by the client")

@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.metrics import STAGE_RETRIES
 from services.common.errors import CODE_NAMES
 from services.common.grpc_server import GRPC_OPTIONS
 from services.common.pb import (
@@ -234,6 +235,7 @@ class StageStream:
         if not self._can_retry(failure):
             raise self._failure(failure) from failure
         log.warning("%s stream unavailable before first output (%s); retrying once", self.stage, failure.details())
+        STAGE_RETRIES.labels(self.stage).inc()
         try:
             await self._reopen()
         except grpc.aio.AioRpcError as err2:
