@@ -110,8 +110,10 @@ class TurnOutput:
         chunk_tokens: int,
         hidden_dtype: torch.dtype | None,
         stop_ids: frozenset[int],
+        prompt_tokens: int = 0,
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
+        self.prompt_tokens = prompt_tokens  # repeated on every TextDelta for running usage
         self.identity = identity
         self._emit = emit
         self.hidden_size = hidden_size
@@ -144,7 +146,9 @@ class TurnOutput:
             text = self.detok.push(token)
             self._emit(
                 thinker_pb2.ThinkerResponse(
-                    text=thinker_pb2.TextDelta(id=self._id(), token_ids=[token], text=text)
+                    text=thinker_pb2.TextDelta(
+                        id=self._id(), token_ids=[token], text=text, prompt_tokens=self.prompt_tokens
+                    )
                 )
             )
         if not self.want_speech or self.span_closed:
@@ -172,7 +176,8 @@ class TurnOutput:
     def finish(self, reason: str, prompt_tokens: int) -> None:
         tail = self.detok.flush()
         if tail:
-            self._emit(thinker_pb2.ThinkerResponse(text=thinker_pb2.TextDelta(id=self._id(), text=tail)))
+            delta = thinker_pb2.TextDelta(id=self._id(), text=tail, prompt_tokens=self.prompt_tokens)
+            self._emit(thinker_pb2.ThinkerResponse(text=delta))
         if self.want_speech:
             ids, hidden = self.chunker.take_all(self.hidden_size)
             self._send_speech(ids, hidden, is_last=True)

@@ -143,14 +143,16 @@ class ThinkerRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[ThinkerOpen, _Mapping]] = ..., unit: _Optional[_Union[ThinkerUnit, _Mapping]] = ..., control: _Optional[_Union[_common_pb2.Control, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("id", "token_ids", "text")
+    __slots__ = ("id", "token_ids", "text", "prompt_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeechChunk(_message.Message):
     __slots__ = ("id", "token_ids", "hidden", "text", "turn_start", "turn_end", "segment_end", "is_last")
