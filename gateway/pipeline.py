@@ -67,6 +67,10 @@ class ChatJob:
 class TextEvent:
     text: str
     token_count: int
+    # Running usage when this text left the thinker (for stream_options.continuous_usage_stats):
+    # the prompt length the thinker reported and the tokens generated so far, this delta included.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 @dataclass
@@ -124,6 +128,8 @@ class PipelineRun:
         self.audio_samples = 0
         self.audio_finished = asyncio.Event()
         self.saw_text_delta = False
+        self.prompt_tokens = 0  # as reported on the thinker's TextDeltas (0 until it says)
+        self.completion_tokens = 0  # token ids seen on TextDeltas so far
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[PipelineEvent]:
@@ -178,6 +184,9 @@ class PipelineRun:
             timings=dict(self.timings),
         )
 
+    def _text_event(self, text: str, token_count: int) -> TextEvent:
+        return TextEvent(text, token_count, self.prompt_tokens, self.completion_tokens)
+
     # ---- thinker --------------------------------------------------------------------------------
     def _thinker_open(self, seq: _Sequencer) -> thinker_pb2.ThinkerRequest:
         job = self.job
@@ -212,8 +221,10 @@ class PipelineRun:
                 if kind == "text":
                     self._mark("first_text")
                     self.saw_text_delta = True
+                    self.prompt_tokens = resp.text.prompt_tokens or self.prompt_tokens
+                    self.completion_tokens += len(resp.text.token_ids)
                     if resp.text.text:
-                        await self.queue.put(TextEvent(resp.text.text, len(resp.text.token_ids)))
+                        await self.queue.put(self._text_event(resp.text.text, len(resp.text.token_ids)))
                 elif kind == "speech":
                     chunk = resp.speech
                     if not self.job.want_speech:
@@ -245,7 +256,7 @@ class PipelineRun:
             self._mark("thinker_done")
             if not self.saw_text_delta and speech_text:
                 # A thinker that reports the spoken text only inside SpeechChunks still yields text.
-                await self.queue.put(TextEvent("".join(speech_text), 0))
+                await self.queue.put(self._text_event("".join(speech_text), 0))
             if "talker" in self.streams:
                 talker = self.streams["talker"]
                 if not last_sent:

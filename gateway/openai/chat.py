@@ -255,13 +255,21 @@ async def _stream_body(
     role_sent = False
     produced_audio = False
     finished_normally = False
+    # stream_options.continuous_usage_stats (vLLM extension): every chunk carries the usage so far.
+    # The thinker repeats the prompt length on each TextDelta, so it is known from the first chunk on.
+    running = {"prompt_tokens": first.prompt_tokens if isinstance(first, TextEvent) else 0, "completion_tokens": 0}
 
     def chunk(modality: str, delta: dict[str, Any], **extra: Any) -> str:
         nonlocal role_sent
         if not role_sent:
             delta = {"role": "assistant", **delta}
             role_sent = True
-        return _sse({**base, "modality": modality, "choices": [{"index": 0, "delta": delta, **extra}]})
+        body: dict[str, Any] = {**base, "modality": modality, "choices": [{"index": 0, "delta": delta, **extra}]}
+        if req.continuous_usage_stats:
+            prompt, completion = running["prompt_tokens"], running["completion_tokens"]
+            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+        return _sse(body)
 
     async def all_events() -> AsyncIterator[Any]:
         yield first
@@ -273,6 +281,8 @@ async def _stream_body(
             yield chunk("text", {"content": ""})
         async for event in all_events():
             if isinstance(event, TextEvent):
+                running["prompt_tokens"] = event.prompt_tokens or running["prompt_tokens"]
+                running["completion_tokens"] = max(running["completion_tokens"], event.completion_tokens)
                 if req.want_text and event.text:
                     yield chunk("text", {"content": event.text})
             elif isinstance(event, AudioEvent):
@@ -288,6 +298,7 @@ async def _stream_body(
                     yield _sse(error_body(400, "Audio generation completed but no audio was produced."))
                     break
                 _observe(event)
+                running.update(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
                 last_modality = "audio" if req.want_audio else "text"
                 yield chunk(last_modality, {}, finish_reason=event.finish_reason)
                 if req.include_usage:
