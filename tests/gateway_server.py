@@ -1,4 +1,4 @@
-"""Run the gateway app under uvicorn in a background thread (for tests against fake or real stages)."""
+"""Run the gateway app under uvicorn in a background thread (for tests against real stage processes)."""
 
 from __future__ import annotations
 
