@@ -80,6 +80,7 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, total: int, reserved: int, free:
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _d=None: reserved)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _d=None: reserved - 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _d=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
 
 def test_default_budget_on_cuda_follows_the_fraction_else_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:

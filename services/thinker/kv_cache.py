@@ -187,6 +187,9 @@ def default_kv_budget(
     """
     if device.type == "cuda":
         if memory_fraction is not None:
+            # Return blocks cached from loading (e.g. dtype-conversion temporaries) first: they count
+            # against the cap but a pool this large could not reuse them.
+            torch.cuda.empty_cache()
             total = torch.cuda.get_device_properties(device).total_memory
             held = max(torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
             return kv_budget_for_memory_fraction(
