@@ -1,7 +1,8 @@
 """The browser client's server: static page, config, and the same-origin WebSocket proxy to a real gateway.
 
 The gateway runs under uvicorn on loopback (no stage is contacted: the session only opens, heartbeats and
-closes). The page's JavaScript itself is not executed here (no browser in the test environment).
+closes). The page's JavaScript runs in headless Chromium against the real pipeline in
+tests/test_realtime_web_browser.py.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def test_page_config_and_proxy(gateway_ws: str, tmp_path: Path) -> None:
         assert page.status_code == 200 and "app.js" in page.text
         script = client.get("/app.js").text
         assert "getUserMedia" in script and "input_audio_buffer.append" in script
+        worklet = client.get("/capture-worklet.js")
+        assert worklet.status_code == 200 and worklet.headers["content-type"].startswith("text/javascript")
+        assert 'registerProcessor("capture"' in worklet.text and '"capture-worklet.js"' in script
         config = client.get("/config.json").json()
         assert config["ref_audio"].startswith("data:audio/wav;base64,") and config["realtime_url"] is None
         with client.websocket_connect("/v1/realtime?duplex=1&autostart=0") as ws:

@@ -105,6 +105,12 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
         socket.on("framereceived", lambda payload: received.append(json.loads(payload)))
         socket.on("framesent", lambda payload: sent.append(json.loads(payload)))
 
+    def on_console(message: Any) -> None:
+        if message.type == "error":
+            console_errors.append(message.text)
+        else:
+            print(f"console {message.type}: {message.text}")
+
     def frames(type_: str) -> list[dict[str, Any]]:
         return [e for e in received if e["type"] == type_]
 
@@ -122,7 +128,7 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
         )
         try:
             page = browser.new_page(viewport={"width": 900, "height": 700})
-            page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else print(f"console {m.type}: {m.text}"))
+            page.on("console", on_console)
             page.on("pageerror", lambda exc: console_errors.append(f"pageerror: {exc}"))
             page.on("websocket", on_socket)
             page.goto(web_url)

@@ -3,8 +3,9 @@
     python -m examples.online_serving.minicpmo.realtime_web --port 8080 \
         --ws-backend ws://127.0.0.1:8099/v1/realtime --ref-audio voice.wav [--public-realtime-url URL]
 
-Serves a page that captures the microphone (16 kHz pcm16 appends every 200 ms), plays the 24 kHz
-replies, and shows the transcript. The page talks to ``/v1/realtime`` on its own origin; this server
+Serves a page that captures the microphone (an AudioWorklet; 16 kHz pcm16 appends every 200 ms), plays
+the 24 kHz replies, and shows the transcript. "model decides when to speak" picks the native lane; unchecked,
+the session is in the turn lane and "Answer now" commits the speech so far and asks for the reply. The page talks to ``/v1/realtime`` on its own origin; this server
 proxies that WebSocket to ``--ws-backend`` frame by frame, so the browser never needs to reach the
 gateway directly (no CORS, one port to expose). ``--public-realtime-url`` makes the page connect
 somewhere else instead (e.g. a gateway behind its own TLS ingress).
@@ -38,6 +39,11 @@ def create_app(ws_backend: str, ref_audio: Path, public_realtime_url: str | None
     @app.get("/app.js")
     async def script() -> FileResponse:
         return FileResponse(STATIC / "app.js", media_type="text/javascript")
+
+    @app.get("/capture-worklet.js")
+    async def capture_worklet() -> FileResponse:
+        # AudioWorklet module: loaded by ctx.audioWorklet.addModule() from the page's own origin
+        return FileResponse(STATIC / "capture-worklet.js", media_type="text/javascript")
 
     @app.get("/config.json")
     async def config() -> JSONResponse:

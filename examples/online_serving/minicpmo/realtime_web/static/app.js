@@ -17,7 +17,7 @@ let ws = null;
 let ctx = null;
 let micStream = null;
 let micSource = null;
-let processor = null;
+let capture = null;         // AudioWorkletNode posting microphone blocks (capture-worklet.js)
 let downsampler = null;
 let playHead = 0;              // AudioContext time where the next reply chunk starts
 const playing = new Set();     // scheduled reply chunks not yet ended: {src, samples, responseId, stopped}
@@ -219,13 +219,14 @@ async function start() {
     },
   });
   micSource = ctx.createMediaStreamSource(micStream);
-  processor = ctx.createScriptProcessor(4096, 1, 1);
+  await ctx.audioWorklet.addModule("capture-worklet.js");
+  capture = new AudioWorkletNode(ctx, "capture", { numberOfInputs: 1, numberOfOutputs: 0 });
   downsampler = new Downsampler(ctx.sampleRate);
   const perAppend = IN_RATE * APPEND_MS / 1000;
   let pending = [];
   let buffered = 0;
-  processor.onaudioprocess = (e) => {
-    const pcm = downsampler.push(e.inputBuffer.getChannelData(0));
+  capture.port.onmessage = (e) => {
+    const pcm = downsampler.push(e.data);
     pending.push(pcm);
     buffered += pcm.length;
     if (buffered < perAppend || !sessionOpen) return;
@@ -236,18 +237,17 @@ async function start() {
     send({ type: "input_audio_buffer.append", audio: b64FromInt16(joined), sample_rate_hz: IN_RATE });
     stats.appendsSent += 1;
   };
-  micSource.connect(processor);
-  processor.connect(ctx.destination);  // a ScriptProcessor only runs while connected; its output is silence
+  micSource.connect(capture);
   $("ask").disabled = nativeLane;
   $("interrupt").disabled = false;
   $("stop").disabled = false;
 }
 
 function stopAudio() {
-  if (processor) { processor.onaudioprocess = null; processor.disconnect(); }
+  if (capture) { capture.port.onmessage = null; capture.disconnect(); }
   if (micSource) micSource.disconnect();
   if (micStream) micStream.getTracks().forEach((t) => t.stop());
-  processor = null; micSource = null; micStream = null;
+  capture = null; micSource = null; micStream = null;
   for (const id of ["ask", "interrupt", "stop"]) $(id).disabled = true;
   $("start").disabled = false;
   $("native").disabled = false;
