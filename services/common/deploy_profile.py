@@ -17,7 +17,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     served_model_name: openbmb/MiniCPM-o-4_5
     gateway:   {port, max_concurrent_requests, max_body_bytes, request_timeout_s, media: {...}}
     stages:
-      thinker:  {devices: [cuda:0], memory_fraction: 0.55, max_num_seqs: 4, max_model_len: 40960,
+      thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
                  first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
@@ -29,9 +29,10 @@ replicas, one per GPU. A replica on ``cuda:N`` is started with ``CUDA_VISIBLE_DE
 ``--device cuda``: each process sees exactly one GPU and cannot allocate on a neighbour's. Replica ``k``
 listens on ``port + REPLICA_PORT_STRIDE * k`` (metrics on that + 1000, the stage default).
 
-Stage processes that want their section (memory share, max sequences) read it from the environment
-variable :data:`STAGE_SETTINGS_ENV`, which the launcher sets to the stage's resolved JSON; see
-:func:`stage_settings_from_env`.
+Stage processes read their section (memory share, max sequences) from the environment variable
+:data:`STAGE_SETTINGS_ENV`, which the launcher (and, in containers, the image entrypoint) sets to the
+stage's resolved JSON; see :func:`stage_settings_from_env` and :mod:`services.common.stage_settings`,
+which turns it into flag defaults and a per-process CUDA memory cap.
 """
 
 from __future__ import annotations
