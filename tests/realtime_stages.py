@@ -1,0 +1,135 @@
+"""Real stage servers and a loopback gateway for the end-to-end realtime tests, plus a recording client.
+
+Every test that needs real thinker/talker/code2wav processes uses these context managers from a
+module-scoped fixture, so the stages (10–20 s each to start on a small CPU box) start once per module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("thinker", "talker", "code2wav")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def stage_servers(ckpt: Path, log_dir: Path, thinker_args: Sequence[str] = ()) -> Iterator[dict[str, str]]:
+    """Start the three stage servers on CPU; yields their addresses once all report healthy."""
+    from gateway.stage_clients import StageSet
+
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+    addrs: dict[str, str] = {}
+    try:
+        for stage in STAGES:
+            port, metrics = free_port(), free_port()
+            addrs[stage] = f"127.0.0.1:{port}"
+            log = (log_dir / f"{stage}.log").open("wb")
+            extra = list(thinker_args) if stage == "thinker" else []
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", f"services.{stage}", "--checkpoint", str(ckpt), "--device", "cpu",
+                 "--port", str(port), "--metrics-port", str(metrics), *extra],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            ))
+
+        async def healthy() -> bool:
+            stages = StageSet(addrs)
+            try:
+                return all(ok for ok, _ in (await stages.health()).values())
+            finally:
+                await stages.close()
+
+        deadline = time.time() + 600
+        while not asyncio.run(healthy()):
+            dead = [p for p in procs if p.poll() is not None]
+            if dead or time.time() > deadline:
+                text = "\n".join((log_dir / f"{s}.log").read_text(errors="replace")[-2000:] for s in STAGES)
+                pytest.fail(f"stage servers did not become healthy:\n{text}")
+            time.sleep(0.5)
+        yield addrs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@contextmanager
+def realtime_gateway(stage_addrs: dict[str, str], **settings: Any) -> Iterator[str]:
+    """The gateway app under uvicorn on loopback; ``settings`` override ``RealtimeSettings`` fields.
+
+    Yields the ``ws://`` base URL.
+    """
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    app = create_app(GatewayConfig(stage_addrs=stage_addrs))
+    for name, value in settings.items():
+        assert hasattr(app.state.realtime_settings, name), name
+        setattr(app.state.realtime_settings, name, value)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    try:
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+class Conn:
+    """A synchronous WebSocket client that records every event it receives, in order."""
+
+    def __init__(self, url: str) -> None:
+        from websockets.sync.client import connect
+
+        self.ws = connect(url, max_size=None, open_timeout=30)
+        self.events: list[dict[str, Any]] = []
+
+    def send(self, event: dict[str, Any]) -> None:
+        self.ws.send(json.dumps(event))
+
+    def recv(self, timeout: float = 300.0) -> dict[str, Any]:
+        event = json.loads(self.ws.recv(timeout=timeout))
+        self.events.append(event)
+        return event
+
+    def until(self, type_: str, timeout: float = 300.0) -> dict[str, Any]:
+        """Receive (and record) events up to the first of ``type_``; returns that event."""
+        end = time.time() + timeout
+        while True:
+            event = self.recv(max(0.1, end - time.time()))
+            if event["type"] == type_:
+                return event
+
+    def close(self) -> None:
+        self.ws.close()
