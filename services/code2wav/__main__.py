@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cuda-graphs", choices=("on", "off"), default="on", help="CUDA graphs on GPU devices"
     )
+    parser.add_argument(
+        "--tf32",
+        choices=("on", "off"),
+        default="on",
+        help="TF32 tensor cores for the fp32 matmuls and convolutions on CUDA (off: full fp32, slower)",
+    )
     parser.add_argument("--voice-cache", type=int, default=32, help="reference voices kept (LRU)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     add_memory_fraction_argument(parser)

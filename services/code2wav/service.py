@@ -20,6 +20,12 @@ from services.common.grpc_server import ServeOptions, StageServer
 
 def build_engine(args: argparse.Namespace) -> tuple[Code2WavEngine, Checkpoint]:
     ckpt = Checkpoint(args.checkpoint)
+    if str(args.device).startswith("cuda"):
+        # The flow and vocoder compute in fp32; on GPU their matmuls otherwise run as SIMT fp32 kernels.
+        # TF32 keeps fp32 storage and range with a 10-bit mantissa product (measured: bench/README.md).
+        tf32 = getattr(args, "tf32", "on") == "on"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
     model = load_token2wav(ckpt.token2wav_dir, args.device)
     voices = ReferenceVoiceEncoder(
         ckpt.token2wav_dir, model.device, model.dims.up_rate, cache_size=args.voice_cache
