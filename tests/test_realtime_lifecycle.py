@@ -9,10 +9,9 @@ Most responses go through the turn lane (append, commit, ``response.create``), w
 speak on the requested unit; ``max_response_units`` keeps them short (3 units) unless a test needs a
 response that is still speaking when it interrupts it (then 40).
 
-Not covered end to end here, because the random-weight model never ends a turn on its own (it would have
-to sample ``<|turn_eos|>``, about 1 in 150 000 per token): a model-owned follow-up response in the native
-lane, and the native lane's back-to-back turns (the model starting its next turn while the previous
-turn's audio still arrives).
+The random-weight model never ends a turn on its own (it would have to pick ``<|turn_eos|>``, about 1 in
+150 000 per token), so a model-owned follow-up response and the native lane's back-to-back turns are
+tested in tests/test_realtime_native_turns.py, on a checkpoint variant that ends turns.
 """
 
 from __future__ import annotations
@@ -282,8 +281,8 @@ def test_b1_soft_interrupt_native_lane(conn: Conn, gateway_url: str) -> None:
     asserts the soft-interrupt invariants: no ``error``, no cancelled ``response.done``, no
     ``overlap.decision`` with ``barge_in``, the epoch unchanged on every epoch-carrying event, and the
     response still speaking (the model kept the floor). Any follow-up response must carry a fresh id and
-    start after the previous ``response.done``; the random-weight model never ends its turn, so none
-    appears here (see the module docstring).
+    start after the previous ``response.done``; this checkpoint never ends its turn, so none appears here
+    (tests/test_realtime_native_turns.py covers the follow-up).
     """
     http_url = gateway_url.replace("ws://", "http://")
     _open(conn, temperature=0.0, extra_body={"auto_response": True})
