@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,9 +17,11 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,18 +34,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_BUSY_GAUGE = re.compile(r"^(minicpmo_stage_in_flight|minicpmo_stage_streams_active)(?:\{[^}]*\})?\s+(\S+)", re.M)
+
+
+@dataclass
+class RunningStages:
+    addrs: dict[str, str]  # stage -> gRPC host:port
+    metrics_urls: dict[str, str]  # stage -> Prometheus endpoint
+
+    def busy(self) -> dict[str, float]:
+        """Per stage: open streams plus in-flight work, from the stage's own gauges (0 when idle)."""
+        out: dict[str, float] = {}
+        for stage, url in self.metrics_urls.items():
+            text = httpx.get(url, timeout=10).text
+            out[stage] = sum(float(m.group(2)) for m in _BUSY_GAUGE.finditer(text))
+        return out
+
+
 @contextmanager
-def stage_servers(ckpt: Path, log_dir: Path, thinker_args: Sequence[str] = ()) -> Iterator[dict[str, str]]:
+def stage_servers(ckpt: Path, log_dir: Path, thinker_args: Sequence[str] = ()) -> Iterator[RunningStages]:
     """Start the three stage servers on CPU; yields their addresses once all report healthy."""
     from gateway.stage_clients import StageSet
 
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     procs: list[subprocess.Popen[bytes]] = []
     addrs: dict[str, str] = {}
+    metrics_urls: dict[str, str] = {}
     try:
         for stage in STAGES:
             port, metrics = free_port(), free_port()
             addrs[stage] = f"127.0.0.1:{port}"
+            metrics_urls[stage] = f"http://127.0.0.1:{metrics}/metrics"
             log = (log_dir / f"{stage}.log").open("wb")
             extra = list(thinker_args) if stage == "thinker" else []
             procs.append(subprocess.Popen(
@@ -65,7 +87,7 @@ def stage_servers(ckpt: Path, log_dir: Path, thinker_args: Sequence[str] = ()) -
                 text = "\n".join((log_dir / f"{s}.log").read_text(errors="replace")[-2000:] for s in STAGES)
                 pytest.fail(f"stage servers did not become healthy:\n{text}")
             time.sleep(0.5)
-        yield addrs
+        yield RunningStages(addrs, metrics_urls)
     finally:
         for p in procs:
             p.terminate()

@@ -48,8 +48,8 @@ def _turn_ending_copy(src: Path, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def gateway_url(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ckpt = _turn_ending_copy(tiny_ckpt, tmp_path_factory.mktemp("turn_ending") / "ckpt")
-    with stage_servers(ckpt, tmp_path_factory.mktemp("native_stage_logs")) as addrs:
-        with realtime_gateway(addrs, seed=0) as url:
+    with stage_servers(ckpt, tmp_path_factory.mktemp("native_stage_logs")) as stages:
+        with realtime_gateway(stages.addrs, seed=0) as url:
             yield url
 
 
