@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -23,15 +22,10 @@ from typing import Any
 
 import httpx
 import pytest
+from gateway_server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("thinker", "talker", "code2wav")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _BUSY_GAUGE = re.compile(r"^(minicpmo_stage_in_flight|minicpmo_stage_streams_active)(?:\{[^}]*\})?\s+(\S+)", re.M)
