@@ -118,9 +118,20 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
         """Let Playwright deliver events until ``done()``; the page keeps running meanwhile."""
         end = time.time() + timeout
         while not done():
-            if time.time() > end:
-                pytest.fail(f"timed out waiting for {what}; received {[e['type'] for e in received][-30:]}")
+            if time.time() > end or frames("error"):
+                pytest.fail(f"gave up waiting for {what}; received {[e['type'] for e in received][-30:]}; "
+                            f"errors {frames('error')}")
             page.wait_for_timeout(100)
+
+    def close_session() -> None:
+        page.click("#stop")
+        page.wait_for_function("!document.getElementById('start').disabled", timeout=30_000)
+        pump_until(lambda: len(frames("session.closed")) == len(frames("session.created")), "session.closed")
+        assert frames("session.closed")[-1]["reason"] == "client_close"
+        page.wait_for_function(
+            "document.getElementById('status').textContent.startsWith('session closed')", timeout=30_000
+        )
+        assert page.text_content("#status") == "session closed (client_close)"
 
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(
@@ -137,8 +148,9 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
             page.wait_for_function("window.realtimeStats.appendsSent >= 8", timeout=30_000)
             assert page.is_enabled("#ask") and page.is_disabled("#native")
             page.click("#ask")
-
+            t_ask = time.time()
             pump_until(lambda: frames("response.done"), "response.done")
+            t_done = time.time()
             done = frames("response.done")[0]
             assert done["response"]["status"] == "completed", done
             deltas = frames("response.output_audio.delta")
@@ -165,14 +177,56 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
             lines = page.locator("#transcript > div").all_text_contents()
             assert lines == ["you: (spoke)", "model: " + transcript], lines
             print(f"browser: played {stats['playedSamples']} samples ({audio_ms} ms) in {len(deltas)} deltas; "
-                  f"gateway sent {gateway_samples}; appends {stats['appendsSent']}; transcript {transcript!r}")
+                  f"gateway sent {gateway_samples}; appends {stats['appendsSent']}; transcript {transcript!r}; "
+                  f"answer {t_done - t_ask:.1f} s, played and acked {time.time() - t_done:.1f} s later")
 
             page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
-            page.click("#stop")
-            page.wait_for_function(
-                "document.getElementById('status').textContent.startsWith('session closed')", timeout=30_000
+
+            close_session()
+
+            # Interrupt, in a fresh session (Start again): an answer cut while its first audio plays. The page
+            # stops what it scheduled and plays nothing more of it; every received sample is played or dropped.
+            appends = page.evaluate("window.realtimeStats.appendsSent")
+            t_ask = time.time()
+            page.click("#start")
+            page.wait_for_function(f"window.realtimeStats.appendsSent >= {appends + 8}", timeout=30_000)
+            page.click("#ask")
+            # Press Interrupt from inside the page as soon as the audio is there, with the counters read in the
+            # same task: a click from here could land after a loaded machine had already played it all.
+            before = page.evaluate(
+                """received => new Promise((resolve, reject) => {
+                    const giveUp = Date.now() + 240000;
+                    const poll = setInterval(() => {
+                        if (Date.now() > giveUp) { clearInterval(poll); reject(new Error("no second answer")); }
+                        if (window.realtimeStats.receivedSamples <= received) return;
+                        clearInterval(poll);
+                        const counts = {...window.realtimeStats};
+                        document.getElementById("interrupt").click();
+                        resolve(counts);
+                    }, 5);
+                })""",
+                wire_samples,
             )
-            assert page.text_content("#status") == "session closed (client_close)"
+            print(f"browser: second answer's first audio {time.time() - t_ask:.1f} s after start")
+            assert before["receivedSamples"] > before["playedSamples"] + before["droppedSamples"], before
+            pump_until(lambda: len(frames("response.done")) >= 2, "the second response.done")
+            page.wait_for_timeout(500)
+            second = frames("response.done")[1]
+            all_wire = sum(len(base64.b64decode(d["delta"])) // 2 for d in frames("response.output_audio.delta"))
+            stats = page.evaluate("({...window.realtimeStats})")
+            assert stats["receivedSamples"] == all_wire > wire_samples, stats
+            # nothing played after the interrupt; whatever was scheduled or still arrived is dropped
+            assert stats["playedSamples"] == before["playedSamples"], (before, stats)
+            assert stats["playedSamples"] + stats["droppedSamples"] == all_wire and stats["droppedSamples"] > 0, stats
+            second_played_ms = (stats["playedSamples"] - wire_samples) * 1000 // OUT_RATE
+            if second["response"]["status"] == "cancelled":  # the usual case: it was still being generated
+                assert second["response"]["status_details"]["reason"] == "barge_in"
+                assert second["response"]["metadata"]["playback"]["played_ms"] == second_played_ms
+                assert page.locator("#transcript > div").last.text_content().endswith(" [cancelled]")
+            print(f"browser: second response {second['response']['status']}, received {all_wire - wire_samples}, "
+                  f"played {stats['playedSamples'] - wire_samples}, dropped {stats['droppedSamples']} samples")
+            page.screenshot(path=str(tmp_path / "page-interrupted.png"), full_page=True)
+            close_session()
             assert not frames("error"), frames("error")
         finally:
             browser.close()

@@ -21,7 +21,8 @@ let capture = null;         // AudioWorkletNode posting microphone blocks (captu
 let downsampler = null;
 let playHead = 0;              // AudioContext time where the next reply chunk starts
 const playing = new Set();     // scheduled reply chunks not yet ended: {src, samples, responseId, stopped}
-const replies = new Map();     // response id -> {playedSamples, done, stale}
+const replies = new Map();     // response id -> {playedSamples, done, stale, muted}
+let activeResponse = null;     // id of the response being generated, if any
 let currentLine = null;
 let sessionOpen = false;
 
@@ -97,7 +98,7 @@ function send(event) {
 }
 
 function reply(responseId) {
-  if (!replies.has(responseId)) replies.set(responseId, { playedSamples: 0, done: false, stale: false });
+  if (!replies.has(responseId)) replies.set(responseId, { playedSamples: 0, done: false, stale: false, muted: false });
   return replies.get(responseId);
 }
 
@@ -152,16 +153,20 @@ function onEvent(ev) {
     case "response.created":
       stats.responses += 1;
       reply(ev.response_id);
+      activeResponse = ev.response_id;
       currentLine = document.createElement("div");
       currentLine.className = "model";
       currentLine.textContent = "model: ";
+      reply(ev.response_id).line = currentLine;
       $("transcript").append(currentLine);
       break;
     case "response.output_audio.delta": {
       const pcm = int16FromB64(ev.delta);
       stats.audioDeltas += 1;
       stats.receivedSamples += pcm.length;
-      if (pcm.length) playPcm16(pcm, ev.response_id);
+      // Audio still in flight when the user interrupted is not played.
+      if (reply(ev.response_id).muted) stats.droppedSamples += pcm.length;
+      else if (pcm.length) playPcm16(pcm, ev.response_id);
       showCounters();
       break;
     }
@@ -175,7 +180,17 @@ function onEvent(ev) {
       break;
     case "response.done":
       reply(ev.response_id).done = true;
-      if (ev.response.status !== "completed") stopPlayback(ev.response_id);
+      if (activeResponse === ev.response_id) activeResponse = null;
+      if (ev.response.status !== "completed") {
+        stopPlayback(ev.response_id);
+        const line = reply(ev.response_id).line;
+        if (line) {  // the text may run ahead of the audio that was heard: say the answer was cut
+          const note = document.createElement("span");
+          note.className = "cut";
+          note.textContent = ` [${ev.response.status}]`;
+          line.append(note);
+        }
+      }
       log(`response ${ev.response.status}`);
       break;
     case "error":
@@ -267,5 +282,9 @@ $("ask").onclick = () => {
   $("transcript").append(line);
   send({ type: "input_audio_buffer.commit", response_create: true });
 };
-$("interrupt").onclick = () => { send({ type: "barge_in" }); stopPlayback(); };
+$("interrupt").onclick = () => {
+  if (activeResponse !== null) reply(activeResponse).muted = true;
+  send({ type: "barge_in" });
+  stopPlayback();
+};
 $("stop").onclick = () => { send({ type: "session.close" }); stopPlayback(); stopAudio(); };
