@@ -216,7 +216,10 @@ def test_client_disconnect_releases_all_stage_work(served: Served) -> None:
                "messages": [{"role": "user", "content": "Tell me a long story."}]}
     with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=payload, timeout=600) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
+        # Keep the line iterator referenced: a dropped httpx iterator is closed at once, which closes the
+        # connection, and the stages would be measured after the disconnect instead of before it.
+        lines = r.iter_lines()
+        for line in lines:
             if '"modality":"audio"' in line:
                 break
         busy = _stage_gauges(served)
