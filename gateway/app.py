@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-media-root", default=None, help="directory under which file:// media may be read")
     p.add_argument("--enable-http-fetch", action="store_true", help="allow http(s) media URLs")
     p.add_argument("--max-concurrent-requests", type=int, default=None)
+    p.add_argument("--max-realtime-sessions", type=int, default=None,
+                   help="duplex WebSocket sessions admitted at once (default: the profile's, 4 if unset)")
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (stage deadlines)")
     p.add_argument("--openai-audio-delta", action="store_true", help="also stream audio in delta.audio (OpenAI)")
@@ -215,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         allowed_media_root=Path(args.allowed_media_root) if args.allowed_media_root else None,
         http_fetch=args.enable_http_fetch,
         max_concurrent_requests=args.max_concurrent_requests,
+        max_realtime_sessions=args.max_realtime_sessions,
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
         openai_audio_delta=args.openai_audio_delta,

@@ -23,6 +23,7 @@ class GatewayConfig:
     allowed_media_root: Path | None = None
     http_fetch: bool = False
     max_concurrent_requests: int | None = None  # None: from the profile
+    max_realtime_sessions: int | None = None  # None: from the profile
     max_body_bytes: int | None = None  # None: from the profile
     request_timeout_s: float | None = None  # None: from the profile
     openai_audio_delta: bool = False  # also put streamed audio in delta.audio (OpenAI style)
@@ -34,6 +35,10 @@ class GatewayConfig:
     @property
     def concurrency_limit(self) -> int:
         return self.max_concurrent_requests or self.profile.gateway.max_concurrent_requests
+
+    @property
+    def realtime_session_limit(self) -> int:
+        return self.max_realtime_sessions or self.profile.gateway.max_realtime_sessions
 
     @property
     def body_limit(self) -> int:

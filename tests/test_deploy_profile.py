@@ -49,6 +49,9 @@ def test_default_profile_is_single_gpu() -> None:
     assert (talker.codec.window_frames, talker.codec.left_context_frames) == (25, 3)
     assert talker.codec.first_window_frames == 10  # TTFP c=1: 240 ms vs 307 ms with 25
     assert talker.sampling["top_k"] == 25 and talker.sampling["temperature"] == pytest.approx(0.8)
+    # one duplex session per thinker sequence; profiles that do not say keep the protocol default of 4
+    assert profile.gateway.max_realtime_sessions == 8
+    assert load_profile("cpu").gateway.max_realtime_sessions == 4
 
 
 def test_8x4090_thinker_replicas_one_per_gpu() -> None:
@@ -97,6 +100,7 @@ def test_overrides_merge_and_revalidate() -> None:
         (lambda d: d["stages"]["thinker"].update(devices=[], device="cpu"), "either"),
         (lambda d: d.update(version=2), "version"),
         (lambda d: d.update(gateway={"prot": 1}), "unknown key"),
+        (lambda d: d.update(gateway={"max_realtime_sessions": 0}), "max_realtime_sessions"),
         (lambda d: d["stages"]["thinker"].update(sampling={"temperature": -1}), "non-negative"),
     ],
 )

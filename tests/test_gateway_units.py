@@ -155,3 +155,16 @@ def test_normalize_target() -> None:
     assert normalize_target("127.0.0.1:1,127.0.0.1:2") == "ipv4:127.0.0.1:1,127.0.0.1:2"
     with pytest.raises(ValueError):
         normalize_target("a:1,b:2")
+
+
+def test_realtime_session_limit_from_profile_and_flag() -> None:
+    """The duplex session cap reaches the realtime endpoint: profile value, overridden by the CLI flag."""
+    from gateway.app import build_parser, config_from_args, create_app
+
+    base = ["--deploy-config", "minicpmo_4_5"]
+    app = create_app(config_from_args(build_parser().parse_args(base)))
+    assert app.state.realtime_settings.max_sessions == 8
+    app = create_app(config_from_args(build_parser().parse_args([*base, "--max-realtime-sessions", "3"])))
+    assert app.state.realtime_settings.max_sessions == 3
+    app = create_app(config_from_args(build_parser().parse_args(["--deploy-config", "cpu"])))
+    assert app.state.realtime_settings.max_sessions == 4

@@ -24,6 +24,7 @@ def mount_realtime(app: Any) -> None:
         config = getattr(app.state, "config", None)
         if config is not None:
             settings.served_model = config.model_name
+            settings.max_sessions = config.realtime_session_limit
         app.state.realtime_settings = settings
 
     def pipeline_factory(session: Any) -> Any:

@@ -15,7 +15,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     name: minicpmo_4_5
     description: free text
     served_model_name: openbmb/MiniCPM-o-4_5
-    gateway:   {port, max_concurrent_requests, max_body_bytes, request_timeout_s, media: {...}}
+    gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, media: {...}}
     stages:
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
@@ -139,6 +139,8 @@ class MediaLimits:
 class GatewayProfile:
     port: int = 8099
     max_concurrent_requests: int = 16
+    # Realtime duplex sessions admitted at once; each holds a persistent thinker sequence.
+    max_realtime_sessions: int = 4
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout_s: float = 600.0
     media: MediaLimits = field(default_factory=MediaLimits)
@@ -373,6 +375,7 @@ def parse_profile(raw: Any, source: str = "<dict>") -> DeployProfile:
         {
             "port": int,
             "max_concurrent_requests": int,
+            "max_realtime_sessions": int,
             "max_body_bytes": int,
             "request_timeout_s": (int, float),
             "media": dict,
