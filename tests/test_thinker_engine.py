@@ -338,3 +338,28 @@ def test_engines_sharing_one_model_do_not_copy_weights(llm: torch.nn.Module) -> 
         assert a.gate_up_weight.data_ptr() == b.gate_up_weight.data_ptr()
     attn = llm.model.layers[0].self_attn
     assert attn.q_proj.weight.data_ptr() == first.runner.layers[0].qkv_weight.data_ptr()
+
+
+def test_graph_warmup_enumerates_every_bucket_up_to_the_limits() -> None:
+    """Startup capture covers batch buckets up to max_num_seqs and context buckets up to the limit, so no
+    request in that range meets a lazy capture; CPU (no graphs) captures nothing."""
+    from types import SimpleNamespace
+
+    from services.thinker.runner import ModelRunner
+
+    seen: list[tuple[int, int]] = []
+    fake = SimpleNamespace(
+        use_cuda_graphs=True,
+        GRAPH_BATCH_BUCKETS=ModelRunner.GRAPH_BATCH_BUCKETS,
+        GRAPH_MIN_CONTEXT=ModelRunner.GRAPH_MIN_CONTEXT,
+        GRAPH_MAX_CONTEXT=ModelRunner.GRAPH_MAX_CONTEXT,
+        _graph_for=lambda b, c: seen.append((b, c)),
+    )
+    assert ModelRunner.warmup_graphs(fake, 8, 1024) == 12
+    assert seen == [(b, c) for b in (1, 2, 4, 8) for c in (256, 512, 1024)]
+    seen.clear()
+    assert ModelRunner.warmup_graphs(fake, 3, 300) == 6  # 3 -> bucket 4, 300 -> bucket 512
+    assert seen == [(b, c) for b in (1, 2, 4) for c in (256, 512)]
+    assert ModelRunner.warmup_graphs(fake, 8, 0) == 0
+    fake.use_cuda_graphs = False
+    assert ModelRunner.warmup_graphs(fake, 8, 1024) == 0

@@ -480,6 +480,25 @@ class ModelRunner:
             self._graphs[key] = graph
         return graph
 
+    def warmup_graphs(self, max_batch: int, max_context: int) -> int:
+        """Capture every (batch, context) bucket up to ``max_batch`` x ``max_context`` now; returns the count.
+
+        Captures are otherwise lazy, and one takes seconds on a full-size model (two eager warm-up passes
+        plus the recording): a first request in a new bucket would stall every running stream that long.
+        """
+        if not self.use_cuda_graphs or max_batch < 1 or max_context < 1:
+            return 0
+        top_batch = next((x for x in self.GRAPH_BATCH_BUCKETS if x >= max_batch), self.GRAPH_BATCH_BUCKETS[-1])
+        top_context = min(_next_pow2(max_context, self.GRAPH_MIN_CONTEXT), self.GRAPH_MAX_CONTEXT)
+        count = 0
+        for batch in (b for b in self.GRAPH_BATCH_BUCKETS if b <= top_batch):
+            context = self.GRAPH_MIN_CONTEXT
+            while context <= top_context:
+                self._graph_for(batch, context)
+                count += 1
+                context *= 2
+        return count
+
     def decode_forward_static(
         self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor, table: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -397,6 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer blocks (GPU)")
+    ap.add_argument(
+        "--graph-warmup-context",
+        type=int,
+        default=1024,
+        help="capture decode CUDA graphs for every batch bucket up to --max-num-seqs and context bucket up "
+        "to this many tokens before serving (0: capture lazily, which stalls the engine seconds per new bucket)",
+    )
     ap.add_argument("--log-level", default="INFO")
     add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
@@ -428,6 +436,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         budget_source = "default"
     log.info("thinker KV cache: %.2f GiB (%s)", backend.engine.cache.budget_bytes / 2**30, budget_source)
+    t0 = time.perf_counter()
+    captured = backend.engine.runner.warmup_graphs(args.max_num_seqs, args.graph_warmup_context)
+    if captured:
+        log.info("thinker: captured %d decode CUDA graphs in %.1f s", captured, time.perf_counter() - t0)
     backend.engine.start()
     server = make_server(backend, serve_options_from_args(args))
     try:
