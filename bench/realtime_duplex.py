@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--units", type=int, default=4, help="max units per response")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="sessions run once, unmeasured, before the first level (CUDA-graph shapes, allocator)")
     p.add_argument("--ref-audio", default=None, help="voice WAV (default: the checkpoint's, in launch mode)")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--out-dir", default=None, help="directory for realtime.json, realtime.md and logs")
@@ -222,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ref-audio is required without --checkpoint")
     try:
         ref_uri = "data:audio/wav;base64," + base64.b64encode(Path(args.ref_audio).read_bytes()).decode()
+        if args.warmup > 0:
+            print(f"[realtime] warm-up: {args.warmup} session(s)", flush=True)
+            warm = asyncio.run(run_level(args, args.warmup, ref_uri, stage_urls))
+            if warm["failed"]:
+                print(f"[realtime] warm-up failures: {warm['errors']}", flush=True)
         levels = []
         for n in args.sessions:
             print(f"[realtime] {n} concurrent session(s)", flush=True)
