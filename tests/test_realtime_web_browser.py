@@ -32,7 +32,7 @@ from gateway_server import free_port
 from realtime_helpers import tone
 from test_realtime_e2e import gateway_url, stage_addrs  # noqa: F401 - module-scoped real-stage fixtures
 
-pytestmark = pytest.mark.slow
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras (scripts/setup.sh)")
 
 OUT_RATE = 24_000
 BROWSER_ARGS = [
@@ -42,14 +42,22 @@ BROWSER_ARGS = [
 ]
 
 
-def _chromium() -> str:
+def _find_chromium() -> str | None:
     """Debian's chromium (scripts/setup.sh installs it with apt-get); MINICPMO_CHROMIUM overrides."""
     for candidate in (os.environ.get("MINICPMO_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
         found = candidate and shutil.which(candidate)
         if found:
             return found
-    pytest.skip("no Chromium executable: scripts/setup.sh installs Debian's 'chromium' only where apt-get is "
-                "available (or set MINICPMO_CHROMIUM)")
+    return None
+
+
+CHROMIUM = _find_chromium()
+# Decided at collection, so a machine without a browser does not start the stage servers for nothing.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium executable: scripts/setup.sh installs Debian's "
+                       "'chromium' only where apt-get is available and it runs as root (or set MINICPMO_CHROMIUM)"),
+]
 
 
 def _write_wav(path: Path, x: np.ndarray, rate: int = 16_000) -> None:
@@ -89,8 +97,7 @@ def _audio_seconds_sent() -> float:
 
 
 def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) -> None:
-    chromium = _chromium()
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras")
+    assert CHROMIUM is not None
     mic = tmp_path / "mic.wav"
     # A syllable-like amplitude envelope over a tone, so the gateway's energy check hears speech.
     t = np.arange(3 * 16_000) / 16_000
@@ -135,7 +142,7 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
 
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(
-            executable_path=chromium, args=[*BROWSER_ARGS, f"--use-file-for-fake-audio-capture={mic}"]
+            executable_path=CHROMIUM, args=[*BROWSER_ARGS, f"--use-file-for-fake-audio-capture={mic}"]
         )
         try:
             page = browser.new_page(viewport={"width": 900, "height": 700})
