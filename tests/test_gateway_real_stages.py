@@ -49,6 +49,9 @@ LONG_SPEECH = {"max_tokens": 400, "sampling_params_list": [{"max_tokens": 400, "
                                                            {"max_tokens": 2000}]}
 
 
+CLIENT_PATIENCE_S = 8.0  # the non-streaming client gives up after this (the talker starts within ~1 s)
+
+
 @dataclass
 class Stages:
     thinker: StageProcess
@@ -303,13 +306,13 @@ def test_non_streaming_disconnect_cancels_every_stage(gateway: ThreadedGateway, 
 
     def post() -> None:
         try:
-            httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat("hi", **LONG_SPEECH), timeout=4)
+            httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat("hi", **LONG_SPEECH), timeout=CLIENT_PATIENCE_S)
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             outcome.append(exc)
 
     worker = threading.Thread(target=post)
     worker.start()
-    deadline = time.monotonic() + 4
+    deadline = time.monotonic() + CLIENT_PATIENCE_S
     saw_speech = False
     while worker.is_alive() and time.monotonic() < deadline and not saw_speech:
         saw_speech = stages.talker.metric("minicpmo_stage_streams_active") > 0
