@@ -220,6 +220,7 @@ async function start() {
   });
   ws.onerror = () => log("WebSocket error");
   ws.onclose = (e) => {
+    sessionOpen = false;
     if (!$("status").textContent.startsWith("session closed")) $("status").textContent = `closed (${e.code})`;
     stopAudio();
   };
