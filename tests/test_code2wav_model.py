@@ -304,3 +304,19 @@ def test_graph_replay_semantics_match_eager(stack) -> None:  # noqa: ANN001
     assert np.array_equal(graphed["mel"], eager["mel"]) and np.array_equal(graphed["wav"], eager["wav"])
     assert len(graphs["dit"].graphs) == 2 and graphs["dit"].replays == 20  # caches of 300 and 350 frames
     assert len(graphs["hift_decode"].graphs) == 2  # 50 and 8 + 50 mel frames
+
+
+def test_startup_warm_up_captures_the_shapes_a_stream_then_replays(stack) -> None:  # noqa: ANN001
+    """warm_up_shapes runs throwaway windows only when graphs are on; a stream of the same shapes then
+    replays the warmed graphs instead of capturing during live traffic."""
+    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
+
+    assert stack.runner.warm_up_shapes(stack.prompt) == 0  # eager runner: nothing to warm
+    runner = Code2WavRunner(stack.model)
+    graphs = enable_cuda_graphs(runner, capture=_emulated_capture)
+    assert runner.warm_up_shapes(stack.prompt, first_windows=(25,), steady_windows=1) == 2
+    captured = {name: len(g.graphs) for name, g in graphs.items()}
+    assert captured["dit"] == 2 and runner.last_batch_sizes == []
+    windows = talker_windows(_codes(4, 53), 3)[:2]  # first window of 25 new codes, then one of 25
+    _stream(runner, [runner.open_stream("live", stack.prompt, 1)], [windows])
+    assert {name: len(g.graphs) for name, g in graphs.items()} == captured

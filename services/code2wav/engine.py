@@ -125,6 +125,10 @@ class Code2WavEngine:
         """Featurise the default voice and prime its origin cache, then start the scheduling loop."""
         self._default_prompt = await self._in_worker(self.voices.encode_file, self.default_voice)
         await self._in_worker(self.runner.open_stream, "warmup", self._default_prompt, None)
+        t0 = time.perf_counter()
+        ran = await self._in_worker(self.runner.warm_up_shapes, self._default_prompt)
+        if ran:
+            log.info("code2wav: %d warm-up windows (CUDA-graph capture) in %.1f s", ran, time.perf_counter() - t0)
         self._task = asyncio.create_task(self._loop(), name="code2wav-scheduler")
 
     async def drain(self) -> None:

@@ -171,6 +171,29 @@ class Code2WavRunner:
             seed=seed,
         )
 
+    def warm_up_shapes(self, prompt: PromptFeatures, first_windows: tuple[int, ...] = (10, 25),
+                       steady_windows: int = 3, steady_new: int = 25) -> int:
+        """Run throwaway streams through the usual batch-1 window shapes (CUDA graphs only).
+
+        Each new shape captures its graphs on first use; doing it before the server reports serving keeps
+        that capture (hundreds of ms) out of the first requests and away from concurrent traffic.
+        Returns the number of windows run."""
+        if not getattr(self, "cuda_graphs", False):
+            return 0
+        ran = 0
+        codes = [CODEC_SILENCE_ID] * (max(first_windows) + steady_windows * steady_new)
+        for first in first_windows:
+            state = self.open_stream(f"warm-up-{first}", prompt)
+            window = [CODEC_SILENCE_ID] * self.lookahead + codes[:first]
+            self.run_batch([state], [window], False)
+            ran += 1
+            for _ in range(steady_windows):
+                window = window[-self.lookahead :] + codes[:steady_new]
+                self.run_batch([state], [window], False)
+                ran += 1
+        self.last_batch_sizes.clear()
+        return ran
+
     # ---------------------------------------------------------------- validation
     def check_window(
         self, cursor: WindowCursor, codes: list[int], left_context: int, is_last: bool

@@ -396,7 +396,7 @@ class _DecodeGraph:
                 runner._step_eager(self.ints, self.floats, read_len)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool):
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.logits, self.ids = runner._step_eager(self.ints, self.floats, read_len)
 
     def run(self, ints: torch.Tensor, floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,7 +52,10 @@ def capture_cuda_graph(
             fn(*inputs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: a CUDA call from another thread of the server (a freed tensor's stream event, the
+    # gRPC side) must not invalidate this capture. Seen on the H200 as a cuDNN "unable to find an engine"
+    # during capture, after which the process hit an illegal address.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = fn(*inputs)
     if isinstance(outputs, torch.Tensor):
         outputs = (outputs,)
@@ -96,6 +99,10 @@ class ShapeKeyedGraphs:
                         "%s: CUDA graph capture failed for %s (%s); running eager", self.name, key, exc
                     )
                     entry = None
+                    if any(a is not None and a.is_cuda for a in args):
+                        # A failed capture can leave the device in an error state; surface it here, at
+                        # the capture, rather than as an unrelated error in the next kernel.
+                        torch.cuda.synchronize()
                 self.graphs[key] = entry
         if entry is None:
             self.eager_calls += 1
