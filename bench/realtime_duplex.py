@@ -46,6 +46,11 @@ def _pcm_b64(seconds: float) -> str:
     return base64.b64encode((0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()).decode()
 
 
+# Stage histograms read per level: the barge-in drain of every stage, and the thinker's split of a duplex
+# unit (queued / encode / engine) and of an engine step (forward / sample).
+STAGE_PREFIXES = "(?:minicpmo_stage_interrupt_drain_|minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_)"
+
+
 def _scrape_one(url: str, prefix: str) -> dict[str, float]:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out: dict[str, float] = {}
@@ -63,7 +68,7 @@ def _scrape(http_url: str | None, stage_urls: list[str] | None = None) -> dict[s
     if http_url:
         out.update(_scrape_one(f"{http_url}/metrics", "minicpmo_realtime_"))
     for url in stage_urls or []:
-        for k, v in _scrape_one(url, "minicpmo_stage_interrupt_drain_").items():
+        for k, v in _scrape_one(url, STAGE_PREFIXES).items():
             out[k] = out.get(k, 0.0) + v
     return out
 
@@ -152,6 +157,12 @@ async def run_level(args: argparse.Namespace, n: int, ref_uri: str,
         level[f"{stage}_interrupt_ack_mean_ms"] = mean_ms(
             f'minicpmo_realtime_stage_interrupt_ack_seconds{{stage="{stage}"}}')
         level[f"{stage}_drain_mean_ms"] = mean_ms(f'minicpmo_stage_interrupt_drain_seconds{{stage="{stage}"}}')
+    for phase in ("queued", "encode", "engine"):
+        level[f"thinker_unit_{phase}_mean_ms"] = mean_ms(
+            f'minicpmo_thinker_duplex_unit_seconds{{phase="{phase}"}}')
+    for phase in ("forward", "sample"):
+        level[f"thinker_step_{phase}_mean_ms"] = mean_ms(
+            f'minicpmo_thinker_step_phase_seconds{{phase="{phase}"}}')
     return level
 
 
@@ -160,16 +171,19 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
 
     lines = ["| sessions | failed | first audio p50 ms | unit decision ms | audio RTF p50 | unit RTF | "
-             "barge-in client p50 ms | gateway ms | stage drain ms thinker / talker / code2wav |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "barge-in client p50 ms | gateway ms | stage drain ms thinker / talker / code2wav | "
+             "thinker unit ms queued / encode / engine | thinker step ms forward / sample |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for lv in levels:
         fa = lv["first_audio_s"]["p50"] * 1000 if lv["first_audio_s"] else None
         rtf = lv["audio_rtf"]["p50"] if lv["audio_rtf"] else None
         bi = lv["barge_in_ms"]["p50"] if lv["barge_in_ms"] else None
         drains = " / ".join(f(lv.get(f"{s}_drain_mean_ms"), 2) for s in ("thinker", "talker", "code2wav"))
+        unit = " / ".join(f(lv.get(f"thinker_unit_{p}_mean_ms")) for p in ("queued", "encode", "engine"))
+        step = " / ".join(f(lv.get(f"thinker_step_{p}_mean_ms"), 2) for p in ("forward", "sample"))
         lines.append(f"| {lv['sessions']} | {lv['failed']} | {f(fa)} | {f(lv.get('unit_decision_mean_ms'))} | "
                      f"{f(rtf, 3)} | {f(lv.get('unit_rtf'), 3)} | {f(bi)} | "
-                     f"{f(lv.get('gateway_barge_in_mean_ms'), 2)} | {drains} |")
+                     f"{f(lv.get('gateway_barge_in_mean_ms'), 2)} | {drains} | {unit} | {step} |")
     return "\n".join(lines) + "\n"
 
 

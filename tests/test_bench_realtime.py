@@ -29,6 +29,10 @@ def test_realtime_bench_launches_the_pipeline_and_reports_barge_in(tiny_ckpt: Pa
     assert level["unit_decision_mean_ms"] > 0 and level["gateway_barge_in_mean_ms"] is not None
     # The thinker's drain histogram is scraped from its own metrics port (0 when no unit was running).
     assert level["thinker_drain_mean_ms"] is not None and level["thinker_drain_mean_ms"] >= 0
+    # The thinker's unit split (queued / encode / engine) and step split (forward / sample) are scraped.
+    for key in ("thinker_unit_encode_mean_ms", "thinker_unit_engine_mean_ms", "thinker_step_forward_mean_ms",
+                "thinker_step_sample_mean_ms"):
+        assert level[key] is not None and level[key] > 0, key
     assert (out / "realtime.md").read_text().startswith("| sessions |")
     for pid in json.loads((out / "logs" / "pids.json").read_text()).values():
         with pytest.raises(ProcessLookupError):

@@ -26,12 +26,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from prometheus_client import Histogram
 
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
 from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INTERNAL, INVALID_ARGUMENT, StageError
@@ -46,6 +48,15 @@ if TYPE_CHECKING:
     from services.thinker.server import ThinkerBackend
 
 log = logging.getLogger(__name__)
+
+UNIT_PHASE_SECONDS = Histogram(
+    "minicpmo_thinker_duplex_unit_seconds",
+    "Where a duplex unit's time goes: 'queued' (arrival to start: the session's previous unit still "
+    "running), 'encode' (mel + Whisper rows + token ids, on the encode executor), 'engine' (submit to "
+    "its decision: prefill, decode steps and sampling, shared with every other sequence)",
+    ["phase"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 
 LISTEN = SPECIAL_TOKEN_IDS["<|listen|>"]
 SPEAK = SPECIAL_TOKEN_IDS["<|speak|>"]
@@ -445,16 +456,19 @@ async def run_duplex_stream(
         inbox.put_nowait(None)
 
     reader = asyncio.create_task(pump_requests())
-    pending: list[thinker_pb2.ThinkerUnit] = []
+    pending: list[tuple[thinker_pb2.ThinkerUnit, float]] = []  # (unit, arrival time)
     busy = True  # the prefix is in flight
     current: tuple[int, int, UnitOutcome] | None = None  # (unit_seq, epoch, outcome)
     ending = False
     context_tokens = 0
+    t_submit = time.perf_counter()  # when the running unit went to the engine
     try:
         while True:
             if not busy and pending:
-                unit = pending.pop(0)
+                unit, arrived = pending.pop(0)
                 unit_seq = int(unit.id.unit_seq) if unit.HasField("id") else session.units_done
+                t_start = time.perf_counter()
+                UNIT_PHASE_SECONDS.labels("queued").observe(t_start - arrived)
                 try:
                     work = await loop.run_in_executor(
                         backend.executor,
@@ -474,6 +488,8 @@ async def run_duplex_stream(
                     yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
                     return
                 work.tag = (unit_seq, session.epoch)
+                t_submit = time.perf_counter()
+                UNIT_PHASE_SECONDS.labels("encode").observe(t_submit - t_start)
                 engine.submit(seq, work)
                 current = (unit_seq, session.epoch, UnitOutcome())
                 busy = True
@@ -499,7 +515,7 @@ async def run_duplex_stream(
                     unit = item.unit
                     if unit.HasField("id") and unit.id.epoch < session.epoch:
                         continue  # stale: sent before the client saw the interrupt
-                    pending.append(unit)
+                    pending.append((unit, time.perf_counter()))
                 elif kind == "control":
                     which = item.control.WhichOneof("kind")
                     if which == "interrupt":
@@ -543,6 +559,7 @@ async def run_duplex_stream(
                 outcome.generated.append(ev.token)
             if ev.finish_reason is not None:
                 outcome.finish = ev.finish_reason
+                UNIT_PHASE_SECONDS.labels("engine").observe(time.perf_counter() - t_submit)
                 busy = False
                 current = None
                 if unit_epoch < session.epoch:

@@ -46,6 +46,12 @@ PREFILL_TOKENS = Counter("minicpmo_thinker_prefill_tokens_total", "Prompt tokens
 DECODE_TOKENS = Counter("minicpmo_thinker_decode_tokens_total", "Decode tokens computed")
 PREFILL_TPS = Gauge("minicpmo_thinker_prefill_tokens_per_second", "Prefill throughput (EWMA over steps)")
 DECODE_TPS = Gauge("minicpmo_thinker_decode_tokens_per_second", "Decode throughput (EWMA over steps)")
+STEP_PHASE_SECONDS = Histogram(
+    "minicpmo_thinker_step_phase_seconds",
+    "Engine step split: 'forward' (the model, CUDA graph or eager) and 'sample' (sampling and events)",
+    ["phase"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+)
 TTFT = Histogram(
     "minicpmo_thinker_ttft_seconds",
     "Submit to first sampled token",
@@ -210,8 +216,11 @@ class ThinkerEngine:
                 self._emit(seq, EngineEvent(seq.seq_id, error=err))
                 self._drop(seq)
             return True
+        t_forward = time.perf_counter()
         self._consume(plan, out)
         dt = time.perf_counter() - t0
+        STEP_PHASE_SECONDS.labels("forward").observe(t_forward - t0)
+        STEP_PHASE_SECONDS.labels("sample").observe(dt - (t_forward - t0))
         n_prefill = sum(n for _, n in plan.prefill)
         n_decode = len(plan.decode)
         PREFILL_TOKENS.inc(n_prefill)
