@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_server import free_port
+from gateway_server import free_port, serve_in_thread
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("thinker", "talker", "code2wav")
@@ -98,8 +97,6 @@ def realtime_gateway(stage_addrs: dict[str, str], **settings: Any) -> Iterator[s
 
     Yields the ``ws://`` base URL.
     """
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.config import GatewayConfig
 
@@ -107,19 +104,8 @@ def realtime_gateway(stage_addrs: dict[str, str], **settings: Any) -> Iterator[s
     for name, value in settings.items():
         assert hasattr(app.state.realtime_settings, name), name
         setattr(app.state.realtime_settings, name, value)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    try:
+    with serve_in_thread(app) as port:
         yield f"ws://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 class Conn:

@@ -12,10 +12,8 @@ import asyncio
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 import wave
 import zipfile
@@ -27,116 +25,25 @@ import numpy as np
 import pytest
 from realtime_helpers import pcm16_b64, session_body, tone
 from realtime_invariants import check_response_invariants
+from realtime_stages import REPO, STAGES, Conn, realtime_gateway, stage_servers
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-STAGES = ("thinker", "talker", "code2wav")
 # A small thinker context so one test can run a session past it (S8); every other session stays far below.
 THINKER_MAX_CONTEXT = 512
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def stage_addrs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    from gateway.stage_clients import StageSet
-
     logs = tmp_path_factory.mktemp("stage_logs")
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    procs: list[subprocess.Popen[bytes]] = []
-    addrs: dict[str, str] = {}
-    for stage in STAGES:
-        port, metrics = _free_port(), _free_port()
-        addrs[stage] = f"127.0.0.1:{port}"
-        log = (logs / f"{stage}.log").open("wb")
-        extra = ["--max-context", str(THINKER_MAX_CONTEXT)] if stage == "thinker" else []
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", f"services.{stage}", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
-             "--port", str(port), "--metrics-port", str(metrics), *extra],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-        ))
-
-    async def healthy() -> bool:
-        stages = StageSet(addrs)
-        try:
-            return all(ok for ok, _ in (await stages.health()).values())
-        finally:
-            await stages.close()
-
-    deadline = time.time() + 600
-    try:
-        while not asyncio.run(healthy()):
-            dead = [p for p in procs if p.poll() is not None]
-            if dead or time.time() > deadline:
-                text = "\n".join((logs / f"{s}.log").read_text(errors="replace")[-2000:] for s in STAGES)
-                pytest.fail(f"stage servers did not become healthy:\n{text}")
-            time.sleep(1.0)
-        yield addrs
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    with stage_servers(tiny_ckpt, logs, thinker_args=["--max-context", str(THINKER_MAX_CONTEXT)]) as stages:
+        yield stages.addrs
 
 
 @pytest.fixture(scope="module")
 def gateway_url(stage_addrs: dict[str, str]) -> Iterator[str]:
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.config import GatewayConfig
-
-    app = create_app(GatewayConfig(stage_addrs=stage_addrs))
-    settings = app.state.realtime_settings
-    settings.seed = 0
-    settings.max_response_units = 3
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"ws://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(30)
-
-
-class Conn:
-    """A synchronous WebSocket client that records every event it receives."""
-
-    def __init__(self, url: str) -> None:
-        from websockets.sync.client import connect
-
-        self.ws = connect(url, max_size=None, open_timeout=30)
-        self.events: list[dict[str, Any]] = []
-
-    def send(self, event: dict[str, Any]) -> None:
-        self.ws.send(json.dumps(event))
-
-    def recv(self, timeout: float = 300.0) -> dict[str, Any]:
-        event = json.loads(self.ws.recv(timeout=timeout))
-        self.events.append(event)
-        return event
-
-    def until(self, type_: str, timeout: float = 300.0) -> dict[str, Any]:
-        end = time.time() + timeout
-        while True:
-            event = self.recv(max(0.1, end - time.time()))
-            if event["type"] == type_:
-                return event
-
-    def close(self) -> None:
-        self.ws.close()
+    with realtime_gateway(stage_addrs, seed=0, max_response_units=3) as url:
+        yield url
 
 
 def _open(conn: Conn, **overrides: Any) -> dict[str, Any]:

@@ -7,9 +7,6 @@ tests/test_realtime_web_browser.py.
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from gateway_server import serve_in_thread
 from realtime_helpers import session_body
 
 from examples.online_serving.minicpmo.realtime_web.__main__ import create_app as create_web_app
@@ -24,24 +22,12 @@ from examples.online_serving.minicpmo.realtime_web.__main__ import create_app as
 
 @pytest.fixture()
 def gateway_ws() -> Iterator[str]:
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.config import GatewayConfig
 
     app = create_app(GatewayConfig(stage_addrs={s: "127.0.0.1:1" for s in ("thinker", "talker", "code2wav")}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"ws://127.0.0.1:{port}/v1/realtime"
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(app) as port:
+        yield f"ws://127.0.0.1:{port}/v1/realtime"
 
 
 def test_page_config_and_proxy(gateway_ws: str, tmp_path: Path) -> None:

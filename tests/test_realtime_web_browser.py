@@ -19,7 +19,6 @@ import base64
 import json
 import os
 import shutil
-import threading
 import time
 import wave
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gateway_server import free_port
+from gateway_server import serve_in_thread
 from realtime_helpers import tone
 from test_realtime_e2e import gateway_url, stage_addrs  # noqa: F401 - module-scoped real-stage fixtures
 
@@ -70,24 +69,12 @@ def _write_wav(path: Path, x: np.ndarray, rate: int = 16_000) -> None:
 
 @pytest.fixture()
 def web_url(gateway_url: str, tmp_path: Path) -> Iterator[str]:  # noqa: F811 - the imported fixture
-    import uvicorn
-
     from examples.online_serving.minicpmo.realtime_web.__main__ import create_app
 
     ref = tmp_path / "ref.wav"
     _write_wav(ref, tone(1.0, freq=180.0))
-    port = free_port()
-    app = create_app(f"{gateway_url}/v1/realtime", ref)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{port}/"
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_thread(create_app(f"{gateway_url}/v1/realtime", ref)) as port:
+        yield f"http://127.0.0.1:{port}/"
 
 
 def _audio_seconds_sent() -> float:
