@@ -197,16 +197,23 @@ def test_engine_batches_streams_and_interrupt_drops_queued_windows(tiny_ckpt: Pa
     asyncio.run(scenario())
 
 
+def _manual_engine(ckpt: Path):  # noqa: ANN202 - Code2WavEngine, imported lazily like the tests do
+    """An engine without its scheduling loop: the test drives collect/compute/record by hand to pin the
+    interleaving it checks."""
+    from services.code2wav.service import build_engine
+
+    engine, _ = build_engine(_args(ckpt))
+    engine._default_prompt = engine.voices.encode_file(engine.default_voice)
+    return engine
+
+
 def test_interrupt_after_a_window_was_collected_does_not_leak_old_audio(tiny_ckpt: Path) -> None:
     """The race CI once hit: a window of epoch 0 is already collected for the worker when the interrupt
     arrives. The stale window must run on the old state, and epoch 1 must start fresh: its first and last
     window holds no hold-back audio of epoch 0."""
-    from services.code2wav.service import build_engine
 
     async def scenario() -> None:
-        engine, _ = build_engine(_args(tiny_ckpt))
-        # No scheduling loop: the test drives collect/compute/record by hand to pin the interleaving.
-        engine._default_prompt = engine.voices.encode_file(engine.default_voice)
+        engine = _manual_engine(tiny_ckpt)
         s = await engine.open_stream("s", None, seed=3)
         first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
         engine.submit(s, first, 3, False, "old")
@@ -239,11 +246,9 @@ def _drain_count() -> float:
 
 def test_batches_hold_one_shape_and_first_windows_go_first(tiny_ckpt: Path) -> None:
     """A steady window queued earlier waits for a later stream's first window; shapes never mix."""
-    from services.code2wav.service import build_engine
 
     async def scenario() -> None:
-        engine, _ = build_engine(_args(tiny_ckpt))
-        engine._default_prompt = engine.voices.encode_file(engine.default_voice)
+        engine = _manual_engine(tiny_ckpt)
         a = await engine.open_stream("a", None, seed=1)
         first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
         engine.submit(a, first, 3, False, "a0")
@@ -269,12 +274,10 @@ def test_close_releases_a_running_window_from_the_gauge_at_once(tiny_ckpt: Path)
     """Cancel latency: the in-flight gauge drops when the stream closes, not when its batch ends; the
     batch's remaining GPU time is recorded as the drain time."""
     from services.code2wav.engine import STAGE
-    from services.code2wav.service import build_engine
     from services.common.metrics import IN_FLIGHT
 
     async def scenario() -> None:
-        engine, _ = build_engine(_args(tiny_ckpt))
-        engine._default_prompt = engine.voices.encode_file(engine.default_voice)
+        engine = _manual_engine(tiny_ckpt)
         s = await engine.open_stream("s", None, seed=3)
         base = _gauge(IN_FLIGHT, STAGE)
         first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
