@@ -33,20 +33,16 @@ import asyncio
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.e2e import (
-    BenchAbort,
     Pipeline,
     Workload,
-    _install_signal_handlers,
     environment,
+    guarded_run,
     make_prompts,
     request_body,
     resolve_profile,
@@ -315,13 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
         "status": "started",
     }
-    pipeline: Pipeline | None = None
     results: list[CancelResult] = []
     eps: list[StageEndpoint] = []
-    rc = 0
-    _install_signal_handlers()
-    try:
+    with guarded_run(report, "cancel") as run:
         pipeline = Pipeline(profile, checkpoint, out_dir / "logs", stage_args)
+        run.teardown.append(pipeline.stop)
         eps = stage_endpoints(pipeline)
         report["metrics_urls"] = {ep.name: ep.metrics_url for ep in eps}
         pipeline.start()
@@ -333,21 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = [r for r in results if not r.ok]
         report["status"] = "ok" if len(results) == args.requests and not failed else (
             "failures" if failed else "incomplete")
-    except BenchAbort as exc:
-        report["status"] = f"aborted: {exc}"
-        rc = 3
-    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
-        report["status"] = f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-        report["error_detail"] = str(exc)
-        print(f"[cancel] error: {exc}", file=sys.stderr, flush=True)
-        rc = 1
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # teardown must not be interrupted halfway
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if pipeline is not None:
-            pipeline.stop()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    rc = run.rc
     report.setdefault("scrape_ms", {})
     report["completed"] = sum(r.ok for r in results)
     report["all_released"] = bool(results) and all(r.ok for r in results)

@@ -461,6 +461,40 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGINT, _abort)
 
 
+@dataclass
+class RunOutcome:
+    """What :func:`guarded_run` hands the bench body: its exit code and the teardown steps to run."""
+
+    rc: int = 0
+    teardown: list[Any] = field(default_factory=list)  # callables, run last-registered first
+
+
+@contextlib.contextmanager
+def guarded_run(report: dict[str, Any], tag: str) -> Any:
+    """Run a bench body that launches processes: SIGTERM/SIGINT abort it (rc 3), launch and I/O errors
+    are recorded in ``report`` (rc 1), and the registered teardown always runs, shielded from signals so
+    that no stage process is left behind half-stopped."""
+    outcome = RunOutcome()
+    _install_signal_handlers()
+    try:
+        yield outcome
+    except BenchAbort as exc:
+        report["status"] = f"aborted: {exc}"
+        outcome.rc = 3
+    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+        report["status"] = f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        report["error_detail"] = str(exc)
+        print(f"[{tag}] error: {exc}", file=sys.stderr, flush=True)
+        outcome.rc = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # teardown must not be interrupted halfway
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for stop in reversed(outcome.teardown):
+            stop()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t_start = time.monotonic()
@@ -517,21 +551,19 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "status": "started",
     }
-    pipeline: Pipeline | None = None
-    mps: MpsDaemon | None = None
     levels: list[LevelResult] = []
     marks: dict[int, list[dict[str, float]]] = {}
-    rc = 0
-    _install_signal_handlers()
-    try:
+    with guarded_run(report, "e2e") as run:
         url = args.url
         if url is None:
             if args.mps:
                 # Short path under /tmp: the daemon's unix sockets must fit the 108-byte limit.
                 mps = MpsDaemon(Path(tempfile.mkdtemp(prefix="minicpmo-mps-")))
                 mps.start()
+                run.teardown.append(mps.stop)
                 report["mps_env"] = mps.env
             pipeline = Pipeline(profile, checkpoint, out_dir / "logs", stage_args)
+            run.teardown.append(pipeline.stop)
             pipeline.start()
             budget = min(args.startup_timeout, max(1.0, deadline - time.monotonic()))
             report["startup_s"] = pipeline.wait_healthy(budget)
@@ -542,23 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         report["status"] = "ok" if levels and not any(lv.summary.failed for lv in levels) else "failures"
         if len(levels) < len(args.levels):
             report["status"] = "incomplete"
-    except BenchAbort as exc:
-        report["status"] = f"aborted: {exc}"
-        rc = 3
-    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
-        report["status"] = f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-        report["error_detail"] = str(exc)
-        print(f"[e2e] error: {exc}", file=sys.stderr, flush=True)
-        rc = 1
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # teardown must not be interrupted halfway
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if pipeline is not None:
-            pipeline.stop()
-        if mps is not None:
-            mps.stop()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    rc = run.rc
     summaries = [lv.summary for lv in levels]
     report["levels"] = [asdict(lv.summary) for lv in levels]
     report["requests"] = {str(lv.summary.concurrency): [asdict(r) for r in lv.requests] for lv in levels}
