@@ -185,8 +185,13 @@ async def run_level(
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(i) for i in range(num_requests)))
         wall = time.perf_counter() - t0
+    return summarize_level(concurrency, results, wall, skipped), results
+
+
+def summarize_level(concurrency: int, results: list[RequestResult], wall: float, skipped: int) -> LevelSummary:
+    """One level's row: request counts, throughput and the percentiles of the successful requests."""
     ok = [r for r in results if r.ok]
-    summary = LevelSummary(
+    return LevelSummary(
         concurrency=concurrency,
         requests=len(results),
         failed=len(results) - len(ok),
@@ -201,7 +206,6 @@ async def run_level(
             "audio_s": percentiles([r.audio_s for r in ok]),
         },
     )
-    return summary, results
 
 
 def markdown_table(levels: list[LevelSummary]) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bench.e2e import Workload, environment, make_prompts
-from bench.e2e_client import LevelSummary, RequestResult, markdown_table, percentiles
+from bench.e2e_client import LevelSummary, RequestResult, markdown_table, summarize_level
 from services.common.deploy_profile import DeployProfile, load_profile, parse_overrides
 
 
@@ -202,19 +202,7 @@ async def run_level(eng: Engines, prompt_ids: list[list[int]], w: Workload, c: i
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(i) for i in range(n)))
     wall = time.perf_counter() - t0
-    ok = [r for r in results if r.ok]
-    summary = LevelSummary(
-        concurrency=c, requests=len(results), failed=len(results) - len(ok), wall_s=wall,
-        req_per_s=len(ok) / wall if wall > 0 else 0.0, truncated=skipped > 0,
-        metrics={
-            "ttft_ms": percentiles([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
-            "ttfp_ms": percentiles([r.ttfp_s * 1000 for r in ok if r.ttfp_s is not None]),
-            "e2e_ms": percentiles([r.e2e_s * 1000 for r in ok]),
-            "rtf": percentiles([r.rtf for r in ok if r.rtf is not None]),
-            "audio_s": percentiles([r.audio_s for r in ok]),
-        },
-    )
-    return summary, results
+    return summarize_level(c, results, wall, skipped), results
 
 
 async def drive(args: argparse.Namespace, profile: DeployProfile, w: Workload, deadline: float) -> dict[str, Any]:
