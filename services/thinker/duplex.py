@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -40,8 +39,22 @@ from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INTERNAL, INVALID_AR
 from services.common.metrics import INTERRUPT_DRAIN, INTERRUPTS
 from services.common.pb import common_pb2, thinker_pb2
 from services.common.tensors import dtype_from_proto, pcm_to_float, tensor_to_proto
+from services.thinker.duplex_policy import (
+    CHUNK_EOS,
+    CHUNK_TTS_EOS,
+    LISTEN,
+    MAX_TOKENS_PER_UNIT,
+    SPEAK,
+    TTS_BOS,
+    TTS_PAD,
+    TURN_EOS,
+    UNIT_TERMINATORS,
+    DuplexPolicy,
+    DuplexSampling,
+    PolicyState,
+    forbidden_mask_for,
+)
 from services.thinker.engine import STAGE, EngineEvent
-from services.thinker.sampling import Sampler, SamplingConfig, sample_from_logits
 from services.thinker.scheduler import WorkItem
 
 if TYPE_CHECKING:
@@ -58,164 +71,14 @@ UNIT_PHASE_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
 
-LISTEN = SPECIAL_TOKEN_IDS["<|listen|>"]
-SPEAK = SPECIAL_TOKEN_IDS["<|speak|>"]
-TTS_BOS = SPECIAL_TOKEN_IDS["<|tts_bos|>"]
 TTS_EOS = SPECIAL_TOKEN_IDS["<|tts_eos|>"]
-TTS_PAD = SPECIAL_TOKEN_IDS["<|tts_pad|>"]
-TURN_EOS = SPECIAL_TOKEN_IDS["<|turn_eos|>"]
-CHUNK_EOS = SPECIAL_TOKEN_IDS["<|chunk_eos|>"]
-CHUNK_TTS_EOS = SPECIAL_TOKEN_IDS["<|chunk_tts_eos|>"]
 UNIT_OPEN = SPECIAL_TOKEN_IDS["<unit>"]
 UNIT_CLOSE = SPECIAL_TOKEN_IDS["</unit>"]
-UNIT_TERMINATORS = frozenset({LISTEN, CHUNK_EOS, CHUNK_TTS_EOS})
 # Span boundaries (exclusive); <|turn_eos|> ends a span inclusively.
 SPAN_BOUNDARIES = frozenset({TTS_EOS, TTS_PAD, LISTEN, CHUNK_EOS, CHUNK_TTS_EOS, UNIT_OPEN, UNIT_CLOSE})
-FIRST_SPECIAL_ID = 151643  # ids from here on are added/special tokens (kept out of the penalty history)
 
-MAX_TOKENS_PER_UNIT = 20  # the 20th is a forced <|chunk_eos|>, so at most 19 are sampled
 UNIT_SAMPLES = 16_000
 MEL_FRAMES_PER_UNIT = 100
-TURN_EOS_LENGTH_PENALTY = 1.1
-
-
-@dataclass
-class DuplexSampling:
-    """Duplex decode knobs (model-spec §6.3 defaults); the open message's sampling overrides them."""
-
-    temperature: float = 0.7
-    top_k: int = 20
-    top_p: float = 0.8
-    repetition_penalty: float = 1.05
-    penalty_window: int = 512
-    seed: int | None = None
-
-    @classmethod
-    def from_proto(cls, msg: thinker_pb2.SamplingParams) -> DuplexSampling:
-        out = cls()
-        if msg.HasField("temperature"):
-            out.temperature = float(msg.temperature)
-        if msg.HasField("top_k"):
-            out.top_k = int(msg.top_k)
-        if msg.HasField("top_p"):
-            out.top_p = float(msg.top_p)
-        if msg.HasField("repetition_penalty"):
-            out.repetition_penalty = float(msg.repetition_penalty)
-        if msg.HasField("seed"):
-            out.seed = int(msg.seed)
-        SamplingConfig(
-            temperature=out.temperature,
-            top_p=out.top_p,
-            top_k=out.top_k,
-            repetition_penalty=out.repetition_penalty,
-        ).validate()
-        return out
-
-
-@dataclass
-class PolicyState:
-    """What the decision policy remembers across the units of a session."""
-
-    turn_ended: bool = True
-    history: list[int] = field(default_factory=list)  # sampled non-special tokens (penalty window)
-    generator: torch.Generator | None = None
-
-
-class DuplexPolicy(Sampler):
-    """One unit's token choice (model-spec §6.3), run by the engine like any sampler.
-
-    * forced listen: the unit answers ``<|listen|>`` without sampling;
-    * a first draw from the raw distribution only detects ``<|chunk_eos|>`` (the model's own stop);
-    * otherwise ``<|tts_pad|>``, the tokenizer's ``bad_token_ids`` and ``<|chunk_eos|>`` are masked, the
-      repetition penalty (divide, over the last 512 sampled text tokens) and the ``<|turn_eos|>`` length
-      penalty apply, and the token is drawn with temperature/top-k/top-p;
-    * a ``<|listen|>`` while the model's turn has not ended becomes ``<|tts_bos|>``;
-    * forced speak (benchmarks, ``request_response``) masks ``<|listen|>`` and skips the first draw
-      for the unit's decision token.
-    """
-
-    def __init__(
-        self,
-        sampling: DuplexSampling,
-        state: PolicyState,
-        forbidden: torch.Tensor,
-        *,
-        force_listen: bool,
-        force_speak: bool,
-    ) -> None:
-        super().__init__(
-            SamplingConfig(max_tokens=MAX_TOKENS_PER_UNIT - 1, stop_token_ids=tuple(UNIT_TERMINATORS))
-        )
-        self.sampling = sampling
-        self.state = state
-        self.forbidden = forbidden
-        self.force_listen = force_listen
-        self.force_speak = force_speak
-
-    def _gen(self, device: torch.device) -> torch.Generator | None:
-        if self.sampling.seed is None:
-            return None
-        if self.state.generator is None or self.state.generator.device != device:
-            self.state.generator = torch.Generator(device=device)
-            self.state.generator.manual_seed(self.sampling.seed)
-        return self.state.generator
-
-    def choose(self, logits: torch.Tensor, history: Any, num_generated: int) -> int:
-        if self.force_listen:
-            return LISTEN
-        s = self.sampling
-        greedy = s.temperature == 0.0
-        gen = self._gen(logits.device)
-        forced_speak_now = self.force_speak and num_generated == 0
-        if not forced_speak_now:
-            if greedy:
-                first = int(torch.argmax(logits).item())
-            else:
-                first = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).item())
-            if first == CHUNK_EOS:
-                return CHUNK_EOS
-        masked = logits.masked_fill(self.forbidden.to(logits.device), float("-inf"))
-        masked[CHUNK_EOS] = float("-inf")
-        if forced_speak_now:
-            masked[LISTEN] = float("-inf")
-            masked[CHUNK_TTS_EOS] = float("-inf")
-        if s.repetition_penalty != 1.0 and self.state.history:
-            ids = torch.tensor(sorted(set(self.state.history[-s.penalty_window :])), device=logits.device)
-            masked[ids] = masked[ids] / s.repetition_penalty
-        t = masked[TURN_EOS]
-        masked[TURN_EOS] = t / TURN_EOS_LENGTH_PENALTY if t > 0 else t * TURN_EOS_LENGTH_PENALTY
-        if greedy:
-            token = int(torch.argmax(masked).item())
-        else:
-            token = sample_from_logits(masked, s.temperature, s.top_k, s.top_p, gen)
-        if token == LISTEN and not self.state.turn_ended:
-            token = TTS_BOS
-        if token < FIRST_SPECIAL_ID:
-            self.state.history.append(token)
-        if token not in UNIT_TERMINATORS:
-            self.state.turn_ended = token == TURN_EOS
-        return token
-
-    def finish_reason(self, token: int, num_generated: int) -> str | None:
-        if token in UNIT_TERMINATORS:
-            return "stop"
-        if num_generated >= self.max_new_tokens:
-            return "length"
-        return None
-
-
-def load_forbidden_mask(ckpt_root: Any, vocab_size: int) -> torch.Tensor:
-    """``<|tts_pad|>`` + ``bad_token_ids`` of ``tokenizer_config.json`` as a bool mask over the vocab."""
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    mask[TTS_PAD] = True
-    try:
-        cfg = json.loads((ckpt_root / "tokenizer_config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return mask
-    bad = [int(i) for i in cfg.get("bad_token_ids", []) if 0 <= int(i) < vocab_size]
-    if bad:
-        mask[torch.tensor(bad)] = True
-    return mask
 
 
 def unit_audio_16k(pcm: common_pb2.Pcm) -> np.ndarray:
@@ -282,7 +145,7 @@ class DuplexSession:
         self.hidden_dtype = dtype_from_proto(open_msg.hidden_dtype) if open_msg.hidden_dtype else None
         self.state = PolicyState()
         vocab = int(self.engine.runner.llm.config.vocab_size)
-        self.forbidden = load_forbidden_mask(backend.ckpt.root, vocab)
+        self.forbidden = forbidden_mask_for(backend.ckpt.root, vocab, self.engine.runner.device)
         self.audio_state = self.model.new_audio_stream()
         self.max_audio_positions = int(self.model.dims.audio.max_source_positions)
         self.units_done = 0

@@ -95,6 +95,21 @@ class Sampler:
         logits = self.process(logits, history, num_generated)
         return self.draw(logits)
 
+    @classmethod
+    def choose_rows(
+        cls,
+        samplers: Sequence[Sampler],
+        logits: torch.Tensor,
+        histories: Sequence[Sequence[int]],
+        num_generated: Sequence[int],
+    ) -> list[int]:
+        """Tokens for the rows of ``logits [n, V]``, all of whose samplers are of this class.
+
+        The base class walks the rows; a subclass whose rule can run batched on the device (the duplex
+        policy) overrides this, so a step costs it one host sync instead of a few per row.
+        """
+        return [s.choose(logits[i], histories[i], num_generated[i]) for i, s in enumerate(samplers)]
+
     def process(self, logits: torch.Tensor, history: Sequence[int], num_generated: int) -> torch.Tensor:
         """Penalty and stop-token masking; returns adjusted fp32 logits (a copy when modified)."""
         c = self.config
@@ -153,7 +168,11 @@ def choose_tokens(
     histories: Sequence[Sequence[int]],
     num_generated: Sequence[int],
 ) -> list[int]:
-    """One token per row of ``logits [B, V]``: batched argmax for plain greedy rows, per-row otherwise."""
+    """One token per row of ``logits [B, V]``.
+
+    Plain greedy rows share one batched ``argmax``; the other rows are grouped by sampler class and each
+    group is chosen by its class's :meth:`Sampler.choose_rows`.
+    """
     out: list[int] = [0] * len(samplers)
     greedy_rows = [i for i, s in enumerate(samplers) if s.batchable_greedy]
     if greedy_rows:
@@ -161,9 +180,15 @@ def choose_tokens(
         best = torch.argmax(logits.index_select(0, idx), dim=-1).tolist()
         for i, tok in zip(greedy_rows, best, strict=True):
             out[i] = int(tok)
-    if len(greedy_rows) < len(samplers):
-        rows = logits.float()
-        for i, s in enumerate(samplers):
-            if not s.batchable_greedy:
-                out[i] = s.choose(rows[i], histories[i], num_generated[i])
+    groups: dict[type[Sampler], list[int]] = {}
+    for i, s in enumerate(samplers):
+        if not s.batchable_greedy:
+            groups.setdefault(type(s), []).append(i)
+    for cls, rows in groups.items():
+        picked = logits[rows].float() if len(rows) < len(samplers) else logits.float()
+        tokens = cls.choose_rows(
+            [samplers[i] for i in rows], picked, [histories[i] for i in rows], [num_generated[i] for i in rows]
+        )
+        for i, tok in zip(rows, tokens, strict=True):
+            out[i] = int(tok)
     return out

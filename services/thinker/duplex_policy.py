@@ -1,0 +1,304 @@
+"""The duplex listen/speak decision policy (model-spec §6.3), sampled for every duplex row of a step at once.
+
+A duplex unit decodes up to 19 tokens, and with several sessions every engine step holds several duplex
+rows. Choosing them one row at a time, as a plain :class:`~services.thinker.sampling.Sampler` does, costs a
+few host syncs per row (the raw first draw, the ``<|turn_eos|>`` sign test, the final draw) plus a
+full-vocabulary sort for top-p; on the H200 that host work was as long as the forward itself. Here the whole
+policy runs as batched device ops over the rows and the step syncs once, when the tokens come back.
+
+Draws use the Gumbel-max trick (``argmax(logits + Gumbel noise)`` is an exact sample of
+``softmax(logits)``), so every row's randomness is one uniform tensor: from the session's own generator
+when it is seeded (the same seed gives the same tokens whatever else shares the batch), from the global
+generator otherwise. Top-p runs over the top-k candidates, which is exact because top-k is applied first
+(a renormalised top-k distribution is what top-p sees).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.common.checkpoint import SPECIAL_TOKEN_IDS
+from services.common.pb import thinker_pb2
+from services.thinker.sampling import Sampler, SamplingConfig
+
+LISTEN = SPECIAL_TOKEN_IDS["<|listen|>"]
+SPEAK = SPECIAL_TOKEN_IDS["<|speak|>"]
+TTS_BOS = SPECIAL_TOKEN_IDS["<|tts_bos|>"]
+TTS_PAD = SPECIAL_TOKEN_IDS["<|tts_pad|>"]
+TURN_EOS = SPECIAL_TOKEN_IDS["<|turn_eos|>"]
+CHUNK_EOS = SPECIAL_TOKEN_IDS["<|chunk_eos|>"]
+CHUNK_TTS_EOS = SPECIAL_TOKEN_IDS["<|chunk_tts_eos|>"]
+UNIT_TERMINATORS = frozenset({LISTEN, CHUNK_EOS, CHUNK_TTS_EOS})
+FIRST_SPECIAL_ID = 151643  # ids from here on are added/special tokens (kept out of the penalty history)
+
+MAX_TOKENS_PER_UNIT = 20  # the 20th is a forced <|chunk_eos|>, so at most 19 are sampled
+TURN_EOS_LENGTH_PENALTY = 1.1
+
+
+@dataclass
+class DuplexSampling:
+    """Duplex decode knobs (model-spec §6.3 defaults); the open message's sampling overrides them."""
+
+    temperature: float = 0.7
+    top_k: int = 20
+    top_p: float = 0.8
+    repetition_penalty: float = 1.05
+    penalty_window: int = 512
+    seed: int | None = None
+
+    @classmethod
+    def from_proto(cls, msg: thinker_pb2.SamplingParams) -> DuplexSampling:
+        out = cls()
+        if msg.HasField("temperature"):
+            out.temperature = float(msg.temperature)
+        if msg.HasField("top_k"):
+            out.top_k = int(msg.top_k)
+        if msg.HasField("top_p"):
+            out.top_p = float(msg.top_p)
+        if msg.HasField("repetition_penalty"):
+            out.repetition_penalty = float(msg.repetition_penalty)
+        if msg.HasField("seed"):
+            out.seed = int(msg.seed)
+        SamplingConfig(
+            temperature=out.temperature,
+            top_p=out.top_p,
+            top_k=out.top_k,
+            repetition_penalty=out.repetition_penalty,
+        ).validate()
+        return out
+
+
+@dataclass
+class PolicyState:
+    """What the decision policy remembers across the units of a session."""
+
+    turn_ended: bool = True
+    history: list[int] = field(default_factory=list)  # sampled non-special tokens (penalty window)
+    generator: torch.Generator | None = None
+
+
+class DuplexPolicy(Sampler):
+    """One unit's token choice (model-spec §6.3), run by the engine like any sampler.
+
+    * forced listen: the unit answers ``<|listen|>`` without sampling;
+    * a first draw from the raw distribution only detects ``<|chunk_eos|>`` (the model's own stop);
+    * otherwise ``<|tts_pad|>``, the tokenizer's ``bad_token_ids`` and ``<|chunk_eos|>`` are masked, the
+      repetition penalty (divide, over the last 512 sampled text tokens) and the ``<|turn_eos|>`` length
+      penalty apply, and the token is drawn with temperature/top-k/top-p;
+    * a ``<|listen|>`` while the model's turn has not ended becomes ``<|tts_bos|>``;
+    * forced speak (benchmarks, ``request_response``) masks ``<|listen|>`` and skips the first draw
+      for the unit's decision token.
+    """
+
+    def __init__(
+        self,
+        sampling: DuplexSampling,
+        state: PolicyState,
+        forbidden: torch.Tensor,
+        *,
+        force_listen: bool,
+        force_speak: bool,
+    ) -> None:
+        super().__init__(
+            SamplingConfig(max_tokens=MAX_TOKENS_PER_UNIT - 1, stop_token_ids=tuple(UNIT_TERMINATORS))
+        )
+        self.sampling = sampling
+        self.state = state
+        self.forbidden = forbidden
+        self.force_listen = force_listen
+        self.force_speak = force_speak
+
+    def _gen(self, device: torch.device) -> torch.Generator | None:
+        if self.sampling.seed is None:
+            return None
+        if self.state.generator is None or self.state.generator.device != device:
+            self.state.generator = torch.Generator(device=device)
+            self.state.generator.manual_seed(self.sampling.seed)
+        return self.state.generator
+
+    def choose(self, logits: torch.Tensor, history: Any, num_generated: int) -> int:
+        return self.choose_rows([self], logits.unsqueeze(0), [history], [num_generated])[0]
+
+    @classmethod
+    def choose_rows(
+        cls,
+        samplers: Sequence[Sampler],
+        logits: torch.Tensor,
+        histories: Sequence[Sequence[int]],
+        num_generated: Sequence[int],
+    ) -> list[int]:
+        """Tokens for ``logits [n, V]`` (one row per policy), computed on the device with one host sync."""
+        policies: list[DuplexPolicy] = [p for p in samplers if isinstance(p, DuplexPolicy)]
+        assert len(policies) == len(samplers), "choose_rows takes duplex policies only"
+        out = [LISTEN] * len(policies)
+        live = [i for i, p in enumerate(policies) if not p.force_listen]
+        if not live:
+            return out
+        tokens = _policy_tokens([policies[i] for i in live], logits[live].float(), [num_generated[i] for i in live])
+        for i, token in zip(live, tokens, strict=True):
+            out[i] = policies[i]._after_draw(token)
+        return out
+
+    def _after_draw(self, token: int) -> int:
+        """Host-side rules that depend on the session's state; they run after the single sync."""
+        if token == CHUNK_EOS:
+            return token  # the model's own stop (first draw): the turn state is untouched
+        if token == LISTEN and not self.state.turn_ended:
+            token = TTS_BOS
+        if token < FIRST_SPECIAL_ID:
+            self.state.history.append(token)
+            window = self.sampling.penalty_window
+            if len(self.state.history) > 4 * window:
+                del self.state.history[:-window]  # the penalty only looks at the window
+        if token not in UNIT_TERMINATORS:
+            self.state.turn_ended = token == TURN_EOS
+        return token
+
+    def finish_reason(self, token: int, num_generated: int) -> str | None:
+        if token in UNIT_TERMINATORS:
+            return "stop"
+        if num_generated >= self.max_new_tokens:
+            return "length"
+        return None
+
+
+def _uniform(policies: Sequence[DuplexPolicy], cols: int, device: torch.device) -> torch.Tensor:
+    """``[n, cols]`` uniforms in (0, 1): a seeded session draws from its own generator, the rest together."""
+    u = torch.rand(len(policies), cols, device=device)
+    for r, p in enumerate(policies):
+        gen = p._gen(device)
+        if gen is not None:
+            u[r] = torch.rand(cols, device=device, generator=gen)
+    return u.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def _gumbel_argmax(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Exact categorical samples of ``softmax(scores)`` per row (``-inf`` entries are never drawn)."""
+    return torch.argmax(scores - torch.log(-torch.log(u)), dim=-1)
+
+
+def _penalty_index(policies: Sequence[DuplexPolicy], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, id) pairs of every row's penalty window, copied to the device without a stream sync."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for r, p in enumerate(policies):
+        s = p.sampling
+        if s.repetition_penalty == 1.0 or not p.state.history:
+            continue
+        window = sorted(set(p.state.history[-s.penalty_window :]))
+        rows.extend([r] * len(window))
+        ids.extend(window)
+    if not ids:
+        return None
+    pairs = torch.tensor([rows, ids], dtype=torch.long)
+    if device.type == "cuda":
+        pairs = pairs.pin_memory().to(device, non_blocking=True)
+    return pairs[0], pairs[1]
+
+
+def _forbidden_rows(policies: Sequence[DuplexPolicy], device: torch.device) -> torch.Tensor:
+    """The rows' forbidden-id masks on the device: ``[1, V]`` when the sessions share one (the usual case).
+
+    Each session's mask is moved to the device once and kept there (a per-step host copy of 150k bools
+    per row would cost a copy and a sync every step).
+    """
+    for p in policies:
+        if p.forbidden.device != device:
+            p.forbidden = p.forbidden.to(device)
+    masks = {id(p.forbidden): p.forbidden for p in policies}
+    if len(masks) == 1:
+        return policies[0].forbidden.unsqueeze(0)
+    return torch.stack([p.forbidden for p in policies])
+
+
+def _per_row(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    t = torch.tensor(list(values), dtype=torch.float32)
+    if device.type == "cuda":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t.unsqueeze(1)
+
+
+def _policy_tokens(policies: Sequence[DuplexPolicy], logits: torch.Tensor, num_generated: Sequence[int]) -> list[int]:
+    """The §6.3 draw for every row of fp32 ``logits [n, V]`` (none forced to listen); returns raw tokens."""
+    device = logits.device
+    n, vocab = logits.shape
+    sampled = [p.sampling.temperature > 0.0 for p in policies]
+    forced_now = [p.force_speak and g == 0 for p, g in zip(policies, num_generated, strict=True)]
+    rows_sampled = torch.tensor(sampled, dtype=torch.bool)
+    rows_forced = torch.tensor(forced_now, dtype=torch.bool)
+    if device.type == "cuda":
+        rows_sampled = rows_sampled.pin_memory().to(device, non_blocking=True)
+        rows_forced = rows_forced.pin_memory().to(device, non_blocking=True)
+
+    # 1. The raw first draw only detects the model's own <|chunk_eos|> (skipped for a forced speak).
+    first = torch.argmax(logits, dim=-1)
+    if any(sampled):
+        first = torch.where(rows_sampled, _gumbel_argmax(logits, _uniform(policies, vocab, device)), first)
+    model_stop = (first == CHUNK_EOS) & ~rows_forced
+
+    # 2. Masks and penalties.
+    masked = logits.masked_fill(_forbidden_rows(policies, device), float("-inf"))
+    masked[:, CHUNK_EOS] = float("-inf")
+    if any(forced_now):
+        for col in (LISTEN, CHUNK_TTS_EOS):
+            masked[:, col].masked_fill_(rows_forced, float("-inf"))
+    pairs = _penalty_index(policies, device)
+    if pairs is not None:
+        r, c = pairs
+        penalty = _per_row([p.sampling.repetition_penalty for p in policies], device).squeeze(1)
+        masked[r, c] = masked[r, c] / penalty[r]
+    t = masked[:, TURN_EOS]
+    masked[:, TURN_EOS] = torch.where(t > 0, t / TURN_EOS_LENGTH_PENALTY, t * TURN_EOS_LENGTH_PENALTY)
+
+    # 3. The decision: greedy argmax, or temperature -> top-k -> top-p -> draw.
+    token = torch.argmax(masked, dim=-1)
+    if any(sampled):
+        token = torch.where(rows_sampled, _sample_top_k_top_p(policies, masked, sampled), token)
+    token = torch.where(model_stop, torch.full_like(token, CHUNK_EOS), token)
+    return [int(x) for x in token.tolist()]  # the step's one sync
+
+
+def _sample_top_k_top_p(policies: Sequence[DuplexPolicy], masked: torch.Tensor, sampled: Sequence[bool]) -> torch.Tensor:
+    """Sampled tokens for every row (rows that are greedy get a throwaway draw)."""
+    device = masked.device
+    vocab = masked.shape[1]
+    ks = [min(p.sampling.top_k, vocab) if p.sampling.top_k > 0 else vocab for p in policies]
+    k = max(k for k, s in zip(ks, sampled, strict=True) if s)
+    temps = _per_row([max(p.sampling.temperature, 1e-5) for p in policies], device)
+    vals, ids = torch.topk(masked / temps, k, dim=-1)  # sorted, best first
+    rank = torch.arange(k, device=device).unsqueeze(0)
+    vals = vals.masked_fill(rank >= _per_row(ks, device), float("-inf"))
+    top_p = _per_row([p.sampling.top_p for p in policies], device)
+    probs = torch.softmax(vals, dim=-1)
+    mass_before = probs.cumsum(-1) - probs  # probability of the better-ranked candidates
+    # HF semantics: drop the low tail whose cumulative mass is <= 1 - top_p; the best token always stays.
+    keep = (mass_before < top_p) | (rank == 0)
+    vals = vals.masked_fill(~keep, float("-inf"))
+    pick = _gumbel_argmax(vals, _uniform(policies, k, device))
+    return ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+
+
+def load_forbidden_mask(ckpt_root: Any, vocab_size: int) -> torch.Tensor:
+    """``<|tts_pad|>`` + ``bad_token_ids`` of ``tokenizer_config.json`` as a bool mask over the vocab."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[TTS_PAD] = True
+    try:
+        cfg = json.loads((ckpt_root / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return mask
+    bad = [int(i) for i in cfg.get("bad_token_ids", []) if 0 <= int(i) < vocab_size]
+    if bad:
+        mask[torch.tensor(bad)] = True
+    return mask
+
+
+@functools.lru_cache(maxsize=8)
+def forbidden_mask_for(ckpt_root: Any, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The checkpoint's forbidden mask on ``device``, loaded once and shared by every session."""
+    return load_forbidden_mask(ckpt_root, vocab_size).to(device)
