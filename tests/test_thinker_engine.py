@@ -307,6 +307,43 @@ def test_runner_logits_and_hidden_equal_transformers(llm: torch.nn.Module) -> No
     assert torch.allclose(c.decode_hidden[0], ref.hidden_states[-1][0, 36], atol=1e-4, rtol=0)
 
 
+def test_packed_row_step_matches_the_eager_step(llm: torch.nn.Module) -> None:
+    """A step of decode rows plus short prefill chunks (one with embedding rows) run as packed rows (what
+    a row CUDA graph replays) gives the eager step's logits and hidden rows, and leaves the same KV."""
+    from services.thinker.kv_cache import KVLayout, PagedKVCache
+    from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
+
+    cfg = llm.config
+    layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, 16)
+    runner = ModelRunner(llm, PagedKVCache(layout, 32 * layout.bytes_per_block, "cpu"))
+    seqs = [runner.cache.pool.allocate(3) for _ in range(3)]
+    prompts = [list(range(3000 + 50 * i, 3000 + 50 * i + 20)) for i in range(3)]
+    runner.step(StepInput(prefill=[PrefillChunk(p, 0, b) for p, b in zip(prompts, seqs, strict=True)]))
+    gen = torch.Generator().manual_seed(5)
+    embeds = torch.randn(6, cfg.hidden_size, generator=gen) * 0.02
+    step = StepInput(
+        decode=[DecodeRow(4000, 20, seqs[0])],
+        prefill=[
+            PrefillChunk(list(range(4100, 4106)), 20, seqs[1], embeds=embeds, want_logits=True),
+            PrefillChunk(list(range(4200, 4209)), 20, seqs[2], want_logits=True),
+        ],
+    )
+    packed = runner.packed_step_eager(step)
+    k_packed = [k.clone() for k in runner.cache.k]
+    eager = runner._eager_step(step)  # rewrites the same slots
+    assert torch.allclose(packed.decode_logits, eager.decode_logits, atol=1e-4, rtol=0)
+    assert torch.allclose(packed.decode_hidden, eager.decode_hidden, atol=1e-5, rtol=0)
+    for got, want in zip(packed.prefill_logits, eager.prefill_logits, strict=True):
+        assert got is not None and want is not None
+        assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(k_packed, runner.cache.k, strict=True))
+    # The embedding rows were used: the same chunk without them gives other logits.
+    plain = StepInput(prefill=[PrefillChunk(list(range(4100, 4106)), 20, seqs[1], want_logits=True)])
+    assert not torch.allclose(runner.packed_step_eager(plain).prefill_logits[0], packed.prefill_logits[0], atol=1e-3)
+    too_big = StepInput(prefill=[PrefillChunk(list(range(40)), 0, runner.cache.pool.allocate(3))])
+    assert runner.pack_rows(too_big) is None
+
+
 def test_engine_metrics_exported(llm: torch.nn.Module) -> None:
     engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20), "cpu")
     before = {
@@ -353,13 +390,26 @@ def test_graph_warmup_enumerates_every_bucket_up_to_the_limits() -> None:
         GRAPH_BATCH_BUCKETS=ModelRunner.GRAPH_BATCH_BUCKETS,
         GRAPH_MIN_CONTEXT=ModelRunner.GRAPH_MIN_CONTEXT,
         GRAPH_MAX_CONTEXT=ModelRunner.GRAPH_MAX_CONTEXT,
+        PACKED_MAX_ROWS=ModelRunner.PACKED_MAX_ROWS,
         _graph_for=lambda b, c: seen.append((b, c)),
     )
-    assert ModelRunner.warmup_graphs(fake, 8, 1024) == 12
-    assert seen == [(b, c) for b in (1, 2, 4, 8) for c in (256, 512, 1024)]
+    # Row buckets go up to PACKED_MAX_ROWS (32) even for 8 sequences: packed prefill steps use them.
+    assert ModelRunner.warmup_graphs(fake, 8, 1024) == 18
+    assert seen == [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (256, 512, 1024)]
     seen.clear()
-    assert ModelRunner.warmup_graphs(fake, 3, 300) == 6  # 3 -> bucket 4, 300 -> bucket 512
-    assert seen == [(b, c) for b in (1, 2, 4) for c in (256, 512)]
+    assert ModelRunner.warmup_graphs(fake, 3, 300) == 12  # 300 -> bucket 512
+    assert seen == [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (256, 512)]
     assert ModelRunner.warmup_graphs(fake, 8, 0) == 0
     fake.use_cuda_graphs = False
     assert ModelRunner.warmup_graphs(fake, 8, 1024) == 0
+
+
+def test_forward_failures_are_typed() -> None:
+    """Device OOM maps to RESOURCE_EXHAUSTED (the gateway answers 429 / resource_exhausted), others INTERNAL."""
+    from services.common.errors import INTERNAL, RESOURCE_EXHAUSTED
+    from services.thinker.errors import failure
+
+    oom = failure("thinker forward failed", torch.OutOfMemoryError("CUDA out of memory"))
+    assert oom.code == RESOURCE_EXHAUSTED and "out of device memory" in str(oom)
+    other = failure("thinker forward failed", RuntimeError("boom"))
+    assert other.code == INTERNAL and "RuntimeError: boom" in str(other)

@@ -129,6 +129,20 @@ def test_streaming_audio_units_match_offline_chunked_encoding(model, processor):
     assert state.frames == 200
 
 
+def test_audio_stream_bytes_bounds_a_full_whisper_cache(model, processor):
+    """The KV budget reserves ``audio_stream_bytes`` per duplex session: a stream filled to the encoder's
+    position limit (where the session resets it) holds exactly that much."""
+    feats, lens, _ = processor.process_audio(_audio(1.0, 1))
+    piece = feats[0, :, :100]
+    state = model.new_audio_stream()
+    per_unit = 50  # encoder frames per 1 s unit
+    for _ in range(model.dims.audio.max_source_positions // per_unit):
+        model.get_audio_embeds_streaming(piece, state, piece[:, :2])
+    held = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in state.kv)
+    assert state.frames == model.dims.audio.max_source_positions
+    assert held == model.audio_stream_bytes()
+
+
 def test_merge_rejects_row_count_mismatch(model, processor):
     p = processor([{"role": "user", "content": [AudioInput(_audio(1.0)), "x"]}])
     wrong = [torch.zeros(3, model.dims.hidden_size)]

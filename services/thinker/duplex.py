@@ -35,7 +35,7 @@ import torch
 from prometheus_client import Histogram
 
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
-from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INTERNAL, INVALID_ARGUMENT, StageError
+from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
 from services.common.metrics import INTERRUPT_DRAIN, INTERRUPTS
 from services.common.pb import common_pb2, thinker_pb2
 from services.common.tensors import dtype_from_proto, pcm_to_float, tensor_to_proto
@@ -55,6 +55,7 @@ from services.thinker.duplex_policy import (
     forbidden_mask_for,
 )
 from services.thinker.engine import STAGE, EngineEvent
+from services.thinker.errors import failure
 from services.thinker.scheduler import WorkItem
 
 if TYPE_CHECKING:
@@ -307,7 +308,7 @@ async def run_duplex_stream(
     except Exception as exc:
         log.exception("duplex session setup failed")
         yield thinker_pb2.ThinkerResponse(
-            error=StageError(INTERNAL, f"duplex setup failed: {exc}").to_proto(open_msg.id)
+            error=failure("duplex setup failed", exc).to_proto(open_msg.id)
         )
         return
     seq = engine.open(lambda ev: loop.call_soon_threadsafe(inbox.put_nowait, ev), persistent=True)
@@ -340,6 +341,11 @@ async def run_duplex_stream(
                         bool(open_msg.force_speak or unit.request_response),
                     )
                 except StageError as err:
+                    yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
+                    return
+                except Exception as exc:  # an encoder failure (e.g. out of memory) ends the stream typed
+                    log.exception("duplex unit encode failed")
+                    err = failure("duplex unit encode failed", exc)
                     yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
                     return
                 if context_tokens + len(work.token_ids) + MAX_TOKENS_PER_UNIT > engine.max_context:

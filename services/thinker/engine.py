@@ -30,6 +30,7 @@ from services.common.errors import (
     StageError,
 )
 from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH, STEP_SECONDS
+from services.thinker.errors import failure
 from services.thinker.kv_cache import KVLayout, PagedKVCache, default_kv_budget
 from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
 from services.thinker.sampling import Sampler, choose_tokens
@@ -69,6 +70,9 @@ class EngineConfig:
     # Per-process GPU memory cap in force (set by the CLI); sizes the KV pool when kv_budget_bytes is None.
     memory_fraction: float | None = None
     memory_fraction_key: str = "stages.thinker.memory_fraction"  # what the budget error tells to change
+    # Device memory that per-stream state allocated later will hold outside the KV pool (the duplex
+    # sessions' Whisper caches); a default budget leaves it free.
+    reserve_bytes: int = 0
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
 
@@ -114,6 +118,7 @@ class ThinkerEngine:
                 min(config.max_num_seqs, 8),
                 memory_fraction=config.memory_fraction,
                 memory_fraction_key=config.memory_fraction_key,
+                reserve_bytes=config.reserve_bytes,
             )
         self.cache = PagedKVCache(self.layout, budget, self.device)
         self.runner = ModelRunner(
@@ -211,7 +216,7 @@ class ThinkerEngine:
             out = self.runner.step(self._step_input(plan))
         except Exception as exc:
             log.exception("thinker forward failed")
-            err = StageError(INTERNAL, f"thinker forward failed: {type(exc).__name__}: {exc}")
+            err = failure("thinker forward failed", exc)
             for seq in {*plan.decode, *(s for s, _ in plan.prefill)}:
                 self._emit(seq, EngineEvent(seq.seq_id, error=err))
                 self._drop(seq)

@@ -6,7 +6,15 @@ proto ``Error`` with a stable code and the offending field (``param``), and the 
 
 from __future__ import annotations
 
-from services.common.errors import INVALID_ARGUMENT, UNSUPPORTED_MEDIA, StageError
+import torch
+
+from services.common.errors import (
+    INTERNAL,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    UNSUPPORTED_MEDIA,
+    StageError,
+)
 
 
 class ProcessorError(StageError):
@@ -19,3 +27,11 @@ class ProcessorError(StageError):
 def media_error(param: str, message: str) -> ProcessorError:
     """Undecodable or unsupported image/audio/video bytes."""
     return ProcessorError(param, message, UNSUPPORTED_MEDIA)
+
+
+def failure(what: str, exc: BaseException) -> StageError:
+    """A typed error for an unexpected failure: device out of memory is ``RESOURCE_EXHAUSTED`` (the client
+    may retry later or send less), anything else ``INTERNAL``. The message names the step that failed."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return StageError(RESOURCE_EXHAUSTED, f"{what}: the thinker ran out of device memory; retry later")
+    return StageError(INTERNAL, f"{what}: {type(exc).__name__}: {exc}")

@@ -164,7 +164,7 @@ def kv_budget_for_memory_fraction(
         raise KVBudgetError(
             f"{key} = {fraction:g} caps the thinker at {_gib(cap)} of {_gib(total_bytes)}, which leaves no room "
             f"for the KV cache: the weights already hold {_gib(held_bytes)} and {_gib(headroom_bytes)} is kept "
-            f"for activations and CUDA-graph pools. Raise {key} to at least {needed:.3f}, or give --kv-budget."
+            f"for activations, CUDA-graph pools and duplex audio caches. Raise {key} to at least {needed:.3f}, or give --kv-budget."
         )
     return budget
 
@@ -177,8 +177,11 @@ def default_kv_budget(
     gpu_fraction: float = FREE_MEMORY_SHARE,
     memory_fraction: float | None = None,
     memory_fraction_key: str = "stages.thinker.memory_fraction",
+    reserve_bytes: int = 0,
 ) -> int:
     """Budget when the operator gives no ``--kv-budget``.
+
+    ``reserve_bytes`` stays free for state allocated after the pool outside it (duplex Whisper caches).
 
     On CUDA the weights are already resident when this runs. With a per-process ``memory_fraction`` the
     pool fills the cap (:func:`kv_budget_for_memory_fraction`); without one it takes ``gpu_fraction`` of
@@ -193,9 +196,14 @@ def default_kv_budget(
             total = torch.cuda.get_device_properties(device).total_memory
             held = max(torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
             return kv_budget_for_memory_fraction(
-                memory_fraction, total, held, min_bytes=2 * layout.bytes_per_block, key=memory_fraction_key
+                memory_fraction,
+                total,
+                held,
+                headroom_bytes=KV_HEADROOM_BYTES + reserve_bytes,
+                min_bytes=2 * layout.bytes_per_block,
+                key=memory_fraction_key,
             )
         free, _total = torch.cuda.mem_get_info(device)
-        return int(max(0, free - KV_HEADROOM_BYTES) * gpu_fraction)
+        return int(max(0, free - KV_HEADROOM_BYTES - reserve_bytes) * gpu_fraction)
     want = layout.bytes_per_token * max_context * max_num_seqs
     return int(min(want, 2 * 1024**3))

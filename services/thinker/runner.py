@@ -1,4 +1,4 @@
-"""Executes one engine step of the Qwen3 LLM over the paged KV cache (eager, or a CUDA graph for decode).
+"""Executes one engine step of the Qwen3 LLM over the paged KV cache (eager, or a CUDA graph of rows).
 
 The scheduler decides *what* runs; this module only runs it. A step is a packed set of tokens: the
 decode rows of every running stream (one token each) followed by prefill chunks. Projections, norms
@@ -14,9 +14,13 @@ We call the transformers Qwen3 layers' own submodules (projections, q/k norms, M
 arithmetic is the checkpoint's, and replace only the attention/cache plumbing. Rotary cos/sin come from
 a table built with the model's own ``inv_freq`` and scaling, indexed by position (graph-safe).
 
-CUDA graphs: decode-only steps on CUDA replay a graph captured per (batch bucket, context bucket);
+CUDA graphs: a step of at most 32 tokens (decode rows plus short prefill chunks, such as a duplex unit's
+~13 tokens) runs as "rows": a prefill token is a row at its own position, and since every row writes its
+key/value before any row attends, the chunk's tokens see each other causally as in a chunked prefill.
+Such a step replays a graph captured per (row bucket, context bucket) (:mod:`services.thinker.row_graph`);
 padded rows write to the pool's scratch block and attend to one masked-in scratch slot, so they cannot
-touch real sequences. CPU always runs eagerly.
+touch real sequences. A step with prefill never waits for a capture (it runs eagerly when its bucket is
+missing); larger steps and long contexts run eagerly. CPU always runs eagerly.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.thinker.kv_cache import BlockPool, PagedKVCache
+from services.thinker.row_graph import RowGraph
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +213,8 @@ class ModelRunner:
     GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
     GRAPH_MIN_CONTEXT = 256
     GRAPH_MAX_CONTEXT = 16384
+    # Steps of at most this many tokens (decode rows plus short prefill chunks) can replay a row graph.
+    PACKED_MAX_ROWS = 32
 
     def __init__(
         self,
@@ -238,7 +245,7 @@ class ModelRunner:
             self._pre = torch.compile(_pre_attention, dynamic=True)
             self._post = torch.compile(_post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graphs: dict[tuple[int, int], RowGraph] = {}
         self._graph_pool = None
 
     def _fuse(self, layer: nn.Module) -> _FusedLayer:
@@ -396,13 +403,73 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self, inp: StepInput) -> StepOutput:
-        if not inp.prefill and inp.decode and self.use_cuda_graphs:
-            graph = self._graph_for(len(inp.decode), max(r.position + 1 for r in inp.decode))
-            if graph is not None:
-                hidden, logits = graph.run(self._decode_host(inp.decode, graph.batch, graph.blocks))
-                b = len(inp.decode)
-                return StepOutput(hidden[:b].clone(), logits[:b].float(), [])
+        if self.use_cuda_graphs:
+            packed = self.pack_rows(inp)
+            if packed is not None:
+                rows, embeds = packed
+                # A step with prefill never waits for a capture: it runs eagerly if its bucket is missing.
+                graph = self._graph_for(len(rows), max(r.position + 1 for r in rows), capture=not inp.prefill)
+                if graph is not None:
+                    hidden, logits = graph.run(self._decode_host(rows, graph.batch, graph.blocks), embeds)
+                    return self._row_output(inp, hidden, logits, clone=True)
         return self._eager_step(inp)
+
+    def pack_rows(self, inp: StepInput) -> tuple[list[DecodeRow], list[tuple[int, torch.Tensor]]] | None:
+        """The step as decode-style rows (a prefill token is a row at its own position), or None if too big.
+
+        A row writes its key/value before any row attends (per layer), and attends to positions up to its
+        own, so the tokens of a prefill chunk see each other causally exactly as in a chunked prefill.
+        Short chunks (a duplex unit is ~13 tokens) then replay a captured graph instead of running
+        eagerly. Returns the rows and the embedding overrides ``(first row, [n, hidden])``.
+        """
+        total = inp.num_tokens
+        if not total or total > self.PACKED_MAX_ROWS:
+            return None
+        rows = list(inp.decode)
+        embeds: list[tuple[int, torch.Tensor]] = []
+        for chunk in inp.prefill:
+            if chunk.embeds is not None:
+                embeds.append((len(rows), chunk.embeds))
+            rows.extend(
+                DecodeRow(tok, chunk.start + i, chunk.blocks) for i, tok in enumerate(chunk.token_ids)
+            )
+        return rows, embeds
+
+    def packed_step_eager(self, inp: StepInput) -> StepOutput:
+        """The packed-row step without a graph (what a replay computes); tests compare it with the eager step."""
+        packed = self.pack_rows(inp)
+        if packed is None:
+            raise ValueError(f"a step of {inp.num_tokens} tokens does not fit {self.PACKED_MAX_ROWS} rows")
+        rows, embeds = packed
+        bs = self.cache.layout.block_size
+        host = self._decode_host(rows, len(rows), max(r.position // bs + 1 for r in rows))
+        ids, pos, write, table = (t.to(self.device) for t in host)
+        override, use = self._embed_override(len(rows), embeds)
+        with torch.inference_mode():
+            hidden, logits = self.decode_forward_static(ids, pos, write, table, override, use)
+        return self._row_output(inp, hidden, logits, clone=False)
+
+    def _embed_override(
+        self, batch: int, embeds: list[tuple[int, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        override = torch.zeros(batch, self.hidden_size, dtype=self.dtype, device=self.device)
+        use = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        for row, e in embeds:
+            override[row : row + e.shape[0]] = e.to(device=self.device, dtype=self.dtype)
+            use[row : row + e.shape[0]] = True
+        return override, use
+
+    @staticmethod
+    def _row_output(inp: StepInput, hidden: torch.Tensor, logits: torch.Tensor, *, clone: bool) -> StepOutput:
+        """Split packed-row outputs back into decode rows and per-chunk last-row logits (copies)."""
+        b = len(inp.decode)
+        prefill_logits: list[torch.Tensor | None] = []
+        row = b
+        for chunk in inp.prefill:
+            row += len(chunk.token_ids)
+            prefill_logits.append(logits[row - 1].to(torch.float32, copy=True) if chunk.want_logits else None)
+        decode_hidden = hidden[:b].clone() if clone else hidden[:b]
+        return StepOutput(decode_hidden, logits[:b].to(torch.float32, copy=clone), prefill_logits)
 
     def _eager_step(self, inp: StepInput) -> StepOutput:
         dev = self.device
@@ -465,7 +532,7 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------------------------ cuda graphs
-    def _graph_for(self, batch: int, context: int) -> _DecodeGraph | None:
+    def _graph_for(self, batch: int, context: int, *, capture: bool = True) -> RowGraph | None:
         bb = next((x for x in self.GRAPH_BATCH_BUCKETS if x >= batch), None)
         if bb is None:
             return None
@@ -474,9 +541,11 @@ class ModelRunner:
         lb = _next_pow2(context, self.GRAPH_MIN_CONTEXT)
         key = (bb, lb)
         graph = self._graphs.get(key)
+        if graph is None and not capture:
+            return None
         if graph is None:
             log.info("capturing decode CUDA graph batch=%d context=%d", bb, lb)
-            graph = _DecodeGraph(self, bb, lb)
+            graph = RowGraph(self, bb, lb)
             self._graphs[key] = graph
         return graph
 
@@ -488,6 +557,8 @@ class ModelRunner:
         """
         if not self.use_cuda_graphs or max_batch < 1 or max_context < 1:
             return 0
+        # Steps that pack prefill chunks use row buckets up to PACKED_MAX_ROWS whatever max_batch is.
+        max_batch = max(max_batch, self.PACKED_MAX_ROWS)
         top_batch = next((x for x in self.GRAPH_BATCH_BUCKETS if x >= max_batch), self.GRAPH_BATCH_BUCKETS[-1])
         top_context = min(_next_pow2(max_context, self.GRAPH_MIN_CONTEXT), self.GRAPH_MAX_CONTEXT)
         count = 0
@@ -500,52 +571,26 @@ class ModelRunner:
         return count
 
     def decode_forward_static(
-        self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor, table: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        write: torch.Tensor,
+        table: torch.Tensor,
+        embeds: torch.Tensor | None = None,
+        use_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode-only forward over fixed-shape device tensors (the body a CUDA graph records).
+        """Row forward over fixed-shape device tensors (the body a CUDA graph records).
 
         ``table`` [B, blocks] are padded block tables; gather indices and masks are derived on device.
+        Rows with ``use_embeds`` take ``embeds`` (audio/vision rows of a prefill chunk) instead of the
+        token embedding.
         """
         plan = self._decode_attn_plan(positions, table)
         x = self.model.embed_tokens(ids)
+        if embeds is not None and use_embeds is not None:
+            x = torch.where(use_embeds[:, None], embeds, x)
         hidden = self._layers_forward(x, positions, write, plan)
         return hidden, self.llm.lm_head(hidden)
-
-
-class _DecodeGraph:
-    """A captured decode step for one (batch, context) bucket with its static input/output buffers."""
-
-    def __init__(self, runner: ModelRunner, batch: int, context: int) -> None:
-        self.batch = batch
-        self.context = context
-        self.blocks = -(-context // runner.cache.layout.block_size)
-        dev = runner.device
-        self.ids = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.write = torch.full((batch,), SCRATCH_SLOT, dtype=torch.long, device=dev)
-        self.table = torch.full((batch, self.blocks), BlockPool.SCRATCH_BLOCK, dtype=torch.long, device=dev)
-        args = (self.ids, self.pos, self.write, self.table)
-        stream = torch.cuda.Stream(device=dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside capture (allocator, kernels' lazy init)
-                runner.decode_forward_static(*args)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        if runner._graph_pool is None:
-            runner._graph_pool = torch.cuda.graph_pool_handle()
-        # thread_local: the encoder worker threads may use the GPU while the engine thread captures.
-        with torch.cuda.graph(self.graph, pool=runner._graph_pool, capture_error_mode="thread_local"):
-            self.hidden, self.logits = runner.decode_forward_static(*args)
-
-    def run(self, host: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, pos, write, table = host
-        self.ids.copy_(ids, non_blocking=True)
-        self.pos.copy_(pos, non_blocking=True)
-        self.write.copy_(write, non_blocking=True)
-        self.table.copy_(table, non_blocking=True)
-        self.graph.replay()
-        return self.hidden, self.logits
 
 
 def build_qwen3_llm(

@@ -32,7 +32,6 @@ import torch
 from services.common.checkpoint import Checkpoint
 from services.common.errors import (
     CONTEXT_LENGTH_EXCEEDED,
-    INTERNAL,
     INVALID_ARGUMENT,
     UNAVAILABLE,
     StageError,
@@ -53,6 +52,7 @@ from services.common.stage_settings import (
 )
 from services.common.tensors import dtype_from_proto, dtype_to_proto, pcm_to_float
 from services.thinker.engine import STAGE, EngineConfig, EngineEvent, ThinkerEngine
+from services.thinker.errors import failure
 from services.thinker.kv_cache import KVBudgetError
 from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig
 from services.thinker.scheduler import WorkItem
@@ -98,6 +98,9 @@ def build_backend(
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = ThinkerModel.from_checkpoint(ckpt, dtype=torch_dtype, device=device)
     processor = ThinkerProcessor.from_checkpoint(ckpt)
+    if engine_config.kv_budget_bytes is None and not engine_config.reserve_bytes:
+        # Every running sequence may be a duplex session with its own Whisper cache (plus two waiting).
+        engine_config.reserve_bytes = (engine_config.max_num_seqs + 2) * model.audio_stream_bytes()
     engine = ThinkerEngine(model.llm, engine_config, device)
     return ThinkerBackend(engine, model, processor, ckpt, device, ThreadPoolExecutor(2, "thinker-encode"))
 
@@ -250,7 +253,7 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServiceServicer):
             return
         except Exception as exc:  # encoder/processor bug: typed INTERNAL, never a bare gRPC failure
             log.exception("thinker prompt build failed")
-            yield _error_response(StageError(INTERNAL, f"prompt build failed: {exc}"), ident)
+            yield _error_response(failure("prompt build failed", exc), ident)
             return
         outbox: list[thinker_pb2.ThinkerResponse] = []
         want_speech = bool(open_msg.want_speech)

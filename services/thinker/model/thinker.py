@@ -174,6 +174,13 @@ class ThinkerModel(nn.Module):
         counts = pooled_length(lens, self.dims.audio.pool_step)
         return [pooled[i, : int(counts[i])] for i in range(len(lens))]
 
+    def audio_stream_bytes(self) -> int:
+        """Most memory one duplex session's Whisper cache holds: every layer's K and V for the encoder's
+        ``max_source_positions`` frames (the stream resets before passing them). 147 MB at full size."""
+        a = self.dims.audio
+        elem = self.apm.conv1.weight.element_size()
+        return 2 * a.num_layers * a.max_source_positions * a.d_model * elem
+
     def new_audio_stream(self) -> AudioStreamState:
         """A fresh incremental-Whisper state for one duplex session (see :meth:`get_audio_embeds_streaming`)."""
         return AudioStreamState()
