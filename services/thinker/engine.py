@@ -49,7 +49,8 @@ PREFILL_TPS = Gauge("minicpmo_thinker_prefill_tokens_per_second", "Prefill throu
 DECODE_TPS = Gauge("minicpmo_thinker_decode_tokens_per_second", "Decode throughput (EWMA over steps)")
 STEP_PHASE_SECONDS = Histogram(
     "minicpmo_thinker_step_phase_seconds",
-    "Engine step split: 'forward' (the model, CUDA graph or eager) and 'sample' (sampling and events)",
+    "Engine step split: 'forward' (the model, CUDA graph or eager; device time from CUDA events on a GPU, "
+    "where the launch returns early) and 'sample' (the rest: sampling, its host sync, events)",
     ["phase"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
 )
@@ -212,6 +213,11 @@ class ThinkerEngine:
         if plan.empty:
             return False
         t0 = time.perf_counter()
+        # On CUDA the forward is asynchronous: its time is read from events once sampling has synced.
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         try:
             out = self.runner.step(self._step_input(plan))
         except Exception as exc:
@@ -221,11 +227,16 @@ class ThinkerEngine:
                 self._emit(seq, EngineEvent(seq.seq_id, error=err))
                 self._drop(seq)
             return True
-        t_forward = time.perf_counter()
+        if events is not None:
+            events[1].record()
+        t_forward = time.perf_counter() - t0
         self._consume(plan, out)
         dt = time.perf_counter() - t0
-        STEP_PHASE_SECONDS.labels("forward").observe(t_forward - t0)
-        STEP_PHASE_SECONDS.labels("sample").observe(dt - (t_forward - t0))
+        if events is not None:
+            events[1].synchronize()  # already done: sampling synced after it
+            t_forward = min(dt, events[0].elapsed_time(events[1]) / 1000.0)
+        STEP_PHASE_SECONDS.labels("forward").observe(t_forward)
+        STEP_PHASE_SECONDS.labels("sample").observe(dt - t_forward)
         n_prefill = sum(n for _, n in plan.prefill)
         n_decode = len(plan.decode)
         PREFILL_TOKENS.inc(n_prefill)
