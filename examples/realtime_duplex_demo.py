@@ -4,7 +4,10 @@
         --ref-audio voice.wav --output-dir out/
 
 Writes ``events.jsonl`` (every server event, as received), ``result.json`` (summary, ``ok``) and
-``reply.wav`` (all assistant audio, 24 kHz mono). Input is paced in real time by default
+``reply.wav`` (all assistant audio, 24 kHz mono). A session that ends any other way than with
+``session.closed`` says how in ``result.json``: ``socket_closed{code, reason}`` (the server closed the
+socket first), ``reader_error`` (the client could not handle an event), ``timeout``/``close_timeout``
+(the server stayed silent for ``--timeout`` seconds); the client stops waiting as soon as it knows. Input is paced in real time by default
 (``--no-realtime`` sends as fast as possible). ``--turn-lane`` commits and asks for a response explicitly
 (``response.create``) instead of letting the model decide when to speak (the native lane).
 """
@@ -157,8 +160,45 @@ class Collector:
             self.errors.append(event["error"])
 
 
+TERMINAL_EVENTS = ("session.closed", "session.expired")
+
+
+class ReaderEnded(Exception):
+    """The reader stopped before the awaited event arrived: the socket closed or the reader failed.
+
+    Waiting on after that is pointless (nothing can set the event any more), so waits end at once and
+    ``result.json`` says why instead of reporting a bare timeout.
+    """
+
+
+async def send_quietly(ws: Any, payload: dict[str, Any]) -> bool:
+    """Send an ack-style message; False (nothing sent) when the socket is no longer open.
+
+    The server closes the socket right after ``session.closed`` (wire-protocol §4.10), so an ack for an
+    event that arrived just before it regularly meets a closing connection. That is no failure, and above
+    all it must not end the reader: ``session.closed`` may still be waiting in its receive buffer.
+    ``send`` on a closing socket would also block until the TCP connection is gone, hence the state check.
+    """
+    from websockets.exceptions import ConnectionClosed
+    from websockets.protocol import State
+
+    if ws.state is not State.OPEN:
+        return False
+    try:
+        await ws.send(json.dumps(payload))
+    except ConnectionClosed:
+        return False
+    return True
+
+
+def close_info(ws: Any) -> dict[str, Any]:
+    """The close code/reason the server sent (None/"" when the connection just dropped)."""
+    return {"code": ws.close_code, "reason": ws.close_reason}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import websockets
+    from websockets.exceptions import ConnectionClosed
 
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -193,67 +233,99 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
             async def reader() -> None:
                 commit_seen = False
-                async for raw in ws:
-                    event = json.loads(raw)
-                    col.record(event)
-                    kind = event["type"]
-                    if isinstance(event.get("server_event_seq"), int):
-                        await ws.send(json.dumps({"type": "session.event_ack", "server_event_seq": event["server_event_seq"]}))
-                    if kind == "response.output_audio.delta":
-                        rid = event["response_id"]
-                        played = event["metadata"]["audio_duration_ms"]
-                        await ws.send(json.dumps({"type": "playback.ack", "response_id": rid, "played_ms": played}))
-                    if kind == "input_audio_buffer.committed":
-                        commit_seen = True
-                        committed.set()
-                    if kind in ("response.done", "response.listen") and commit_seen:
-                        decision_after_commit.set()
-                    if kind == "response.done":
-                        done_events.setdefault(event["response_id"], asyncio.Event()).set()
-                    if kind in ("session.closed", "session.expired"):
-                        closed.set()
-                        return
+                try:
+                    async for raw in ws:
+                        event = json.loads(raw)
+                        col.record(event)
+                        kind = event["type"]
+                        if kind in TERMINAL_EVENTS:
+                            closed.set()  # the session is over: nothing to ack, the server closes the socket
+                            return
+                        if isinstance(event.get("server_event_seq"), int):
+                            await send_quietly(ws, {"type": "session.event_ack", "server_event_seq": event["server_event_seq"]})
+                        if kind == "response.output_audio.delta":
+                            rid = event["response_id"]
+                            played = event["metadata"]["audio_duration_ms"]
+                            await send_quietly(ws, {"type": "playback.ack", "response_id": rid, "played_ms": played})
+                        if kind == "input_audio_buffer.committed":
+                            commit_seen = True
+                            committed.set()
+                        if kind in ("response.done", "response.listen") and commit_seen:
+                            decision_after_commit.set()
+                        if kind == "response.done":
+                            done_events.setdefault(event["response_id"], asyncio.Event()).set()
+                except ConnectionClosed:
+                    pass  # an abnormal close (no close frame, or an error code): reported below
+                # The socket closed without a terminal session event.
+                result["socket_closed"] = close_info(ws)
 
-            await ws.send(json.dumps({"type": "session.update", "session": session}))
             read_task = asyncio.create_task(reader())
-            chunk = int(RATE * args.chunk_ms / 1000)
-            sent = 0
-            start = time.monotonic()
-            while sent < audio.size:
-                piece = audio[sent : sent + chunk]
-                event: dict[str, Any] = {
-                    "type": "input_audio_buffer.append",
-                    "audio": base64.b64encode((np.clip(piece, -1, 1) * 32767).astype("<i2").tobytes()).decode(),
-                    "format": "pcm16",
-                    "sample_rate_hz": RATE,
-                    "duration_ms": round(piece.size * 1000 / RATE),
-                    "audio_end_ms": round((sent + piece.size) * 1000 / RATE),
-                }
-                before, after = sent // RATE, (sent + piece.size) // RATE
-                if after > before and before < len(unit_frames) and unit_frames[before]:
-                    event["video_frames"] = [base64.b64encode(f).decode() for f in unit_frames[before]]
-                await ws.send(json.dumps(event))
-                sent += piece.size
-                if args.realtime:
-                    await asyncio.sleep(max(0.0, start + sent / RATE - time.monotonic()))
-            commit: dict[str, Any] = {"type": "input_audio_buffer.commit", "final": True}
-            if args.turn_lane:
-                commit["response_create"] = True
-            await ws.send(json.dumps(commit))
+
+            async def until(flag: asyncio.Event, timeout: float) -> None:
+                """Wait for ``flag``; ReaderEnded as soon as the reader stops, TimeoutError after ``timeout``."""
+                if flag.is_set():
+                    return
+                waiter = asyncio.create_task(flag.wait())
+                try:
+                    await asyncio.wait({waiter, read_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                if flag.is_set():
+                    return
+                if read_task.done():
+                    raise ReaderEnded
+                raise TimeoutError
+
             try:
-                await asyncio.wait_for(committed.wait(), args.timeout)
-                await asyncio.wait_for(decision_after_commit.wait(), args.timeout)
-                pending = [r for r, v in col.responses.items() if v["status"] is None]
-                for rid in pending:
-                    await asyncio.wait_for(done_events.setdefault(rid, asyncio.Event()).wait(), args.timeout)
-            except TimeoutError:
-                result["timeout"] = True
-            await ws.send(json.dumps({"type": "session.close"}))
-            try:
-                await asyncio.wait_for(closed.wait(), args.timeout)
-            except TimeoutError:
-                result["close_timeout"] = True
-            read_task.cancel()
+                await ws.send(json.dumps({"type": "session.update", "session": session}))
+                chunk = int(RATE * args.chunk_ms / 1000)
+                sent = 0
+                start = time.monotonic()
+                while sent < audio.size and not read_task.done():
+                    piece = audio[sent : sent + chunk]
+                    event: dict[str, Any] = {
+                        "type": "input_audio_buffer.append",
+                        "audio": base64.b64encode((np.clip(piece, -1, 1) * 32767).astype("<i2").tobytes()).decode(),
+                        "format": "pcm16",
+                        "sample_rate_hz": RATE,
+                        "duration_ms": round(piece.size * 1000 / RATE),
+                        "audio_end_ms": round((sent + piece.size) * 1000 / RATE),
+                    }
+                    before, after = sent // RATE, (sent + piece.size) // RATE
+                    if after > before and before < len(unit_frames) and unit_frames[before]:
+                        event["video_frames"] = [base64.b64encode(f).decode() for f in unit_frames[before]]
+                    await ws.send(json.dumps(event))
+                    sent += piece.size
+                    if args.realtime:
+                        await asyncio.sleep(max(0.0, start + sent / RATE - time.monotonic()))
+                commit: dict[str, Any] = {"type": "input_audio_buffer.commit", "final": True}
+                if args.turn_lane:
+                    commit["response_create"] = True
+                await ws.send(json.dumps(commit))
+                try:
+                    await until(committed, args.timeout)
+                    await until(decision_after_commit, args.timeout)
+                    pending = [r for r, v in col.responses.items() if v["status"] is None]
+                    for rid in pending:
+                        await until(done_events.setdefault(rid, asyncio.Event()), args.timeout)
+                except TimeoutError:
+                    result["timeout"] = True
+                await ws.send(json.dumps({"type": "session.close"}))
+                try:
+                    await until(closed, args.timeout)
+                except TimeoutError:
+                    result["close_timeout"] = True
+            except ReaderEnded:
+                pass  # why the reader ended is recorded below
+            except ConnectionClosed:
+                result.setdefault("socket_closed", close_info(ws))
+            finally:
+                if not read_task.done():
+                    read_task.cancel()
+                await asyncio.wait({read_task})  # never raises: a reader failure is looked at just below
+                if not read_task.cancelled() and read_task.exception() is not None:
+                    exc = read_task.exception()
+                    result["reader_error"] = f"{type(exc).__name__}: {exc}"
     pcm = b"".join(b"".join(col.responses[r]["audio"]) for r in col.order)
     with wave.open(str(out_dir / "reply.wav"), "wb") as w:
         w.setnchannels(1)
@@ -277,7 +349,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     decided = bool(col.order) or col.listens > 0
     result["ok"] = bool(
         result["session_created"] and result["session_closed"] and not col.errors and decided
-        and not result.get("timeout") and (not args.require_audio or len(pcm) > 0)
+        and not result.get("timeout") and not result.get("close_timeout") and "reader_error" not in result
+        and (not args.require_audio or len(pcm) > 0)
     )
     (out_dir / "result.json").write_text(json.dumps(result, indent=2))
     return result
