@@ -306,17 +306,135 @@ def test_graph_replay_semantics_match_eager(stack) -> None:  # noqa: ANN001
     assert len(graphs["hift_decode"].graphs) == 2  # 50 and 8 + 50 mel frames
 
 
-def test_startup_warm_up_captures_the_shapes_a_stream_then_replays(stack) -> None:  # noqa: ANN001
-    """warm_up_shapes runs throwaway windows only when graphs are on; a stream of the same shapes then
-    replays the warmed graphs instead of capturing during live traffic."""
+def _recording_capture(calls: list, capture=_emulated_capture):  # noqa: ANN001, ANN202
+    """Wraps a capture so the test sees every key it was asked to capture."""
+
+    def capture_and_record(fn, args: tuple):  # noqa: ANN001, ANN202
+        calls.append(args)
+        return capture(fn, args)
+
+    return capture_and_record
+
+
+def test_frozen_graph_set_never_captures_and_runs_eager(caplog) -> None:  # noqa: ANN001
+    """Unfrozen, a new key is captured and replayed; frozen, a new key is never captured: it runs the
+    plain function (identical numbers), counts as eager and is logged once, while captured keys replay."""
+    from services.code2wav.model.cuda_graphs import ShapeKeyedGraphs
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(x) @ w, x.sum(0)
+
+    gen = torch.Generator().manual_seed(0)
+    small = (torch.randn(2, 3, generator=gen), torch.randn(3, 4, generator=gen))
+    large = (torch.randn(5, 3, generator=gen), torch.randn(3, 4, generator=gen))
+    calls: list = []
+    graphs = ShapeKeyedGraphs("t", fn, capture=_recording_capture(calls))
+    out = graphs(*small)
+    assert len(calls) == 1 and graphs.captured == 1 and (graphs.replays, graphs.eager_calls) == (1, 0)
+    assert all(torch.equal(o, e) for o, e in zip(out, fn(*small), strict=True))
+
+    graphs.frozen = True
+    with caplog.at_level("INFO", logger="services.code2wav.model.cuda_graphs"):
+        for _ in range(2):
+            out = graphs(*large)
+            assert all(torch.equal(o, e) for o, e in zip(out, fn(*large), strict=True))
+    assert len(calls) == 1 and graphs.captured == 1 and graphs.eager_calls == 2
+    assert graphs.eager_keys == {ShapeKeyedGraphs.key(large)}
+    assert sum("running eager" in r.getMessage() for r in caplog.records) == 1
+    graphs(*small)  # a key captured before the freeze still replays
+    assert graphs.replays == 2 and len(calls) == 1
+
+
+def test_shared_arena_packs_views_and_grows() -> None:
+    """Views are aligned, typed, shaped and strided like the tensors they stand for, start at the buffer's
+    first byte, and a larger request allocates a bigger buffer while older views keep theirs."""
+    from services.code2wav.model.cuda_graphs import SharedArena, static_inputs
+
+    arena = SharedArena(growth=1.5)
+    a, b = arena.views([torch.zeros(3, 5), torch.zeros(7, dtype=torch.int64)])
+    assert (a.shape, a.dtype, b.shape, b.dtype) == ((3, 5), torch.float32, (7,), torch.int64)
+    assert a.data_ptr() == arena.buffer.data_ptr() and b.data_ptr() - a.data_ptr() == SharedArena.ALIGN
+    (t,) = arena.views([torch.zeros(5, 3).t()])  # a dense transposed tensor keeps its strides, as clone does
+    assert t.shape == (3, 5) and t.stride() == (1, 3)
+    (e,) = arena.views([torch.zeros(3, 1).expand(3, 4)])  # overlapping: laid out contiguously instead
+    assert e.stride() == (4, 1)
+    first = arena.buffer
+    (c,) = arena.views([torch.zeros(100)])  # fits in 1.5 x 1024 bytes: same buffer
+    assert arena.buffer is first and c.data_ptr() == a.data_ptr() and arena.allocations == 1
+    (d,) = arena.views([torch.zeros(1000)])
+    assert arena.allocations == 2 and d.data_ptr() == arena.buffer.data_ptr() != first.data_ptr()
+    assert arena.nbytes == int(4096 * 1.5)
+    x = torch.arange(6.0).reshape(2, 3)
+    static = static_inputs((x, None, x + 1), arena)
+    assert static[1] is None and torch.equal(static[0], x) and torch.equal(static[2], x + 1)
+    assert static[0].data_ptr() == arena.buffer.data_ptr()
+
+
+def test_graphs_sharing_input_and_output_arenas_match_eager(stack) -> None:  # noqa: ANN001
+    """Every graph (DiT, f0, decoder) reading its inputs from and writing its outputs into the same bytes,
+    as on CUDA, still gives the eager numbers: inputs are copied in before each replay, and the code
+    consumes each replay's outputs before the next replay of any graph."""
+    from services.code2wav.model.cuda_graphs import (
+        SharedBuffers,
+        _Captured,
+        enable_cuda_graphs,
+        static_inputs,
+    )
+
+    shared = SharedBuffers()
+
+    def shared_capture(fn, args: tuple):  # noqa: ANN001, ANN202
+        inputs = static_inputs(args, shared.inputs)
+        first = fn(*inputs)
+        outputs = shared.outputs.views((first,) if isinstance(first, torch.Tensor) else first)
+        return _Captured(_ReplayEmulation(fn, inputs, outputs), inputs, outputs)
+
+    runner = Code2WavRunner(stack.model, nsf_noise=True)
+    eager_runner = Code2WavRunner(stack.model, nsf_noise=True)
+    graphs = enable_cuda_graphs(runner, capture=shared_capture)
+    windows = talker_windows(_codes(4, 53), 3)[:2]
+    graphed = _stream(runner, [runner.open_stream("g", stack.prompt, 1)], [windows])[0]
+    eager = _stream(eager_runner, [eager_runner.open_stream("e", stack.prompt, 1)], [windows])[0]
+    assert np.array_equal(graphed["mel"], eager["mel"]) and np.array_equal(graphed["wav"], eager["wav"])
+    entries = [entry for g in graphs.values() for entry in g.graphs.values() if entry is not None]
+    assert len(entries) == 6 and shared.inputs.allocations == shared.outputs.allocations == 1
+    assert {e.outputs[0].data_ptr() for e in entries} == {shared.outputs.buffer.data_ptr()}
+    assert {e.inputs[0].data_ptr() for e in entries} == {shared.inputs.buffer.data_ptr()}
+
+
+def test_startup_warm_up_captures_every_batch_size_then_freezes(stack) -> None:  # noqa: ANN001
+    """warm_up_shapes runs only when graphs are on; it captures the window shapes for every batch size
+    1..max_batch through the batched path, then freezes every set: live streams of those shapes replay,
+    a shape it did not cover (the short last window) runs eager without a capture, and the audio equals
+    the eager runner's."""
     from services.code2wav.model.cuda_graphs import enable_cuda_graphs
 
-    assert stack.runner.warm_up_shapes(stack.prompt) == 0  # eager runner: nothing to warm
+    assert stack.runner.warm_up_shapes(stack.prompt, max_batch=3) == 0  # eager runner: nothing to warm
+    calls: list = []
     runner = Code2WavRunner(stack.model)
-    graphs = enable_cuda_graphs(runner, capture=_emulated_capture)
-    assert runner.warm_up_shapes(stack.prompt, first_windows=(25,), steady_windows=1) == 2
-    captured = {name: len(g.graphs) for name, g in graphs.items()}
-    assert captured["dit"] == 2 and runner.last_batch_sizes == []
-    windows = talker_windows(_codes(4, 53), 3)[:2]  # first window of 25 new codes, then one of 25
-    _stream(runner, [runner.open_stream("live", stack.prompt, 1)], [windows])
-    assert {name: len(g.graphs) for name, g in graphs.items()} == captured
+    graphs = enable_cuda_graphs(runner, capture=_recording_capture(calls))
+    assert not any(g.frozen for g in graphs.values())
+    assert runner.warm_up_shapes(stack.prompt, max_batch=3, first_windows=(25,), steady_windows=1) == 6
+    assert all(g.frozen for g in graphs.values()) and runner.last_batch_sizes == []
+    # Batch size of each capture, told apart by arity: the DiT (7 inputs) runs 2B rows (cond and uncond),
+    # the f0 predictor (1) and the decoder (2) one row per stream.
+    assert {a[0].shape[0] // 2 for a in calls if len(a) == 7} == {1, 2, 3}
+    assert {a[0].shape[0] for a in calls if len(a) == 1} == {a[0].shape[0] for a in calls if len(a) == 2}
+    assert {a[0].shape[0] for a in calls if len(a) == 1} == {1, 2, 3}
+    # Two window shapes (estimator caches of 300 and 350 frames; mel of 50 and 8 + 50) per batch size.
+    assert {name: g.captured for name, g in graphs.items()} == {"dit": 6, "hift_f0": 6, "hift_decode": 6}
+    captures = len(calls)
+    before = {name: (g.replays, g.eager_calls) for name, g in graphs.items()}
+
+    windows = talker_windows(_codes(4, 53), 3)  # 25 + 25 new codes, then a last window of 3
+    graphed = _stream(runner, [runner.open_stream(f"live{i}", stack.prompt, i) for i in (1, 2)], [windows] * 2)
+    eager_runner = stack.runner
+    eager = _stream(
+        eager_runner, [eager_runner.open_stream(f"e{i}", stack.prompt, i) for i in (1, 2)], [windows] * 2
+    )
+    assert len(calls) == captures  # frozen: nothing captured under live traffic
+    # Two warmed windows replay (10 CFM steps each for the DiT); the short last window runs eager.
+    delta = {name: (g.replays - before[name][0], g.eager_calls - before[name][1]) for name, g in graphs.items()}
+    assert delta == {"dit": (20, 10), "hift_f0": (2, 1), "hift_decode": (2, 1)}
+    for g, e in zip(graphed, eager, strict=True):
+        assert np.array_equal(g["mel"], e["mel"]) and np.array_equal(g["wav"], e["wav"])

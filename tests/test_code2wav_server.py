@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -191,6 +192,35 @@ def test_engine_batches_streams_and_interrupt_drops_queued_windows(tiny_ckpt: Pa
             tag_b, res_b = await asyncio.wait_for(b.outputs.get(), 300)
             assert tag_b == "b-new" and res_b.is_last and res_b.samples.shape[0] == 2 * 7 * 480
             assert b.outputs.empty() and list(engine.batch_history) == [2, 1]
+        finally:
+            await engine.stop()
+
+    asyncio.run(scenario())
+
+
+def test_engine_start_warms_every_batch_size_before_it_schedules() -> None:
+    """start() hands the engine's max_batch to the runner's graph warm-up (which captures batches
+    1..max_batch, then freezes) before the scheduling loop exists, i.e. before the stage can serve."""
+    from services.code2wav.engine import Code2WavEngine
+
+    prompt = object()
+    calls: list[tuple] = []
+    engine: Code2WavEngine | None = None
+
+    def warm_up_shapes(p: object, max_batch: int) -> int:
+        assert engine is not None
+        calls.append((p, max_batch, engine._task))
+        return 0
+
+    runner = types.SimpleNamespace(open_stream=lambda *a: None, warm_up_shapes=warm_up_shapes)
+    voices = types.SimpleNamespace(encode_file=lambda path: prompt)
+
+    async def scenario() -> None:
+        nonlocal engine
+        engine = Code2WavEngine(runner, voices, "voice.wav", max_batch=5)  # type: ignore[arg-type]
+        await engine.start()
+        try:
+            assert calls == [(prompt, 5, None)] and engine._task is not None
         finally:
             await engine.stop()
 

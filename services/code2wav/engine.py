@@ -122,13 +122,13 @@ class Code2WavEngine:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Featurise the default voice and prime its origin cache, then start the scheduling loop."""
+        """Featurise the default voice, prime its origin cache and warm up the CUDA graphs, then start the
+        scheduling loop (the server reports serving only after this returns)."""
         self._default_prompt = await self._in_worker(self.voices.encode_file, self.default_voice)
         await self._in_worker(self.runner.open_stream, "warmup", self._default_prompt, None)
-        t0 = time.perf_counter()
-        ran = await self._in_worker(self.runner.warm_up_shapes, self._default_prompt)
-        if ran:
-            log.info("code2wav: %d warm-up windows (CUDA-graph capture) in %.1f s", ran, time.perf_counter() - t0)
+        # Capture the graphs of every batch size _collect can form (1..max_batch), then freeze them: no
+        # capture runs while serving (the runner logs the count and time; a no-op without graphs).
+        await self._in_worker(self.runner.warm_up_shapes, self._default_prompt, self.max_batch)
         self._task = asyncio.create_task(self._loop(), name="code2wav-scheduler")
 
     async def drain(self) -> None:

@@ -9,9 +9,12 @@ expensive prompt setup) is shared by every stream that starts from the same voic
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +31,11 @@ from services.code2wav.model.prompt import PromptFeatures
 from services.code2wav.model.vocoder import HiftCache, VocoderStepper
 from services.common.checkpoint import CODEC_SILENCE_ID
 from services.common.errors import INVALID_ARGUMENT, OUT_OF_ORDER, StageError
+
+if TYPE_CHECKING:
+    from services.code2wav.model.cuda_graphs import ShapeKeyedGraphs
+
+log = logging.getLogger(__name__)
 
 NOISE_TABLE_FRAMES = 50 * 600  # the reference noise buffer: [1, 80, 30000] drawn in one call
 MAX_NEW_TOKENS = 50  # per window; bounds the noise table and the cache growth of one window
@@ -107,6 +115,9 @@ class Code2WavRunner:
         self._origin_cache_size = origin_cache_size
         self._origin_lock = threading.Lock()
         self.last_batch_sizes: list[int] = []
+        # Set by :func:`services.code2wav.model.cuda_graphs.enable_cuda_graphs` (GPU only).
+        self.cuda_graphs = False
+        self.graph_sets: dict[str, ShapeKeyedGraphs] = {}
 
     # ---------------------------------------------------------------- streams
     def noise_frames(self, prompt_frames: int) -> int:
@@ -171,27 +182,69 @@ class Code2WavRunner:
             seed=seed,
         )
 
-    def warm_up_shapes(self, prompt: PromptFeatures, first_windows: tuple[int, ...] = (10, 25),
-                       steady_windows: int = 3, steady_new: int = 25) -> int:
-        """Run throwaway streams through the usual batch-1 window shapes (CUDA graphs only).
+    def warm_up_shapes(
+        self,
+        prompt: PromptFeatures,
+        max_batch: int = 1,
+        first_windows: tuple[int, ...] = (10, 25),
+        steady_windows: int = 3,
+        steady_new: int = 25,
+    ) -> int:
+        """Capture the CUDA graphs of every batch the engine can form, then freeze them (graphs only).
 
-        Each new shape captures its graphs on first use; doing it before the server reports serving keeps
-        that capture (hundreds of ms) out of the first requests and away from concurrent traffic.
-        Returns the number of windows run."""
-        if not getattr(self, "cuda_graphs", False):
+        For each batch size ``b`` in ``max_batch``..1, ``b`` throwaway streams run together through the
+        same batched path as live traffic: a first window of each size in ``first_windows``, then
+        ``steady_windows`` windows of ``steady_new`` codes (enough for the estimator caches to reach their
+        trimmed steady length). Each new shape captures its graphs on first use; doing all of it before
+        the server reports serving keeps capture (hundreds of ms, and a cuDNN failure under GPU
+        time-slicing on the H200) away from live traffic, which after the freeze never captures: shapes
+        not covered here (short last windows) run eager. Largest batches go first so the shared graph
+        arenas and memory pool reach their final size at once. Returns the number of windows run."""
+        if not self.cuda_graphs:
             return 0
+        t0 = time.perf_counter()
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        for graphs in self.graph_sets.values():
+            graphs.frozen = False
         ran = 0
         codes = [CODEC_SILENCE_ID] * (max(first_windows) + steady_windows * steady_new)
-        for first in first_windows:
-            state = self.open_stream(f"warm-up-{first}", prompt)
-            window = [CODEC_SILENCE_ID] * self.lookahead + codes[:first]
-            self.run_batch([state], [window], False)
-            ran += 1
-            for _ in range(steady_windows):
-                window = window[-self.lookahead :] + codes[:steady_new]
-                self.run_batch([state], [window], False)
-                ran += 1
-        self.last_batch_sizes.clear()
+        try:
+            for batch in range(max(1, max_batch), 0, -1):
+                for first in first_windows:
+                    states = [self.open_stream(f"warm-up-{batch}-{first}-{i}", prompt) for i in range(batch)]
+                    window = [CODEC_SILENCE_ID] * self.lookahead + codes[:first]
+                    self.run_batch(states, [window] * batch, False)
+                    ran += 1
+                    for _ in range(steady_windows):
+                        window = window[-self.lookahead :] + codes[:steady_new]
+                        self.run_batch(states, [window] * batch, False)
+                        ran += 1
+                    del states  # free these caches before the next batch's windows run
+        finally:
+            # Frozen even if the warm-up failed part-way: capturing under live traffic is the failure
+            # this avoids, so a shape the warm-up did not reach runs eager rather than capturing later.
+            self.last_batch_sizes.clear()
+            for graphs in self.graph_sets.values():
+                graphs.frozen = True
+        memory = ""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            grown = torch.cuda.memory_reserved(self.device) - reserved
+            memory = f", reserved memory {grown / 2**30:+.2f} GiB (graphs, outputs, cached activations)"
+        parts = []
+        for name, graphs in self.graph_sets.items():
+            missed = len(graphs.graphs) - graphs.captured  # failed captures, keys over max_graphs
+            parts.append(f"{name} {graphs.captured}" + (f" ({missed} left eager)" if missed else ""))
+        log.info(
+            "code2wav warm-up: captured %d CUDA graphs [%s] over %d windows of batch sizes 1..%d in %.1f s%s;"
+            " graph sets frozen",
+            sum(g.captured for g in self.graph_sets.values()),
+            ", ".join(parts),
+            ran,
+            max(1, max_batch),
+            time.perf_counter() - t0,
+            memory,
+        )
         return ran
 
     # ---------------------------------------------------------------- validation

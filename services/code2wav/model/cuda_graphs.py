@@ -1,6 +1,6 @@
 """CUDA graphs for the fixed window shapes of the Code2Wav stage (GPU only; CPU stays eager).
 
-What is captured, per distinct input-shape key (lazily, on first use, up to ``max_graphs`` per part):
+What is captured, per distinct input-shape key:
 
 * one DiT estimator evaluation with caches (:func:`dit_blocks_chunk`): the 10-step Euler loop stays in
   Python and replays the graph once per step; the time embedding is computed outside (the package builds
@@ -8,17 +8,36 @@ What is captured, per distinct input-shape key (lazily, on first use, up to ``ma
 * the HiFT f0 predictor and the HiFT decoder up to ``conv_post`` (``torch.istft`` checks its window on the
   host, so the inverse STFT and the NSF source, which draws per-stream random numbers, stay eager).
 
-Steady streaming has few keys: windows of 25 new codes give 50 mel frames and estimator caches of
-300/350/400 frames after a 6 s prompt, times the batch sizes seen. Replays copy inputs into static
-buffers; outputs live in graph-owned buffers that the next replay overwrites, so callers copy what they
-keep (``FlowStepper._solve`` does). A key whose capture fails falls back to eager for good.
+When: at startup, before the server reports serving, :meth:`Code2WavRunner.warm_up_shapes` drives
+throwaway batches of every size 1..``max_batch`` through the usual window shapes (a first window of 10
+or of 25 codes, then steady 25-code windows: estimator caches of 300 frames after the 6 s prompt grow by
+20 or 50 frames per window until trimming holds them at 400), 12 keys per batch size (6 DiT, 3 f0, 3
+decoder), capturing each key on first use, and then *freezes* every set. A frozen set never captures:
+a key it has not seen (a short last window, an unusual first window) runs eager and is logged once.
+Capturing while serving is what failed on the H200 with three stages time-slicing the GPU (a cuDNN error
+inside the capture, then an illegal address that killed every later window), so after the warm-up it
+does not happen. A set that is never frozen (benchmarks that skip the warm-up) captures lazily, up to
+``max_graphs`` keys per part.
+
+Memory: all graphs share one private pool (``torch.cuda.graph_pool_handle()``), so their intermediates
+overlap instead of adding up, and their static inputs and outputs are views into one shared input and
+one shared output :class:`SharedArena` (each graph ends with a copy into the output arena), so those do
+not add up either: a DiT graph reads and returns full attention caches, and kept per graph these would
+cost tens of GiB over 16 batch sizes, while shared the set costs about what its largest graph costs.
+This is safe because one thread runs every replay in sequence on one stream, inputs are copied in right
+before each replay, and callers keep the contract they already kept: a replay's outputs are valid only
+until the next replay of *any* graph, so callers consume or copy them first (``FlowStepper._solve``
+copies each step's caches; the vocoder feeds the f0 into the eager NSF source before the decoder
+replays). A key whose capture fails falls back to eager for good.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +47,7 @@ from services.code2wav.model.vocoder import hift_pre_istft
 log = logging.getLogger(__name__)
 
 Key = tuple[tuple[tuple[int, ...], torch.dtype] | None, ...]
+GraphFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -37,46 +57,143 @@ class _Captured:
     outputs: tuple[torch.Tensor, ...]
 
 
-Capture = Callable[[Callable[..., tuple[torch.Tensor, ...]], tuple[torch.Tensor | None, ...]], _Captured]
+Capture = Callable[[GraphFn, tuple[torch.Tensor | None, ...]], _Captured]
+
+
+def _as_tuple(out: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+class SharedArena:
+    """One flat device buffer that every graph of a pool lays its static tensors out in, from offset 0.
+
+    Graph inputs and outputs must live at fixed addresses. Kept per graph they would add up over the
+    warm-up's 1..``max_batch`` batch sizes (a DiT graph reads and returns full attention caches: tens of
+    GiB at batch 16). They need not be kept apart: a graph's inputs are copied in right before its replay
+    and its outputs are consumed before the next replay (module docstring), so every graph may use the
+    same bytes. Inputs and outputs get one arena each, since a graph reads the one while writing the other.
+    The buffer grows by ``growth`` when a capture needs more; the old buffer stays alive through the views
+    of the graphs captured on it, which is why the warm-up captures the largest batches first.
+    """
+
+    ALIGN = 512  # bytes; keeps every view aligned for any dtype and for vectorised copies
+
+    def __init__(self, growth: float = 1.5) -> None:
+        self.growth = growth
+        self.buffer: torch.Tensor | None = None
+        self.allocations = 0
+
+    @staticmethod
+    def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], int]:
+        """Strides to give the view (``t``'s own when dense, as ``clone`` keeps them) and its element span."""
+        if t.numel() == 0:
+            return tuple(t.stride()), 0
+        span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        if span == t.numel() and all(stride >= 0 for stride in t.stride()):
+            return tuple(t.stride()), span
+        return torch.empty(t.shape, device="meta").stride(), t.numel()  # overlapping or gapped: contiguous
+
+    def views(self, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Tensors shaped, strided and typed like ``like``, packed from the start of the shared buffer."""
+        layouts, offsets, total = [], [], 0
+        for t in like:
+            stride, span = self._layout(t)
+            layouts.append((stride, span))
+            offsets.append(total)
+            total += -(-span * t.element_size() // self.ALIGN) * self.ALIGN
+        device = like[0].device if like else torch.device("cpu")
+        buf = self.buffer
+        if buf is None or buf.numel() < total or buf.device != device:
+            buf = self.buffer = torch.empty(
+                max(int(total * self.growth), total, 1), dtype=torch.uint8, device=device
+            )
+            self.allocations += 1
+        out = []
+        for t, offset, (stride, span) in zip(like, offsets, layouts, strict=True):
+            flat = buf[offset : offset + span * t.element_size()].view(t.dtype)
+            out.append(flat.as_strided(t.shape, stride))
+        return tuple(out)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+
+@dataclass
+class SharedBuffers:
+    """The two arenas of one graph pool: static inputs and outputs."""
+
+    inputs: SharedArena = field(default_factory=SharedArena)
+    outputs: SharedArena = field(default_factory=SharedArena)
+
+
+def static_inputs(
+    args: tuple[torch.Tensor | None, ...], arena: SharedArena | None = None
+) -> list[torch.Tensor | None]:
+    """Static copies of ``args`` for a capture: views of ``arena`` (shared by every graph) or clones."""
+    if arena is None:
+        return [None if a is None else a.clone() for a in args]
+    views = iter(arena.views([a for a in args if a is not None]))
+    inputs: list[torch.Tensor | None] = []
+    for arg in args:
+        static = None if arg is None else next(views).copy_(arg)
+        inputs.append(static)
+    return inputs
 
 
 def capture_cuda_graph(
-    fn: Callable[..., tuple[torch.Tensor, ...]], args: tuple[torch.Tensor | None, ...]
+    fn: GraphFn,
+    args: tuple[torch.Tensor | None, ...],
+    pool: Any = None,
+    shared: SharedBuffers | None = None,
 ) -> _Captured:
-    """Warm ``fn`` up on a side stream, then capture it on static copies of ``args``."""
-    inputs = [None if a is None else a.clone() for a in args]
+    """Warm ``fn`` up on a side stream, then capture it on static copies of ``args``.
+
+    ``pool`` is the shared graph memory pool. With ``shared``, the static inputs are views of the shared
+    input arena and the graph's last kernels copy its outputs into the shared output arena (both allocated
+    here, outside the capture), whose views become the outputs; without, both are private to the graph."""
+    inputs = static_inputs(args, None if shared is None else shared.inputs)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):  # warm up kernels, cuBLAS/cuFFT plans and the allocator off the graph
-            fn(*inputs)
+            probe = _as_tuple(fn(*inputs))
     torch.cuda.current_stream().wait_stream(side)
+    targets = None if shared is None else shared.outputs.views(probe)
+    del probe
     graph = torch.cuda.CUDAGraph()
     # thread_local: a CUDA call from another thread of the server (a freed tensor's stream event, the
     # gRPC side) must not invalidate this capture. Seen on the H200 as a cuDNN "unable to find an engine"
     # during capture, after which the process hit an illegal address.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        outputs = fn(*inputs)
-    if isinstance(outputs, torch.Tensor):
-        outputs = (outputs,)
-    return _Captured(graph, inputs, tuple(outputs))
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        outputs = _as_tuple(fn(*inputs))
+        if targets is not None:
+            for target, out in zip(targets, outputs, strict=True):
+                target.copy_(out)
+            outputs = targets
+    return _Captured(graph, inputs, outputs)
 
 
 class ShapeKeyedGraphs:
-    """Replays one CUDA graph per input-shape key of ``fn``; eager for keys it cannot (or may not) hold."""
+    """Replays one CUDA graph per input-shape key of ``fn``; eager for keys it cannot (or may not) hold.
+
+    ``frozen`` (set after the startup warm-up) forbids new captures: an unknown key then runs eager, so
+    no capture ever happens under live traffic. ``replays`` and ``eager_calls`` count calls either way."""
 
     def __init__(
         self,
         name: str,
-        fn: Callable[..., tuple[torch.Tensor, ...]],
-        max_graphs: int = 32,
+        fn: GraphFn,
+        max_graphs: int = 256,
         capture: Capture = capture_cuda_graph,
     ) -> None:
         self.name = name
         self.fn = fn
         self.max_graphs = max_graphs
         self.capture = capture
-        self.graphs: dict[Key, _Captured | None] = {}
+        self.graphs: dict[Key, _Captured | None] = {}  # None: capture failed or over max_graphs
+        self.frozen = False
+        self.eager_keys: set[Key] = set()  # keys first met while frozen (each logged once)
         self.replays = 0
         self.eager_calls = 0
 
@@ -84,30 +201,27 @@ class ShapeKeyedGraphs:
     def key(args: tuple[torch.Tensor | None, ...]) -> Key:
         return tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
 
+    @property
+    def captured(self) -> int:
+        """Keys that hold a graph (failed captures and keys over ``max_graphs`` excluded)."""
+        return sum(entry is not None for entry in self.graphs.values())
+
+    def _eager(self, args: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+        self.eager_calls += 1
+        return _as_tuple(self.fn(*args))
+
     def __call__(self, *args: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         key = self.key(args)
         entry = self.graphs.get(key, False)
         if entry is False:
-            if len(self.graphs) >= self.max_graphs:
-                entry = None
-            else:
-                try:
-                    entry = self.capture(self.fn, args)
-                    log.info("captured %s graph #%d for %s", self.name, len(self.graphs) + 1, key)
-                except Exception as exc:  # noqa: BLE001 - a shape we cannot capture simply runs eager
-                    log.warning(
-                        "%s: CUDA graph capture failed for %s (%s); running eager", self.name, key, exc
-                    )
-                    entry = None
-                    if any(a is not None and a.is_cuda for a in args):
-                        # A failed capture can leave the device in an error state; surface it here, at
-                        # the capture, rather than as an unrelated error in the next kernel.
-                        torch.cuda.synchronize()
-                self.graphs[key] = entry
+            if self.frozen:
+                if key not in self.eager_keys:
+                    self.eager_keys.add(key)
+                    log.info("%s: no graph for %s (set frozen after warm-up); running eager", self.name, key)
+                return self._eager(args)
+            entry = self._capture(key, args)
         if entry is None:
-            self.eager_calls += 1
-            out = self.fn(*args)
-            return (out,) if isinstance(out, torch.Tensor) else out
+            return self._eager(args)
         for static, arg in zip(entry.inputs, args, strict=True):
             if static is not None and arg is not None:
                 static.copy_(arg)
@@ -115,19 +229,39 @@ class ShapeKeyedGraphs:
         self.replays += 1
         return entry.outputs
 
+    def _capture(self, key: Key, args: tuple[torch.Tensor | None, ...]) -> _Captured | None:
+        entry: _Captured | None = None
+        if len(self.graphs) < self.max_graphs:
+            try:
+                entry = self.capture(self.fn, args)
+                log.debug("captured %s graph #%d for %s", self.name, self.captured + 1, key)
+            except Exception as exc:  # noqa: BLE001 - a shape we cannot capture simply runs eager
+                log.warning("%s: CUDA graph capture failed for %s (%s); running eager", self.name, key, exc)
+                if any(a is not None and a.is_cuda for a in args):
+                    # A failed capture can leave the device in an error state; surface it here, at the
+                    # capture, rather than as an unrelated error in the next kernel.
+                    torch.cuda.synchronize()
+        self.graphs[key] = entry
+        return entry
+
 
 def enable_cuda_graphs(
-    runner: object, max_graphs: int = 32, capture: Capture | None = None
+    runner: Any, max_graphs: int = 256, capture: Capture | None = None
 ) -> dict[str, ShapeKeyedGraphs]:
     """Route the runner's DiT estimator and HiFT parts through shape-keyed CUDA graphs (CUDA only).
 
+    The three sets share one graph memory pool and one pair of input/output arenas (module docstring).
+    They start unfrozen; :meth:`Code2WavRunner.warm_up_shapes` captures the serving shapes and freezes
+    them.
     ``capture`` replaces the real capture (tests emulate replay semantics on CPU with it)."""
-    flow = runner.flow  # type: ignore[attr-defined]
-    vocoder = runner.vocoder  # type: ignore[attr-defined]
+    flow = runner.flow
+    vocoder = runner.vocoder
     if capture is None:
-        if runner.device.type != "cuda":  # type: ignore[attr-defined]
+        if runner.device.type != "cuda":
             return {}
-        capture = capture_cuda_graph
+        capture = functools.partial(
+            capture_cuda_graph, pool=torch.cuda.graph_pool_handle(), shared=SharedBuffers()
+        )
     dit = flow.dit
     hift = vocoder.hift
     estimator = ShapeKeyedGraphs(
@@ -150,5 +284,7 @@ def enable_cuda_graphs(
     flow.estimator = graphed_estimator
     vocoder.f0_fn = lambda mel: f0(mel)[0]
     vocoder.decode_fn = lambda mel, source: decode(mel, source)[0]
-    runner.cuda_graphs = True  # type: ignore[attr-defined]
-    return {"dit": estimator, "hift_f0": f0, "hift_decode": decode}
+    sets = {"dit": estimator, "hift_f0": f0, "hift_decode": decode}
+    runner.graph_sets = sets
+    runner.cuda_graphs = True
+    return sets
