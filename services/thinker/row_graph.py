@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +13,28 @@ if TYPE_CHECKING:
     from services.thinker.runner import ModelRunner
 
 SCRATCH_SLOT = BlockPool.SCRATCH_BLOCK  # slot 0 lives in the scratch block
+
+Outputs = tuple[torch.Tensor, torch.Tensor]
+# (runner, body) -> (replay, outputs the replay refreshes); tests substitute a host-side emulation.
+Capture = Callable[["ModelRunner", Callable[[], Outputs]], tuple[Callable[[], None], Outputs]]
+
+
+def capture_cuda_graph(runner: ModelRunner, body: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
+    """Warm ``body`` up on a side stream, then record it into the runner's shared graph pool."""
+    dev = runner.device
+    stream = torch.cuda.Stream(device=dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside capture (allocator, kernels' lazy init)
+            body()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    if runner._graph_pool is None:
+        runner._graph_pool = torch.cuda.graph_pool_handle()
+    # thread_local: the encoder worker threads may use the GPU while the engine thread captures.
+    with torch.cuda.graph(graph, pool=runner._graph_pool, capture_error_mode="thread_local"):
+        outputs = body()
+    return graph.replay, outputs
 
 
 class RowGraph:
@@ -36,18 +58,8 @@ class RowGraph:
         self.use_embeds = torch.zeros(batch, dtype=torch.bool, device=dev)
         self._embeds_dirty = False
         args = (self.ids, self.pos, self.write, self.table, self.embeds, self.use_embeds)
-        stream = torch.cuda.Stream(device=dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside capture (allocator, kernels' lazy init)
-                runner.decode_forward_static(*args)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        if runner._graph_pool is None:
-            runner._graph_pool = torch.cuda.graph_pool_handle()
-        # thread_local: the encoder worker threads may use the GPU while the engine thread captures.
-        with torch.cuda.graph(self.graph, pool=runner._graph_pool, capture_error_mode="thread_local"):
-            self.hidden, self.logits = runner.decode_forward_static(*args)
+        capture = runner.graph_capture or capture_cuda_graph
+        self._replay, (self.hidden, self.logits) = capture(runner, lambda: runner.decode_forward_static(*args))
 
     def run(
         self, host: tuple[torch.Tensor, ...], embeds: Sequence[tuple[int, torch.Tensor]] = ()
@@ -64,5 +76,5 @@ class RowGraph:
             self.embeds[row : row + e.shape[0]].copy_(e, non_blocking=True)
             self.use_embeds[row : row + e.shape[0]] = True
             self._embeds_dirty = True
-        self.graph.replay()
+        self._replay()
         return self.hidden, self.logits

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.thinker.kv_cache import BlockPool, PagedKVCache
-from services.thinker.row_graph import RowGraph
+from services.thinker.row_graph import Capture, RowGraph
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +247,7 @@ class ModelRunner:
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
         self._graph_pool = None
+        self.graph_capture: Capture | None = None  # None: real CUDA graphs (tests emulate them on CPU)
 
     def _fuse(self, layer: nn.Module) -> _FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
