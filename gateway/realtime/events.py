@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+
+
+def _json_default(value: Any) -> Any:
+    """numpy scalars and arrays (easy to leak from audio or model code into an event) as plain JSON."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def encode_event(event: dict[str, Any]) -> str:
+    """The wire text of one server event; the journal sizes events with the same encoder.
+
+    One encoder for both means an event that was journaled can always be sent; anything still not
+    serialisable raises ``TypeError``/``ValueError`` here, where the caller can name the event.
+    """
+    return json.dumps(event, separators=(",", ":"), default=_json_default)
 
 
 def new_event_id() -> str:

@@ -7,13 +7,13 @@ budget it stops journaling: later events go out without a seq, and a resume asks
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.events import encode_event
 
 
 @dataclass
@@ -49,7 +49,7 @@ class EventJournal:
         self._expire()
         if self.overflowed:
             return event
-        encoded = len(json.dumps(event, separators=(",", ":")))
+        encoded = len(encode_event(event))
         if self._bytes + encoded > self.max_bytes:
             self.overflowed = True
             return event

@@ -143,7 +143,7 @@ class RealtimeEndpoint:
         return session, attachment
 
     async def _pump(self, ws: WebSocket, session: DuplexSession, attachment: Attachment) -> None:
-        writer = asyncio.create_task(self._write(ws, attachment))
+        writer = asyncio.create_task(self._write(ws, session, attachment))
         reader = asyncio.create_task(self._read(ws, session, attachment))
         try:
             await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
@@ -151,6 +151,8 @@ class RealtimeEndpoint:
             # Whatever ended the socket (client gone, idle, handler cancelled by the server), a socket
             # the session still counts as attached is detached: the session waits for a resume.
             if not attachment.detached:
+                ended_by = "writer" if writer.done() else "reader"
+                log.info("realtime session %s: socket ended (%s side) without session end; detaching", session.id, ended_by)
                 session.post("detach", attachment)
                 attachment.detached = True
                 attachment.queue.put_nowait(CLOSE)
@@ -163,7 +165,14 @@ class RealtimeEndpoint:
                 with contextlib.suppress(Exception):
                     await ws.close(1000)  # idle timeout: end the socket; the session waits for a resume
 
-    async def _write(self, ws: WebSocket, attachment: Attachment) -> None:
+    async def _write(self, ws: WebSocket, session: DuplexSession, attachment: Attachment) -> None:
+        """Drain the attachment's queue onto the socket until CLOSE.
+
+        An event that cannot be encoded is a server bug: it is logged with its type and replaced by an
+        ``internal_error`` event, and the writer carries on, because ending the writer detaches the
+        socket and silently drops every later event (``session.closed`` included). A failed send means
+        the socket is gone; that ends the writer, with a log line that names the event it lost.
+        """
         while True:
             item = await attachment.queue.get()
             if item is CLOSE:
@@ -172,8 +181,15 @@ class RealtimeEndpoint:
                         await ws.close(attachment.close_code)
                 return
             try:
-                await ws.send_text(json.dumps(item, separators=(",", ":")))
-            except Exception:
+                text = ev.encode_event(item)
+            except (TypeError, ValueError, RecursionError):
+                log.exception("realtime session %s: cannot encode a %s event", session.id, item.get("type"))
+                text = ev.encode_event(_error_frame(RealtimeError("internal_error", f"could not encode {item.get('type')}")))
+            try:
+                await ws.send_text(text)
+            except Exception as exc:  # noqa: BLE001 - the socket is gone, however it failed
+                log.info("realtime session %s: socket send failed at %s (%s: %s); detaching",
+                         session.id, item.get("type"), type(exc).__name__, exc)
                 return
 
     async def _read(self, ws: WebSocket, session: DuplexSession, attachment: Attachment) -> None:

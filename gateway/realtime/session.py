@@ -144,7 +144,15 @@ class DuplexSession:
     def emit(self, type_: str, *, journaled: bool = True, **fields: Any) -> dict[str, Any]:
         event: dict[str, Any] = {"type": type_, "event_id": ev.new_event_id(), **fields}
         if journaled:
-            self.journal.record(event)
+            try:
+                self.journal.record(event)
+            except (TypeError, ValueError, RecursionError):
+                # A value JSON cannot hold is a server bug; raising here would abort the caller half-way
+                # (e.g. a terminal sequence or session.closed). Report it in the event's place instead.
+                log.exception("realtime session %s: cannot encode a %s event", self.id, type_)
+                error = RealtimeError("internal_error", f"could not encode {type_}")
+                event = {"type": "error", "event_id": ev.new_event_id(), "error": error.body()}
+                self.journal.record(event)
         if self.attachment is not None:
             self.attachment.send(event)
         return event
@@ -225,23 +233,49 @@ class DuplexSession:
                     log.exception("realtime session %s: unhandled error", self.id)
                     self.emit_error(RealtimeError("internal_error", f"internal error: {type(exc).__name__}"))
         finally:
-            await self.pipeline.close()
+            if self.state == "open":
+                # The loop itself died (cancelled, or an error escaped the handler above): the client
+                # must still learn that the session is over rather than wait on a silent socket.
+                log.error("realtime session %s: session task ended while open; closing it", self.id)
+                await self._close("internal_error")
+            await self._close_pipeline()
             self._on_finished(self)
 
+    async def _close_pipeline(self) -> None:
+        """Stop the stage streams, within ``pipeline_close_timeout_s`` and without raising.
+
+        Session teardown must not depend on the stages: ``session.closed`` follows this however the
+        pipeline's close ends (the gRPC pipeline cancels its calls first, so it normally takes
+        milliseconds).
+        """
+        try:
+            async with asyncio.timeout(self.settings.pipeline_close_timeout_s):
+                await self.pipeline.close()
+        except TimeoutError:
+            log.warning("realtime session %s: pipeline close took over %.1f s; closing the session anyway",
+                        self.id, self.settings.pipeline_close_timeout_s)
+        except Exception:
+            log.exception("realtime session %s: pipeline close failed; closing the session anyway", self.id)
+
     async def _close(self, reason: str, *, terminal_type: str = "session.closed") -> None:
+        """End the session: abort the response (no cancelled ``response.done``, §4.10), free the stages,
+        then ``session.closed`` and socket close 1000 — the last two unconditionally, so that a client's
+        ``session.close`` is always answered in bounded time."""
         if self.state != "open":
             return
-        self.lifecycle.abort_silently()
-        await self.pipeline.close()
         self.state = "closed"
-        event_fields: dict[str, Any] = {"session_id": self.id, "reason": reason}
-        if terminal_type == "session.closed":
-            event_fields["event"] = {"type": "session.closed", "reason": reason}
-        self.emit(terminal_type, **event_fields)
-        if self.attachment is not None:
-            self.attachment.close(1000)
-        if self._grace_task is not None and self._grace_task is not asyncio.current_task():
-            self._grace_task.cancel()
+        try:
+            self.lifecycle.abort_silently()
+            await self._close_pipeline()
+        finally:
+            event_fields: dict[str, Any] = {"session_id": self.id, "reason": reason}
+            if terminal_type == "session.closed":
+                event_fields["event"] = {"type": "session.closed", "reason": reason}
+            self.emit(terminal_type, **event_fields)
+            if self.attachment is not None:
+                self.attachment.close(1000)
+            if self._grace_task is not None and self._grace_task is not asyncio.current_task():
+                self._grace_task.cancel()
 
     def _do_detach(self, attachment: Attachment) -> None:
         """The socket went away: keep the session for the grace period if it can be resumed."""

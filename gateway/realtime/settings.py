@@ -27,3 +27,6 @@ class RealtimeSettings:
     # Hidden-state rows per thinker chunk and their dtype on the wire ("bf16" or "fp32").
     hidden_dtype: str = "fp32"
     seed: int | None = None
+    # session.close / a session-ending failure waits at most this long for the stage streams to wind down
+    # before it answers session.closed (the gRPC pipeline cancels its calls first, so this is a backstop).
+    pipeline_close_timeout_s: float = 5.0
