@@ -76,6 +76,13 @@ class StageAck:
 
 @dataclass
 class PipelineFailure:
+    """A stage stream of the session failed; reported once per failed stream.
+
+    ``stage == "thinker"`` means the session's model state (the thinker's duplex KV) is gone and the
+    session cannot go on; a talker or code2wav failure loses only the voice of one speaking turn
+    (``epoch`` is that turn's epoch).
+    """
+
     code: str
     message: str
     stage: str = ""
@@ -128,6 +135,7 @@ class _SpeechTurn:
         self.interrupted = False
         self.acked: set[str] = set()
         self.all_acked = asyncio.Event()
+        self.failed = False  # a stream of this turn failed (reported once); its streams are cancelled
 
     def note_ack(self, stage: str) -> None:
         self.acked.add(stage)
@@ -152,6 +160,9 @@ class GrpcDuplexPipeline:
         self._unit_turn: dict[int, int] = {}  # unit_seq -> speaking turn its speech chunk went to
         self._interrupt_sent = 0.0
         self._closed = False
+        self._thinker_failed = False  # reported once; the session ends on it
+        self._voice_failed_epoch = -1  # a talker/code2wav failure drops that epoch's speech until the fence
+        self._side_tasks: set[asyncio.Task[None]] = set()  # fire-and-forget work, kept referenced until done
         self.ref_pcm = pcm_from_float(session.cfg.ref_audio, 16_000) if session.cfg.ref_audio is not None else None
 
     # ---------------------------------------------------------------- session-facing API
@@ -189,7 +200,14 @@ class GrpcDuplexPipeline:
     def _end_turn(self, turn: _SpeechTurn) -> None:
         if not turn.ending:
             turn.ending = True
-            asyncio.create_task(self._end_turn_input(turn))
+            self._spawn(self._end_turn_input(turn))
+
+    def _spawn(self, coro: Any) -> None:
+        """Run ``coro`` as a task the pipeline keeps a reference to (asyncio only keeps weak ones, so an
+        unreferenced task can vanish mid-flight) and cancels on close."""
+        task = asyncio.create_task(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     def interrupt(self, new_epoch: int, reason: str) -> None:
         self.epoch = new_epoch
@@ -205,7 +223,7 @@ class GrpcDuplexPipeline:
         for turn in list(self._live_turns):  # the current turn and any older one still finishing its audio
             if not turn.finished and not turn.interrupted:
                 turn.interrupted = True
-                asyncio.create_task(self._interrupt_turn(turn, new_epoch, reason))
+                self._spawn(self._interrupt_turn(turn, new_epoch, reason))
 
     async def close(self) -> None:
         """Abort every stage stream of the session (which frees its KV/caches) and stop the pumps.
@@ -221,10 +239,11 @@ class GrpcDuplexPipeline:
         self.turn = None
         if self.thinker is not None:
             self.thinker.cancel()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._side_tasks]
+        for task in tasks:
             task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=_CLOSE_WAIT_S)
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
 
     # ---------------------------------------------------------------- thinker
 
@@ -273,7 +292,7 @@ class GrpcDuplexPipeline:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - reported to the session, never raised into the loop
-            self._fail("thinker", exc)
+            self._thinker_raised(exc)
 
     async def _thinker_reader(self, stream: StageStream) -> None:
         try:
@@ -288,15 +307,20 @@ class GrpcDuplexPipeline:
                     metrics.BARGE_IN_STAGE.labels("thinker").observe(time.monotonic() - self._interrupt_sent)
                     self.session.post_pipeline(StageAck("thinker", int(ack.new_epoch), int(ack.dropped_items)))
                 elif kind == "error":
+                    # The thinker ends a duplex stream after an error: the session's model state is gone.
                     err = resp.error
                     code = _STAGE_ERROR_CODES.get(err.code, "engine_error")
-                    self.session.post_pipeline(PipelineFailure(code, f"thinker: {err.message}", "thinker"))
+                    self._fail_thinker(code, f"thinker: {err.message}")
+                    return
                 elif kind == "done":
                     break
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001
-            self._fail("thinker", exc)
+            self._thinker_raised(exc)
+            return
+        # The gateway never ends the thinker stream of a live session, so an end here is a failure too.
+        self._fail_thinker("engine_error", "thinker: the duplex stream ended unexpectedly")
 
     async def _on_unit_result(self, unit: thinker_pb2.UnitResult) -> None:
         epoch = int(unit.id.epoch)
@@ -316,10 +340,15 @@ class GrpcDuplexPipeline:
             return  # turn lane: the model spoke on a unit nobody asked it to answer
         if self.speech_from_unit is None and not self.session.cfg.auto_response:
             return  # turn lane with no requested response
+        if epoch <= self._voice_failed_epoch:
+            return  # a speaking turn of this epoch lost its voice; the session fences the epoch next
         turn = self.turn
         if turn is None or turn.finished or turn.ending:
             self._speech_turns += 1
-            turn = await self._open_turn(epoch, self._speech_turns)
+            opened = await self._open_turn(epoch, self._speech_turns)
+            if opened is None:
+                return
+            turn = opened
         self._unit_turn[int(chunk.id.unit_seq)] = turn.turn_id
         talker_chunk = talker_pb2.TalkerChunk(
             id=common_pb2.Identity(
@@ -334,15 +363,18 @@ class GrpcDuplexPipeline:
         turn.talker_chunk_seq += 1
         try:
             await turn.talker.write(talker_pb2.TalkerRequest(chunk=talker_chunk))
+        except asyncio.CancelledError:
+            raise
         except BaseException as exc:  # noqa: BLE001
-            self._fail("talker", exc)
+            self._fail_turn(turn, "talker", exc)
             return
         if chunk.turn_end:
             self._end_turn(turn)  # decided here, in stream order: the next speech opens a new turn
 
     # ---------------------------------------------------------------- talker + code2wav
 
-    async def _open_turn(self, epoch: int, turn_id: int) -> _SpeechTurn:
+    async def _open_turn(self, epoch: int, turn_id: int) -> _SpeechTurn | None:
+        """Open the talker + code2wav streams of a speaking turn; None (failure reported) if either refuses."""
         talker = self.stages["talker"].open_stream(deadline_s=3600.0)
         code2wav = self.stages["code2wav"].open_stream(deadline_s=3600.0)
         turn = _SpeechTurn(epoch, turn_id, talker, code2wav)
@@ -352,16 +384,25 @@ class GrpcDuplexPipeline:
         tsampling = talker_pb2.TalkerSampling()
         if self.settings.seed is not None:
             tsampling.seed = self.settings.seed
-        await talker.write(
-            talker_pb2.TalkerRequest(open=talker_pb2.TalkerOpen(id=open_id, mode=thinker_pb2.STREAM_MODE_DUPLEX,
-                                                                sampling=tsampling))
-        )
         c2w_open = code2wav_pb2.Code2WavOpen(id=open_id, output_format=common_pb2.PCM_FORMAT_S16LE)
         if self.settings.seed is not None:
             c2w_open.seed = self.settings.seed
         if self.ref_pcm is not None:
             c2w_open.ref_audio.CopyFrom(self.ref_pcm)
-        await code2wav.write(code2wav_pb2.Code2WavRequest(open=c2w_open))
+        stage = "talker"
+        try:
+            await talker.write(
+                talker_pb2.TalkerRequest(open=talker_pb2.TalkerOpen(id=open_id, mode=thinker_pb2.STREAM_MODE_DUPLEX,
+                                                                    sampling=tsampling))
+            )
+            stage = "code2wav"
+            await code2wav.write(code2wav_pb2.Code2WavRequest(open=c2w_open))
+        except asyncio.CancelledError:
+            self._cancel_turn(turn)
+            raise
+        except BaseException as exc:  # noqa: BLE001 - reported to the session, never raised into the reader
+            self._fail_turn(turn, stage, exc)
+            return None
         turn.tasks.append(asyncio.create_task(self._talker_pump(turn)))
         turn.tasks.append(asyncio.create_task(self._code2wav_pump(turn)))
         return turn
@@ -374,7 +415,7 @@ class GrpcDuplexPipeline:
             await turn.talker.done_writing()
         except BaseException as exc:  # noqa: BLE001
             if not turn.interrupted:
-                self._fail("talker", exc)
+                self._fail_turn(turn, "talker", exc)
 
     async def _talker_pump(self, turn: _SpeechTurn) -> None:
         last_sent = False
@@ -398,9 +439,9 @@ class GrpcDuplexPipeline:
                     self.session.post_pipeline(StageAck("talker", int(ack.new_epoch), int(ack.dropped_items)))
                 elif kind == "error":
                     err = resp.error
-                    code = _STAGE_ERROR_CODES.get(err.code, "engine_error")
                     if not turn.interrupted:
-                        self.session.post_pipeline(PipelineFailure(code, f"talker: {err.message}", "talker", turn.epoch))
+                        code = _STAGE_ERROR_CODES.get(err.code, "engine_error")
+                        self._fail_turn(turn, "talker", None, code, f"talker: {err.message}")
                     return
                 elif kind == "done":
                     break
@@ -414,7 +455,7 @@ class GrpcDuplexPipeline:
             raise
         except BaseException as exc:  # noqa: BLE001
             if not turn.interrupted:
-                self._fail("talker", exc, turn.epoch)
+                self._fail_turn(turn, "talker", exc)
 
     async def _code2wav_pump(self, turn: _SpeechTurn) -> None:
         sent_last = False
@@ -440,17 +481,17 @@ class GrpcDuplexPipeline:
                     err = resp.error
                     if not turn.interrupted:
                         code = _STAGE_ERROR_CODES.get(err.code, "engine_error")
-                        self.session.post_pipeline(PipelineFailure(code, f"code2wav: {err.message}", "code2wav", turn.epoch))
+                        self._fail_turn(turn, "code2wav", None, code, f"code2wav: {err.message}")
                     return
                 elif kind == "done":
                     break
-            if not turn.interrupted and not sent_last:
+            if not turn.interrupted and not turn.failed and not sent_last:
                 self.session.post_pipeline(AudioOut(turn.epoch, np.zeros(0, dtype=np.float32), True, turn.turn_id))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001
             if not turn.interrupted:
-                self._fail("code2wav", exc, turn.epoch)
+                self._fail_turn(turn, "code2wav", exc)
         finally:
             turn.finished = True
             self._live_turns.discard(turn)
@@ -476,17 +517,45 @@ class GrpcDuplexPipeline:
 
     def _cancel_turn(self, turn: _SpeechTurn) -> None:
         turn.finished = True
+        self._live_turns.discard(turn)
+        if self.turn is turn:
+            self.turn = None
+        current = asyncio.current_task()
         for task in turn.tasks:
-            task.cancel()
+            if task is not current:  # a pump failing its own turn returns on its own
+                task.cancel()
         turn.talker.cancel()
         turn.code2wav.cancel()
 
-    def _fail(self, stage: str, exc: BaseException, epoch: int = 0) -> None:
+    def _thinker_raised(self, exc: BaseException) -> None:
+        """A thinker stream call raised: report it (once) with the stable code of the failure."""
+        code, message = _failure_code(exc)
+        self._fail_thinker(code, message)
+
+    def _fail_thinker(self, code: str, message: str) -> None:
+        if self._closed or self._thinker_failed:
+            return
+        self._thinker_failed = True
+        log.warning("duplex session %s: thinker failed (%s): %s", self.session.id, code, message)
+        self.session.post_pipeline(PipelineFailure(code, message, "thinker"))
+
+    def _fail_turn(
+        self, turn: _SpeechTurn, stage: str, exc: BaseException | None, code: str = "", message: str = ""
+    ) -> None:
+        """A talker/code2wav stream of ``turn`` failed: cancel both streams of the turn (the survivor would
+        otherwise wait for input that never comes) and report the failure once."""
+        if turn.failed or turn.interrupted or turn.finished:
+            return  # already reported, fenced by an interrupt, or done (its audio is all delivered)
+        turn.failed = True
+        self._cancel_turn(turn)
         if self._closed:
             return
-        code, message = _failure_code(exc)
-        log.warning("duplex session %s: %s failed: %s", self.session.id, stage, message)
-        self.session.post_pipeline(PipelineFailure(code, message, stage, epoch))
+        self._voice_failed_epoch = max(self._voice_failed_epoch, turn.epoch)
+        if exc is not None:
+            code, message = _failure_code(exc)
+        log.warning("duplex session %s: %s failed in speaking turn %d (%s): %s",
+                    self.session.id, stage, turn.turn_id, code, message)
+        self.session.post_pipeline(PipelineFailure(code, message, stage, turn.epoch))
 
 
 def grpc_pipeline_factory(settings: RealtimeSettings, stages: StageSet | None = None) -> Any:

@@ -34,12 +34,15 @@ _BUSY_GAUGE = re.compile(r"^(minicpmo_stage_in_flight|minicpmo_stage_streams_act
 class RunningStages:
     addrs: dict[str, str]  # stage -> gRPC host:port
     metrics_urls: dict[str, str]  # stage -> Prometheus endpoint
+    # stage -> its server process, for tests that make a stage fail (SIGKILL) under a live session
+    processes: dict[str, subprocess.Popen[bytes]]
 
-    def busy(self) -> dict[str, float]:
-        """Per stage: open streams plus in-flight work, from the stage's own gauges (0 when idle)."""
+    def busy(self, stages: Sequence[str] = STAGES) -> dict[str, float]:
+        """Per stage (all, or the survivors after a test killed one): open streams plus in-flight work,
+        from the stage's own gauges (0 when idle)."""
         out: dict[str, float] = {}
-        for stage, url in self.metrics_urls.items():
-            text = httpx.get(url, timeout=10).text
+        for stage in stages:
+            text = httpx.get(self.metrics_urls[stage], timeout=10).text
             out[stage] = sum(float(m.group(2)) for m in _BUSY_GAUGE.finditer(text))
         return out
 
@@ -80,7 +83,7 @@ def stage_servers(ckpt: Path, log_dir: Path, thinker_args: Sequence[str] = ()) -
                 text = "\n".join((log_dir / f"{s}.log").read_text(errors="replace")[-2000:] for s in STAGES)
                 pytest.fail(f"stage servers did not become healthy:\n{text}")
             time.sleep(0.5)
-        yield RunningStages(addrs, metrics_urls)
+        yield RunningStages(addrs, metrics_urls, dict(zip(STAGES, procs, strict=True)))
     finally:
         for p in procs:
             p.terminate()

@@ -285,12 +285,38 @@ class ResponseLifecycle:
         )
 
     async def _on_failure(self, failure: Any) -> None:
+        """A stage stream failed: ``error`` (stable code), the active response ``failed``, then either the
+        end of the session or a fence of the failed speaking turn.
+
+        * Thinker (dead or unreachable ⇒ ``stage_unavailable``; an error in its stream, or the stream
+          ending, ⇒ that error's code, else ``engine_error``): the thinker's duplex stream holds the
+          session's conversation state, so the session cannot go on. It ends at once with
+          ``session.closed{reason: code}`` and the socket closes; closing the pipeline cancels the
+          talker/code2wav streams still open for it.
+        * Talker or code2wav: only the voice of one speaking turn is lost (those streams are per turn and
+          the next turn opens new ones, possibly on another replica), so only the response fails
+          (wire-protocol §4.11: ``error`` → ``response.done{status:"failed"}``). The rest of the model's
+          turn is fenced like a hard interrupt (``epoch += 1``, ``Control.interrupt`` to the thinker) so
+          it neither reopens a voice nor becomes a response of its own; the session stays open.
+        """
         s = self.s
+        if s.state != "open":
+            return
+        fatal = failure.stage == "thinker" or failure.code == "context_length_exceeded"
+        if not fatal and failure.epoch < s.epoch:
+            return  # the failed turn was already fenced (its response cancelled); nothing is lost now
         s.emit_error(RealtimeError(failure.code, failure.message, retryable=False))
+        if fatal:
+            self.deferred_create = False  # no new response can start on a dead thinker
+            if self.active is not None:
+                self.finish(self.active, "failed", failure.code)
+            await s._close(failure.code)
+            return
+        s.epoch += 1
+        s.unit_sent_at.clear()
+        s.pipeline.interrupt(s.epoch, "stage_failure")
         if self.active is not None:
             self.finish(self.active, "failed", failure.code)
-        if failure.code == "context_length_exceeded":
-            s.post("close", "context_length_exceeded")
 
     # ---------------------------------------------------------------- termination
 
