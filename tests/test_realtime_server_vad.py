@@ -164,3 +164,25 @@ def test_speech_started_then_client_clear_and_commit(client: TestClient) -> None
         assert "response.created" not in [e["type"] for e in seen]  # a manual commit alone is not answered
         append(ws, np.zeros(16_000, dtype=np.float32))
         assert next_after_heartbeat(ws) == []  # the committed speech does not stop a second time
+
+
+def test_detected_turn_over_the_commit_backlog_is_refused_and_dropped(client: TestClient) -> None:
+    """A speech stop while the pending-commit backlog is full: ``input_backpressure``, the turn's audio is
+    dropped (nothing committed, nothing answered) and the session goes on."""
+    client.app.state.realtime_settings.max_pending_commits = 0
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_vad(ws, silence_duration_ms=400)
+        silence = np.zeros(int(0.4 * 16_000), dtype=np.float32)
+        append(ws, np.concatenate([silence, tone(1.0), silence, silence]))
+        seen = next_after_heartbeat(ws)
+        types = [e["type"] for e in seen]
+        assert types[:2] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped"], types
+        errors = [e for e in seen if e["type"] == "error"]
+        assert [e["error"]["code"] for e in errors] == ["input_backpressure"]
+        assert errors[0]["error"]["type"] == error_type_for("input_backpressure")
+        assert not {"input_audio_buffer.committed", "conversation.item.done", "response.created"} & set(types)
+        # The dropped audio is gone: a manual commit now has nothing to commit.
+        ws.send_json({"type": "input_audio_buffer.commit", "event_id": "evt_commit"})
+        event = ws.receive_json()
+        assert event["type"] == "error" and event["error"]["event_id"] == "evt_commit", event
+        assert event["error"]["code"] == "input_audio_buffer_empty", event

@@ -150,3 +150,20 @@ def test_writer_survives_an_event_it_cannot_encode() -> None:
     assert ws.sent[0]["error"]["code"] == "internal_error"
     assert ws.sent[1]["sample_rate_hz"] == 24000
     assert ws.closed_with == 1000
+
+
+def test_a_session_cancelled_by_the_server_still_ends_with_session_closed() -> None:
+    """The gateway's shutdown cancels session tasks: the client still gets ``session.closed``, with reason
+    ``server_shutdown`` (not an internal error), before the socket closes."""
+    app = create_app(GatewayConfig(stage_addrs={s: "127.0.0.1:1" for s in ("thinker", "talker", "code2wav")}))
+    app.state.realtime_pipeline_factory = lambda session: ScriptedPipeline(session, "ok")
+    with serve_in_thread(app) as port, connect(f"ws://127.0.0.1:{port}/v1/realtime", open_timeout=10) as ws:
+        ws.send(json.dumps({"type": "session.update", "session": session_body()}))
+        _until(ws, "session.updated")
+        (session,) = app.state.realtime.registry.sessions.values()
+        task = session._task
+        task.get_loop().call_soon_threadsafe(task.cancel)
+        closed, _ = _until(ws, "session.closed")
+        assert closed["reason"] == "server_shutdown"
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=5)

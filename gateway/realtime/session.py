@@ -209,6 +209,7 @@ class DuplexSession:
         return self.attachment
 
     async def _run(self) -> None:
+        cancelled = False
         try:
             while self.state == "open":
                 kind, payload = await self.mailbox.get()
@@ -232,12 +233,18 @@ class DuplexSession:
                 except Exception as exc:  # a bug must not kill the session silently
                     log.exception("realtime session %s: unhandled error", self.id)
                     self.emit_error(RealtimeError("internal_error", f"internal error: {type(exc).__name__}"))
+        except asyncio.CancelledError:
+            cancelled = True  # the gateway is shutting down
+            raise
         finally:
             if self.state == "open":
-                # The loop itself died (cancelled, or an error escaped the handler above): the client
-                # must still learn that the session is over rather than wait on a silent socket.
-                log.error("realtime session %s: session task ended while open; closing it", self.id)
-                await self._close("internal_error")
+                # The loop itself ended (the server stops, or an error escaped the handler above): the
+                # client must still learn that the session is over rather than wait on a silent socket.
+                if cancelled:
+                    log.info("realtime session %s: closed by the gateway's shutdown", self.id)
+                else:
+                    log.error("realtime session %s: session task ended while open; closing it", self.id)
+                await self._close("server_shutdown" if cancelled else "internal_error")
             await self._close_pipeline()
             self._on_finished(self)
 
