@@ -288,6 +288,31 @@ def _stream(conn: Conn, x: np.ndarray, chunk_s: float = 0.2) -> None:
         conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x[i : i + step])})
 
 
+def test_server_vad_speech_over_an_answer_without_barge_in_support(stage_addrs: dict[str, str]) -> None:
+    """A deployment without barge-in: speech detected during an answer is reported as
+    ``overlap.decision{action:"listen", reason:"barge_in_unsupported"}`` and the answer plays to its end."""
+    with realtime_gateway(stage_addrs, seed=0, max_response_units=2, supports_barge_in=False) as url:
+        conn = Conn(f"{url}/v1/realtime")
+        try:
+            _open(conn, turn_detection={"type": "server_vad", "silence_duration_ms": 400},
+                  overlap_policy="barge_in_on_speech")
+            silence = np.zeros(int(0.4 * 16000), dtype=np.float32)
+            _stream(conn, np.concatenate([silence, tone(1.2), silence, silence]))
+            rid = conn.until("response.created", 60)["response_id"]
+            conn.until("response.output_audio.delta")
+            _stream(conn, tone(0.6, freq=330.0))  # the user talks over the answer
+            conn.until("input_audio_buffer.speech_started", 60)
+            decision = conn.until("overlap.decision", 60)
+            assert decision["action"] == "listen" and decision["reason"] == "barge_in_unsupported"
+            assert decision["metadata"]["response_id"] == rid
+            done = conn.until("response.done", 120)
+            assert done["response_id"] == rid and done["response"]["status"] == "completed"
+            conn.until("rate_limits.updated")
+            assert check_response_invariants(conn.events)[rid]["audio_bytes"] > 0
+        finally:
+            conn.close()
+
+
 def test_server_vad_turns_and_barge_in(gateway_url: str) -> None:
     """turn_detection server_vad: a tone burst then silence is detected, committed and answered with audio;
     speech during that answer cancels it with reason ``turn_detected``; the next silence ends the new turn."""
