@@ -15,7 +15,15 @@ from services.common.errors import INVALID_ARGUMENT, StageError
 from services.talker import sampling as smp
 from services.talker.engine import TalkerEngine
 from services.talker.model.tts import MiniCPMTTS
-from services.talker.streams import ConditionInput, DoneOut, InterruptAckOut, Output, StreamState, WindowOut
+from services.talker.streams import (
+    ConditionInput,
+    DoneOut,
+    ErrorOut,
+    InterruptAckOut,
+    Output,
+    StreamState,
+    WindowOut,
+)
 
 EOS = 6561
 SIL = 4218
@@ -119,6 +127,9 @@ def test_greedy_batched_engine_equals_plain_reference_loop(model: MiniCPMTTS) ->
     engine = TalkerEngine(model, max_streams=4)
     taps: dict[int, list[torch.Tensor]] = {}
     engine.logits_observer = lambda st, lg: taps.setdefault(id(st), []).append(lg.clone())
+    prefill_sizes: list[int] = []
+    batched_prefill = engine.runner.prefill_batch
+    engine.runner.prefill_batch = lambda items: (prefill_sizes.append(len(items)), batched_prefill(items))[1]
     greedy = engine.default_sampling(temperature=1.0, greedy=True)  # penalty 1.05 from tts_config stays on
     sinks, streams, conds = [], [], []
     for i, n in enumerate((5, 12, 8)):
@@ -148,6 +159,33 @@ def test_greedy_batched_engine_equals_plain_reference_loop(model: MiniCPMTTS) ->
                 assert int(s.argmax()) == codes[t], f"stream {i} step {t}"
                 checked += 1
     assert checked > 100
+    assert prefill_sizes[0] == 3  # the three conditions arrived before the first step: one batched prefill
+
+
+def test_a_failed_batched_prefill_falls_back_to_one_prefill_per_stream(model: MiniCPMTTS) -> None:
+    """If the batched forward fails, each stream is prefilled alone (only a stream at fault would get an
+    error): the streams still produce exactly the frames of an engine whose batched prefill works."""
+
+    def run(break_batches: bool) -> list[list[int]]:
+        engine = TalkerEngine(model, max_streams=4)
+        if break_batches:
+            def failing(items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+                raise RuntimeError("batched prefill broke")
+
+            engine.runner.prefill_batch = failing
+        greedy = engine.default_sampling(temperature=1.0, greedy=True)
+        sinks = []
+        for i, n in enumerate((4, 9, 6)):
+            sink = Sink()
+            engine.chunk(engine.open(engine.make_settings(sampling=greedy, fixed_frames=12), sink),
+                         cond_input(model, n, 300 + i))
+            sinks.append(sink)
+        engine.run_until_idle()
+        assert all(len(sink.done) == 1 for sink in sinks)
+        assert not [o for sink in sinks for o in sink.items if isinstance(o, ErrorOut)]
+        return [sink.frames for sink in sinks]
+
+    assert run(break_batches=True) == run(break_batches=False)
 
 
 def _seeded_frames(model: MiniCPMTTS, extra_streams: int, frames: int = 60) -> list[int]:

@@ -136,6 +136,27 @@ def test_runner_batched_decode_matches_transformers(model: MiniCPMTTS) -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_batched_prefill_equals_one_prefill_per_slot(model: MiniCPMTTS) -> None:
+    """Conditions of different lengths, one slot already holding context, prefilled in one forward: the
+    same last-row logits, KV and lengths as one prefill per slot, and later decodes agree too."""
+    batched, single = TalkerRunner(model, num_slots=4), TalkerRunner(model, num_slots=4)
+    first = model.whole_utterance_condition(*_condition(model, 5, 40))
+    conds = [model.whole_utterance_condition(*_condition(model, n, 41 + n)) for n in (3, 12, 7)]
+    slots = [0, 2, 3]
+    for runner in (batched, single):
+        runner.prefill(0, first)  # slot 0 continues after 5 + its condition rows
+        for s in slots[1:]:
+            runner.cache.lengths[s] = 0
+    got = batched.prefill_batch(list(zip(slots, conds, strict=True)))
+    want = torch.stack([single.prefill(s, c) for s, c in zip(slots, conds, strict=True)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert batched.cache.lengths == single.cache.lengths
+    for s in slots:
+        n = batched.cache.lengths[s]
+        torch.testing.assert_close(batched.cache.k[:, s, :, :n], single.cache.k[:, s, :, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(batched.decode(slots, [5, 6, 7]), single.decode(slots, [5, 6, 7]), rtol=1e-4, atol=1e-4)
+
+
 def test_runner_decode_with_in_step_sampling_equals_decode_then_sample(model: MiniCPMTTS) -> None:
     """The graphed step function (forward + sampler) draws what the separate list-based sampler draws."""
     from services.talker import sampling as smp

@@ -4,8 +4,9 @@ Design
 ------
 * **Slots.** Each stream with work holds one slot of the static KV cache (:mod:`kv_cache`) from the
   start of a turn to its end; streams beyond the slot count wait in FIFO order. Every step runs the
-  prefills that are ready (one condition each), then **one batched decode step** for every stream that
-  has a frame to feed, so streams join and leave the batch between any two steps.
+  prefills that are ready (one condition each, up to ``max_prefills_per_step``, together in one padded
+  forward), then **one batched decode step** for every stream that has a frame to feed, so streams join
+  and leave the batch between any two steps.
 * **Per-request state** (:mod:`streams`): sampling params, the seed's draw counter, the 16-frame
   penalty history, budgets, the window buffer and the previous segment. Sampling is batched with
   per-row rules (:mod:`sampling`) inside the decode step's CUDA graph; only the picked ids come back.
@@ -52,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.errors import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -88,6 +89,11 @@ STREAMING_MAX_SAMPLES_PER_CHUNK = 500  # upstream generate_with_buffer(max_new_t
 FRAMES = Counter("minicpmo_talker_frames_total", "Codec frames emitted (rate() gives frames/s)")
 ACTIVE_STREAMS = Gauge("minicpmo_talker_engine_streams", "Streams known to the Talker engine")
 DECODE_ROWS = Gauge("minicpmo_talker_decode_batch", "Rows in the latest batched decode step")
+PREFILL_BATCH = Histogram(
+    "minicpmo_talker_prefill_batch",
+    "Streams whose segment prefills ran together in one forward",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+)
 
 
 @dataclass
@@ -106,7 +112,7 @@ class TalkerEngine:
         model: MiniCPMTTS,
         *,
         max_streams: int = 16,
-        max_prefills_per_step: int = 4,
+        max_prefills_per_step: int = 8,
         use_cuda_graphs: bool | None = None,
         streaming_max_samples_per_chunk: int = STREAMING_MAX_SAMPLES_PER_CHUNK,
     ) -> None:
@@ -248,14 +254,10 @@ class TalkerEngine:
             self._cancel_all.clear()
             self.cancel_all()
         self._admit()
-        prefills = 0
-        for st in list(self._streams):
-            if prefills >= self.max_prefills_per_step:
-                break
-            if st.phase is Phase.IDLE and st.slot is not None and st.queue:
-                did = True
-                prefills += 1
-                self._guarded(st, self._start_segment)
+        ready = [st for st in self._streams if st.phase is Phase.IDLE and st.slot is not None and st.queue]
+        if ready:
+            did = True
+            self._start_segments(ready[: self.max_prefills_per_step])
         decoding = [st for st in self._streams if st.phase is Phase.DECODE and st.slot is not None]
         if decoding:
             did = True
@@ -410,8 +412,33 @@ class TalkerEngine:
         st.emit(ClosedOut(st.meta()))
 
     # ------------------------------------------------------------------------------- segments
-    def _start_segment(self, st: StreamState) -> None:
-        """Take the next condition of ``st``, build its context, prefill, and draw the first sample."""
+    def _start_segments(self, ready: list[StreamState]) -> None:
+        """Start the next segment of each ready stream: their prefills run as one batched forward.
+
+        A stream whose preparation fails gets its own error; if the batched forward itself fails, each
+        stream is prefilled alone so that only the stream at fault gets the error.
+        """
+        items: list[tuple[StreamState, torch.Tensor]] = []
+        for st in ready:
+            prepared: list[torch.Tensor] = []
+            self._guarded(st, lambda s, out=prepared: out.extend(self._prepare_segment(s)))
+            if prepared:
+                items.append((st, prepared[0]))
+        if not items:
+            return
+        batch = [st for st, _ in items]
+        try:
+            logits = self.runner.prefill_batch([(st.slot, rows) for st, rows in items])  # type: ignore[misc]
+        except Exception:
+            for st, rows in items:
+                self._guarded(st, lambda s, r=rows: self._after_logits(s, self.runner.prefill(s.slot, r)[None]))
+            return
+        PREFILL_BATCH.observe(len(batch))
+        self._after_logits_batch(batch, logits)
+
+    def _prepare_segment(self, st: StreamState) -> list[torch.Tensor]:
+        """Take the next condition of ``st`` and build its context: ``[rows to prefill]``, or ``[]`` when the
+        turn ends without a prefill (an empty whole-utterance condition)."""
         cond = st.queue.popleft()
         s = st.settings
         assert st.slot is not None
@@ -433,7 +460,7 @@ class TalkerEngine:
         if st.form is TurnForm.WHOLE and cond.token_ids.numel() == 0:
             # Nothing to say (vllm-omni finishes such a request at once): no babble from an empty condition.
             self._finish_turn(st, "stop")
-            return
+            return []
         model = self.model
         if st.form is TurnForm.WHOLE:
             rows = model.whole_utterance_condition(cond.token_ids, cond.hidden)
@@ -456,8 +483,7 @@ class TalkerEngine:
         if st.form is TurnForm.DUPLEX:
             assert st.row is not None
             st.row.clear_history()  # upstream generate_chunk counts only this unit's frames
-        logits = self.runner.prefill(st.slot, context_rows)
-        self._after_logits(st, logits[None])
+        return [context_rows]
 
     def _context_rows(
         self, st: StreamState, rows: torch.Tensor, budget: smp.DuplexBudget | None

@@ -144,7 +144,7 @@ class TalkerRunner:
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        read_slots: slice,
+        read_slots: slice | torch.Tensor,
         read_len: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
@@ -192,7 +192,7 @@ class TalkerRunner:
         positions: torch.Tensor,
         write_slots: torch.Tensor,
         write_index: torch.Tensor,
-        read_slots: slice,
+        read_slots: slice | torch.Tensor,
         read_len: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
@@ -232,6 +232,43 @@ class TalkerRunner:
         hidden = self._layers(x, positions, slots, positions, slice(slot, slot + 1), end, mask)
         self.cache.lengths[slot] = end
         return self.model.head_logits(hidden[0, -1])
+
+    @torch.inference_mode()
+    def prefill_batch(self, items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """Several slots' prefills in one forward; returns fp32 logits ``[len(items), V]`` of each last row.
+
+        Streams that start together (c=8 requests arriving at once) would otherwise prefill one after the
+        other, each a full eager pass over every layer. Rows are padded to the longest condition; a padded
+        row writes to the scratch column and attends only to position 0, so it touches no slot's context.
+        """
+        if len(items) == 1:
+            slot, rows = items[0]
+            return self.prefill(slot, rows)[None]
+        lengths = self.cache.lengths
+        starts = [lengths[slot] for slot, _ in items]
+        sizes = [int(rows.shape[0]) for _, rows in items]
+        for start, size in zip(starts, sizes, strict=True):
+            if start + size > self.context:
+                raise ValueError(f"prefill of {size} rows at {start} exceeds the Talker context {self.context}")
+        bsz, width = len(items), max(sizes)
+        read_len = max(start + size for start, size in zip(starts, sizes, strict=True))
+        dev = self.device
+        x = torch.zeros(bsz, width, self.cfg.hidden_size, dtype=self.dtype, device=dev)
+        for b, (_, rows) in enumerate(items):
+            x[b, : sizes[b]] = rows.to(device=dev, dtype=self.dtype)
+        t = torch.arange(width, device=dev)[None, :]
+        start_t = torch.tensor(starts, device=dev)[:, None]
+        valid = t < torch.tensor(sizes, device=dev)[:, None]  # [B, W]
+        positions = torch.where(valid, start_t + t, torch.zeros_like(t))
+        write_index = torch.where(valid, start_t + t, torch.full_like(t, self.cache.scratch_index))
+        cols = torch.arange(read_len, device=dev)[None, None, :]
+        mask = torch.where(valid[:, :, None], cols <= positions[:, :, None], cols == 0)[:, None]  # [B,1,W,R]
+        slots = torch.tensor([slot for slot, _ in items], device=dev)
+        hidden = self._layers(x, positions, slots, write_index, slots, read_len, mask)
+        for (slot, _), start, size in zip(items, starts, sizes, strict=True):
+            lengths[slot] = start + size
+        last = hidden[torch.arange(bsz, device=dev), torch.tensor(sizes, device=dev) - 1]
+        return self.model.head_logits(last)
 
     # -------------------------------------------------------------------------------------- decode
     def _step_eager(
