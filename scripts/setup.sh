@@ -25,13 +25,18 @@ PY
 if [ -n "$ta_lib" ] && ls "$ta_lib"/*.so >/dev/null 2>&1; then
   rm -f "$ta_lib"/*.so
 fi
-# The realtime web page's browser test (tests/test_realtime_web_browser.py) drives Debian's chromium through
-# Playwright (no browser download). Install it where apt-get can (as root); elsewhere that test skips.
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  echo "[setup] installing chromium with apt-get (for the web page's browser test)"
-  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
-      >/tmp/minicpmo-chromium-install.log 2>&1; then
-    echo "[setup] warning: chromium install failed (see /tmp/minicpmo-chromium-install.log); its test will skip" >&2
+# Two tests use Debian packages: the realtime web page's browser test (tests/test_realtime_web_browser.py)
+# drives Debian's chromium through Playwright (no browser download), and the compose cross-check
+# (tests/test_deploy_compose.py) runs docker-compose's own `config` merge (no daemon needed). Install them
+# where apt-get can (as root); elsewhere those tests skip and say why.
+apt_wanted=()
+command -v chromium >/dev/null 2>&1 || apt_wanted+=(chromium)
+command -v docker-compose >/dev/null 2>&1 || apt_wanted+=(docker-compose)
+if [ "${#apt_wanted[@]}" -gt 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[setup] installing ${apt_wanted[*]} with apt-get (for the browser and compose tests)"
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_wanted[@]}"; } \
+      >/tmp/minicpmo-apt-install.log 2>&1; then
+    echo "[setup] warning: apt-get install failed (see /tmp/minicpmo-apt-install.log); those tests will skip" >&2
   fi
 fi
 .venv/bin/python -c "import torch, torchaudio, grpc, stepaudio2" 2>/dev/null || {
