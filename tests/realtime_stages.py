@@ -117,7 +117,9 @@ class Conn:
     def __init__(self, url: str) -> None:
         from websockets.sync.client import connect
 
-        self.ws = connect(url, max_size=None, open_timeout=30)
+        # Entered as a context manager (websockets deprecates a bare connect() call); close() exits it.
+        self._connection = connect(url, max_size=None, open_timeout=30)
+        self.ws = self._connection.__enter__()
         self.events: list[dict[str, Any]] = []
 
     def send(self, event: dict[str, Any]) -> None:
@@ -137,4 +139,4 @@ class Conn:
                 return event
 
     def close(self) -> None:
-        self.ws.close()
+        self._connection.__exit__(None, None, None)
