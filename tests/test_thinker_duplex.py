@@ -199,6 +199,51 @@ def test_context_limit_ends_session_cleanly(backend) -> None:  # noqa: ANN001
         small.shutdown()
 
 
+def test_sliding_window_keeps_a_long_session_going(backend) -> None:  # noqa: ANN001
+    """``--duplex-window basic``: a session that would pass the context limit trims to the prefix plus its
+    newest whole units (their audio rows re-fed exactly) and carries on; without it the session ends."""
+    from services.thinker.duplex_window import DuplexWindow
+
+    small = ThinkerEngine(backend.engine.runner.llm, EngineConfig(max_context=120, kv_budget_bytes=4 << 20), "cpu")
+    small.start()
+    submitted: list = []
+    plain_submit = small.submit
+    small.submit = lambda seq, work: (submitted.append(work), plain_submit(seq, work))[1]  # type: ignore[method-assign]
+    try:
+        b = dataclasses.replace(backend, engine=small, duplex_window=DuplexWindow(high=110, low=70).validate(120))
+        got = asyncio.run(_session(b, [duplex_open(force_listen_units=100)] + [unit(i) for i in range(14)] + [END]))
+        assert not [r.error.message for r in got if r.HasField("error")]
+        units = [r.unit for r in got if r.HasField("unit")]
+        assert [u.id.unit_seq for u in units] == list(range(14))
+        assert all(u.context_tokens <= 110 for u in units)
+        is_trim = [isinstance(w.tag, tuple) and w.tag[0] == "trim" for w in submitted]
+        trims = [(i, w) for i, w in enumerate(submitted) if is_trim[i]]
+        assert len(trims) >= 2 and got[-1].done.usage.extra["window_trims"] == len(trims)
+        prefix = submitted[0]
+        unit_works = [(i, w) for i, w in enumerate(submitted) if i > 0 and not is_trim[i]]
+        for at, trim in trims:
+            assert trim.token_ids[: len(prefix.token_ids)] == prefix.token_ids
+            assert len(trim.token_ids) <= 70
+            # The tail is the newest whole units, fed again with their own audio rows.
+            before = [w for i, w in unit_works if i < at]
+            pos, k = len(trim.token_ids), len(before)
+            while pos > len(prefix.token_ids):
+                k -= 1
+                n = len(before[k].token_ids)
+                pos -= n
+                assert trim.token_ids[pos : pos + n] == before[k].token_ids
+                assert torch.equal(trim.embeds[pos : pos + n], before[k].embeds)
+            assert pos == len(prefix.token_ids) and 0 < k < len(before)
+        total = got[-1].done.usage.total_tokens
+        assert total == len(prefix.token_ids) + sum(len(w.token_ids) for _, w in unit_works)
+        assert _wait_free(small)
+    finally:
+        small.shutdown()
+
+    with pytest.raises(Exception, match="high"):
+        DuplexWindow(high=130, low=70).validate(120)
+
+
 # ------------------------------------------------------------------------------------- policy units
 def _policy(state: PolicyState, **kw: object) -> DuplexPolicy:
     forbidden = torch.zeros(151748, dtype=torch.bool)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
 from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
@@ -54,6 +54,7 @@ from services.thinker.duplex_policy import (
     PolicyState,
     forbidden_mask_for,
 )
+from services.thinker.duplex_window import ContextRecord
 from services.thinker.engine import STAGE, EngineEvent
 from services.thinker.errors import failure
 from services.thinker.scheduler import WorkItem
@@ -70,6 +71,10 @@ UNIT_PHASE_SECONDS = Histogram(
     "its decision: prefill, decode steps and sampling, shared with every other sequence)",
     ["phase"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+WINDOW_TRIMS = Counter(
+    "minicpmo_thinker_duplex_window_trims_total",
+    "Duplex sessions' context trims by the sliding window (--duplex-window basic)",
 )
 
 TTS_EOS = SPECIAL_TOKEN_IDS["<|tts_eos|>"]
@@ -311,13 +316,32 @@ async def run_duplex_stream(
             error=failure("duplex setup failed", exc).to_proto(open_msg.id)
         )
         return
-    seq = engine.open(lambda ev: loop.call_soon_threadsafe(inbox.put_nowait, ev), persistent=True)
+    def sink(ev: EngineEvent) -> None:
+        loop.call_soon_threadsafe(inbox.put_nowait, ev)
+
+    seq = engine.open(sink, persistent=True)
     engine.submit(seq, prefix)
+    record: ContextRecord | None = None
+    if backend.duplex_window is not None:
+        record = ContextRecord(backend.duplex_window, engine.runner.model.embed_tokens)
+        record.record(0, prefix, prefix=True)
+    deferred: tuple[int, WorkItem, float] | None = None  # a unit waiting for a window trim's prefill
 
     async def pump_requests() -> None:
         async for req in request_iterator:
             inbox.put_nowait(req)
         inbox.put_nowait(None)
+
+    def submit_unit(
+        unit_seq: int, work: WorkItem, t_start: float, start: int
+    ) -> tuple[tuple[int, int, UnitOutcome], float]:
+        work.tag = (unit_seq, session.epoch)
+        t_submit = time.perf_counter()
+        UNIT_PHASE_SECONDS.labels("encode").observe(t_submit - t_start)
+        if record is not None:
+            record.record(start, work)
+        engine.submit(seq, work)
+        return (unit_seq, session.epoch, UnitOutcome()), t_submit
 
     reader = asyncio.create_task(pump_requests())
     pending: list[tuple[thinker_pb2.ThinkerUnit, float]] = []  # (unit, arrival time)
@@ -348,6 +372,22 @@ async def run_duplex_stream(
                     err = failure("duplex unit encode failed", exc)
                     yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
                     return
+                if record is not None and record.needs_trim(context_tokens, len(work.token_ids)):
+                    trim = await loop.run_in_executor(
+                        backend.executor, record.trimmed, list(seq.tokens), len(work.token_ids)
+                    )
+                    if trim is not None:
+                        # A fresh sequence with the prefix and the newest units; the unit follows its prefill.
+                        engine.close(seq)
+                        seq = engine.open(sink, persistent=True)
+                        trim.tag = ("trim", session.epoch)
+                        engine.submit(seq, trim)
+                        WINDOW_TRIMS.inc()
+                        log.info("duplex session %s: context %d -> %d tokens (window trim)",
+                                 session.identity.session_id, context_tokens, len(trim.token_ids))
+                        deferred = (unit_seq, work, t_start)
+                        busy = True
+                        continue
                 if context_tokens + len(work.token_ids) + MAX_TOKENS_PER_UNIT > engine.max_context:
                     err = StageError(
                         CONTEXT_LENGTH_EXCEEDED,
@@ -356,20 +396,19 @@ async def run_duplex_stream(
                     )
                     yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
                     return
-                work.tag = (unit_seq, session.epoch)
-                t_submit = time.perf_counter()
-                UNIT_PHASE_SECONDS.labels("encode").observe(t_submit - t_start)
-                engine.submit(seq, work)
-                current = (unit_seq, session.epoch, UnitOutcome())
+                current, t_submit = submit_unit(unit_seq, work, t_start, context_tokens)
                 busy = True
                 continue
             if ending and not busy and not pending:
+                fed = context_tokens + (record.dropped_tokens if record is not None else 0)
                 usage = common_pb2.Usage(
-                    prompt_tokens=context_tokens - session.total_generated,
+                    prompt_tokens=fed - session.total_generated,
                     completion_tokens=session.total_generated,
-                    total_tokens=context_tokens,
+                    total_tokens=fed,
                 )
                 usage.extra["units"] = session.units_done
+                if record is not None:
+                    usage.extra["window_trims"] = record.trims
                 yield thinker_pb2.ThinkerResponse(
                     done=common_pb2.Done(id=session.ident(), finish_reason="stop", usage=usage)
                 )
@@ -390,8 +429,9 @@ async def run_duplex_stream(
                     if which == "interrupt":
                         INTERRUPTS.labels(STAGE).inc()
                         new_epoch = int(item.control.interrupt.new_epoch)
-                        dropped = len(pending) + (1 if current is not None else 0)
+                        dropped = len(pending) + (1 if current is not None or deferred is not None else 0)
                         pending.clear()
+                        deferred = None  # a unit waiting for a window trim belongs to the old epoch
                         if current is not None:
                             engine.cancel(seq)  # the engine records the drain of the running unit
                         else:
@@ -415,6 +455,11 @@ async def run_duplex_stream(
             if ev.error is not None:
                 yield thinker_pb2.ThinkerResponse(error=ev.error.to_proto(session.ident()))
                 return
+            if ev.finish_reason == "prefilled" and deferred is not None:
+                unit_seq, work, t_start = deferred
+                deferred = None
+                current, t_submit = submit_unit(unit_seq, work, t_start, ev.context_tokens)
+                continue
             if ev.finish_reason == "prefilled" or ev.finish_reason == "cancelled":
                 busy = False
                 current = None

@@ -51,6 +51,7 @@ from services.common.stage_settings import (
     parse_stage_args,
 )
 from services.common.tensors import dtype_from_proto, dtype_to_proto, pcm_to_float
+from services.thinker.duplex_window import DuplexWindow
 from services.thinker.engine import STAGE, EngineConfig, EngineEvent, ThinkerEngine
 from services.thinker.errors import failure
 from services.thinker.kv_cache import KVBudgetError
@@ -76,6 +77,7 @@ class ThinkerBackend:
     ckpt: Checkpoint
     device: str
     executor: ThreadPoolExecutor
+    duplex_window: DuplexWindow | None = None  # None: a duplex session ends at the context limit
 
     @property
     def tokenizer(self) -> Any:
@@ -408,6 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="capture decode CUDA graphs for every batch bucket up to --max-num-seqs and context bucket up "
         "to this many tokens before serving (0: capture lazily, which stalls the engine seconds per new bucket)",
     )
+    ap.add_argument(
+        "--duplex-window",
+        choices=("off", "basic"),
+        default="off",
+        help="what a duplex session does at the context limit: 'off' ends it with context_length_exceeded; "
+        "'basic' keeps the prefix and the newest units within --duplex-window-low tokens once the next unit "
+        "could pass --duplex-window-high, and goes on",
+    )
+    ap.add_argument("--duplex-window-high", type=int, default=8000, help="tokens that trigger a trim (basic)")
+    ap.add_argument("--duplex-window-low", type=int, default=6000, help="tokens kept after a trim (basic)")
     ap.add_argument("--log-level", default="INFO")
     add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
@@ -432,6 +444,12 @@ def main(argv: list[str] | None = None) -> None:
         backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
     except KVBudgetError as exc:
         raise SystemExit(f"thinker: {exc}") from None
+    if args.duplex_window == "basic":
+        try:
+            window = DuplexWindow(args.duplex_window_high, args.duplex_window_low)
+            backend.duplex_window = window.validate(backend.engine.max_context)
+        except StageError as exc:
+            raise SystemExit(f"thinker: {exc.message}") from None
     if args.kv_budget is not None:
         budget_source = "--kv-budget"
     elif cfg.memory_fraction is not None:
