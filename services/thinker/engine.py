@@ -232,8 +232,9 @@ class ThinkerEngine:
         t_forward = time.perf_counter() - t0
         self._consume(plan, out)
         dt = time.perf_counter() - t0
-        if events is not None:
-            events[1].synchronize()  # already done: sampling synced after it
+        if events is not None and events[1].query():
+            # Done when sampling synced; a prefill-only step did not sync, and waiting here just to time
+            # it would stall the next launch, so it keeps its wall-clock split.
             t_forward = min(dt, events[0].elapsed_time(events[1]) / 1000.0)
         STEP_PHASE_SECONDS.labels("forward").observe(t_forward)
         STEP_PHASE_SECONDS.labels("sample").observe(dt - t_forward)
