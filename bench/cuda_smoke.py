@@ -5,7 +5,8 @@
 Each engine is built twice on the same weights, once with ``use_cuda_graphs=True`` (decode steps replay a
 graph captured per batch/context bucket) and once with ``False`` (eager), and runs the same greedy
 requests: batch 1, then 3 concurrent requests (padded to the 4-row graph bucket, so the padding path is
-exercised too) with different prompt lengths.
+exercised too) with different prompt lengths, then 3 where the third (20 tokens) arrives while the other
+two decode, so its prefill and their decode rows replay one row graph (a mixed step).
 
 * thinker: :class:`services.thinker.engine.ThinkerEngine`, greedy, ``ignore_eos``; compared: sampled
   tokens and the final-norm hidden row of every fed token;
@@ -100,15 +101,25 @@ def _top2(logits: torch.Tensor) -> Top2:
 
 # ---- thinker -------------------------------------------------------------------------------------
 def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, prompts: list[list[int]],
-                 tokens: int, kv_bytes: int) -> list[Run]:
+                 tokens: int, kv_bytes: int, late_after: int | None = None) -> list[Run]:
+    """Greedy runs of ``prompts``; with ``late_after`` the last prompt arrives after that many steps, so
+    its prefill shares a step with the others' decode rows (a mixed step, replayed as a row graph when the
+    step has at most 32 tokens)."""
     from services.thinker.engine import EngineConfig, ThinkerEngine
     from services.thinker.sampling import Sampler, SamplingConfig
     from services.thinker.scheduler import WorkItem
 
     engine = ThinkerEngine(llm, EngineConfig(max_num_seqs=8, kv_budget_bytes=kv_bytes, use_cuda_graphs=graphs),
                            device)
+    if graphs and late_after is not None:
+        # The mixed step's row bucket must exist: a step with prefill never captures (as in the server,
+        # which captures every bucket at startup).
+        engine.runner.warmup_graphs(len(prompts), 256)
     runs = [Run() for _ in prompts]
-    for run, prompt in zip(runs, prompts, strict=True):
+    for k, (run, prompt) in enumerate(zip(runs, prompts, strict=True)):
+        if late_after is not None and k == len(prompts) - 1:
+            for _ in range(late_after):
+                engine.step()
         def sink(ev: Any, run: Run = run) -> None:
             if ev.error is not None:
                 raise RuntimeError(f"thinker engine error: {ev.error}")
@@ -122,11 +133,15 @@ def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, promp
         engine.submit(seq, WorkItem(prompt, sampler=Sampler(cfg), emit_hidden=True))
     engine.run_until_idle()
     active = engine.runner.use_cuda_graphs
+    counts = dict(engine.runner.step_counts)
+    print(f"[cuda_smoke] thinker {'graph' if graphs else 'eager'} engine steps: {counts}", flush=True)
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if graphs and device.type == "cuda" and not active:
         raise RuntimeError("thinker engine did not enable CUDA graphs")
+    if graphs and active and late_after is not None and counts["graph_mixed"] < 1:
+        raise RuntimeError(f"the late prompt's prefill did not replay a row graph: {counts}")
     return runs
 
 
@@ -143,10 +158,12 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
     gen = torch.Generator().manual_seed(1)
     vocab = int(ckpt.config.get("vocab_size", 151_000))
     out: list[Comparison] = []
-    for batch, lengths in ((1, [64]), (3, [64, 97, 33])):
+    # The last case: a 20-token prompt arrives after 5 steps, so 2 decode rows + its 20-token prefill
+    # (22 tokens) run as one mixed row-graph step.
+    for batch, lengths, late in ((1, [64], None), (3, [64, 97, 33], None), (3, [64, 97, 20], 5)):
         prompts = [torch.randint(1000, min(vocab, 100_000), (n,), generator=gen).tolist() for n in lengths]
-        eager = thinker_runs(llm, device, False, prompts, args.tokens, args.kv_bytes)
-        graph = thinker_runs(llm, device, True, prompts, args.tokens, args.kv_bytes)
+        eager = thinker_runs(llm, device, False, prompts, args.tokens, args.kv_bytes, late)
+        graph = thinker_runs(llm, device, True, prompts, args.tokens, args.kv_bytes, late)
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
             # Row k is the hidden of token k fed back; it chose token k+1. Token 0 came from the prefill.
             with torch.inference_mode():

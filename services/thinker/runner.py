@@ -246,6 +246,8 @@ class ModelRunner:
             self._post = torch.compile(_post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
+        # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
+        self.step_counts: dict[str, int] = {"graph": 0, "graph_mixed": 0, "eager": 0}
         self._graph_pool = None
         self.graph_capture: Capture | None = None  # None: real CUDA graphs (tests emulate them on CPU)
 
@@ -412,7 +414,9 @@ class ModelRunner:
                 graph = self._graph_for(len(rows), max(r.position + 1 for r in rows), capture=not inp.prefill)
                 if graph is not None:
                     hidden, logits = graph.run(self._decode_host(rows, graph.batch, graph.blocks), embeds)
+                    self.step_counts["graph_mixed" if inp.prefill else "graph"] += 1
                     return self._row_output(inp, hidden, logits, clone=True)
+        self.step_counts["eager"] += 1
         return self._eager_step(inp)
 
     def pack_rows(self, inp: StepInput) -> tuple[list[DecodeRow], list[tuple[int, torch.Tensor]]] | None:
