@@ -244,6 +244,79 @@ def test_sliding_window_keeps_a_long_session_going(backend) -> None:  # noqa: AN
         DuplexWindow(high=130, low=70).validate(120)
 
 
+def test_interrupt_while_a_window_trim_prefills(backend) -> None:  # noqa: ANN001
+    """A barge-in that lands while a trim's prefill is in flight drops the unit waiting behind it (counted in
+    the ack), lets the trimmed context finish prefilling (it is context, not output) and serves the new
+    epoch's units on the trimmed sequence; nothing of the old epoch is answered after the ack."""
+    from services.thinker.duplex_window import DuplexWindow
+
+    small = ThinkerEngine(backend.engine.runner.llm, EngineConfig(max_context=120, kv_budget_bytes=4 << 20), "cpu")
+    small.start()
+    submitted: list = []
+    held: list = []  # the trim's submit, released only after the interrupt went in
+    plain_submit = small.submit
+
+    async def scenario() -> list[thinker_pb2.ThinkerResponse]:
+        loop = asyncio.get_running_loop()
+        trim_seen = asyncio.Event()
+
+        def submit(seq, work) -> None:  # noqa: ANN001
+            submitted.append(work)
+            if isinstance(work.tag, tuple) and work.tag[0] == "trim" and not held:
+                held.append((seq, work))
+                trim_seen.set()
+                return
+            plain_submit(seq, work)
+
+        small.submit = submit  # type: ignore[method-assign]
+        interrupt = thinker_pb2.ThinkerRequest(
+            control=common_pb2.Control(interrupt=common_pb2.Interrupt(new_epoch=1, reason="barge-in"))
+        )
+        b = dataclasses.replace(backend, engine=small, duplex_window=DuplexWindow(high=110, low=70).validate(120))
+        server = make_server(b, ServeOptions(host="127.0.0.1", port=0, metrics_port=0))
+        port = await server.start()
+
+        async def gen() -> AsyncIterator[thinker_pb2.ThinkerRequest]:
+            yield duplex_open(force_listen_units=100)
+            for i in range(12):
+                yield unit(i)
+            await asyncio.wait_for(trim_seen.wait(), 60)
+            yield interrupt
+            await asyncio.sleep(0.3)  # the server applies the interrupt while the trim is still held
+            seq, work = held[0]
+            loop.call_soon(plain_submit, seq, work)
+            yield unit(100, epoch=1)
+            yield unit(101, epoch=1)
+            yield END
+
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = thinker_pb2_grpc.ThinkerServiceStub(ch)
+                return [r async for r in stub.Generate(gen(), timeout=60)]
+        finally:
+            await server.stop(grace=0.5)
+
+    try:
+        got = asyncio.run(scenario())
+        assert not [r.error.message for r in got if r.HasField("error")]
+        kinds = [r.WhichOneof("kind") for r in got]
+        ack_at = kinds.index("interrupt_ack")
+        assert got[ack_at].interrupt_ack.new_epoch == 1 and got[ack_at].interrupt_ack.dropped_items >= 1
+        trim_at = next(i for i, w in enumerate(submitted) if w.tag[0] == "trim")
+        fed_before = [w.tag[0] for w in submitted[1:trim_at]]
+        fed_after = [w.tag[0] for w in submitted[trim_at + 1 :]]
+        assert fed_after == [100, 101]  # the unit behind the trim never reached the engine
+        answered = [r.unit.id.unit_seq for r in got if r.HasField("unit")]
+        assert answered == fed_before + [100, 101]
+        assert all(_epoch(r) == 1 for r in got[ack_at + 1 :] if r.WhichOneof("kind") != "done")
+        usage = got[-1].done.usage
+        assert usage.extra["window_trims"] == 1
+        assert usage.total_tokens == sum(len(w.token_ids) for i, w in enumerate(submitted) if i != trim_at)
+        assert _wait_free(small)
+    finally:
+        small.shutdown()
+
+
 # ------------------------------------------------------------------------------------- policy units
 def _policy(state: PolicyState, **kw: object) -> DuplexPolicy:
     forbidden = torch.zeros(151748, dtype=torch.bool)
