@@ -33,6 +33,7 @@ import asyncio
 import base64
 import json
 import re
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -190,7 +191,7 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
 def _launch(args: argparse.Namespace) -> tuple[Any, list[str]]:
     """Start the pipeline for ``--checkpoint`` with the profile; point the bench at it."""
     from bench.cancel import stage_endpoints
-    from bench.e2e import Pipeline
+    from bench.e2e import MpsDaemon, Pipeline
     from services.common.checkpoint import Checkpoint
     from services.common.deploy_profile import load_profile, parse_overrides
 
@@ -198,12 +199,17 @@ def _launch(args: argparse.Namespace) -> tuple[Any, list[str]]:
     if args.stage_overrides:
         profile = profile.with_overrides(parse_overrides(args.stage_overrides))
     out = Path(args.out_dir or ".")
+    if args.mps:
+        args.mps_daemon = MpsDaemon(Path(tempfile.mkdtemp(prefix="minicpmo-mps-")))
+        args.mps_daemon.start()  # the stages launched next inherit its environment: MPS clients
     pipeline = Pipeline(profile, Path(args.checkpoint), out / "logs", {})
     pipeline.start()
     try:
         took = pipeline.wait_healthy(args.startup_timeout)
     except BaseException:
         pipeline.stop()
+        if args.mps:
+            args.mps_daemon.stop()
         raise
     print(f"[realtime] pipeline healthy after {took:.1f} s at {pipeline.url}", flush=True)
     args.url = pipeline.url.replace("http://", "ws://")
@@ -227,9 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1,
                    help="sessions run once, unmeasured, before the first level (CUDA-graph shapes, allocator)")
     p.add_argument("--ref-audio", default=None, help="voice WAV (default: the checkpoint's, in launch mode)")
+    p.add_argument("--mps", action="store_true",
+                   help="launch mode: the stages run as clients of a private MPS daemon (default: time-slicing)")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--out-dir", default=None, help="directory for realtime.json, realtime.md and logs")
     args = p.parse_args(argv)
+    if args.mps and not args.checkpoint:
+        p.error("--mps needs --checkpoint (it launches the stages itself)")
     pipeline = None
     stage_urls: list[str] = []
     if args.checkpoint:
@@ -250,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if pipeline is not None:
             pipeline.stop()
-    text = json.dumps({"levels": levels}, indent=2)
+        if getattr(args, "mps_daemon", None) is not None:
+            args.mps_daemon.stop()
+    sharing = "MPS" if args.mps else "separate processes time-slicing" if args.checkpoint else "external"
+    text = json.dumps({"gpu_sharing": sharing, "levels": levels}, indent=2)
     md = render_markdown(levels)
     print(text)
     print(md, flush=True)
