@@ -358,6 +358,17 @@ def render_markdown(report: dict[str, Any], levels: list[LevelSummary]) -> str:
         markdown_table(levels),
         "",
     ]
+    if any(lv.first_token_ms for lv in levels):
+        lines += ["Where the streaming TTFT goes (means over each level's requests, ms): the client's TTFT; the "
+                  "gateway's, from its pipeline start to the first text delta; the thinker's, from engine submit "
+                  "to the first sampled token.", "",
+                  "| c | client TTFT mean | gateway TTFT mean | thinker TTFT mean |", "|---|---|---|---|"]
+        for lv in levels:
+            ft = lv.first_token_ms
+            client = lv.metrics.get("ttft_ms", {}).get("mean")
+            cells = [client, ft.get("gateway_ttft_mean_ms"), ft.get("thinker_ttft_mean_ms")]
+            lines.append(f"| {lv.concurrency} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells) + " |")
+        lines.append("")
     by_c = report.get("timeline_ms_by_concurrency") or {}
     if by_c:
         cs = sorted(by_c, key=int)
@@ -384,9 +395,43 @@ def render_markdown(report: dict[str, Any], levels: list[LevelSummary]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# First-token histograms read around each level, to place a client's TTFT: the gateway's (pipeline start
+# -> first text delta) and the thinker's (engine submit -> first sampled token).
+FIRST_TOKEN_HISTOGRAMS = ("minicpmo_gateway_time_to_first_token_seconds", "minicpmo_thinker_ttft_seconds")
+
+
+def scrape_sums(urls: list[str]) -> dict[str, float]:
+    """``<histogram>_sum`` and ``_count`` of :data:`FIRST_TOKEN_HISTOGRAMS`, added over ``urls``."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    for url in urls:
+        try:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+        except OSError:
+            continue  # a stage without a metrics port: its mean is left out
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in FIRST_TOKEN_HISTOGRAMS:
+                out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def first_token_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean of each first-token histogram over the requests between two scrapes, in ms."""
+    out: dict[str, float] = {}
+    for hist, key in zip(FIRST_TOKEN_HISTOGRAMS, ("gateway_ttft_mean_ms", "thinker_ttft_mean_ms"), strict=True):
+        n = after.get(f"{hist}_count", 0.0) - before.get(f"{hist}_count", 0.0)
+        if n > 0:
+            out[key] = 1000.0 * (after.get(f"{hist}_sum", 0.0) - before.get(f"{hist}_sum", 0.0)) / n
+    return out
+
+
 async def drive(args: argparse.Namespace, url: str, w: Workload, model: str, prompts: list[str],
-                deadline: float) -> tuple[list[LevelResult], dict[int, list[dict[str, float]]]]:
+                deadline: float, metrics_urls: list[str] | None = None
+                ) -> tuple[list[LevelResult], dict[int, list[dict[str, float]]]]:
     bodies = [request_body(p, w, model) for p in prompts]
+    metrics_urls = metrics_urls if metrics_urls is not None else [url.rstrip("/") + "/metrics"]
     timeout = args.request_timeout
     if args.warmup:
         print(f"[e2e] warm-up: {args.warmup} request(s) at c=1", flush=True)
@@ -404,8 +449,11 @@ async def drive(args: argparse.Namespace, url: str, w: Workload, model: str, pro
             print(f"[e2e] c={c}: warm-up {n} request(s)", flush=True)
             await run_level(url, {}, c, n, timeout, progress=False, bodies=bodies[:n], deadline=deadline)
         print(f"[e2e] c={c}: {args.requests_per_level} request(s)", flush=True)
+        before = await asyncio.to_thread(scrape_sums, metrics_urls)
         summary, reqs = await run_level(url, {}, c, args.requests_per_level, timeout, bodies=bodies,
                                         deadline=deadline, require_audio=True)
+        # After the last response the gateway has observed every request's histograms (at finish).
+        summary.first_token_ms = first_token_means_ms(before, await asyncio.to_thread(scrape_sums, metrics_urls))
         results.append(LevelResult(summary, reqs))
         m = summary.metrics
         print(f"[e2e] c={c} done: {summary.requests} req, {summary.failed} failed, {summary.req_per_s:.2f} req/s, "
@@ -569,8 +617,17 @@ def main(argv: list[str] | None = None) -> int:
             report["startup_s"] = pipeline.wait_healthy(budget)
             print(f"[e2e] pipeline healthy after {report['startup_s']:.1f} s at {pipeline.url}", flush=True)
             url = pipeline.url
+            from bench.cancel import stage_endpoints
+
+            metrics_urls = [url.rstrip("/") + "/metrics"] + [
+                ep.metrics_url for ep in stage_endpoints(pipeline) if ep.stage == "thinker"
+            ]
+        else:
+            metrics_urls = [url.rstrip("/") + "/metrics"]
         report["url"] = url
-        levels, marks = asyncio.run(drive(args, url, w, profile.served_model_name, prompts, deadline))
+        levels, marks = asyncio.run(
+            drive(args, url, w, profile.served_model_name, prompts, deadline, metrics_urls)
+        )
         report["status"] = "ok" if levels and not any(lv.summary.failed for lv in levels) else "failures"
         if len(levels) < len(args.levels):
             report["status"] = "incomplete"

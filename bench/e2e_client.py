@@ -50,6 +50,8 @@ class LevelSummary:
     req_per_s: float
     truncated: bool = False  # the level hit its deadline before every request was sent
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Server-side first-token means over the level (bench.e2e fills it from /metrics): where TTFT went.
+    first_token_ms: dict[str, float] = field(default_factory=dict)
 
 
 def _wav_duration_s(raw: bytes) -> float:

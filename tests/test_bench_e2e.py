@@ -79,12 +79,17 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
         assert lv["metrics"]["ttft_ms"]["p50"] <= lv["metrics"]["e2e_ms"]["p50"]
         # 25 fixed frames = 1 s of codec time; the vocoder adds a short tail.
         assert 1.0 <= lv["metrics"]["audio_s"]["mean"] < 1.5
+        # Server-side first-token means (from the gateway's and the thinker's /metrics) nest inside the
+        # client's TTFT: the thinker's span lies within the gateway's, which lies within the client's.
+        ft = lv["first_token_ms"]
+        assert 0 < ft["thinker_ttft_mean_ms"] <= ft["gateway_ttft_mean_ms"] <= lv["metrics"]["ttft_ms"]["mean"]
     for reqs in report["requests"].values():
         assert all(r["ok"] and r["completion_tokens"] == 10 and r["prompt_tokens"] > 64 for r in reqs)
     assert "first_audio" in report["timeline_ms"]
     assert report["workload"]["first_window_frames"] == 25
     md = (out / "e2e.md").read_text()
     assert "| 1 | 2 | 0 |" in md and "| 2 | 2 | 0 |" in md
+    assert "| c | client TTFT mean | gateway TTFT mean | thinker TTFT mean |" in md
     # Teardown: every child the harness started is gone.
     pids = json.loads((out / "logs" / "pids.json").read_text())
     for pid in pids.values():
