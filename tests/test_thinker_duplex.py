@@ -71,18 +71,23 @@ def duplex_open(**kw: object) -> thinker_pb2.ThinkerRequest:
 END = thinker_pb2.ThinkerRequest(control=common_pb2.Control(end=common_pb2.End()))
 
 
-async def _session(backend, requests: list[thinker_pb2.ThinkerRequest]) -> list[thinker_pb2.ThinkerResponse]:  # noqa: ANN001
+async def _session(
+    backend,  # noqa: ANN001
+    requests: list[thinker_pb2.ThinkerRequest] | AsyncIterator[thinker_pb2.ThinkerRequest],
+) -> list[thinker_pb2.ThinkerResponse]:
+    """One duplex stream through a real server; ``requests`` is a list, or a generator that paces them."""
     server = make_server(backend, ServeOptions(host="127.0.0.1", port=0, metrics_port=0))
     port = await server.start()
 
     async def gen() -> AsyncIterator[thinker_pb2.ThinkerRequest]:
-        for r in requests:
+        for r in requests:  # type: ignore[union-attr]
             yield r
 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = thinker_pb2_grpc.ThinkerServiceStub(ch)
-            return [r async for r in stub.Generate(gen(), timeout=60)]
+            source = gen() if isinstance(requests, list) else requests
+            return [r async for r in stub.Generate(source, timeout=60)]
     finally:
         await server.stop(grace=0.5)
 
@@ -256,48 +261,37 @@ def test_interrupt_while_a_window_trim_prefills(backend) -> None:  # noqa: ANN00
     held: list = []  # the trim's submit, released only after the interrupt went in
     plain_submit = small.submit
 
-    async def scenario() -> list[thinker_pb2.ThinkerResponse]:
-        loop = asyncio.get_running_loop()
-        trim_seen = asyncio.Event()
+    trim_seen = asyncio.Event()
 
-        def submit(seq, work) -> None:  # noqa: ANN001
-            submitted.append(work)
-            if isinstance(work.tag, tuple) and work.tag[0] == "trim" and not held:
-                held.append((seq, work))
-                trim_seen.set()
-                return
-            plain_submit(seq, work)
+    def submit(seq, work) -> None:  # noqa: ANN001
+        submitted.append(work)
+        if isinstance(work.tag, tuple) and work.tag[0] == "trim" and not held:
+            held.append((seq, work))
+            trim_seen.set()  # called on the server's event loop, as the gRPC handler submits there
+            return
+        plain_submit(seq, work)
 
-        small.submit = submit  # type: ignore[method-assign]
-        interrupt = thinker_pb2.ThinkerRequest(
-            control=common_pb2.Control(interrupt=common_pb2.Interrupt(new_epoch=1, reason="barge-in"))
-        )
-        b = dataclasses.replace(backend, engine=small, duplex_window=DuplexWindow(high=110, low=70).validate(120))
-        server = make_server(b, ServeOptions(host="127.0.0.1", port=0, metrics_port=0))
-        port = await server.start()
+    small.submit = submit  # type: ignore[method-assign]
+    interrupt = thinker_pb2.ThinkerRequest(
+        control=common_pb2.Control(interrupt=common_pb2.Interrupt(new_epoch=1, reason="barge-in"))
+    )
 
-        async def gen() -> AsyncIterator[thinker_pb2.ThinkerRequest]:
-            yield duplex_open(force_listen_units=100)
-            for i in range(12):
-                yield unit(i)
-            await asyncio.wait_for(trim_seen.wait(), 60)
-            yield interrupt
-            await asyncio.sleep(0.3)  # the server applies the interrupt while the trim is still held
-            seq, work = held[0]
-            loop.call_soon(plain_submit, seq, work)
-            yield unit(100, epoch=1)
-            yield unit(101, epoch=1)
-            yield END
+    async def paced() -> AsyncIterator[thinker_pb2.ThinkerRequest]:
+        yield duplex_open(force_listen_units=100)
+        for i in range(12):
+            yield unit(i)
+        await asyncio.wait_for(trim_seen.wait(), 60)
+        yield interrupt
+        await asyncio.sleep(0.3)  # the server applies the interrupt while the trim is still held
+        seq, work = held[0]
+        asyncio.get_running_loop().call_soon(plain_submit, seq, work)
+        yield unit(100, epoch=1)
+        yield unit(101, epoch=1)
+        yield END
 
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = thinker_pb2_grpc.ThinkerServiceStub(ch)
-                return [r async for r in stub.Generate(gen(), timeout=60)]
-        finally:
-            await server.stop(grace=0.5)
-
+    b = dataclasses.replace(backend, engine=small, duplex_window=DuplexWindow(high=110, low=70).validate(120))
     try:
-        got = asyncio.run(scenario())
+        got = asyncio.run(_session(b, paced()))
         assert not [r.error.message for r in got if r.HasField("error")]
         kinds = [r.WhichOneof("kind") for r in got]
         ack_at = kinds.index("interrupt_ack")
