@@ -56,7 +56,14 @@ from typing import Any
 
 import yaml
 
-from bench.e2e_client import LevelSummary, RequestResult, markdown_table, percentiles, run_level
+from bench.e2e_client import (
+    LevelSummary,
+    RequestResult,
+    histogram_sums,
+    markdown_table,
+    percentiles,
+    run_level,
+)
 from services.common.deploy_profile import STAGES, DeployProfile, load_profile, parse_overrides
 
 # Reference numbers shown next to ours (anchors.md §A.3, GH#7865: vLLM-Omni MiniCPM-o 4.5, 1×H100, chat
@@ -398,22 +405,19 @@ def render_markdown(report: dict[str, Any], levels: list[LevelSummary]) -> str:
 # First-token histograms read around each level, to place a client's TTFT: the gateway's (pipeline start
 # -> first text delta) and the thinker's (engine submit -> first sampled token).
 FIRST_TOKEN_HISTOGRAMS = ("minicpmo_gateway_time_to_first_token_seconds", "minicpmo_thinker_ttft_seconds")
+_FIRST_TOKEN_PREFIX = "(?:minicpmo_gateway_time_to_first_token_|minicpmo_thinker_ttft_)"
 
 
 def scrape_sums(urls: list[str]) -> dict[str, float]:
     """``<histogram>_sum`` and ``_count`` of :data:`FIRST_TOKEN_HISTOGRAMS`, added over ``urls``."""
-    import urllib.request
-
     out: dict[str, float] = {}
     for url in urls:
         try:
-            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            sums = histogram_sums(url, _FIRST_TOKEN_PREFIX)
         except OSError:
             continue  # a stage without a metrics port: its mean is left out
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in FIRST_TOKEN_HISTOGRAMS:
-                out[name] = out.get(name, 0.0) + float(value)
+        for key, value in sums.items():
+            out[key] = out.get(key, 0.0) + value
     return out
 
 

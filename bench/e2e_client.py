@@ -17,8 +17,10 @@ import asyncio
 import base64
 import io
 import json
+import re
 import statistics
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,6 +54,19 @@ class LevelSummary:
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     # Server-side first-token means over the level (bench.e2e fills it from /metrics): where TTFT went.
     first_token_ms: dict[str, float] = field(default_factory=dict)
+
+
+def histogram_sums(url: str, prefix: str) -> dict[str, float]:
+    """``_sum`` and ``_count`` samples of the histograms whose names start with the regex ``prefix``, from
+    one Prometheus ``/metrics`` page; the key keeps the label set (``name_sum{phase="x"}``)."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(rf"^({prefix}[a-z_]+(?:_sum|_count))(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
+        if m:
+            key = m.group(1) + (m.group(2) or "")
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
 
 
 def _wav_duration_s(raw: bytes) -> float:

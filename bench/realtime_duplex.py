@@ -32,14 +32,14 @@ import argparse
 import asyncio
 import base64
 import json
-import re
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.e2e_client import histogram_sums
 
 
 def _pcm_b64(seconds: float) -> str:
@@ -52,24 +52,13 @@ def _pcm_b64(seconds: float) -> str:
 STAGE_PREFIXES = "(?:minicpmo_stage_interrupt_drain_|minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_)"
 
 
-def _scrape_one(url: str, prefix: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(rf"^({prefix}[a-z_]+(?:_sum|_count))(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
-        if m:
-            key = m.group(1) + (m.group(2) or "")
-            out[key] = out.get(key, 0.0) + float(m.group(3))
-    return out
-
-
 def _scrape(http_url: str | None, stage_urls: list[str] | None = None) -> dict[str, float]:
     """Histogram sums/counts of the gateway (minicpmo_realtime_*) and the stages' drain histogram."""
     out: dict[str, float] = {}
     if http_url:
-        out.update(_scrape_one(f"{http_url}/metrics", "minicpmo_realtime_"))
+        out.update(histogram_sums(f"{http_url}/metrics", "minicpmo_realtime_"))
     for url in stage_urls or []:
-        for k, v in _scrape_one(url, STAGE_PREFIXES).items():
+        for k, v in histogram_sums(url, STAGE_PREFIXES).items():
             out[k] = out.get(k, 0.0) + v
     return out
 
