@@ -8,9 +8,9 @@ is a complete RIFF file), as vLLM-Omni clients expect.
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
+
+from services.common.audio import encode_file, float_to_pcm16
 
 SUPPORTED_FORMATS: tuple[str, ...] = ("wav", "pcm", "flac", "mp3", "opus")
 _ALIASES = {"pcm16": "pcm"}
@@ -32,18 +32,9 @@ def normalize_format(value: object) -> str | None:
     return fmt if fmt in SUPPORTED_FORMATS else None
 
 
-def to_int16(samples: np.ndarray) -> np.ndarray:
-    return (np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).round().astype("<i2")
-
-
 def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     """Mono float samples -> bytes of one complete file (or raw s16le for ``pcm``)."""
-    pcm16 = to_int16(samples)
     if fmt == "pcm":
-        return pcm16.tobytes()
-    import soundfile as sf
-
+        return float_to_pcm16(samples).tobytes()
     container, subtype = _SOUNDFILE[fmt]
-    buf = io.BytesIO()
-    sf.write(buf, pcm16, sample_rate, format=container, subtype=subtype)
-    return buf.getvalue()
+    return encode_file(samples, sample_rate, container, subtype)

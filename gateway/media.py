@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from services.common.audio import AUDIO_DECODE_ERRORS, read_audio, resample
 from services.common.deploy_profile import MediaLimits
 
 THINKER_AUDIO_RATE = 16_000
@@ -173,12 +174,9 @@ def check_image(data: bytes, limits: MediaLimits, param: str) -> bytes:
 # ---- audio ----------------------------------------------------------------------------------------
 def decode_audio(data: bytes, limits: MediaLimits, param: str) -> DecodedAudio:
     """Any common audio file -> float32 mono at its own rate (the thinker resamples)."""
-    import soundfile as sf
-
     try:
-        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-        audio = DecodedAudio(samples.mean(axis=1).astype(np.float32), int(rate))
-    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
+        audio = DecodedAudio(*read_audio(data))
+    except AUDIO_DECODE_ERRORS:
         audio = _decode_audio_av(data, param, target_rate=None)
     if audio.samples.size == 0:
         raise MediaError(400, f"{param}: audio has no samples", param, "invalid_audio")
@@ -207,8 +205,11 @@ def _decode_audio_av(data: bytes, param: str, target_rate: int | None) -> Decode
 def _read_audio_stream(container, stream, target_rate: int | None) -> DecodedAudio:  # type: ignore[no-untyped-def]
     import av
 
-    rate = target_rate or stream.rate or THINKER_AUDIO_RATE
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+    # PyAV only converts the sample format and layout (at the stream's own rate); the rate change, when
+    # one is asked for, is services.common.audio's resampler like everywhere else.
+    own_rate = int(stream.rate or THINKER_AUDIO_RATE)
+    rate = target_rate or own_rate
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=own_rate)
     pieces: list[np.ndarray] = []
     for frame in container.decode(stream):
         for out in resampler.resample(frame):
@@ -216,7 +217,7 @@ def _read_audio_stream(container, stream, target_rate: int | None) -> DecodedAud
     for out in resampler.resample(None):
         pieces.append(out.to_ndarray().reshape(-1))
     samples = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
-    return DecodedAudio(samples, int(rate))
+    return DecodedAudio(resample(samples, own_rate, rate), int(rate))
 
 
 # ---- video ----------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from gateway.openai.protocol import ChatRequest, parse_chat_request
 from gateway.pipeline import OUTPUT_SAMPLE_RATE, AudioEvent, ChatJob, FinishEvent, PipelineRun, TextEvent
 from gateway.runtime import GatewayRuntime
 from gateway.stage_clients import StageFailure
+from services.common.audio import resample
 from services.common.pb import common_pb2, talker_pb2, thinker_pb2
 
 log = logging.getLogger(__name__)
@@ -122,13 +123,8 @@ def _observe(finish: FinishEvent) -> None:
 
 
 def _resample_to_output(event: AudioEvent) -> np.ndarray:
-    if event.sample_rate == OUTPUT_SAMPLE_RATE:
-        return event.samples
     # Code2wav is specified to produce 24 kHz; anything else is resampled rather than mislabelled.
-    n_out = int(round(event.samples.size * OUTPUT_SAMPLE_RATE / event.sample_rate))
-    x_old = np.linspace(0.0, 1.0, event.samples.size, endpoint=False)
-    x_new = np.linspace(0.0, 1.0, n_out, endpoint=False)
-    return np.interp(x_new, x_old, event.samples).astype(np.float32)
+    return resample(event.samples, event.sample_rate, OUTPUT_SAMPLE_RATE)
 
 
 @router.post(ROUTE)

@@ -3,22 +3,21 @@
 Input: base64 appends in any supported format and declared rate are decoded to mono float32 at 16 kHz
 (the thinker's unit rate) and cut into exact 1 s units regardless of how the client sized its appends.
 Output: 24 kHz float samples from code2wav are rendered as pcm16, standalone WAV, or G.711.
+Resampling, the PCM16 scale and the WAV writer are :mod:`services.common.audio`'s (``resample`` is
+re-exported here for the realtime modules that import it from this one).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
 import math
-import wave
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
-from scipy.signal import resample_poly
 
 from gateway.realtime.errors import RealtimeError
+from services.common.audio import float_to_pcm16, pcm16_to_float, resample, wav_bytes
 
 UNIT_RATE = 16_000
 UNIT_SAMPLES = 16_000  # one 1 s unit at 16 kHz (model-spec §6.1)
@@ -126,19 +125,12 @@ def g711_encode(samples_i16: np.ndarray, law: str) -> bytes:
 
 # --- input decoding -------------------------------------------------------------------------------
 
-def resample(x: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
-    if src_rate == dst_rate or x.size == 0:
-        return x.astype(np.float32, copy=False)
-    ratio = Fraction(dst_rate, src_rate)
-    return resample_poly(x, ratio.numerator, ratio.denominator).astype(np.float32)
-
-
 def decode_input_audio(raw: bytes, fmt: str, rate: int) -> np.ndarray:
     """Bytes of one append → mono float32 at 16 kHz."""
     if fmt == "pcm16":
         if len(raw) % 2:
             raise RealtimeError("bad_audio", "pcm16 audio has an odd number of bytes", param="audio")
-        x = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+        x = pcm16_to_float(raw)
     elif fmt == "pcm_f32le":
         if len(raw) % 4:
             raise RealtimeError("bad_audio", "pcm_f32le audio is not a whole number of samples", param="audio")
@@ -147,9 +139,9 @@ def decode_input_audio(raw: bytes, fmt: str, rate: int) -> np.ndarray:
             raise RealtimeError("bad_audio", "pcm_f32le audio contains non-finite samples", param="audio")
         x = np.clip(x, -1.0, 1.0)
     elif fmt == "g711_ulaw":
-        x = ULAW_DECODE[np.frombuffer(raw, dtype=np.uint8)].astype(np.float32) / 32768.0
+        x = pcm16_to_float(ULAW_DECODE[np.frombuffer(raw, dtype=np.uint8)])
     elif fmt == "g711_alaw":
-        x = ALAW_DECODE[np.frombuffer(raw, dtype=np.uint8)].astype(np.float32) / 32768.0
+        x = pcm16_to_float(ALAW_DECODE[np.frombuffer(raw, dtype=np.uint8)])
     else:  # pragma: no cover - formats are canonicalised before this point
         raise RealtimeError("unsupported_audio_format", f"unsupported input audio format {fmt!r}")
     return resample(x, rate, UNIT_RATE)
@@ -228,29 +220,14 @@ class UnitAssembler:
 
 # --- output ---------------------------------------------------------------------------------------
 
-def float_to_i16(x: np.ndarray) -> np.ndarray:
-    return (np.clip(x, -1.0, 1.0) * 32767.0).round().astype("<i2")
-
-
-def wav_bytes(samples_i16: np.ndarray, rate: int) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(samples_i16.astype("<i2").tobytes())
-    return buf.getvalue()
-
-
 def encode_output_audio(samples_24k: np.ndarray, fmt: str) -> tuple[bytes, int]:
     """Render a chunk of 24 kHz float audio for the client; returns (payload, sample_rate)."""
     if fmt in ("g711_ulaw", "g711_alaw"):
         x = resample(samples_24k, OUTPUT_RATE, 8_000)
-        return g711_encode(float_to_i16(x), fmt[5:]), 8_000
-    pcm = float_to_i16(samples_24k)
+        return g711_encode(float_to_pcm16(x), fmt[5:]), 8_000
     if fmt == "wav":
-        return wav_bytes(pcm, OUTPUT_RATE), OUTPUT_RATE
-    return pcm.tobytes(), OUTPUT_RATE
+        return wav_bytes(samples_24k, OUTPUT_RATE), OUTPUT_RATE
+    return float_to_pcm16(samples_24k).tobytes(), OUTPUT_RATE
 
 
 def duration_ms(samples: int, rate: int) -> int:

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.deploy_profile import DEFAULT_STAGE_PORTS
 from services.common.metrics import DRAINING
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,6 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
-DEFAULT_PORTS = {"thinker": 50051, "talker": 50052, "code2wav": 50053}
 
 
 @dataclass
@@ -67,7 +67,7 @@ class ServeOptions:
 def add_serve_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
     """The flags every stage CLI accepts (besides its model/engine flags)."""
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default all interfaces)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORTS[stage], help="gRPC port")
+    parser.add_argument("--port", type=int, default=DEFAULT_STAGE_PORTS[stage], help="gRPC port")
     parser.add_argument(
         "--metrics-port",
         type=int,

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from google.protobuf import text_format
 
+from services.common.audio import read_audio, write_wav
 from services.common.grpc_server import GRPC_OPTIONS
 from services.common.pb import (
     code2wav_pb2,
@@ -52,10 +53,7 @@ def _identity(args: argparse.Namespace) -> common_pb2.Identity:
 
 
 def _read_audio(path: str) -> common_pb2.Pcm:
-    import soundfile as sf
-
-    data, sr = sf.read(path, dtype="float32", always_2d=True)
-    return pcm_from_float(data.mean(axis=1), sr)
+    return pcm_from_float(*read_audio(path))
 
 
 def _describe(msg: Any) -> str:
@@ -193,9 +191,7 @@ async def _run(args: argparse.Namespace) -> int:
             elif kind == "error":
                 failed = True
         if audio and args.out:
-            import soundfile as sf
-
-            sf.write(args.out, np.concatenate(audio), 24000, subtype="PCM_16")
+            write_wav(args.out, np.concatenate(audio), 24000)
             print(f"wrote {args.out}")
         if codes and args.save_codes:
             Path(args.save_codes).write_text(json.dumps(codes))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from services.common.audio import float_to_pcm16, pcm16_to_float
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.common.pb import common_pb2
 
@@ -19,6 +20,8 @@ _TORCH_TO_PB: dict[torch.dtype, int] = {
     torch.int64: common_pb2.DTYPE_INT64,
     torch.int32: common_pb2.DTYPE_INT32,
 }
+# Compute dtype names as stage CLIs and deploy profiles spell them.
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PB_TO_TORCH: dict[int, torch.dtype] = {v: k for k, v in _TORCH_TO_PB.items()}
 _ITEMSIZE: dict[torch.dtype, int] = {
     torch.float32: 4,
@@ -27,6 +30,13 @@ _ITEMSIZE: dict[torch.dtype, int] = {
     torch.int64: 8,
     torch.int32: 4,
 }
+
+
+def compute_dtype(name: str | None, device: str) -> torch.dtype:
+    """A stage's ``--dtype``: the named dtype, or bf16 on CUDA and fp32 on CPU when none is given."""
+    if name is None:
+        name = "bfloat16" if device.startswith("cuda") else "float32"
+    return TORCH_DTYPES[name]
 
 
 def dtype_to_proto(dtype: torch.dtype) -> int:
@@ -79,7 +89,7 @@ def pcm_from_float(samples: np.ndarray, sample_rate: int, fmt: int = common_pb2.
         data = x.astype("<f4").tobytes()
     else:
         fmt = common_pb2.PCM_FORMAT_S16LE
-        data = (np.clip(x, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+        data = float_to_pcm16(x).tobytes()
     return common_pb2.Pcm(sample_rate=int(sample_rate), format=fmt, channels=1, data=data)
 
 
@@ -95,7 +105,7 @@ def pcm_to_float(msg: common_pb2.Pcm) -> tuple[np.ndarray, int]:
     elif msg.format in (common_pb2.PCM_FORMAT_S16LE, common_pb2.PCM_FORMAT_UNSPECIFIED):
         if len(msg.data) % (2 * channels):
             raise StageError(INVALID_ARGUMENT, "s16le pcm byte length is not a whole number of frames", "data")
-        x = np.frombuffer(msg.data, dtype="<i2").astype(np.float32) / 32768.0
+        x = pcm16_to_float(msg.data)
     else:
         raise StageError(INVALID_ARGUMENT, f"unsupported pcm format {msg.format}", "format")
     if channels > 1:

@@ -36,7 +36,7 @@ from services.common.grpc_server import (
 from services.common.metrics import ERRORS, INTERRUPTS, REQUESTS, STREAMS_ACTIVE
 from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
-from services.common.tensors import dtype_to_proto, tensor_from_proto
+from services.common.tensors import TORCH_DTYPES, compute_dtype, dtype_to_proto, tensor_from_proto
 from services.talker.engine import STAGE, TalkerEngine
 from services.talker.model.tts import MiniCPMTTS
 from services.talker.streams import (
@@ -287,10 +287,7 @@ def build_engine(
     checkpoint: str, device: str, dtype: str | None, max_streams: int, cuda_graphs: bool | None
 ) -> tuple[TalkerEngine, Checkpoint]:
     ckpt = Checkpoint(checkpoint)
-    if dtype is None:
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = MiniCPMTTS.from_checkpoint(ckpt, dtype=torch_dtype, device=device)
+    model = MiniCPMTTS.from_checkpoint(ckpt, dtype=compute_dtype(dtype, device), device=device)
     engine = TalkerEngine(model, max_streams=max_streams, use_cuda_graphs=cuda_graphs)
     return engine, ckpt
 
@@ -319,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m services.talker", description="MiniCPM-o 4.5 Talker stage")
     ap.add_argument("--checkpoint", required=True, help="MiniCPM-o 4.5 checkpoint directory")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    ap.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None)
     ap.add_argument("--max-streams", type=int, default=16, help="KV slots = concurrent streams decoding")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
     ap.add_argument(

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Histogram
 
+from services.common.audio import resample
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
 from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
 from services.common.metrics import INTERRUPT_DRAIN, INTERRUPTS
@@ -92,10 +93,7 @@ def unit_audio_16k(pcm: common_pb2.Pcm) -> np.ndarray:
     if not pcm.data:
         return np.zeros(UNIT_SAMPLES, dtype=np.float32)
     samples, rate = pcm_to_float(pcm)
-    if rate != UNIT_SAMPLES:
-        import librosa
-
-        samples = librosa.resample(samples, orig_sr=rate, target_sr=UNIT_SAMPLES).astype(np.float32)
+    samples = resample(samples, rate, UNIT_SAMPLES)
     if len(samples) > UNIT_SAMPLES * 3 // 2:
         raise StageError(
             INVALID_ARGUMENT,

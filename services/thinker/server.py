@@ -50,7 +50,13 @@ from services.common.stage_settings import (
     apply_memory_cap,
     parse_stage_args,
 )
-from services.common.tensors import dtype_from_proto, dtype_to_proto, pcm_to_float
+from services.common.tensors import (
+    TORCH_DTYPES,
+    compute_dtype,
+    dtype_from_proto,
+    dtype_to_proto,
+    pcm_to_float,
+)
 from services.thinker.duplex_window import DuplexWindow
 from services.thinker.engine import STAGE, EngineConfig, EngineEvent, ThinkerEngine
 from services.thinker.errors import failure
@@ -95,10 +101,7 @@ def build_backend(
     from services.thinker.processor import ThinkerProcessor
 
     ckpt = Checkpoint(checkpoint)
-    if dtype is None:
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = ThinkerModel.from_checkpoint(ckpt, dtype=torch_dtype, device=device)
+    model = ThinkerModel.from_checkpoint(ckpt, dtype=compute_dtype(dtype, device), device=device)
     processor = ThinkerProcessor.from_checkpoint(ckpt)
     if engine_config.kv_budget_bytes is None and not engine_config.reserve_bytes:
         # Every running sequence may be a duplex session with its own Whisper cache (plus two waiting).
@@ -387,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m services.thinker", description="MiniCPM-o 4.5 Thinker stage")
     ap.add_argument("--checkpoint", required=True, help="MiniCPM-o 4.5 checkpoint directory")
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    ap.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None)
     ap.add_argument(
         "--kv-budget",
         type=parse_size,

@@ -5,7 +5,9 @@ always 150 tokens / 300 mel frames: equal cache shapes across streams are what l
 streams share a batch and a CUDA graph (model-spec §5.3). The two feature branches follow the reference
 front end: S3 tokens and the CAM++ fbank from the 16 kHz signal, the prompt mel from the 24 kHz signal,
 each obtained with ``torchaudio``'s resampler only when the input is at another rate (so a 16 kHz PCM
-reference such as the default voice gives exactly the reference numbers).
+reference such as the default voice gives exactly the reference numbers). That resampler, not the
+project's soxr one, because upstream's token2wav uses it and the voice's tokens and x-vector depend on it
+(:func:`services.common.audio.resample_torchaudio`).
 
 The S3 tokenizer is built with the dimensions found in the ONNX file (``s3tokenizer.load_model``
 assumes the full 1280-d/6-layer model, which the tiny test checkpoint is not). CAM++ runs through
@@ -23,13 +25,13 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime
-import soundfile
 import torch
-import torchaudio
 import torchaudio.compliance.kaldi as kaldi
 from s3tokenizer.model_v2 import ModelConfig, S3TokenizerV2
 from s3tokenizer.utils import log_mel_spectrogram, onnx2torch
 from stepaudio2.flashcosyvoice.utils.audio import mel_spectrogram
+
+from services.common.audio import read_audio, resample_torchaudio
 
 PROMPT_SECONDS = 6.0
 TOKENIZER_RATE = 16000
@@ -76,8 +78,7 @@ def build_s3_tokenizer(onnx_path: str | Path) -> S3TokenizerV2:
 
 def decode_wav_file(path: str | Path) -> tuple[np.ndarray, int]:
     """Read a wav/flac file as float32 mono samples (soundfile; no torchcodec needed)."""
-    data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
-    return data.mean(axis=1) if data.shape[1] > 1 else data[:, 0], int(rate)
+    return read_audio(path)
 
 
 def normalise_reference(samples: np.ndarray, sample_rate: int) -> np.ndarray:
@@ -99,10 +100,6 @@ def normalise_reference(samples: np.ndarray, sample_rate: int) -> np.ndarray:
     if samples.size >= target:
         return np.ascontiguousarray(samples[:target])
     return np.concatenate([samples, np.zeros(target - samples.size, dtype=np.float32)])
-
-
-def _resample(wave: torch.Tensor, src: int, dst: int) -> torch.Tensor:
-    return wave if src == dst else torchaudio.transforms.Resample(orig_freq=src, new_freq=dst)(wave)
 
 
 class ReferenceVoiceEncoder:
@@ -163,8 +160,8 @@ class ReferenceVoiceEncoder:
 
     @torch.inference_mode()
     def _featurise(self, samples: np.ndarray, sample_rate: int, key: str) -> PromptFeatures:
-        wave = torch.from_numpy(samples).unsqueeze(0)  # [1, T] float32 on CPU
-        wave16 = _resample(wave, sample_rate, TOKENIZER_RATE)[0]
+        # torchaudio's resampler, not soxr: upstream's token2wav prepares the prompt with it (module doc).
+        wave16 = torch.from_numpy(resample_torchaudio(samples, sample_rate, TOKENIZER_RATE))
         s3_mel = log_mel_spectrogram(wave16, n_mels=self.n_mels).unsqueeze(0).to(self.device)
         s3_len = torch.tensor([s3_mel.shape[2]], dtype=torch.int32, device=self.device)
         tokens, _ = self.tokenizer.quantize(s3_mel, s3_len)
@@ -177,7 +174,7 @@ class ReferenceVoiceEncoder:
         )[0]
         spk_emb = torch.from_numpy(np.asarray(spk, dtype=np.float32)).reshape(1, -1).to(self.device)
 
-        wave24 = _resample(wave, sample_rate, VOCODER_RATE)
+        wave24 = torch.from_numpy(resample_torchaudio(samples, sample_rate, VOCODER_RATE)).unsqueeze(0)
         mel = mel_spectrogram(wave24).transpose(1, 2)  # [1, F, 80]
         frames = tokens.shape[1] * self.up_rate
         if mel.shape[1] >= frames:

@@ -343,6 +343,8 @@ def synth_reference_audio(seed: int, rate: int = REF_AUDIO_RATE, seconds: float 
 def write_reference_audio(path: Path, seed: int) -> None:
     import soundfile as sf
 
+    # libsndfile's own float -> PCM_16 writer (scale 32767), not services.common.audio's (32768): it keeps
+    # the generated file byte-identical for GENERATOR_VERSION 1, so checkpoints made before still match.
     sf.write(str(path), synth_reference_audio(seed), REF_AUDIO_RATE, subtype="PCM_16")
 
 

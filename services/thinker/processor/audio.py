@@ -10,7 +10,6 @@ pieces of ``pooled_length(frames)`` (10 per second).
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -18,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from services.common.audio import AUDIO_DECODE_ERRORS, read_audio, resample
 from services.thinker.errors import media_error
 from services.thinker.model.audio import pooled_length
 
@@ -50,11 +50,9 @@ def decode_audio(data: object, param: str) -> np.ndarray:
         raw = bytes(data)
         if not raw:
             raise media_error(param, "audio data is empty")
-        import soundfile
-
         try:
-            samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=False)
-        except (RuntimeError, ValueError, TypeError, soundfile.LibsndfileError) as exc:
+            samples, rate = read_audio(raw)
+        except AUDIO_DECODE_ERRORS as exc:
             raise media_error(param, f"cannot decode audio ({exc.__class__.__name__}: {exc})") from exc
     else:
         raise media_error(param, f"unsupported audio input type {type(data).__name__}")
@@ -77,10 +75,9 @@ def decode_audio(data: object, param: str) -> np.ndarray:
         raise media_error(param, "audio contains NaN or infinite samples")
     if rate <= 0:
         raise media_error(param, f"invalid sample rate {rate}")
-    if rate != SAMPLE_RATE:
-        import torchaudio.functional as AF
-
-        samples = AF.resample(torch.from_numpy(np.ascontiguousarray(samples)), rate, SAMPLE_RATE).numpy()
+    # soxr HQ, the resampler of upstream's ``librosa.load(path, sr=16000)`` (librosa's default res_type),
+    # which is how upstream's examples bring audio at other rates to the processor's 16 kHz.
+    samples = resample(samples, rate, SAMPLE_RATE)
     if samples.shape[0] < MIN_SAMPLES:
         raise media_error(
             param, f"audio is too short ({samples.shape[0]} samples at 16 kHz, need {MIN_SAMPLES})"
