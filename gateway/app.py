@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
 from gateway.config import GatewayConfig
+from gateway.openai.chat import OPENAPI_COMPONENTS
 from gateway.openai.chat import router as chat_router
 from gateway.openai.errors import APIError, error_body, error_response
 from gateway.runtime import GatewayRuntime
@@ -166,11 +168,24 @@ def create_app(config: GatewayConfig, extra_routers: Sequence[APIRouter] = (), m
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(chat_router)
+    _declare_body_schemas(app)
     for router in extra_routers:
         app.include_router(router)
     if mount_realtime:
         _mount_realtime(app)
     return app
+
+
+def _declare_body_schemas(app: FastAPI) -> None:
+    """Add the chat request body's component schemas to /openapi.json (the route refers to them)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(OPENAPI_COMPONENTS)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _fetch_info(runtime: GatewayRuntime) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gateway.openai.errors import strip_object_reprs
 from services.common.audio import AUDIO_DECODE_ERRORS, read_audio, resample
 from services.common.deploy_profile import MediaLimits
 
@@ -30,6 +31,7 @@ THINKER_AUDIO_RATE = 16_000
 
 class MediaError(Exception):
     def __init__(self, status: int, message: str, param: str, code: str = "invalid_media") -> None:
+        message = strip_object_reprs(message)  # decoders put "<_io.BytesIO object at 0x...>" in their errors
         super().__init__(message)
         self.status = status
         self.message = message

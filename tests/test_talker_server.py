@@ -138,6 +138,9 @@ def test_loopback_round_trip(tiny_ckpt: Path) -> None:
                 assert resp[0].error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT
                 resp = await _collect(stub, [_open(top_p=1.5)])
                 assert resp[0].error.param == "sampling.top_p"
+                resp = await _collect(stub, [_open(temperature=float("nan"))])
+                assert resp[0].error.param == "sampling.temperature"
+                assert resp[0].error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT
         finally:
             await server.stop()
             engine.shutdown()

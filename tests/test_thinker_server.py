@@ -178,6 +178,21 @@ def test_multimodal_prompt_and_typed_errors(backend) -> None:  # noqa: ANN001
         bad_sampling = text_open("hi", sampling=thinker_pb2.SamplingParams(top_p=1.5))
         err = await first_error([thinker_pb2.ThinkerRequest(open=bad_sampling)])
         assert err.code == INVALID_ARGUMENT and err.param == "sampling.top_p"
+        # NaN passes "< 0" and would stall the sequence on NaN probabilities: refused up front instead.
+        for field in ("temperature", "repetition_penalty"):
+            nan_sampling = text_open("hi", sampling=thinker_pb2.SamplingParams(**{field: float("nan")}))
+            err = await first_error([thinker_pb2.ThinkerRequest(open=nan_sampling)])
+            assert err.code == INVALID_ARGUMENT and err.param == f"sampling.{field}"
+        # ...and the stream after it is served normally.
+        got = await _collect(
+            stub,
+            [
+                thinker_pb2.ThinkerRequest(
+                    open=text_open("hi", sampling=thinker_pb2.SamplingParams(max_tokens=2))
+                )
+            ],
+        )
+        assert got[-1].HasField("done")
 
     asyncio.run(_with_server(backend, body))
 

@@ -24,9 +24,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import metrics
 from gateway.audio_encoding import encode_audio
+from gateway.openai.body import read_json_body
 from gateway.openai.content import build_thinker_messages, load_ref_audio
 from gateway.openai.errors import APIError, error_body
-from gateway.openai.protocol import ChatRequest, parse_chat_request
+from gateway.openai.protocol import ChatRequest, chat_request_openapi, parse_chat_request
 from gateway.pipeline import OUTPUT_SAMPLE_RATE, AudioEvent, ChatJob, FinishEvent, PipelineRun, TextEvent
 from gateway.runtime import GatewayRuntime
 from gateway.stage_clients import StageFailure
@@ -42,26 +43,13 @@ _HIDDEN_DTYPES = {
     "float32": common_pb2.DTYPE_FLOAT32,
 }
 DISCONNECT_POLL_S = 0.25
+# The handler reads and validates the raw body itself (size limit first, then field-by-field errors), so
+# FastAPI cannot infer the body; the schema is declared explicitly for /openapi.json.
+_OPENAPI_BODY, OPENAPI_COMPONENTS = chat_request_openapi()
 
 
 def _runtime(request: Request) -> GatewayRuntime:
     return request.app.state.runtime
-
-
-async def read_json_body(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing more than ``limit`` bytes (413) and invalid JSON (400)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {declared} bytes, over the limit of {limit}", None)
-    buf = bytearray()
-    async for piece in request.stream():
-        buf.extend(piece)
-        if len(buf) > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", None)
-    try:
-        return json.loads(buf)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", None) from exc
 
 
 def _build_job(runtime: GatewayRuntime, req: ChatRequest, messages: list[thinker_pb2.ChatMessage],
@@ -127,11 +115,12 @@ def _resample_to_output(event: AudioEvent) -> np.ndarray:
     return resample(event.samples, event.sample_rate, OUTPUT_SAMPLE_RATE)
 
 
-@router.post(ROUTE)
+@router.post(ROUTE, openapi_extra={"requestBody": _OPENAPI_BODY})
 async def create_chat_completion(request: Request) -> Response:
     runtime = _runtime(request)
     body = await read_json_body(request, runtime.config.body_limit)
-    req = parse_chat_request(body, runtime.config.model_name)
+    max_model_len = runtime.config.profile.stage("thinker").max_model_len
+    req = parse_chat_request(body, runtime.config.model_name, max_model_len)
     runtime.acquire()
     released = False
     try:

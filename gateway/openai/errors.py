@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -23,6 +24,16 @@ _TYPES = {
 }
 
 
+# ``<_io.BytesIO object at 0x7f...>``, ``<function f at 0x...>``: what a library's str(exc) may embed.
+_OBJECT_REPR = re.compile(r"<[^<>]{1,200}? at 0x[0-9a-fA-F]+>")
+
+
+def strip_object_reprs(text: str) -> str:
+    """``text`` with Python object reprs replaced by ``<data>``: error messages go to clients, which must
+    learn what was wrong with their input, not the server's memory layout or class names."""
+    return _OBJECT_REPR.sub("<data>", text)
+
+
 class APIError(Exception):
     """Raised anywhere in request handling; the app renders it as the envelope with ``status``."""
 
@@ -37,7 +48,7 @@ class APIError(Exception):
 def error_body(status: int, message: str, param: str | None = None, err_type: str | None = None) -> dict[str, Any]:
     return {
         "error": {
-            "message": message,
+            "message": strip_object_reprs(message),
             "type": err_type or _TYPES.get(status, "APIError"),
             "param": param,
             "code": status,

@@ -9,8 +9,11 @@ their own rules. Media are only checked for shape here; fetching and decoding ha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.audio_encoding import SUPPORTED_FORMATS, normalize_format
 from gateway.openai.errors import APIError
@@ -84,10 +87,39 @@ def _expect(value: Any, types: type | tuple[type, ...], param: str, what: str) -
     return value
 
 
+# What the stage protos can hold (thinker.proto / talker.proto): a value outside is a 400 here rather
+# than a protobuf ValueError (a 500) when the request is built.
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+_INT_MAX = {"top_k": INT32_MAX, "seed": UINT64_MAX, "stop_token_ids": INT32_MAX}  # others are uint32
+
+
+def _number(value: Any, param: str) -> float:
+    """A finite number that fits the stages' float32 fields."""
+    _expect(value, (int, float), param, "a number")
+    try:
+        out = float(value)
+    except OverflowError:  # an integer too large for a double
+        out = math.inf
+    if not math.isfinite(out) or abs(out) > FLOAT32_MAX:
+        raise _bad(f"'{param}' must be a finite number", param)
+    return out
+
+
+def _int_in_range(value: Any, param: str, name: str, lo: int) -> int:
+    v = int(_expect(value, int, param, "an integer"))
+    hi = _INT_MAX.get(name, UINT32_MAX)
+    if v < lo or v > hi:
+        raise _bad(f"'{param}' must be between {lo} and {hi}, got {v}", param)
+    return v
+
+
 def _opt_number(body: dict[str, Any], key: str, lo: float | None = None, hi: float | None = None) -> float | None:
     if body.get(key) is None:
         return None
-    value = float(_expect(body[key], (int, float), key, "a number"))
+    value = _number(body[key], key)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise _bad(f"'{key}' must be between {lo} and {hi}, got {value}", key)
     return value
@@ -96,10 +128,7 @@ def _opt_number(body: dict[str, Any], key: str, lo: float | None = None, hi: flo
 def _opt_int(body: dict[str, Any], key: str, lo: int | None = None) -> int | None:
     if body.get(key) is None:
         return None
-    value = int(_expect(body[key], int, key, "an integer"))
-    if lo is not None and value < lo:
-        raise _bad(f"'{key}' must be >= {lo}, got {value}", key)
-    return value
+    return _int_in_range(body[key], key, key, lo if lo is not None else -(2**63))
 
 
 def _opt_bool(body: dict[str, Any], key: str, default: bool, where: str | None = None) -> bool:
@@ -185,26 +214,38 @@ def _parse_stage_sampling(raw: Any, stage: str, param: str) -> dict[str, Any]:
             out[name] = _expect(value, bool, f"{param}.{key}", "a boolean")
         elif name == "stop_token_ids":
             _expect(value, list, f"{param}.{key}", "a list of integers")
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                raise _bad(f"'{param}.{key}' must be a list of integers", f"{param}.{key}")
-            out[name] = list(value)
+            out[name] = [_int_in_range(v, f"{param}.{key}[{i}]", name, 0) for i, v in enumerate(value)]
         elif name in ("top_k", "seed", "max_tokens", "min_tokens", "min_new_frames", "max_new_frames", "fixed_frames"):
-            v = _expect(value, int, f"{param}.{key}", "an integer")
-            if name == "top_k" and v == -1:
-                v = 0  # vLLM's "disabled" spelling
-            if v < 0:
-                raise _bad(f"'{param}.{key}' must be >= 0", f"{param}.{key}")
-            out[name] = v
+            v = _int_in_range(value, f"{param}.{key}", name, -1 if name == "top_k" else 0)
+            out[name] = 0 if (name == "top_k" and v == -1) else v  # -1: vLLM's "disabled" spelling
         else:
-            v = float(_expect(value, (int, float), f"{param}.{key}", "a number"))
+            v = _number(value, f"{param}.{key}")
             if v < 0:
                 raise _bad(f"'{param}.{key}' must be >= 0", f"{param}.{key}")
             out[name] = v
     return out
 
 
-def parse_chat_request(body: Any, served_model_name: str) -> ChatRequest:
-    """Validate a decoded JSON body; raises :class:`APIError` (400, or 404 for an unknown model)."""
+def _check_context(thinker: dict[str, Any], max_model_len: int | None) -> None:
+    """Refuse token budgets no prompt could fit in the thinker context (OpenAI answers 400 too).
+
+    The thinker still caps ``max_tokens`` to what the actual prompt leaves; this only catches budgets
+    beyond the whole context, which used to run silently to the limit.
+    """
+    if max_model_len is None:
+        return
+    for key in ("max_tokens", "min_tokens"):
+        value = thinker.get(key)
+        if value is not None and value > max_model_len:
+            raise _bad(f"'{key}' is too large: {value}. This model's context holds at most {max_model_len} tokens",
+                       key)
+
+
+def parse_chat_request(body: Any, served_model_name: str, max_model_len: int | None = None) -> ChatRequest:
+    """Validate a decoded JSON body; raises :class:`APIError` (400, or 404 for an unknown model).
+
+    ``max_model_len`` is the thinker context from the deploy profile (None: not checked here).
+    """
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object", None)
     model = body.get("model", served_model_name)
@@ -296,6 +337,7 @@ def parse_chat_request(body: Any, served_model_name: str) -> ChatRequest:
             thinker.update(_parse_stage_sampling(spl[0], "thinker", "sampling_params_list[0]"))
         if len(spl) > 1:
             talker.update(_parse_stage_sampling(spl[1], "talker", "sampling_params_list[1]"))
+    _check_context(thinker, max_model_len)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -311,3 +353,113 @@ def parse_chat_request(body: Any, served_model_name: str) -> ChatRequest:
         talker_sampling=talker,
         return_stage_metrics=_opt_bool(body, "return_stage_metrics", False),
     )
+
+
+# ---- the request body as an OpenAPI schema --------------------------------------------------------
+# These pydantic models only *describe* the body for /openapi.json (client generators, schema-driven
+# fuzzers); requests are still validated by parse_chat_request above, which names the failing field.
+# The bounds here are the same ones that function enforces.
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class MediaURL(_Open):
+    url: str = Field(
+        min_length=1, description="data: URL, file:// under the allowed root, or http(s) when enabled"
+    )
+
+
+class TextPartSchema(_Open):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPartSchema(_Open):
+    type: Literal["image_url"]
+    image_url: MediaURL | str
+
+
+class InputAudioSchema(_Open):
+    data: str = Field(description="base64 audio file (wav, flac, mp3, ogg, ...) or a data: URL")
+    format: str | None = None
+
+
+class InputAudioPartSchema(_Open):
+    type: Literal["input_audio"]
+    input_audio: InputAudioSchema
+
+
+class AudioURLPartSchema(_Open):
+    type: Literal["audio_url"]
+    audio_url: MediaURL | str
+
+
+class VideoURLPartSchema(_Open):
+    type: Literal["video_url"]
+    video_url: MediaURL | str
+
+
+ContentPartSchema = Annotated[
+    TextPartSchema | ImageURLPartSchema | InputAudioPartSchema | AudioURLPartSchema | VideoURLPartSchema,
+    Field(discriminator="type"),
+]
+
+
+class ChatMessageSchema(_Open):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPartSchema | str] | None = Field(
+        None, description="only user messages may carry media; only assistant messages may omit it"
+    )
+
+
+class StreamOptionsSchema(_Open):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class AudioOutputSchema(_Open):
+    format: Literal["wav", "pcm", "pcm16", "flac", "mp3", "opus"] | None = None
+    voice: str | None = None
+
+
+class ChatTemplateKwargsSchema(_Open):
+    use_tts_template: bool | None = None
+    enable_thinking: bool | None = None
+
+
+class ChatCompletionRequest(_Open):
+    """``POST /v1/chat/completions`` (wire-protocol §2.1): OpenAI fields plus the vLLM-Omni extensions."""
+
+    model: str | None = Field(None, description="must be the served model name")
+    messages: list[ChatMessageSchema] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
+    audio: AudioOutputSchema | None = None
+    stream: bool | None = None
+    stream_options: StreamOptionsSchema | None = None
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX, description="at most the thinker context")
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    min_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    repetition_penalty: float | None = Field(None, ge=0.0, le=10.0)
+    seed: int | None = Field(None, ge=0, le=UINT64_MAX)
+    n: Literal[1] | None = None
+    chat_template_kwargs: ChatTemplateKwargsSchema | None = None
+    ref_audio: str | None = Field(None, description="reference voice URI (data:, file://, http(s))")
+    sampling_params_list: list[dict[str, Any] | None] | None = Field(
+        None, max_length=3, description="per-stage sampling: [thinker, talker(, code2wav)]"
+    )
+    return_stage_metrics: bool | None = None
+
+
+def chat_request_openapi() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(requestBody object, component schemas it refers to) for the chat route's OpenAPI operation."""
+    schema = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.pop("$defs", {})
+    components["ChatCompletionRequest"] = schema
+    body = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
+    }
+    return body, components

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -111,6 +112,9 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
 
     def settings_from_open(self, msg: talker_pb2.TalkerOpen):
         sp = msg.sampling
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            if sp.HasField(name) and not math.isfinite(getattr(sp, name)):  # NaN passes the checks below
+                raise StageError(INVALID_ARGUMENT, f"{name} must be a finite number", f"sampling.{name}")
         temperature = sp.temperature if sp.HasField("temperature") else None
         if temperature is not None and temperature < 0:
             raise StageError(

@@ -8,6 +8,7 @@ the common serving path and avoids a Python loop per row.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,10 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = DEFAULT_STOP_IDS
 
     def validate(self) -> SamplingConfig:
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            # NaN passes every comparison below and then yields NaN probabilities that stall the sequence.
+            if not math.isfinite(getattr(self, name)):
+                raise StageError(INVALID_ARGUMENT, f"{name} must be a finite number", f"sampling.{name}")
         if self.temperature < 0:
             raise StageError(INVALID_ARGUMENT, "temperature must be >= 0", "sampling.temperature")
         if not 0.0 < self.top_p <= 1.0:
