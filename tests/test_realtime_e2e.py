@@ -282,6 +282,10 @@ def test_stock_openai_realtime_client_turn_lane(gateway_url: str) -> None:
         assert events[-1]["type"] == "response.done" and events[-1]["response"]["status"] == "completed"
 
 
+# Server VAD on synthetic tones: the energy fallback (Silero rightly hears no speech in a sine).
+TONE_VAD = {"type": "server_vad", "silence_duration_ms": 400, "detector": "energy"}
+
+
 def _stream(conn: Conn, x: np.ndarray, chunk_s: float = 0.2) -> None:
     step = int(chunk_s * 16000)
     for i in range(0, x.size, step):
@@ -294,7 +298,7 @@ def test_server_vad_speech_over_an_answer_without_barge_in_support(stage_addrs: 
     with realtime_gateway(stage_addrs, seed=0, max_response_units=2, supports_barge_in=False) as url:
         conn = Conn(f"{url}/v1/realtime")
         try:
-            _open(conn, turn_detection={"type": "server_vad", "silence_duration_ms": 400},
+            _open(conn, turn_detection=TONE_VAD,
                   overlap_policy="barge_in_on_speech")
             silence = np.zeros(int(0.4 * 16000), dtype=np.float32)
             _stream(conn, np.concatenate([silence, tone(1.2), silence, silence]))
@@ -318,7 +322,7 @@ def test_server_vad_turns_and_barge_in(gateway_url: str) -> None:
     speech during that answer cancels it with reason ``turn_detected``; the next silence ends the new turn."""
     conn = Conn(f"{gateway_url}/v1/realtime")
     try:
-        created = _open(conn, turn_detection={"type": "server_vad", "silence_duration_ms": 400},
+        created = _open(conn, turn_detection=TONE_VAD,
                         overlap_policy="barge_in_on_speech", extra_body={"max_response_units": 40})
         assert created["session"]["turn_detection"]["silence_duration_ms"] == 400
         silence = np.zeros(int(0.4 * 16000), dtype=np.float32)

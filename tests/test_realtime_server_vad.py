@@ -21,7 +21,9 @@ from gateway.config import GatewayConfig
 from gateway.realtime.errors import error_type_for
 from gateway.realtime.vad import DEFAULTS
 
-VAD = {"type": "server_vad"}
+# The tests here drive the detector with synthetic tones, which only the energy fallback calls speech; the
+# Silero default is tested on synthesized speech in tests/test_realtime_silero_vad.py.
+VAD = {"type": "server_vad", "detector": "energy"}
 ITEM_ID_RE = re.compile(r"^item_[0-9a-f]{24}$")
 
 
@@ -71,7 +73,7 @@ def test_open_with_server_vad_echoes_normalised_config(client: TestClient) -> No
     with client.websocket_connect("/v1/duplex") as ws:
         created = open_vad(ws, silence_duration_ms=700, create_response=False)
         session = created["session"]
-        assert session["turn_detection"] == {**DEFAULTS, "silence_duration_ms": 700, "create_response": False}
+        assert session["turn_detection"] == {**DEFAULTS, **VAD, "silence_duration_ms": 700, "create_response": False}
         assert session["overlap_policy"] == "barge_in_on_speech"
         assert session["capabilities"]["supports_server_vad"] is True
 
@@ -118,7 +120,7 @@ def test_updates_switch_modes_and_reject_with_the_specific_code(client: TestClie
                                                              "overlap_policy": "barge_in_on_speech"}})
         updated = ws.receive_json()
         assert updated["type"] == "session.updated"
-        assert updated["session"]["turn_detection"] == {**DEFAULTS, "threshold": 0.7}
+        assert updated["session"]["turn_detection"] == {**DEFAULTS, **VAD, "threshold": 0.7}
         ws.send_json({"type": "session.update", "event_id": "u9", "session": {"turn_detection": None}})
         expect_error(ws, "unsupported_turn_detection", "u9")  # null needs listen_only
         ws.send_json({"type": "session.update", "event_id": "u10", "session": {"extra_body": {"auto_response": True}}})

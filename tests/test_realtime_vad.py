@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from realtime_helpers import tone
+from speech_fixtures import feed
 
 from gateway.realtime.vad import (
     DEFAULTS,
@@ -33,13 +34,7 @@ def params(**overrides: object) -> dict[str, object]:
 
 
 def run(audio: np.ndarray, chunk: int | None = None, **overrides: object) -> list[object]:
-    vad = EnergyVad(params(**overrides))
-    if chunk is None:
-        return vad.process(audio)
-    events: list[object] = []
-    for i in range(0, audio.size, chunk):
-        events += vad.process(audio[i : i + chunk])
-    return events
+    return feed(EnergyVad(params(**overrides)), audio, chunk)
 
 
 def test_probability_maps_dbfs_linearly() -> None:
@@ -130,6 +125,8 @@ def test_reset_forgets_speech_in_progress() -> None:
 
 def test_normalize_fills_defaults_and_rejects_bad_objects() -> None:
     assert normalize_server_vad({"type": "server_vad"}) == DEFAULTS
+    assert DEFAULTS["detector"] == "silero"
+    assert normalize_server_vad({"type": "server_vad", "detector": "energy"})["detector"] == "energy"
     custom = normalize_server_vad({"type": "server_vad", "threshold": 1, "prefix_padding_ms": 0.0,
                                    "silence_duration_ms": 800, "create_response": False})
     assert custom["threshold"] == 1.0 and custom["prefix_padding_ms"] == 0 and custom["silence_duration_ms"] == 800
@@ -148,6 +145,8 @@ def test_normalize_fills_defaults_and_rejects_bad_objects() -> None:
         {"silence_duration_ms": 20.5},
         {"prefix_padding_ms": -1},
         {"min_speech_duration_ms": 6_000},
+        {"detector": "webrtc"},
+        {"detector": True},
     ]
     for extra in bad:
         with pytest.raises(ValueError):

@@ -27,7 +27,7 @@ from gateway.realtime.audio import (
     validate_rate,
 )
 from gateway.realtime.errors import RealtimeError
-from gateway.realtime.vad import normalize_server_vad
+from gateway.realtime.vad import normalize_server_vad, silero_available
 
 DEFAULT_MODEL = "openbmb/MiniCPM-o-4_5"
 DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
@@ -162,6 +162,12 @@ def _validate_turn_detection(td: Any, overlap_policy: str, opening: bool) -> dic
     if overlap_policy != "barge_in_on_speech":
         raise RealtimeError(
             code, "turn_detection server_vad requires overlap_policy barge_in_on_speech", param="turn_detection"
+        )
+    if normalized["detector"] == "silero" and not silero_available():
+        raise RealtimeError(
+            "server_vad_unavailable",
+            "the Silero VAD model is not installed on this server; name turn_detection.detector 'energy'",
+            param="turn_detection",
         )
     return normalized
 

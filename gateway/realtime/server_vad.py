@@ -13,7 +13,8 @@ The session routes every appended sample through here instead of straight into t
   ``response.create`` in the turn lane. ``create_response`` is accepted but ignored (the protocol says so):
   a detected turn is always answered.
 
-The detector itself (gateway/realtime/vad.py) works in audio time, so the outcome depends only on the
+The detector itself (gateway/realtime/vad.py: Silero VAD, or the energy fallback the session names) works
+in audio time, so the outcome depends only on the
 audio, never on how the client sized or paced its appends.
 """
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from gateway.realtime import events as ev
 from gateway.realtime.errors import RealtimeError
-from gateway.realtime.vad import EnergyVad, SpeechStarted, SpeechStopped
+from gateway.realtime.vad import SpeechStarted, SpeechStopped, make_detector
 
 if TYPE_CHECKING:
     from gateway.realtime.session import DuplexSession
@@ -36,7 +37,7 @@ class ServerVadTurns:
                  item_id: str | None = None) -> None:
         self.s = s
         self.params = dict(params)
-        self.detector = EnergyVad(self.params, clock=clock, speaking=in_speech)
+        self.detector = make_detector(self.params, clock=clock, speaking=in_speech)
         self.in_speech = in_speech
         self.item_id = item_id  # the user item the current speech will become (announced in speech_started)
         self._preroll: list[np.ndarray] = []
