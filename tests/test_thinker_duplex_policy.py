@@ -15,7 +15,6 @@ import torch
 from services.thinker.duplex_policy import (
     CHUNK_EOS,
     CHUNK_TTS_EOS,
-    FIRST_SPECIAL_ID,
     LISTEN,
     TTS_BOS,
     TURN_EOS,
@@ -55,10 +54,9 @@ def reference_choose(p: DuplexPolicy, logits: torch.Tensor, num_generated: int) 
     t = float(masked[TURN_EOS])
     masked[TURN_EOS] = t / TURN_EOS_LENGTH_PENALTY if t > 0 else t * TURN_EOS_LENGTH_PENALTY
     token = int(torch.argmax(masked))
+    p.state.history.append(token)  # every drawn id, before the listen replacement (upstream's decode)
     if token == LISTEN and not p.state.turn_ended:
         token = TTS_BOS
-    if token < FIRST_SPECIAL_ID:
-        p.state.history.append(token)
     if token not in UNIT_TERMINATORS:
         p.state.turn_ended = token == TURN_EOS
     return token

@@ -16,8 +16,9 @@ old epoch are dropped, and an ``InterruptAck`` reports how many. A unit that wou
 limit ends the session with a ``context_length_exceeded`` error.
 
 Audio rows come from the model's incremental Whisper (one state per session, reset before 1500
-encoder positions); each unit's mel is computed from that unit's samples alone, without look-ahead into
-the next unit (see the closing note of the module's tests for what that approximates).
+encoder positions), fed by upstream's streaming mel (:mod:`services.thinker.processor.duplex_audio`: the
+session's audio buffer recomputed per unit, 2 frames of context on each side, the 80-sample carry of the
+first unit, the fixed-then-dynamic floor), so the rows equal upstream's (docs/fidelity.md, duplex).
 """
 
 from __future__ import annotations
@@ -85,7 +86,6 @@ UNIT_CLOSE = SPECIAL_TOKEN_IDS["</unit>"]
 SPAN_BOUNDARIES = frozenset({TTS_EOS, TTS_PAD, LISTEN, CHUNK_EOS, CHUNK_TTS_EOS, UNIT_OPEN, UNIT_CLOSE})
 
 UNIT_SAMPLES = 16_000
-MEL_FRAMES_PER_UNIT = 100
 
 
 def unit_audio_16k(pcm: common_pb2.Pcm) -> np.ndarray:
@@ -138,6 +138,8 @@ class DuplexSession:
     """State of one duplex stream; :func:`run_duplex_stream` drives it."""
 
     def __init__(self, backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> None:
+        from services.thinker.processor.duplex_audio import DuplexAudioStream
+
         self.backend = backend
         self.engine = backend.engine
         self.model = backend.model
@@ -151,6 +153,7 @@ class DuplexSession:
         vocab = int(self.engine.runner.llm.config.vocab_size)
         self.forbidden = forbidden_mask_for(backend.ckpt.root, vocab, self.engine.runner.device)
         self.audio_state = self.model.new_audio_stream()
+        self.mel_stream = DuplexAudioStream()
         self.max_audio_positions = int(self.model.dims.audio.max_source_positions)
         self.units_done = 0
         self.reinject: list[int] = []  # tokens the previous unit left unfed (terminator, </unit>)
@@ -200,16 +203,21 @@ class DuplexSession:
 
     def unit_work(self, unit: thinker_pb2.ThinkerUnit, force_speak: bool) -> WorkItem:
         """One unit's tokens and embeddings plus its policy (runs in a worker thread)."""
-        from services.thinker.processor.audio import log_mel
         from services.thinker.processor.duplex_layout import duplex_unit_layout
 
         if len(unit.frames) > 2:
             raise StageError(INVALID_ARGUMENT, "a duplex unit carries at most two frames", "unit.frames")
-        wave = unit_audio_16k(unit.audio)
-        mel = log_mel(wave)[:, :MEL_FRAMES_PER_UNIT]
-        if self.audio_state.frames + MEL_FRAMES_PER_UNIT // 2 > self.max_audio_positions:
+        chunk = self.mel_stream.push(unit_audio_16k(unit.audio))
+        if chunk is None:  # whole 1 s units always complete one; a guard, not a path
+            raise StageError(INVALID_ARGUMENT, "a duplex unit carried too little audio", "unit.audio")
+        # Matches upstream (get_audio_embedding_streaming): the Whisper cache resets when its length plus
+        # the chunk's conv2 length ((T - 1) // 2 + 1, 52 for 104 frames) would reach 1500 positions, i.e.
+        # after 29 units, one unit before the positions would actually run out.
+        if self.audio_state.frames + (chunk.mel.shape[1] - 1) // 2 + 1 >= self.max_audio_positions:
             self.audio_state.reset()
-        audio_rows = self.model.get_audio_embeds_streaming(mel, self.audio_state)
+        audio_rows = self.model.get_audio_embeds_streaming(
+            chunk.core, self.audio_state, chunk.lookahead, chunk.lookbehind
+        )
         slices: list[torch.Tensor] = []
         counts: list[int] = []
         tgt = torch.zeros(0, 2, dtype=torch.long)

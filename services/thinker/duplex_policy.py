@@ -35,7 +35,6 @@ TURN_EOS = SPECIAL_TOKEN_IDS["<|turn_eos|>"]
 CHUNK_EOS = SPECIAL_TOKEN_IDS["<|chunk_eos|>"]
 CHUNK_TTS_EOS = SPECIAL_TOKEN_IDS["<|chunk_tts_eos|>"]
 UNIT_TERMINATORS = frozenset({LISTEN, CHUNK_EOS, CHUNK_TTS_EOS})
-FIRST_SPECIAL_ID = 151643  # ids from here on are added/special tokens (kept out of the penalty history)
 
 MAX_TOKENS_PER_UNIT = 20  # the 20th is a forced <|chunk_eos|>, so at most 19 are sampled
 TURN_EOS_LENGTH_PENALTY = 1.1
@@ -79,7 +78,7 @@ class PolicyState:
     """What the decision policy remembers across the units of a session."""
 
     turn_ended: bool = True
-    history: list[int] = field(default_factory=list)  # sampled non-special tokens (penalty window)
+    history: list[int] = field(default_factory=list)  # every drawn id, as upstream (penalty window)
     generator: torch.Generator | None = None
 
 
@@ -89,7 +88,7 @@ class DuplexPolicy(Sampler):
     * forced listen: the unit answers ``<|listen|>`` without sampling;
     * a first draw from the raw distribution only detects ``<|chunk_eos|>`` (the model's own stop);
     * otherwise ``<|tts_pad|>``, the tokenizer's ``bad_token_ids`` and ``<|chunk_eos|>`` are masked, the
-      repetition penalty (divide, over the last 512 sampled text tokens) and the ``<|turn_eos|>`` length
+      repetition penalty (divide, over the last 512 drawn ids) and the ``<|turn_eos|>`` length
       penalty apply, and the token is drawn with temperature/top-k/top-p;
     * a ``<|listen|>`` while the model's turn has not ended becomes ``<|tts_bos|>``;
     * forced speak (benchmarks, ``request_response``) masks ``<|listen|>`` and skips the first draw
@@ -149,13 +148,16 @@ class DuplexPolicy(Sampler):
         """Host-side rules that depend on the session's state; they run after the single sync."""
         if token == CHUNK_EOS:
             return token  # the model's own stop (first draw): the turn state is untouched
+        # Matches upstream (StreamDecoder.decode): every id the draw returns enters the penalty history,
+        # special ids included, and it enters before the listen -> <|tts_bos|> replacement below (which
+        # upstream's streaming_generate applies after decode returned). Before 2026-12-03 we kept only
+        # ids below the first special id (151643), after the replacement (docs/fidelity.md, duplex).
+        self.state.history.append(token)
+        window = self.sampling.penalty_window
+        if len(self.state.history) > 4 * window:
+            del self.state.history[:-window]  # the penalty only looks at the window
         if token == LISTEN and not self.state.turn_ended:
             token = TTS_BOS
-        if token < FIRST_SPECIAL_ID:
-            self.state.history.append(token)
-            window = self.sampling.penalty_window
-            if len(self.state.history) > 4 * window:
-                del self.state.history[:-window]  # the penalty only looks at the window
         if token not in UNIT_TERMINATORS:
             self.state.turn_ended = token == TURN_EOS
         return token
@@ -243,18 +245,7 @@ def _policy_tokens(policies: Sequence[DuplexPolicy], logits: torch.Tensor, num_g
     model_stop = (first == CHUNK_EOS) & ~rows_forced
 
     # 2. Masks and penalties.
-    masked = logits.masked_fill(_forbidden_rows(policies, device), float("-inf"))
-    masked[:, CHUNK_EOS] = float("-inf")
-    if any(forced_now):
-        for col in (LISTEN, CHUNK_TTS_EOS):
-            masked[:, col].masked_fill_(rows_forced, float("-inf"))
-    pairs = _penalty_index(policies, device)
-    if pairs is not None:
-        r, c = pairs
-        penalty = _per_row([p.sampling.repetition_penalty for p in policies], device).squeeze(1)
-        masked[r, c] = masked[r, c] / penalty[r]
-    t = masked[:, TURN_EOS]
-    masked[:, TURN_EOS] = torch.where(t > 0, t / TURN_EOS_LENGTH_PENALTY, t * TURN_EOS_LENGTH_PENALTY)
+    masked = policy_logits(policies, logits, rows_forced if any(forced_now) else None)
 
     # 3. The decision: greedy argmax, or temperature -> top-k -> top-p -> draw.
     token = torch.argmax(masked, dim=-1)
@@ -262,6 +253,33 @@ def _policy_tokens(policies: Sequence[DuplexPolicy], logits: torch.Tensor, num_g
         token = torch.where(rows_sampled, _sample_top_k_top_p(policies, masked, sampled), token)
     token = torch.where(model_stop, torch.full_like(token, CHUNK_EOS), token)
     return [int(x) for x in token.tolist()]  # the step's one sync
+
+
+def policy_logits(
+    policies: Sequence[DuplexPolicy], logits: torch.Tensor, rows_forced: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Step 2 of §6.3 on fp32 ``logits [n, V]``: the masks and both penalties (a new tensor).
+
+    A function of its own so the fidelity dump can record the logits the decision's argmax reads.
+    """
+    device = logits.device
+    masked = logits.masked_fill(_forbidden_rows(policies, device), float("-inf"))
+    masked[:, CHUNK_EOS] = float("-inf")
+    if rows_forced is not None:
+        for col in (LISTEN, CHUNK_TTS_EOS):
+            masked[:, col].masked_fill_(rows_forced, float("-inf"))
+    pairs = _penalty_index(policies, device)
+    if pairs is not None:
+        r, c = pairs
+        penalty = _per_row([p.sampling.repetition_penalty for p in policies], device).squeeze(1)
+        # Matches upstream: the logit of every id in the window is divided by the penalty whatever its
+        # sign, so a negative logit moves up (HF's processor would multiply those).
+        masked[r, c] = masked[r, c] / penalty[r]
+    t = masked[:, TURN_EOS]
+    # Matches upstream: the <|turn_eos|> length penalty 1.1 always applies (streaming_generate never
+    # passes decode's length_penalty), dividing a positive logit and multiplying a negative one.
+    masked[:, TURN_EOS] = torch.where(t > 0, t / TURN_EOS_LENGTH_PENALTY, t * TURN_EOS_LENGTH_PENALTY)
+    return masked
 
 
 def _sample_top_k_top_p(policies: Sequence[DuplexPolicy], masked: torch.Tensor, sampled: Sequence[bool]) -> torch.Tensor:

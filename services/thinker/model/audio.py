@@ -160,14 +160,20 @@ class WhisperChunkedEncoder(nn.Module):
         return self.layer_norm(x)
 
     def forward_chunk(
-        self, mel: torch.Tensor, state: AudioStreamState, lookahead: torch.Tensor | None = None
+        self,
+        mel: torch.Tensor,
+        state: AudioStreamState,
+        lookahead: torch.Tensor | None = None,
+        lookbehind: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Encode the next piece of one stream: ``mel`` [n_mels, P] with P even (100 for a 1 s unit).
 
         Inside the piece attention is full and every cached frame is visible, so one call per attention
         chunk reproduces the offline chunked encoder. The convolutions look one mel frame past the piece:
         pass that frame (or more) as ``lookahead`` to match offline exactly; ``None`` zero-pads, which is
-        exact only at the true end of the audio. Returns ``[P // 2, d_model]``; ``state`` is updated.
+        exact only at the true end of the audio. ``lookbehind`` (an even number of frames, possibly 0)
+        replaces the previous piece's last frames as left context: the duplex front end recomputes them
+        with the current unit's floor, as upstream does. Returns ``[P // 2, d_model]``; ``state`` is updated.
         """
         if mel.shape[-1] % 2:
             raise ValueError("streamed mel pieces must have an even number of frames (conv stride 2)")
@@ -179,9 +185,12 @@ class WhisperChunkedEncoder(nn.Module):
             )
         parts = [mel]
         left = 0
-        if state.mel_tail is not None:
-            parts.insert(0, state.mel_tail)
-            left = state.mel_tail.shape[-1]
+        tail = state.mel_tail if lookbehind is None else lookbehind
+        if tail is not None and tail.shape[-1] > 0:
+            if tail.shape[-1] % 2:
+                raise ValueError("the left context must have an even number of frames (conv stride 2)")
+            parts.insert(0, tail.to(mel.device))
+            left = tail.shape[-1]
         if lookahead is not None and lookahead.shape[-1] > 0:
             parts.append(lookahead[:, :2])
         window = torch.cat(parts, dim=-1).to(dtype)

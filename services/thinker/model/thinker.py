@@ -187,16 +187,25 @@ class ThinkerModel(nn.Module):
 
     @torch.inference_mode()
     def get_audio_embeds_streaming(
-        self, mel: torch.Tensor, state: AudioStreamState, lookahead: torch.Tensor | None = None
+        self,
+        mel: torch.Tensor,
+        state: AudioStreamState,
+        lookahead: torch.Tensor | None = None,
+        lookbehind: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One duplex unit: ``mel`` [n_mels, 100] (1 s) -> ``[10, H]``, reusing the session's Whisper cache.
 
         Matches :meth:`get_audio_embeds` on the concatenated mel when every unit is 100 frames and
-        ``lookahead`` carries the next unit's first mel frames (``None`` only for the last unit). The
-        caller resets ``state`` (``state.reset()``) before it would pass ``max_source_positions``.
+        ``lookahead`` carries the next unit's first mel frames (``None`` only for the last unit);
+        ``lookbehind`` overrides the left context kept from the previous unit (the duplex front end passes
+        its recomputed frames). The caller resets ``state`` (``state.reset()``) before it would pass
+        ``max_source_positions``.
         """
         enc = self.apm.forward_chunk(
-            mel.to(self.device), state, None if lookahead is None else lookahead.to(self.device)
+            mel.to(self.device),
+            state,
+            None if lookahead is None else lookahead.to(self.device),
+            None if lookbehind is None else lookbehind.to(self.device),
         )
         return pool_embeddings(self.audio_projection_layer(enc)[None], self.dims.audio.pool_step)[0]
 
