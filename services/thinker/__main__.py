@@ -1,4 +1,4 @@
-"""``python -m services.thinker``: ``dump`` runs the fidelity dump, anything else starts the stage server."""
+"""``python -m services.thinker``: ``dump`` runs the fidelity dump (``dump --duplex`` the duplex session), anything else starts the stage server."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "dump" and "--duplex" in args:
+        from services.thinker.duplex_dump import main as duplex_dump_main
+
+        return duplex_dump_main([a for a in args[1:] if a != "--duplex"])
     if args and args[0] == "dump":
         from services.thinker.dump import main as dump_main
 
