@@ -135,23 +135,32 @@ def build_dump(
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.thinker dump", description=__doc__.splitlines()[0]
-    )
+def dump_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options every thinker dump takes (``dump`` and ``dump --duplex``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--checkpoint", required=True, help="MiniCPM-o 4.5 checkpoint directory")
     parser.add_argument("--out", required=True, help="output .npz")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
+    return parser
+
+
+def apply_threads(threads: int) -> None:
+    """One OpenBLAS thread (spin-waiting starves torch on small hosts) and ``threads`` torch threads."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = dump_parser("python -m services.thinker dump", __doc__.splitlines()[0])
     parser.add_argument("--inputs", help="reference .npz to take inputs.image_rgb / inputs.audio_16k from")
     parser.add_argument(
         "--greedy-steps", type=int, default=8, help="no-cache greedy ids per prompt (0: skip)"
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     image = audio = None
     if args.inputs:
         with np.load(args.inputs) as ref:

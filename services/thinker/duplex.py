@@ -113,6 +113,15 @@ class UnitOutcome:
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # generated index -> hidden row
     finish: str | None = None
 
+    def absorb(self, ev: EngineEvent) -> None:
+        """Take one engine event of the unit: a fed row's hidden state, a drawn token, the finish."""
+        if ev.hidden is not None and ev.fed_token is not None:
+            self.rows[len(self.rows)] = ev.hidden
+        if ev.token is not None:
+            self.generated.append(ev.token)
+        if ev.finish_reason is not None:
+            self.finish = ev.finish_reason
+
 
 def select_span(generated: list[int]) -> list[int]:
     """Indices of the spoken tokens of a unit (model-spec §3.3)."""
@@ -473,12 +482,8 @@ async def run_duplex_stream(
             if current is None:
                 continue  # late event of a cancelled unit
             unit_seq, unit_epoch, outcome = current
-            if ev.hidden is not None and ev.fed_token is not None:
-                outcome.rows[len(outcome.rows)] = ev.hidden
-            if ev.token is not None:
-                outcome.generated.append(ev.token)
+            outcome.absorb(ev)
             if ev.finish_reason is not None:
-                outcome.finish = ev.finish_reason
                 UNIT_PHASE_SECONDS.labels("engine").observe(time.perf_counter() - t_submit)
                 busy = False
                 current = None

@@ -18,10 +18,8 @@ own (README §4(d) 5; our choices are kept under ``duplex.uK.own_ids``), for bf1
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -141,12 +139,7 @@ def run_session(
                 pol.forced = None if teacher is None else list(teacher.get(k, []))
                 outcome = UnitOutcome()
                 for ev in run(seq, work):
-                    if ev.hidden is not None and ev.fed_token is not None:
-                        outcome.rows[len(outcome.rows)] = ev.hidden
-                    if ev.token is not None:
-                        outcome.generated.append(ev.token)
-                    if ev.finish_reason is not None:
-                        outcome.finish = ev.finish_reason
+                    outcome.absorb(ev)
                 responses = session.unit_responses(k, outcome, len(seq.tokens))
                 result = next(r.unit for r in responses if r.HasField("unit"))
                 # The engine has fed this unit up to its last decoded token; the session owes the rest.
@@ -299,23 +292,16 @@ def build_duplex_dump(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.thinker dump --duplex", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--checkpoint", required=True, help="MiniCPM-o 4.5 checkpoint directory")
+    from services.thinker.dump import apply_threads, dump_parser
+
+    parser = dump_parser("python -m services.thinker dump --duplex", __doc__.splitlines()[0])
     parser.add_argument("--inputs", required=True, help="reference .npz holding the duplex.inputs.* arrays")
-    parser.add_argument("--out", required=True, help="output .npz")
     parser.add_argument("--units", type=int, default=UNITS, help="units of the session (the oracle runs 5)")
     parser.add_argument("--frame-unit", type=int, default=FRAME_UNIT, help="the unit that carries the frame")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--cuda-graphs", action="store_true", help="let the engine replay CUDA graphs")
     parser.add_argument("--teacher-force", action="store_true", help="feed the --inputs file's decode ids")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave the default)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     arrays = build_duplex_dump(
         args.checkpoint,
         load_inputs(args.inputs),
