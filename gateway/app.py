@@ -35,6 +35,7 @@ from gateway.openai.chat import OPENAPI_COMPONENTS
 from gateway.openai.chat import router as chat_router
 from gateway.openai.errors import APIError, error_body, error_response
 from gateway.runtime import GatewayRuntime
+from gateway.shutdown import GRACEFUL_SHUTDOWN_S, GatewayServer
 from services.common.deploy_profile import ProfileError, load_profile
 
 log = logging.getLogger(__name__)
@@ -105,11 +106,13 @@ def create_app(config: GatewayConfig, extra_routers: Sequence[APIRouter] = (), m
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = GatewayRuntime.build(config, created=int(time.time()))
         app.state.runtime = runtime
+        runtime.monitor.start()
         info_task = asyncio.create_task(_fetch_info(runtime))
         try:
             yield
         finally:
             info_task.cancel()
+            await runtime.monitor.stop()
             await runtime.stages.close()
 
     app = FastAPI(title="MiniCPM-o 4.5 gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -157,7 +160,9 @@ def create_app(config: GatewayConfig, extra_routers: Sequence[APIRouter] = (), m
     @app.get("/health")
     async def health(request: Request) -> Response:
         runtime: GatewayRuntime = request.app.state.runtime
-        results = await runtime.stages.health()
+        if runtime.draining:  # readiness goes false first, so load balancers stop routing here
+            return JSONResponse({"status": "shutting_down", "stages": {}}, 503)
+        results = await runtime.monitor.snapshot()  # the background probes' view: answers at once
         stages = {name: ("ok" if ok else reason) for name, (ok, reason) in results.items()}
         healthy = all(ok for ok, _ in results.values())
         status = "healthy" if healthy else "unhealthy"
@@ -249,4 +254,6 @@ def main(argv: list[str] | None = None) -> None:
     except ProfileError as exc:
         raise SystemExit(f"error: {exc}") from exc
     app = create_app(config)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    server = GatewayServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), app)
+    server.run()

@@ -16,7 +16,14 @@
 * The gateway child gets every replica's address (``ip:port`` lists, balanced round-robin) and the
   resolved profile (overrides applied) as a YAML file.
 * It waits until every stage answers its gRPC health check and the gateway's ``/health`` is 200, prints
-  the URL, and on Ctrl-C / SIGTERM stops the gateway first, then the stages (SIGTERM, then SIGKILL).
+  the URL, and then supervises: a child that exits (a stage crash, an OOM kill) is started again on the
+  same port after a backoff (1 s, doubling to 30 s while it keeps dying within a minute of its start;
+  it gives up, stopping everything with exit code 1, after 5 such quick deaths in a row). The gateway's
+  channels reconnect by themselves, so nothing else restarts.
+* Ctrl-C / SIGTERM stops the tree in order, exit code 0: the gateway first (it stops admitting, closes
+  realtime sessions with ``session.closed{server_shutdown}`` and lets in-flight requests finish for up
+  to its graceful-shutdown time), and only once it has exited the stages (each drains, then exits);
+  whatever is still running after its timeout gets SIGKILL, to its whole process group.
 
 The child plan is a pure function (:func:`plan_children`) so tests can check placements without GPUs.
 """
@@ -52,6 +59,12 @@ from services.common.deploy_profile import (
 )
 
 CHECKPOINT_MAKE_TIMEOUT_S = 900
+RESTART_BASE_S = 1.0  # first restart delay; doubles per quick death
+RESTART_MAX_S = 30.0
+STABLE_S = 60.0  # a child that ran this long before dying starts its backoff from scratch
+MAX_QUICK_DEATHS = 5
+GATEWAY_STOP_S = 20.0  # the gateway's own graceful shutdown is 10 s (gateway.app.GRACEFUL_SHUTDOWN_S)
+STAGE_STOP_S = 40.0  # a stage drains for up to --drain-timeout (30 s) before it exits
 
 
 @dataclass
@@ -237,6 +250,10 @@ class Supervisor:
         self.log_dir = log_dir
         self.verbose = verbose
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.started_at: dict[str, float] = {}
+        self.quick_deaths: dict[str, int] = {}
+        self.restart_due: dict[str, float] = {}
+        self.restarts: dict[str, int] = {}
 
     def log_path(self, child: ChildSpec) -> Path | None:
         return self.log_dir / f"{child.name}.log" if self.log_dir else None
@@ -245,6 +262,7 @@ class Supervisor:
         env = {**os.environ, **child.env}
         path = self.log_path(child)
         out = None if (self.verbose or path is None) else open(path, "wb")  # noqa: SIM115 - owned by the child
+        self.started_at[child.name] = time.monotonic()
         try:
             self.procs[child.name] = subprocess.Popen(
                 child.argv,
@@ -263,6 +281,35 @@ class Supervisor:
             proc = self.procs.get(child.name)
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with code {proc.returncode}\n{self.tail(child)}")
+
+    def supervise(self, now: float | None = None, log: callable = print) -> None:  # type: ignore[valid-type]
+        """Restart children that exited, with backoff; raises RuntimeError once one keeps dying.
+
+        Called every few hundred milliseconds by the launcher's main loop (after start-up).
+        """
+        now = time.monotonic() if now is None else now
+        for child in self.children:
+            proc = self.procs.get(child.name)
+            if proc is None or proc.poll() is None:
+                continue
+            due = self.restart_due.get(child.name)
+            if due is None:
+                ran = now - self.started_at.get(child.name, now)
+                quick = self.quick_deaths.get(child.name, 0) + 1 if ran < STABLE_S else 1
+                self.quick_deaths[child.name] = quick
+                if quick > MAX_QUICK_DEATHS:
+                    raise RuntimeError(f"{child.name} died {quick - 1} times in a row within {STABLE_S:.0f} s "
+                                       f"of starting; giving up\n{self.tail(child)}")
+                delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (quick - 1))
+                self.restart_due[child.name] = now + delay
+                log(f"[minicpmo-serve] {child.name} exited with code {proc.returncode} after {ran:.0f} s; "
+                    f"restarting in {delay:g} s", flush=True)
+            elif now >= due:
+                del self.restart_due[child.name]
+                self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
+                self.start(child)
+                log(f"[minicpmo-serve] restarted {child.name} on port {child.port} "
+                    f"pid {self.procs[child.name].pid}", flush=True)
 
     def tail(self, child: ChildSpec, lines: int = 30) -> str:
         path = self.log_path(child)
@@ -289,24 +336,30 @@ class Supervisor:
                 raise TimeoutError(f"not healthy after {timeout_s:.0f} s: {sorted(pending)}\n{tails}")
             time.sleep(0.5)
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """Gateway first (no new work), then the stages; SIGTERM, then SIGKILL after ``timeout_s``."""
-        order = [c for c in self.children if c.stage is None] + [c for c in self.children if c.stage is not None]
-        for child in order:
+    def stop(self, gateway_timeout_s: float = GATEWAY_STOP_S, stage_timeout_s: float = STAGE_STOP_S) -> None:
+        """Gateway first, and the stages only once it has exited: in-flight requests finish against live
+        stages. SIGTERM each group, then SIGKILL (to the child's whole process group) after its timeout."""
+        self.restart_due.clear()
+        self._stop_group([c for c in self.children if c.stage is None], gateway_timeout_s)
+        self._stop_group([c for c in self.children if c.stage is not None], stage_timeout_s)
+
+    def _stop_group(self, group: list[ChildSpec], timeout_s: float) -> None:
+        for child in group:
             proc = self.procs.get(child.name)
             if proc is not None and proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for child in order:
+        for child in group:
             proc = self.procs.get(child.name)
             if proc is None:
                 continue
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                print(f"[minicpmo-serve] {child.name} did not stop within {timeout_s:g} s; killing it", flush=True)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: its pid is its group id
                 proc.wait(timeout=5)
 
 
@@ -386,14 +439,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"[minicpmo-serve] profile {profile.name}, checkpoint {checkpoint}, logs in {log_dir}", flush=True)
         for child in children:
-            print(f"[minicpmo-serve] start {child.name} on {child.device} port {child.port}", flush=True)
             sup.start(child)
+            print(f"[minicpmo-serve] start {child.name} on {child.device} port {child.port} "
+                  f"pid {sup.procs[child.name].pid}", flush=True)
         sup.wait_healthy(args.startup_timeout)
         print(f"[minicpmo-serve] ready: http://{args.host}:{port}/v1/chat/completions "
               f"(model {args.served_model_name or profile.served_model_name})", flush=True)
         while True:
-            sup.check_alive()
-            time.sleep(1.0)
+            sup.supervise()
+            time.sleep(0.2)
     except KeyboardInterrupt:
         print("[minicpmo-serve] stopping", flush=True)
     except (RuntimeError, TimeoutError) as exc:

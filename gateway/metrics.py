@@ -37,3 +37,7 @@ STAGE_RETRIES = Counter(
     ["stage"],
 )
 CLIENT_DISCONNECTS = Counter("minicpmo_gateway_client_disconnects_total", "Requests abandoned by the client")
+STAGE_UP = Gauge(
+    "minicpmo_gateway_stage_up", "1 while the gateway's health probe finds the stage serving, 0 while it is down",
+    ["stage"],
+)

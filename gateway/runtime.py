@@ -16,6 +16,7 @@ from gateway.metrics import IN_FLIGHT, REJECTED
 from gateway.openai.errors import APIError
 from gateway.pipeline import ChatPipeline
 from gateway.stage_clients import StageSet, StageTimeouts
+from gateway.stage_health import StageMonitor
 
 
 @dataclass
@@ -25,7 +26,9 @@ class GatewayRuntime:
     pipeline: ChatPipeline
     media_policy: MediaPolicy
     created: int
+    monitor: StageMonitor
     in_flight: int = 0
+    draining: bool = False  # set on SIGTERM (gateway.shutdown): new requests are refused with 503
     stage_info: dict[str, object] = field(default_factory=dict)
 
     @classmethod
@@ -36,7 +39,8 @@ class GatewayRuntime:
             allowed_root=config.allowed_media_root,
             http_fetch=config.http_fetch,
         )
-        return cls(config=config, stages=stages, pipeline=ChatPipeline(stages), media_policy=policy, created=created)
+        return cls(config=config, stages=stages, pipeline=ChatPipeline(stages), media_policy=policy, created=created,
+                   monitor=StageMonitor(stages))
 
     def check_api_key(self, authorization: str | None) -> bool:
         """True when no API key is configured or ``authorization`` is ``Bearer <key>`` (for WebSocket routes)."""
@@ -45,7 +49,10 @@ class GatewayRuntime:
         return check_api_key(self.config, authorization)
 
     def acquire(self) -> None:
-        """Take one concurrency slot; 429 when none is free. Pair with :meth:`release`."""
+        """Take one concurrency slot; 429 when none is free, 503 while shutting down. Pair with :meth:`release`."""
+        if self.draining:
+            REJECTED.labels("shutting_down").inc()
+            raise APIError(503, "the server is shutting down; retry shortly", None, headers={"Retry-After": "3"})
         if self.in_flight >= self.config.concurrency_limit:
             REJECTED.labels("concurrency").inc()
             raise APIError(

@@ -25,6 +25,7 @@ import ipaddress
 import json
 import logging
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -82,7 +83,8 @@ _GRPC_STATUS_HTTP: dict[grpc.StatusCode, tuple[int, str, str]] = {
 class StageFailure(Exception):
     """A stage could not do its part; carries what the HTTP layer needs to answer the client."""
 
-    def __init__(self, stage: str, status: int, message: str, code: str, err_type: str, param: str | None = None):
+    def __init__(self, stage: str, status: int, message: str, code: str, err_type: str, param: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(f"{stage}: {message}")
         self.stage = stage
         self.status = status
@@ -90,6 +92,7 @@ class StageFailure(Exception):
         self.code = code
         self.err_type = err_type
         self.param = param or None
+        self.retry_after_s = retry_after_s  # sent as Retry-After when the failure is answered before a stream
 
     @classmethod
     def from_rpc_error(cls, stage: str, target: str, err: grpc.aio.AioRpcError) -> StageFailure:
@@ -100,7 +103,7 @@ class StageFailure(Exception):
             message = f"{stage} stage did not finish within its deadline"
         else:
             message = f"{stage} stage failed ({err.code().name}): {err.details()}"
-        return cls(stage, status, message, code, err_type)
+        return cls(stage, status, message, code, err_type, retry_after_s=1 if status == 503 else None)
 
     @classmethod
     def from_stage_error(cls, stage: str, err: common_pb2.Error) -> StageFailure:
@@ -140,6 +143,17 @@ def _service_config(stage: str) -> str:
     )
 
 
+# How fast a channel reconnects to a stage that went away: gRPC's default backoff grows to 120 s (and
+# starts at 1 s with jitter), so a stage restarted by the launcher looked "serving" while the gateway
+# kept failing to reach it for ~10 s. Capped at 1 s: a reconnect attempt to a loopback or in-cluster
+# address is cheap.
+RECONNECT_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 @dataclass
 class StageTimeouts:
     """Deadlines: whole stream, health probes, and how long to wait for a channel to connect on retry."""
@@ -159,17 +173,20 @@ class StageClient:
         self.addr = addr
         self.target = normalize_target(addr)
         self.timeouts = timeouts or StageTimeouts()
-        options = [*GRPC_OPTIONS, ("grpc.service_config", _service_config(stage)), ("grpc.enable_retries", 0)]
+        options = [*GRPC_OPTIONS, *RECONNECT_OPTIONS, ("grpc.service_config", _service_config(stage)),
+                   ("grpc.enable_retries", 0)]
         self.channel = grpc.aio.insecure_channel(self.target, options=options)
         self.stub = _STUBS[stage](self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: common_pb2.StageInfo | None = None
+        self._open_streams: weakref.WeakSet[StageStream] = weakref.WeakSet()
 
-    async def check_health(self) -> tuple[bool, str]:
+    async def check_health(self, timeout_s: float | None = None) -> tuple[bool, str]:
         """(serving?, human-readable reason). Never raises."""
         try:
             resp = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=STAGE_SERVICES[self.stage]), timeout=self.timeouts.health_s
+                health_pb2.HealthCheckRequest(service=STAGE_SERVICES[self.stage]),
+                timeout=timeout_s or self.timeouts.health_s,
             )
         except grpc.aio.AioRpcError as err:
             return False, f"{err.code().name}: {err.details()}"
@@ -187,7 +204,19 @@ class StageClient:
         return self.info
 
     def open_stream(self, deadline_s: float | None = None, retry: bool = True) -> StageStream:
-        return StageStream(self, deadline_s or self.timeouts.stream_s, retries=1 if retry else 0)
+        stream = StageStream(self, deadline_s or self.timeouts.stream_s, retries=1 if retry else 0)
+        self._open_streams.add(stream)
+        return stream
+
+    def fail_open_streams(self, reason: str) -> int:
+        """End every open stream to this stage with a 503 ``StageFailure`` (the health monitor found the
+        stage down); returns how many. Whoever waits on such a stream gets the failure at once instead of
+        at its deadline - a stopped process keeps its TCP connection, so gRPC alone would not notice."""
+        failed = 0
+        for stream in list(self._open_streams):
+            if stream.fail(reason):
+                failed += 1
+        return failed
 
     async def close(self) -> None:
         await self.channel.close(grace=None)
@@ -204,6 +233,7 @@ class StageStream:
         self._sent: list[Any] | None = []  # replay buffer; None once the first response arrived
         self._half_closed = False
         self._closed = False
+        self._failed: StageFailure | None = None
         self._call = self._new_call()
 
     def _new_call(self) -> Any:
@@ -211,7 +241,13 @@ class StageStream:
         return self.client.stub.Generate(timeout=remaining)
 
     def _can_retry(self, err: grpc.aio.AioRpcError) -> bool:
-        return self._sent is not None and self._retries_left > 0 and err.code() == grpc.StatusCode.UNAVAILABLE
+        return (
+            self._sent is not None
+            and self._retries_left > 0
+            and err.code() == grpc.StatusCode.UNAVAILABLE
+            and self._failed is None
+            and not self._closed
+        )
 
     async def _reopen(self) -> None:
         """Open a fresh call (round-robin picks another replica) and replay everything written so far."""
@@ -225,13 +261,21 @@ class StageStream:
 
     async def _retrying(self, op: Any) -> Any:
         """Run ``op(call)``; on a retryable failure reopen + replay, then report whether a retry happened."""
+        if self._failed is not None:
+            raise self._failed
         try:
             return await op(self._call), False
         except grpc.aio.AioRpcError as err:
             failure = err
         except asyncio.InvalidStateError:
+            if self._failed is not None:
+                raise self._failed from None
             # Writing to a call that already ended: its final status says why (e.g. UNAVAILABLE).
             failure = await self._terminal_error()
+        except asyncio.CancelledError:
+            if self._failed_under_us():
+                raise self._failed from None  # type: ignore[misc]
+            raise
         if not self._can_retry(failure):
             raise self._failure(failure) from failure
         log.warning("%s stream unavailable before first output (%s); retrying once", self.stage, failure.details())
@@ -241,9 +285,21 @@ class StageStream:
         except grpc.aio.AioRpcError as err2:
             raise self._failure(err2) from err2
         except asyncio.InvalidStateError:
+            if self._failed is not None:
+                raise self._failed from None
             err3 = await self._terminal_error()
             raise self._failure(err3) from err3
+        except asyncio.CancelledError:
+            if self._failed_under_us():
+                raise self._failed from None  # type: ignore[misc]
+            raise
         return None, True
+
+    def _failed_under_us(self) -> bool:
+        """True when a CancelledError came from :meth:`fail` cancelling the call, not from our own task
+        being cancelled (which must propagate)."""
+        task = asyncio.current_task()
+        return self._failed is not None and not (task is not None and task.cancelling())
 
     async def _terminal_error(self) -> grpc.aio.AioRpcError:
         code = await self._call.code()
@@ -290,8 +346,19 @@ class StageStream:
                     pass
         except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass
+        except asyncio.CancelledError:
+            if not self._failed_under_us():
+                raise
         finally:
             self.cancel()
+
+    def fail(self, reason: str) -> bool:
+        """End this stream with a 503 failure for whoever reads or writes it next (or waits on it now)."""
+        if self._closed or self._call.done():
+            return False
+        self._failed = StageFailure(self.stage, 503, reason, "stage_unavailable", "ServiceUnavailableError")
+        self.cancel()
+        return True
 
     def cancel(self) -> None:
         """Abort the call; the stage sees CANCELLED and frees the stream's state."""

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.stage_clients import STAGE_SERVICES
 
 REPO = Path(__file__).resolve().parents[1]
+_ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
@@ -46,6 +47,7 @@ class StageProcess:
     metrics_port: int
     proc: subprocess.Popen[bytes]
     log_path: Path
+    cmd: list[str] = field(default_factory=list)
 
     @property
     def addr(self) -> str:
@@ -83,6 +85,19 @@ class StageProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(30)
 
+    def restart(self, timeout_s: float = 300.0) -> float:
+        """Start the same stage again on the same ports (after :meth:`kill`); returns the monotonic time
+        at which it first reported SERVING."""
+        assert self.proc.poll() is not None, "restart() needs the process to have exited"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=_ENV, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not self.serving():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.stage} did not come back:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.1)
+        return time.monotonic()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -97,19 +112,16 @@ def start_stages(
     checkpoint: Path, log_dir: Path, specs: list[tuple[str, list[str]]], timeout_s: float = 600.0
 ) -> list[StageProcess]:
     """Start one process per ``(stage, extra CLI args)`` in parallel; return once all are SERVING."""
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     started: list[StageProcess] = []
     try:
         for i, (stage, extra) in enumerate(specs):
             port, metrics_port = free_port(), free_port()
             log_path = log_dir / f"{stage}-{i}.log"
+            cmd = [sys.executable, "-m", f"services.{stage}", "--checkpoint", str(checkpoint), "--device", "cpu",
+                   "--port", str(port), "--metrics-port", str(metrics_port), "--drain-timeout", "2", *extra]
             with log_path.open("wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", f"services.{stage}", "--checkpoint", str(checkpoint), "--device", "cpu",
-                     "--port", str(port), "--metrics-port", str(metrics_port), "--drain-timeout", "2", *extra],
-                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                )
-            started.append(StageProcess(stage, port, metrics_port, proc, log_path))
+                proc = subprocess.Popen(cmd, cwd=REPO, env=_ENV, stdout=log, stderr=subprocess.STDOUT)
+            started.append(StageProcess(stage, port, metrics_port, proc, log_path, cmd))
         deadline = time.monotonic() + timeout_s
         waiting = list(started)
         while waiting:

@@ -326,24 +326,27 @@ def test_non_streaming_disconnect_cancels_every_stage(gateway: ThreadedGateway, 
 
 
 # ---- dead addresses ---------------------------------------------------------------------------
-def test_stage_down_is_503_after_one_retry(stages: Stages) -> None:
+def test_stage_down_is_503_with_retry_hint_before_any_stream(stages: Stages) -> None:
     dead = dead_address()
     with ThreadedGateway(_config(stages.addrs(thinker=dead))) as gw:
         health = httpx.get(f"{gw.url}/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "unhealthy"
         report = health.json()["stages"]
         assert report["thinker"] != "ok" and report["talker"] == "ok" and report["code2wav"] == "ok"
+        assert _gateway_counter(gw.url, "minicpmo_gateway_stage_up", stage="thinker") == 0
+        assert _gateway_counter(gw.url, "minicpmo_gateway_stage_up", stage="talker") == 1
         retries = _gateway_counter(gw.url, "minicpmo_gateway_stage_retries_total", stage="thinker")
         errors = _gateway_counter(gw.url, "minicpmo_gateway_stage_errors_total", code="stage_unavailable",
                                   stage="thinker")
         for stream in (False, True):
             r = httpx.post(f"{gw.url}/v1/chat/completions", json=_chat("hi", stream=stream), timeout=60)
-            assert r.status_code == 503, r.text  # streaming too: the 200 waits for the first event
+            assert r.status_code == 503, r.text  # streaming too: refused before any 200
+            assert int(r.headers["retry-after"]) >= 1
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["code"] == 503
             assert "thinker" in err["message"] and dead in err["message"]
-        # each request re-opened its stream exactly once before giving up
-        assert _gateway_counter(gw.url, "minicpmo_gateway_stage_retries_total", stage="thinker") == retries + 2
+        # the health monitor already knew: no stage stream was opened (so none was retried)
+        assert _gateway_counter(gw.url, "minicpmo_gateway_stage_retries_total", stage="thinker") == retries
         assert _gateway_counter(gw.url, "minicpmo_gateway_stage_errors_total", code="stage_unavailable",
                                 stage="thinker") == errors + 2
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from gateway.launcher import build_parser, pick_free_stage_ports, plan_children
+from gateway.launcher import ChildSpec, Supervisor, build_parser, pick_free_stage_ports, plan_children
 from services.common.deploy_profile import STAGE_SETTINGS_ENV, load_profile
 
 
@@ -117,3 +119,37 @@ def test_planned_flags_exist_in_every_stage_cli() -> None:
         flags = [a for a in child.argv[3:] if a.startswith("--")]
         missing = [f for f in flags if f not in helptext]
         assert not missing, f"{child.name}: flags {missing} not in `{' '.join(child.argv[1:3])} --help`"
+
+
+def test_supervisor_restarts_a_dead_child_with_backoff_then_gives_up(tmp_path: Path) -> None:
+    """Real (tiny) child processes that die at once: restarts at 1, 2, 4, 8, 16 s, then it gives up."""
+    child = ChildSpec("flaky-0", "code2wav", [sys.executable, "-c", "raise SystemExit(3)"])
+    sup = Supervisor([child], tmp_path)
+    logs: list[str] = []
+
+    def log(message: str, **_: object) -> None:
+        logs.append(message)
+
+    sup.start(child)
+    delays = []
+    for _ in range(5):
+        sup.procs["flaky-0"].wait(30)
+        now = time.monotonic()
+        sup.supervise(now, log=log)
+        delays.append(round(sup.restart_due["flaky-0"] - now))
+        sup.supervise(now + delays[-1] - 0.01, log=log)  # not yet due: nothing happens
+        assert "flaky-0" in sup.restart_due
+        sup.supervise(sup.restart_due["flaky-0"], log=log)  # due: started again
+    assert delays == [1, 2, 4, 8, 16] and sup.restarts["flaky-0"] == 5
+    assert "exited with code 3" in logs[0] and "restarted flaky-0" in logs[1]
+    sup.procs["flaky-0"].wait(30)
+    with pytest.raises(RuntimeError, match="giving up"):
+        sup.supervise(time.monotonic(), log=log)
+    # a child that ran for a while before dying starts its backoff from scratch
+    sup.quick_deaths.clear()
+    sup.start(child)
+    sup.procs["flaky-0"].wait(30)
+    sup.started_at["flaky-0"] -= 3600
+    now = time.monotonic()
+    sup.supervise(now, log=log)
+    assert round(sup.restart_due["flaky-0"] - now) == 1

@@ -82,7 +82,8 @@ def _build_job(runtime: GatewayRuntime, req: ChatRequest, messages: list[thinker
 
 def _stage_api_error(exc: StageFailure) -> APIError:
     metrics.STAGE_ERRORS.labels(exc.stage, exc.code).inc()
-    return APIError(exc.status, exc.message, exc.param, exc.err_type)
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+    return APIError(exc.status, exc.message, exc.param, exc.err_type, headers)
 
 
 def _audio_metadata(fmt: str, frames: int) -> dict[str, Any]:
@@ -127,6 +128,10 @@ async def create_chat_completion(request: Request) -> Response:
         messages = await build_thinker_messages(req.messages, runtime.media_policy)
         ref = await load_ref_audio(req.ref_audio, runtime.media_policy) if req.ref_audio else None
         job = _build_job(runtime, req, messages, ref)
+        try:  # a stage known down: 503 + Retry-After now (after input checks), not an SSE error after a 200
+            runtime.monitor.require(("thinker", "talker", "code2wav") if req.want_audio else ("thinker",))
+        except StageFailure as exc:
+            raise _stage_api_error(exc) from exc
         run = runtime.pipeline.start(job)
         if req.stream:
             response = await _start_stream(request, runtime, req, job, run)

@@ -37,12 +37,14 @@ def strip_object_reprs(text: str) -> str:
 class APIError(Exception):
     """Raised anywhere in request handling; the app renders it as the envelope with ``status``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.err_type = err_type or _TYPES.get(status, "APIError")
+        self.headers = headers or {}
 
 
 def error_body(status: int, message: str, param: str | None = None, err_type: str | None = None) -> dict[str, Any]:
@@ -57,5 +59,5 @@ def error_body(status: int, message: str, param: str | None = None, err_type: st
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer", **exc.headers} if exc.status == 401 else exc.headers or None
     return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.err_type), exc.status, headers=headers)

@@ -398,3 +398,5 @@ class ResponseLifecycle:
         if self.active is not None:
             self.active.status = "aborted"
             self.active = None
+            # No response.done goes out, but the response still ended: count it (client gone, shutdown).
+            metrics.RESPONSES.labels("abandoned").inc()
