@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import wave
 from typing import Any
@@ -21,6 +22,18 @@ def tone(seconds: float, rate: int = 16_000, freq: float = 220.0, amp: float = 0
 
 def pcm16_b64(x: np.ndarray) -> str:
     return base64.b64encode((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+
+
+def response_metadata(event: dict[str, Any]) -> dict[str, Any]:
+    """``event["response"]["metadata"]`` decoded: the server sends every value as a string (GA's type),
+    objects and numbers as JSON text."""
+    out: dict[str, Any] = {}
+    for key, value in (event["response"].get("metadata") or {}).items():
+        try:
+            out[key] = json.loads(value)
+        except (TypeError, ValueError):
+            out[key] = value
+    return out
 
 
 def wav_data_uri(x: np.ndarray, rate: int = 16_000) -> str:

@@ -10,7 +10,7 @@ import base64
 from collections import defaultdict
 from typing import Any
 
-from realtime_helpers import EVENT_ID_RE
+from realtime_helpers import EVENT_ID_RE, response_metadata
 
 TERMINAL_ORDER = [
     "response.output_audio.done",
@@ -50,7 +50,7 @@ def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[st
         assert rid not in seen_ids  # R11
         seen_ids.add(rid)
         created = evs[0][1]
-        epoch = created["response"]["metadata"]["epoch"]
+        epoch = response_metadata(created)["epoch"]
         # R7: exactly one done, last (rate_limits.updated has no response id)
         assert types.count("response.done") == 1, (rid, types)
         assert types[-1] == "response.done", (rid, types[-5:])

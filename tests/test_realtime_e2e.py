@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 import wave
 import zipfile
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from realtime_helpers import pcm16_b64, session_body, tone
+from realtime_helpers import pcm16_b64, response_metadata, session_body, tone
 from realtime_invariants import check_response_invariants
 from realtime_stages import REPO, STAGES, Conn, realtime_gateway, stage_servers
 
@@ -121,7 +122,7 @@ def test_barge_in_across_stages(gateway_url: str) -> None:
         summary = check_response_invariants(conn.events)
         info = summary[rid]
         assert info["status"] == "cancelled" and info["reason"] == "barge_in"
-        md = info["done"]["response"]["metadata"]
+        md = response_metadata(info["done"])
         assert md["epoch"] == 1 and md["cancelled_epoch"] == 0
         # the session keeps working at the new epoch (with a short answer this time)
         conn.send({"type": "session.update", "session": {"extra_body": {"max_response_units": 2}}})
@@ -129,7 +130,7 @@ def test_barge_in_across_stages(gateway_url: str) -> None:
         _commit_speech(conn)
         conn.send({"type": "response.create"})
         created = conn.until("response.created")
-        assert created["response"]["metadata"]["epoch"] == 1
+        assert response_metadata(created)["epoch"] == 1
         conn.until("rate_limits.updated")
         summary = check_response_invariants(conn.events)
         assert summary[created["response_id"]]["status"] == "completed"
@@ -251,35 +252,65 @@ def test_vllm_omni_duplex_client(gateway_url: str, tmp_path: Path) -> None:
     assert sum(len(base64.b64decode(a)) for a in audio) > 0
 
 
-def test_stock_openai_realtime_client_turn_lane(gateway_url: str) -> None:
-    """The official ``openai`` SDK's realtime connection converses in the turn lane, unmodified."""
+def _stock_sdk_turn(gateway_url: str, modalities: list[str]) -> list[Any]:
+    """One turn-lane exchange through the official ``openai`` SDK's realtime connection, GA session shape
+    (``type: realtime``, ``audio.input.format`` 24 kHz PCM, no declared rate elsewhere), every event
+    serialised through the SDK's models with warnings turned into errors."""
     openai = pytest.importorskip("openai")
     from realtime_helpers import wav_data_uri
 
     client = openai.OpenAI(api_key="unused", base_url=gateway_url.replace("ws://", "http://") + "/v1",
                            websocket_base_url=gateway_url + "/v1")
-    realtime = getattr(client, "realtime", None) or client.beta.realtime
-    with realtime.connect(model="openbmb/MiniCPM-o-4_5", extra_query={"autostart": "0"}) as conn:
-        conn.send({"type": "session.update", "session": {"modalities": ["audio", "text"],
-                                                         "ref_audio": wav_data_uri(tone(1.0, freq=180.0))}})
-        types: list[str] = []
-        events: list[dict[str, Any]] = []
+    session = {"type": "realtime", "output_modalities": modalities,
+               "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}},
+               "ref_audio": wav_data_uri(tone(1.0, freq=180.0))}
+    seen: list[Any] = []
+    # The SDK's own websockets call warns (DeprecationWarning, websockets 17): not ours, so warnings turn
+    # into errors only where our events meet the SDK's models.
+    with client.realtime.connect(model="openbmb/MiniCPM-o-4_5", extra_query={"autostart": "0"}) as conn:
+        conn.send({"type": "session.update", "session": session})
         deadline = time.time() + 300
-        sent = False
         for event in conn:
-            data = event.model_dump() if hasattr(event, "model_dump") else dict(event)
-            events.append(data)
-            types.append(data["type"])
-            if data["type"] == "session.updated" and not sent:
-                sent = True
-                conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.2))})
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a GA model that does not fit our event warns: fail on it
+                event.model_dump()
+                event.to_json()
+            seen.append(event)
+            if event.type == "session.updated" and len([e for e in seen if e.type == "session.updated"]) == 1:
+                conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.2, rate=24000))})
                 conn.send({"type": "input_audio_buffer.commit"})
                 conn.send({"type": "response.create"})
-            if data["type"] == "response.done" or time.time() > deadline:
+            if event.type in ("response.done", "error") or time.time() > deadline:
                 break
-        assert "session.created" in types and "response.created" in types
-        assert types.count("response.output_audio.delta") >= 1
-        assert events[-1]["type"] == "response.done" and events[-1]["response"]["status"] == "completed"
+    return seen
+
+
+def test_stock_openai_realtime_client_turn_lane(gateway_url: str) -> None:
+    """The official ``openai`` SDK converses in the turn lane, unmodified and without a single model
+    warning: GA audio formats, GA item content types, string response metadata, 24 kHz input."""
+    seen = _stock_sdk_turn(gateway_url, ["audio", "text"])
+    types = [e.type for e in seen]
+    created = seen[0]
+    assert created.type == "session.created"
+    assert created.session.audio.input.format.type == "audio/pcm" and created.session.audio.input.format.rate == 24000
+    assert created.session.audio.output.format.type == "audio/pcm" and created.session.audio.output.format.rate == 24000
+    committed = next(e for e in seen if e.type == "conversation.item.done" and e.item.role == "user")
+    assert committed.item.content[0].model_dump()["audio_ms"] == 1200  # 28 800 samples at 24 kHz = 1.2 s
+    assert types.count("response.output_audio.delta") >= 1
+    done = seen[-1]
+    assert done.type == "response.done" and done.response.status == "completed"
+    assert all(isinstance(v, str) for v in done.response.metadata.values())
+    assert done.response.output[0].content[0].type == "output_audio"
+    part = next(e for e in seen if e.type == "response.content_part.done")
+    assert part.part.type == "audio" and part.part.transcript == done.response.output[0].content[0].transcript
+
+
+def test_stock_openai_realtime_client_text_only(gateway_url: str) -> None:
+    seen = _stock_sdk_turn(gateway_url, ["text"])
+    done = seen[-1]
+    assert done.type == "response.done" and done.response.status == "completed", [e.type for e in seen]
+    assert done.response.output[0].content[0].type == "output_text"
+    assert "response.output_text.done" in [e.type for e in seen]
 
 
 # Server VAD on synthetic tones: the energy fallback (Silero rightly hears no speech in a sine).
@@ -352,7 +383,7 @@ def test_server_vad_turns_and_barge_in(gateway_url: str) -> None:
         stopped = conn.until("input_audio_buffer.speech_stopped", 60)
         assert stopped["item_id"] == barge["item_id"]
         second = conn.until("response.created", 60)
-        assert second["response"]["metadata"]["epoch"] == 1
+        assert response_metadata(second)["epoch"] == 1
         conn.until("rate_limits.updated")
         summary = check_response_invariants(conn.events)
         assert summary[rid]["status"] == "cancelled" and summary[rid]["audio_bytes"] > 0

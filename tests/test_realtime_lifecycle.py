@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from realtime_helpers import pcm16_b64, session_body, tone
+from realtime_helpers import pcm16_b64, response_metadata, session_body, tone
 from realtime_invariants import check_response_invariants
 from realtime_stages import STAGES, Conn, RunningStages, realtime_gateway, stage_servers
 from websockets.exceptions import ConnectionClosedOK
@@ -157,7 +157,7 @@ def test_client_interrupt_of_a_speaking_response(conn: Conn, command: dict[str, 
     assert done["response_id"] == rid
     assert done["response"]["status"] == "cancelled"
     assert done["response"]["status_details"]["reason"] == reason
-    md = done["response"]["metadata"]
+    md = response_metadata(done)
     assert (md["epoch"], md["cancelled_epoch"]) == (1, 0)
     if command["type"] == "output_audio_buffer.clear":
         assert _index(conn, "output_audio_buffer.cleared", rid) < _index(conn, "response.done", rid)
@@ -176,7 +176,7 @@ def test_client_interrupt_of_a_speaking_response(conn: Conn, command: dict[str, 
     conn.send({"type": "response.create"})
     created = conn.until("response.created")
     assert created["response_id"] != rid
-    assert created["response"]["metadata"]["duplex_event"]["epoch"] == 1
+    assert response_metadata(created)["duplex_event"]["epoch"] == 1
     conn.until("rate_limits.updated")
     summary = check_response_invariants([e for e in conn.events if e["type"] != "error"])
     assert summary[rid]["status"] == "cancelled"
@@ -212,7 +212,7 @@ def test_playback_ack_barge_in_history_and_truncate(conn: Conn) -> None:
     conn.send({"type": "barge_in"})
     done = conn.until("response.done", 60)
     assert done["response_id"] == rid and done["response"]["status_details"]["reason"] == "barge_in"
-    assert done["response"]["metadata"]["committed_ms"] == played
+    assert response_metadata(done)["committed_ms"] == played
     _settle(conn)
     sent = check_response_invariants([e for e in conn.events if e["type"] != "error"])[rid]["transcript"]
     conn.send({"type": "conversation.item.retrieve", "item_id": "item_" + rid})
@@ -305,7 +305,7 @@ def test_b1_soft_interrupt_native_lane(conn: Conn, gateway_url: str) -> None:
         pass
     assert first["type"] == "response.created", "the model listened to the first unit; it should speak"
     rid = first["response_id"]
-    assert first["response"]["metadata"]["duplex_event"]["lane"] == "native"
+    assert response_metadata(first)["duplex_event"]["lane"] == "native"
     conn.until("response.speak", 60)
     overlap = np.concatenate([tone(1.0, freq=f) for f in (300.0, 250.0, 200.0)])
     for i in range(0, overlap.size, 16_000):
@@ -328,7 +328,7 @@ def test_b1_soft_interrupt_native_lane(conn: Conn, gateway_url: str) -> None:
     assert not any(d["response_id"] == rid for d in dones), "the model's response should still be speaking"
     epochs = [e["metadata"]["epoch"] for e in events if e["type"] == "response.output_audio.delta"]
     epochs += [e["epoch"] for e in events if e["type"] in ("response.listen", "overlap.decision")]
-    epochs += [e["response"]["metadata"]["epoch"] for e in events if e["type"] == "response.created"]
+    epochs += [response_metadata(e)["epoch"] for e in events if e["type"] == "response.created"]
     assert epochs and set(epochs) == {0}
     assert not [e for e in events if e["type"] == "duplex.stage_interrupt_ack"]
     created = [i for i, e in enumerate(events) if e["type"] == "response.created"]

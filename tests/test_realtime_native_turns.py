@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from realtime_helpers import pcm16_b64, session_body, tone
+from realtime_helpers import pcm16_b64, response_metadata, session_body, tone
 from realtime_invariants import check_response_invariants
 from realtime_stages import Conn, realtime_gateway, stage_servers
 
@@ -93,8 +93,8 @@ def test_b1_user_talks_over_model_owned_back_to_back_turns(gateway_url: str) -> 
     assert all(d["response"]["status"] == "completed" for d in dones)
     epochs = [e["metadata"]["epoch"] for e in events if e["type"] == "response.output_audio.delta"]
     epochs += [e["epoch"] for e in events if e["type"] == "response.listen"]
-    epochs += [e["response"]["metadata"]["epoch"] for e in events if e["type"] == "response.created"]
-    epochs += [d["response"]["metadata"]["epoch"] for d in dones]
+    epochs += [response_metadata(e)["epoch"] for e in events if e["type"] == "response.created"]
+    epochs += [response_metadata(d)["epoch"] for d in dones]
     assert set(epochs) == {0}
 
     created = [i for i, e in enumerate(events) if e["type"] == "response.created"]

@@ -335,6 +335,34 @@ def test_input_formats_accepted(client: TestClient) -> None:
         assert sum(len(item.units) for item in session.committed_backlog) == 8
 
 
+@pytest.mark.parametrize(
+    ("extra", "rate"),
+    [
+        ({"type": "realtime"}, 24000),  # GA session object, no rate: GA's 24 kHz
+        ({"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}}, 24000),
+        ({"type": "realtime", "sample_rate_hz": 16000}, 16000),  # a declared rate wins
+        ({}, 16000),  # the dialect's own default (DuplexClient, the browser page)
+    ],
+)
+def test_ga_session_shapes(client: TestClient, extra: dict[str, Any], rate: int) -> None:
+    """GA shapes where the dialect leaves room: MIME format types, GA's 24 kHz default for GA session objects,
+    ``audio.input.turn_detection`` echoed; the appended audio is decoded at that rate (2 s = two units)."""
+    with client.websocket_connect("/v1/duplex") as ws:
+        body = {k: v for k, v in session_body().items() if k not in ("sample_rate_hz", "input_audio_format")}
+        ws.send_json({"type": "session.update", "session": {**body, **extra}})
+        created = ws.receive_json()
+        assert created["type"] == "session.created", created
+        audio = created["session"]["audio"]
+        assert audio["input"]["format"] == {"type": "audio/pcm", "rate": rate}
+        assert audio["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
+        assert audio["input"]["turn_detection"] is None and created["session"]["input_audio_format"] == "pcm16"
+        ws.receive_json()
+        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(2.0, rate=rate))})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        receive_until(ws, "conversation.item.done")
+        assert sum(len(item.units) for item in app_session(ws, client).committed_backlog) == 2
+
+
 def app_session(ws: Any, client: TestClient) -> Any:
     sessions = list(client.app.state.realtime.registry.sessions.values())
     assert len(sessions) == 1

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gateway_server import serve_in_thread
-from realtime_helpers import tone
+from realtime_helpers import response_metadata, tone
 from test_realtime_e2e import gateway_url, stage_addrs  # noqa: F401 - module-scoped real-stage fixtures
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras (scripts/setup.sh)")
@@ -215,7 +215,7 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
             second_played_ms = (stats["playedSamples"] - wire_samples) * 1000 // OUT_RATE
             if second["response"]["status"] == "cancelled":  # the usual case: it was still being generated
                 assert second["response"]["status_details"]["reason"] == "barge_in"
-                assert second["response"]["metadata"]["playback"]["played_ms"] == second_played_ms
+                assert response_metadata(second)["playback"]["played_ms"] == second_played_ms
                 assert page.locator("#transcript > div").last.text_content().endswith(" [cancelled]")
             print(f"browser: second response {second['response']['status']}, received {all_wire - wire_samples}, "
                   f"played {stats['playedSamples'] - wire_samples}, dropped {stats['droppedSamples']} samples")

@@ -390,8 +390,7 @@ def _item_json(entry: dict[str, Any]) -> dict[str, Any]:
     status = {"in_progress": "in_progress", "completed": "completed", "cancelled": "cancelled"}.get(resp.status, "incomplete")
     item = resp.item(status)
     transcript = resp.history_transcript if resp.history_transcript is not None else resp.transcript
-    key = "transcript" if resp.wants_audio else "text"
-    item["content"] = [{**resp.content_part(), key: transcript}]
+    item["content"] = [resp.item_content(transcript)]
     item["metadata"] = {"audio_ms": resp.audio_ms, "committed_ms": resp.committed_ms,
                         "audio_text_marks": [m.to_json() for m in resp.marks]}
     return item

@@ -203,6 +203,10 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
         cfg.input_rate = rate or default_rate_for(fmt)
     if declared_rate is not None:
         cfg.input_rate = validate_rate(declared_rate)
+    elif opening and rate is None and obj.get("type") == "realtime" and cfg.input_format == "pcm16":
+        # A GA session object (``type: "realtime"``, which the vLLM-Omni dialect never sends) that declares
+        # no input rate means OpenAI's default, 24 kHz PCM; the dialect's own default stays 16 kHz.
+        cfg.input_rate = GA_PCM_RATE
     out_spec = obj.get("output_audio_format", _get(obj, "audio", "output", "format"))
     out_fmt = _output_format(out_spec)
     if out_fmt is not None:
@@ -216,6 +220,9 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
     # 2. turn detection
     if "overlap_policy" in obj:
         cfg.overlap_policy = obj["overlap_policy"] if obj["overlap_policy"] in OVERLAP_POLICIES else "listen_only"
+    audio_input = _get(obj, "audio", "input")
+    if "turn_detection" not in obj and isinstance(audio_input, dict) and "turn_detection" in audio_input:
+        obj = {**obj, "turn_detection": audio_input["turn_detection"]}  # GA's place for the same object
     if "turn_detection" in obj or "overlap_policy" in obj or opening:
         td = obj["turn_detection"] if "turn_detection" in obj else cfg.turn_detection
         cfg.turn_detection = _validate_turn_detection(td, cfg.overlap_policy, opening)
@@ -305,6 +312,16 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
     return cfg
 
 
+GA_PCM_RATE = 24_000
+# The GA (MIME) names of the nested ``audio.*.format.type``; the flat beta keys keep the dialect's names.
+_GA_FORMAT_TYPES = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
+
+
+def ga_format(fmt: str, rate: int) -> dict[str, Any]:
+    """``{"type": "audio/pcm", "rate": 24000}``-style format object; formats GA lacks keep our name."""
+    return {"type": _GA_FORMAT_TYPES.get(fmt, fmt), "rate": rate}
+
+
 def render_session(cfg: SessionConfig) -> dict[str, Any]:
     """The configuration part of the session object echoed in session.created/updated."""
     return {
@@ -315,8 +332,12 @@ def render_session(cfg: SessionConfig) -> dict[str, Any]:
         "input_audio_format": cfg.input_format,
         "output_audio_format": cfg.output_format,
         "audio": {
-            "input": {"format": {"type": cfg.input_format, "rate": cfg.input_rate}, "sample_rate_hz": cfg.input_rate},
-            "output": {"format": {"type": cfg.output_format, "rate": 8_000 if cfg.output_format.startswith("g711") else 24_000}},
+            "input": {
+                "format": ga_format(cfg.input_format, cfg.input_rate),
+                "sample_rate_hz": cfg.input_rate,
+                "turn_detection": cfg.turn_detection,
+            },
+            "output": {"format": ga_format(cfg.output_format, 8_000 if cfg.output_format.startswith("g711") else 24_000)},
         },
         "turn_detection": cfg.turn_detection,
         "temperature": cfg.temperature,

@@ -28,6 +28,15 @@ def encode_event(event: dict[str, Any]) -> str:
     return json.dumps(event, separators=(",", ":"), default=_json_default)
 
 
+def string_metadata(values: dict[str, Any]) -> dict[str, str]:
+    """A ``response.metadata`` object as GA wants it: every value a string (objects as compact JSON).
+
+    OpenAI's Realtime GA types ``response.metadata`` as a map of strings and its SDK warns on anything
+    else; the vLLM-Omni dialect leaves the values free, and its client never reads them.
+    """
+    return {k: v if isinstance(v, str) else encode_event(v) for k, v in values.items()}
+
+
 def new_event_id() -> str:
     return f"event_{secrets.token_hex(16)}"
 
@@ -107,9 +116,18 @@ class ResponseState:
         return self.transcript[:chars]
 
     def content_part(self) -> dict[str, Any]:
+        """The ``part`` of ``response.content_part.added/done``: GA types ``audio`` / ``text`` there."""
         if self.wants_audio:
             return {"type": "audio", "transcript": self.transcript}
         return {"type": "text", "text": self.transcript}
+
+    def item_content(self, transcript: str | None = None) -> dict[str, Any]:
+        """One content entry of the assistant item: GA types ``output_audio`` / ``output_text`` (the
+        vLLM-Omni dialect's clients do not read the type, stock OpenAI clients validate it)."""
+        text = self.transcript if transcript is None else transcript
+        if self.wants_audio:
+            return {"type": "output_audio", "transcript": text}
+        return {"type": "output_text", "text": text}
 
     def item(self, status: str) -> dict[str, Any]:
         return {
@@ -118,7 +136,7 @@ class ResponseState:
             "type": "message",
             "role": "assistant",
             "status": status,
-            "content": [self.content_part()] if status != "in_progress" else [],
+            "content": [self.item_content()] if status != "in_progress" else [],
         }
 
     def playback(self) -> dict[str, int]:

@@ -69,7 +69,7 @@ class ResponseLifecycle:
                 "status": "in_progress",
                 "output": [],
                 "modalities": resp.modalities,
-                "metadata": {"epoch": resp.epoch, "duplex_event": {"epoch": resp.epoch, "lane": lane}},
+                "metadata": ev.string_metadata({"epoch": resp.epoch, "duplex_event": {"epoch": resp.epoch, "lane": lane}}),
             },
         )
         item = resp.item("in_progress")
@@ -365,7 +365,7 @@ class ResponseLifecycle:
                 "status_details": details,
                 "output": [item],
                 "modalities": resp.modalities,
-                "metadata": metadata,
+                "metadata": ev.string_metadata(metadata),
             },
         )
         s.emit("rate_limits.updated", rate_limits=[])
