@@ -76,7 +76,10 @@ def build_backend_for_dump(checkpoint: str, device: str, dtype: str, cuda_graphs
         from services.thinker.server import build_backend
     cfg = EngineConfig(max_context=8192, max_num_seqs=2, use_cuda_graphs=cuda_graphs)
     cfg.kv_budget_bytes = 256 << 20  # one session of a few hundred rows (the tiny LLM: 1 KiB a row)
-    return build_backend(checkpoint, device, dtype, cfg)
+    backend = build_backend(checkpoint, device, dtype, cfg)
+    # As the server does before serving: every graph bucket the session's steps can use is captured.
+    backend.engine.runner.warmup_graphs(cfg.max_num_seqs, 1024)
+    return backend
 
 
 def run_session(
