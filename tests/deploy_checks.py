@@ -588,7 +588,7 @@ def stage_parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     """Each stage CLI's own argument parser (imports torch; call only where needed)."""
     from services.code2wav.__main__ import build_parser as code2wav_parser
     from services.talker.server import build_parser as talker_parser
-    from services.thinker.server import build_parser as thinker_parser
+    from services.thinker.__main__ import build_parser as thinker_parser
 
     return {"thinker": thinker_parser, "talker": talker_parser, "code2wav": code2wav_parser}
 

@@ -39,7 +39,7 @@ THINKER_WEIGHTS = int(16.4 * GIB)  # 16.4 GB measured, counted as GiB to stay on
 def _parsers() -> dict[str, Callable[[], Any]]:
     from services.code2wav.__main__ import build_parser as code2wav_parser
     from services.talker.server import build_parser as talker_parser
-    from services.thinker.server import build_parser as thinker_parser
+    from services.thinker.__main__ import build_parser as thinker_parser
 
     return {"thinker": thinker_parser, "talker": talker_parser, "code2wav": code2wav_parser}
 
@@ -255,7 +255,7 @@ class _Stop(Exception):
 
 
 def test_thinker_cli_passes_the_cap_to_the_kv_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.thinker.server as server
+    import services.thinker.__main__ as server
 
     applied: list[float] = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i=None: applied.append(f))

@@ -17,6 +17,7 @@ from services.common.errors import CONTEXT_LENGTH_EXCEEDED
 from services.common.grpc_server import ServeOptions
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
 from services.common.tensors import pcm_from_float, tensor_from_proto
+from services.thinker.backend import build_backend
 from services.thinker.duplex import (
     CHUNK_EOS,
     LISTEN,
@@ -29,7 +30,7 @@ from services.thinker.duplex import (
     select_span,
 )
 from services.thinker.engine import EngineConfig, ThinkerEngine
-from services.thinker.server import build_backend, make_server
+from services.thinker.server import make_server
 
 torch.set_num_threads(1)
 UNIT_OPEN, UNIT_CLOSE = 151683, 151684

@@ -23,8 +23,9 @@ from services.common.errors import (
 from services.common.grpc_server import ServeOptions
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
 from services.common.tensors import pcm_from_float, tensor_from_proto
+from services.thinker.backend import build_backend
 from services.thinker.engine import EngineConfig
-from services.thinker.server import build_backend, make_server
+from services.thinker.server import make_server
 
 torch.set_num_threads(1)
 MAX_CONTEXT = 600

@@ -37,7 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.code2wav.model.prompt import PromptFeatures, ReferenceAudioError, ReferenceVoiceEncoder
 from services.code2wav.runner import Code2WavRunner, StreamState, WindowCursor, WindowResult
 from services.common.errors import BAD_REFERENCE_AUDIO, INTERNAL, RESOURCE_EXHAUSTED, UNAVAILABLE, StageError
-from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, INTERRUPTS, STEP_SECONDS
+from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, STEP_SECONDS
 
 log = logging.getLogger(__name__)
 STAGE = "code2wav"
@@ -152,9 +152,18 @@ class Code2WavEngine:
 
     # ------------------------------------------------------------------ streams
     async def open_stream(
-        self, stream_id: str, reference: tuple[np.ndarray, int] | None, seed: int | None, epoch: int = 0
+        self,
+        stream_id: str,
+        reference: tuple[np.ndarray, int] | None,
+        seed: int | None,
+        epoch: int = 0,
+        outputs: Any = None,
     ) -> StreamHandle:
-        """Featurise the voice (LRU-cached) and create the stream from its origin cache."""
+        """Featurise the voice (LRU-cached) and create the stream from its origin cache.
+
+        ``outputs`` (anything with ``put_nowait``) receives ``(tag, WindowResult | StageError | None)``
+        per window; by default a fresh asyncio queue on the handle.
+        """
         if not self._accepting:
             raise StageError(UNAVAILABLE, "code2wav is draining", "open")
         if len(self.streams) >= self.max_streams:
@@ -173,6 +182,8 @@ class Code2WavEngine:
         handle = StreamHandle(
             stream_id=stream_id, prompt=prompt, seed=seed, epoch=epoch, state=state, state_epoch=epoch
         )
+        if outputs is not None:
+            handle.outputs = outputs
         self.streams[id(handle)] = handle
         STREAMS_OPEN.set(len(self.streams))
         self._update_cache_gauge()
@@ -195,7 +206,6 @@ class Code2WavEngine:
         handle.cursor = WindowCursor()
         IN_FLIGHT.labels(STAGE).dec(dropped)
         DROPPED_WINDOWS.inc(dropped)
-        INTERRUPTS.labels(STAGE).inc()
         self._release_running(handle, lambda w: w.epoch < new_epoch, record_idle=True)
         return dropped
 

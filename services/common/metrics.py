@@ -16,6 +16,11 @@ QUEUE_DEPTH = Gauge("minicpmo_stage_queue_depth", "Requests waiting for admissio
 REQUESTS = Counter("minicpmo_stage_requests_total", "Generate streams opened", ["stage"])
 ERRORS = Counter("minicpmo_stage_errors_total", "Typed errors sent on streams", ["stage", "code"])
 INTERRUPTS = Counter("minicpmo_stage_interrupts_total", "Epoch interrupts applied", ["stage"])
+STALE_ITEMS = Counter(
+    "minicpmo_stage_stale_items_total",
+    "Data messages of an older epoch dropped by the epoch fence (services.common.stage_stream)",
+    ["stage"],
+)
 BATCH_SIZE = Histogram(
     "minicpmo_stage_batch_size",
     "Rows per engine step",

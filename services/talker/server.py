@@ -8,19 +8,19 @@
 * replies: ``CodecWindow`` (3 context + 25 new frames, exactly one ``is_last`` per turn), ``Done``
   (per turn in turn mode, at End in duplex), typed ``Error``.
 
-Half-closing the request side counts as End. The engine runs in its own thread; replies cross back
-through ``loop.call_soon_threadsafe`` into a per-stream asyncio queue. Health, reflection, metrics and
-graceful drain come from :mod:`services.common.grpc_server`.
+Half-closing the request side counts as End. The stream skeleton (handshake, request pump, the epoch
+rule, typed errors, metrics) is :mod:`services.common.stage_stream`'s; :class:`TalkerStream` is what a
+stream means to the engine, which runs in its own thread and posts its outputs into the stream's inbox.
+Health, reflection, metrics and graceful drain come from :mod:`services.common.grpc_server`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import torch
@@ -34,9 +34,9 @@ from services.common.grpc_server import (
     serve_forever,
     serve_options_from_args,
 )
-from services.common.metrics import ERRORS, INTERRUPTS, REQUESTS, STREAMS_ACTIVE
 from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
+from services.common.stage_stream import Inbox, Interrupted, StageStream, StageStreamDriver
 from services.common.tensors import TORCH_DTYPES, compute_dtype, dtype_to_proto, tensor_from_proto
 from services.talker.engine import STAGE, TalkerEngine
 from services.talker.model.tts import MiniCPMTTS
@@ -48,6 +48,7 @@ from services.talker.streams import (
     InterruptAckOut,
     OutMeta,
     Output,
+    StreamSettings,
     StreamState,
     WindowOut,
 )
@@ -89,7 +90,6 @@ def output_to_proto(st: StreamState, out: Output) -> talker_pb2.TalkerResponse |
             done=common_pb2.Done(id=ident, finish_reason=out.finish_reason, usage=usage)
         )
     if isinstance(out, ErrorOut):
-        ERRORS.labels(STAGE, out.error.code_name).inc()
         return talker_pb2.TalkerResponse(error=out.error.to_proto(ident))
     if isinstance(out, InterruptAckOut):
         return talker_pb2.TalkerResponse(
@@ -106,11 +106,14 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     def __init__(self, engine: TalkerEngine, info: common_pb2.StageInfo) -> None:
         self.engine = engine
         self.info = info
+        self.driver = StageStreamDriver(
+            STAGE, talker_pb2.TalkerRequest, talker_pb2.TalkerResponse, lambda msg: TalkerStream(self, msg)
+        )
 
     async def GetInfo(self, request: common_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         return self.info
 
-    def settings_from_open(self, msg: talker_pb2.TalkerOpen):
+    def settings_from_open(self, msg: talker_pb2.TalkerOpen) -> StreamSettings:
         sp = msg.sampling
         for name in ("temperature", "top_p", "repetition_penalty"):
             if sp.HasField(name) and not math.isfinite(getattr(sp, name)):  # NaN passes the checks below
@@ -176,85 +179,69 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         request_iterator: AsyncIterator[talker_pb2.TalkerRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[talker_pb2.TalkerResponse]:
-        REQUESTS.labels(STAGE).inc()
-        try:
-            first = await anext(aiter(request_iterator))
-        except StopAsyncIteration:
-            return
-        if first.WhichOneof("kind") != "open":
-            err = StageError(
-                INVALID_ARGUMENT, "the first message of a Talker stream must be TalkerOpen", "open"
-            )
-            ERRORS.labels(STAGE, err.code_name).inc()
-            yield talker_pb2.TalkerResponse(error=err.to_proto())
-            return
-        try:
-            settings = self.settings_from_open(first.open)
-        except StageError as err:
-            ERRORS.labels(STAGE, err.code_name).inc()
-            yield talker_pb2.TalkerResponse(error=err.to_proto(first.open.id))
-            return
-        loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue[Output] = asyncio.Queue()
+        async for msg in self.driver.generate(request_iterator):
+            yield msg
 
-        def emit(out: Output) -> None:
-            try:
-                loop.call_soon_threadsafe(outbox.put_nowait, out)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is left to read this
-                pass
 
-        st = self.engine.open(settings, emit, epoch=first.open.id.epoch)
-        STREAMS_ACTIVE.labels(STAGE).inc()
+class TalkerStream(StageStream[talker_pb2.TalkerResponse]):
+    """One engine stream: chunks and controls go to the engine thread, its outputs come back as protos.
 
-        async def pump_requests() -> None:
-            try:
-                async for req in request_iterator:
-                    kind = req.WhichOneof("kind")
-                    if kind == "chunk":
-                        try:
-                            self.engine.chunk(st, self.condition_from_chunk(req.chunk, st))
-                        except StageError as err:  # a malformed chunk ends the stream with a typed error
-                            self.engine.close(st)
-                            outbox.put_nowait(ErrorOut(st.meta(), err))
-                            outbox.put_nowait(ClosedOut(st.meta()))
-                            return
-                    elif kind == "control":
-                        ctl = req.control
-                        which = ctl.WhichOneof("kind")
-                        if which == "interrupt":
-                            INTERRUPTS.labels(STAGE).inc()
-                            self.engine.interrupt(st, ctl.interrupt.new_epoch)
-                        elif which == "flush":
-                            self.engine.flush(st)
-                        elif which == "end":
-                            self.engine.end(st)
-                            return
-                    else:
-                        err = StageError(INVALID_ARGUMENT, f"unexpected {kind} message after open", "kind")
-                        outbox.put_nowait(ErrorOut(st.meta(), err))
-                self.engine.end(st)  # half-close counts as End
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a broken client stream must not leave the engine stream behind
-                log.warning("talker request stream failed: %s", exc)
-                self.engine.close(st)
-                outbox.put_nowait(ClosedOut(st.meta()))
+    An advancing interrupt is applied by the engine between two decode steps; the engine acknowledges
+    it itself (``InterruptAckOut``), in order with the windows it already sent.
+    """
 
-        reader = asyncio.create_task(pump_requests())
-        try:
-            while True:
-                out = await outbox.get()
-                if isinstance(out, ClosedOut):
-                    break
-                msg = output_to_proto(st, out)
-                if msg is not None:
-                    yield msg
-        finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-            self.engine.close(st)
-            STREAMS_ACTIVE.labels(STAGE).dec()
+    data_kind = "chunk"
+
+    def __init__(self, servicer: TalkerServicer, open_msg: talker_pb2.TalkerOpen) -> None:
+        self.servicer = servicer
+        self.engine = servicer.engine
+        self.open_msg = open_msg
+        self.settings = servicer.settings_from_open(open_msg)
+        self.st: StreamState | None = None
+
+    def identity(self) -> common_pb2.Identity:
+        ident = common_pb2.Identity(
+            request_id=self.open_msg.id.request_id, session_id=self.open_msg.id.session_id
+        )
+        if self.st is not None:
+            ident.epoch, ident.turn_id = self.st.epoch, self.st.turn_id
+        return ident
+
+    async def start(self, inbox: Inbox) -> Sequence[talker_pb2.TalkerResponse]:
+        self.st = self.engine.open(self.settings, inbox.post_threadsafe, epoch=self.open_msg.id.epoch)
+        return ()
+
+    async def on_data(self, chunk: talker_pb2.TalkerChunk) -> Sequence[talker_pb2.TalkerResponse]:
+        assert self.st is not None
+        self.engine.chunk(self.st, self.servicer.condition_from_chunk(chunk, self.st))
+        return ()
+
+    async def on_interrupt(self, new_epoch: int) -> Interrupted:
+        assert self.st is not None
+        self.engine.interrupt(self.st, new_epoch)
+        return Interrupted(dropped=None)  # the engine acks once it applied it
+
+    async def on_flush(self) -> Sequence[talker_pb2.TalkerResponse]:
+        assert self.st is not None
+        self.engine.flush(self.st)
+        return ()
+
+    async def on_end(self) -> Sequence[talker_pb2.TalkerResponse]:
+        assert self.st is not None
+        self.engine.end(self.st)
+        return ()
+
+    async def on_event(self, event: Output) -> Sequence[talker_pb2.TalkerResponse]:
+        assert self.st is not None
+        if isinstance(event, ClosedOut):
+            self.finished = True
+            return ()
+        msg = output_to_proto(self.st, event)
+        return () if msg is None else [msg]
+
+    async def close(self) -> None:
+        if self.st is not None:
+            self.engine.close(self.st)
 
 
 def stage_info(engine: TalkerEngine, ckpt: Checkpoint, device: str) -> common_pb2.StageInfo:

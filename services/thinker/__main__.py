@@ -1,23 +1,152 @@
-"""``python -m services.thinker``: ``dump`` runs the fidelity dump (``dump --duplex`` the duplex session), anything else starts the stage server."""
+"""``python -m services.thinker``: the stage server, or one of the subcommands in :data:`SUBCOMMANDS`.
+
+``python -m services.thinker --checkpoint DIR [--device cuda] ...`` builds the backend
+(:mod:`services.thinker.backend`) and serves it (:mod:`services.thinker.server`) until SIGTERM;
+``python -m services.thinker dump ...`` runs the fidelity dump (:mod:`services.thinker.dump`;
+``dump --duplex``: :mod:`services.thinker.duplex_dump`). A new
+subcommand is one entry in :data:`SUBCOMMANDS`: a name and a function taking the remaining arguments.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
 import sys
+import time
+from collections.abc import Callable
+
+from services.common.errors import StageError
+from services.common.grpc_server import add_serve_arguments, serve_forever, serve_options_from_args
+from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
+from services.common.tensors import TORCH_DTYPES
+from services.thinker.backend import build_backend
+from services.thinker.duplex_window import DuplexWindow
+from services.thinker.engine import STAGE, EngineConfig
+from services.thinker.kv_cache import KVBudgetError
+from services.thinker.server import make_server
+
+log = logging.getLogger("services.thinker")
+
+
+def _dump(argv: list[str]) -> int:
+    """``dump``: the fidelity dump; ``dump --duplex``: the oracle's scripted duplex session."""
+    if "--duplex" in argv:
+        from services.thinker.duplex_dump import main as duplex_dump_main
+
+        return int(duplex_dump_main([a for a in argv if a != "--duplex"]) or 0)
+    from services.thinker.dump import main as dump_main  # imported on use: the dump needs no gRPC
+
+    return int(dump_main(argv) or 0)
+
+
+# Subcommand name -> entry point taking the arguments after it; anything else starts the server.
+SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"dump": _dump}
+
+
+def parse_size(text: str) -> int:
+    """``--kv-budget`` accepts bytes or a suffix: 512M, 20G, 1.5GiB."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if t and t[-1] in scale:
+        return int(float(t[:-1]) * scale[t[-1]])
+    return int(float(t))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m services.thinker", description="MiniCPM-o 4.5 Thinker stage")
+    ap.add_argument("--checkpoint", required=True, help="MiniCPM-o 4.5 checkpoint directory")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None)
+    ap.add_argument(
+        "--kv-budget",
+        type=parse_size,
+        default=None,
+        help="KV cache bytes (e.g. 20G); default: the memory fraction's cap minus the weights and 2 GiB "
+        "headroom, or without a fraction 90%% of free GPU memory after the headroom",
+    )
+    ap.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
+    ap.add_argument("--max-context", type=int, default=None, help="cap below config max_position_embeddings")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences computing at once")
+    ap.add_argument(
+        "--max-step-tokens", type=int, default=512, help="tokens per engine step (prefill chunk budget)"
+    )
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer blocks (GPU)")
+    ap.add_argument(
+        "--graph-warmup-context",
+        type=int,
+        default=1024,
+        help="capture decode CUDA graphs for every batch bucket up to --max-num-seqs and context bucket up "
+        "to this many tokens before serving (0: capture lazily, which stalls the engine seconds per new bucket)",
+    )
+    ap.add_argument(
+        "--duplex-window",
+        choices=("off", "basic"),
+        default="off",
+        help="what a duplex session does at the context limit: 'off' ends it with context_length_exceeded; "
+        "'basic' keeps the prefix and the newest units within --duplex-window-low tokens once the next unit "
+        "could pass --duplex-window-high, and goes on",
+    )
+    ap.add_argument("--duplex-window-high", type=int, default=8000, help="tokens that trigger a trim (basic)")
+    ap.add_argument("--duplex-window-low", type=int, default=6000, help="tokens kept after a trim (basic)")
+    ap.add_argument("--log-level", default="INFO")
+    add_memory_fraction_argument(ap)
+    add_serve_arguments(ap, STAGE)
+    return ap
+
+
+def serve(argv: list[str]) -> int:
+    """Build the backend from the CLI flags, capture the decode graphs and serve until SIGTERM."""
+    args, fraction = parse_stage_args(build_parser(), STAGE, argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = EngineConfig(
+        max_context=args.max_context or 1 << 30,
+        max_num_seqs=args.max_num_seqs,
+        max_step_tokens=args.max_step_tokens,
+        block_size=args.kv_block_size,
+        kv_budget_bytes=args.kv_budget,
+        use_cuda_graphs=not args.no_cuda_graphs,
+        compile_layers=args.compile,
+        memory_fraction=apply_memory_cap(STAGE, args.device, fraction, log),
+        memory_fraction_key=fraction.key,
+    )
+    try:
+        backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
+    except KVBudgetError as exc:
+        raise SystemExit(f"thinker: {exc}") from None
+    if args.duplex_window == "basic":
+        try:
+            window = DuplexWindow(args.duplex_window_high, args.duplex_window_low)
+            backend.duplex_window = window.validate(backend.engine.max_context)
+        except StageError as exc:
+            raise SystemExit(f"thinker: {exc.message}") from None
+    if args.kv_budget is not None:
+        budget_source = "--kv-budget"
+    elif cfg.memory_fraction is not None:
+        budget_source = f"memory fraction {cfg.memory_fraction:g} from {fraction.source}"
+    else:
+        budget_source = "default"
+    log.info("thinker KV cache: %.2f GiB (%s)", backend.engine.cache.budget_bytes / 2**30, budget_source)
+    t0 = time.perf_counter()
+    captured = backend.engine.runner.warmup_graphs(args.max_num_seqs, args.graph_warmup_context)
+    if captured:
+        log.info("thinker: captured %d decode CUDA graphs in %.1f s", captured, time.perf_counter() - t0)
+    backend.engine.start()
+    server = make_server(backend, serve_options_from_args(args))
+    try:
+        asyncio.run(serve_forever(server))
+    finally:
+        backend.engine.shutdown()
+        backend.executor.shutdown(wait=False, cancel_futures=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "dump" and "--duplex" in args:
-        from services.thinker.duplex_dump import main as duplex_dump_main
-
-        return duplex_dump_main([a for a in args[1:] if a != "--duplex"])
-    if args and args[0] == "dump":
-        from services.thinker.dump import main as dump_main
-
-        return dump_main(args[1:])
-    from services.thinker.server import main as server_main  # imported lazily: the dump needs no gRPC
-
-    return int(server_main(args) or 0)
+    if args and args[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[args[0]](args[1:])
+    return serve(args)
 
 
 if __name__ == "__main__":

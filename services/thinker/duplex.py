@@ -7,13 +7,13 @@ voice rows, optional seeded user text), prefilled once into a *persistent* engin
 engine does not feed a unit's terminator, so the next unit re-injects it (and ``<|chunk_eos|>`` when
 the unit hit the 19-token cap), which yields the same token sequence as upstream's feed-after-decode.
 
-Per unit the stream answers with a ``SpeechChunk`` when the unit spoke and ``want_speech`` is set (span rules of §3.3: the first
-decision token is not spoken; the span ends before a boundary token or right after ``<|turn_eos|>``;
+Per unit the stream answers with a ``SpeechChunk`` when the unit spoke and ``want_speech`` is set
+(span rules of §3.3: the first decision token is not spoken; the span ends before a boundary token or right after ``<|turn_eos|>``;
 rows are the hidden states of the span tokens, 1:1) and always a ``UnitResult`` (decision, transcript,
-token ids, turn end, context size). ``Control.interrupt`` bumps the epoch: the running unit is cancelled
-(its fed tokens stay in the KV, the unit is closed with ``<|chunk_eos|></unit>``), queued units of the
-old epoch are dropped, and an ``InterruptAck`` reports how many. A unit that would pass the context
-limit ends the session with a ``context_length_exceeded`` error.
+token ids, turn end, context size). After an interrupt (:meth:`DuplexSession.after_interrupt`) the
+cancelled unit's fed tokens stay in the KV and the next unit closes it with ``<|chunk_eos|></unit>``.
+This module is what a session means to the model; the stream around it (unit queue, encode, window
+trims, the epoch fence, Done) is :mod:`services.thinker.duplex_stream`.
 
 Audio rows come from the model's incremental Whisper (one state per session, reset before 1500
 encoder positions), fed by upstream's streaming mel (:mod:`services.thinker.processor.duplex_audio`: the
@@ -23,29 +23,23 @@ first unit, the fixed-then-dynamic floor), so the rows equal upstream's (docs/fi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from prometheus_client import Counter, Histogram
+from prometheus_client import Histogram
 
 from services.common.audio import resample
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
-from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
-from services.common.metrics import INTERRUPT_DRAIN, INTERRUPTS
+from services.common.errors import INVALID_ARGUMENT, StageError
 from services.common.pb import common_pb2, thinker_pb2
 from services.common.tensors import dtype_from_proto, pcm_to_float, tensor_to_proto
+from services.thinker.backend import ThinkerBackend
 from services.thinker.duplex_policy import (
     CHUNK_EOS,
     CHUNK_TTS_EOS,
     LISTEN,
-    MAX_TOKENS_PER_UNIT,
     SPEAK,
     TTS_BOS,
     TTS_PAD,
@@ -56,13 +50,8 @@ from services.thinker.duplex_policy import (
     PolicyState,
     forbidden_mask_for,
 )
-from services.thinker.duplex_window import ContextRecord
-from services.thinker.engine import STAGE, EngineEvent
-from services.thinker.errors import failure
+from services.thinker.engine import EngineEvent
 from services.thinker.scheduler import WorkItem
-
-if TYPE_CHECKING:
-    from services.thinker.server import ThinkerBackend
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +62,6 @@ UNIT_PHASE_SECONDS = Histogram(
     "its decision: prefill, decode steps and sampling, shared with every other sequence)",
     ["phase"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-)
-WINDOW_TRIMS = Counter(
-    "minicpmo_thinker_duplex_window_trims_total",
-    "Duplex sessions' context trims by the sliding window (--duplex-window basic)",
 )
 
 TTS_EOS = SPECIAL_TOKEN_IDS["<|tts_eos|>"]
@@ -144,7 +129,8 @@ def select_span(generated: list[int]) -> list[int]:
 
 
 class DuplexSession:
-    """State of one duplex stream; :func:`run_duplex_stream` drives it."""
+    """What one duplex session means to the model; :class:`~services.thinker.duplex_stream.DuplexStream`
+    schedules it."""
 
     def __init__(self, backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> None:
         from services.thinker.processor.duplex_audio import DuplexAudioStream
@@ -307,192 +293,3 @@ class DuplexSession:
         self.state.turn_ended = True
         self.model_turn_open = False
         self.reinject = [CHUNK_EOS, UNIT_CLOSE]
-
-
-async def run_duplex_stream(
-    backend: ThinkerBackend,
-    open_msg: thinker_pb2.ThinkerOpen,
-    request_iterator: AsyncIterator[thinker_pb2.ThinkerRequest],
-) -> AsyncIterator[thinker_pb2.ThinkerResponse]:
-    """Drive one duplex session: prefix, then units in order, until End/half-close or an error."""
-    loop = asyncio.get_running_loop()
-    engine = backend.engine
-    inbox: asyncio.Queue[Any] = asyncio.Queue()
-    try:
-        session = DuplexSession(backend, open_msg)
-        prefix = await loop.run_in_executor(backend.executor, session.prefix_work)
-        engine.check_prompt_length(len(prefix.token_ids) + MAX_TOKENS_PER_UNIT, "instructions")
-    except StageError as err:
-        yield thinker_pb2.ThinkerResponse(error=err.to_proto(open_msg.id))
-        return
-    except Exception as exc:
-        log.exception("duplex session setup failed")
-        yield thinker_pb2.ThinkerResponse(
-            error=failure("duplex setup failed", exc).to_proto(open_msg.id)
-        )
-        return
-    def sink(ev: EngineEvent) -> None:
-        loop.call_soon_threadsafe(inbox.put_nowait, ev)
-
-    seq = engine.open(sink, persistent=True)
-    engine.submit(seq, prefix)
-    record: ContextRecord | None = None
-    if backend.duplex_window is not None:
-        record = ContextRecord(backend.duplex_window, engine.runner.model.embed_tokens)
-        record.record(0, prefix, prefix=True)
-    deferred: tuple[int, WorkItem, float] | None = None  # a unit waiting for a window trim's prefill
-
-    async def pump_requests() -> None:
-        async for req in request_iterator:
-            inbox.put_nowait(req)
-        inbox.put_nowait(None)
-
-    def submit_unit(
-        unit_seq: int, work: WorkItem, t_start: float, start: int
-    ) -> tuple[tuple[int, int, UnitOutcome], float]:
-        work.tag = (unit_seq, session.epoch)
-        t_submit = time.perf_counter()
-        UNIT_PHASE_SECONDS.labels("encode").observe(t_submit - t_start)
-        if record is not None:
-            record.record(start, work)
-        engine.submit(seq, work)
-        return (unit_seq, session.epoch, UnitOutcome()), t_submit
-
-    reader = asyncio.create_task(pump_requests())
-    pending: list[tuple[thinker_pb2.ThinkerUnit, float]] = []  # (unit, arrival time)
-    busy = True  # the prefix is in flight
-    current: tuple[int, int, UnitOutcome] | None = None  # (unit_seq, epoch, outcome)
-    ending = False
-    context_tokens = 0
-    t_submit = time.perf_counter()  # when the running unit went to the engine
-    try:
-        while True:
-            if not busy and pending:
-                unit, arrived = pending.pop(0)
-                unit_seq = int(unit.id.unit_seq) if unit.HasField("id") else session.units_done
-                t_start = time.perf_counter()
-                UNIT_PHASE_SECONDS.labels("queued").observe(t_start - arrived)
-                try:
-                    work = await loop.run_in_executor(
-                        backend.executor,
-                        session.unit_work,
-                        unit,
-                        bool(open_msg.force_speak or unit.request_response),
-                    )
-                except StageError as err:
-                    yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
-                    return
-                except Exception as exc:  # an encoder failure (e.g. out of memory) ends the stream typed
-                    log.exception("duplex unit encode failed")
-                    err = failure("duplex unit encode failed", exc)
-                    yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
-                    return
-                if record is not None and record.needs_trim(context_tokens, len(work.token_ids)):
-                    trim = await loop.run_in_executor(
-                        backend.executor, record.trimmed, list(seq.tokens), len(work.token_ids)
-                    )
-                    if trim is not None:
-                        # A fresh sequence with the prefix and the newest units; the unit follows its prefill.
-                        engine.close(seq)
-                        seq = engine.open(sink, persistent=True)
-                        trim.tag = ("trim", session.epoch)
-                        engine.submit(seq, trim)
-                        WINDOW_TRIMS.inc()
-                        log.info("duplex session %s: context %d -> %d tokens (window trim)",
-                                 session.identity.session_id, context_tokens, len(trim.token_ids))
-                        deferred = (unit_seq, work, t_start)
-                        busy = True
-                        continue
-                if context_tokens + len(work.token_ids) + MAX_TOKENS_PER_UNIT > engine.max_context:
-                    err = StageError(
-                        CONTEXT_LENGTH_EXCEEDED,
-                        f"duplex session context {context_tokens} + unit would pass {engine.max_context} tokens",
-                        "unit",
-                    )
-                    yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident(unit_seq)))
-                    return
-                current, t_submit = submit_unit(unit_seq, work, t_start, context_tokens)
-                busy = True
-                continue
-            if ending and not busy and not pending:
-                fed = context_tokens + (record.dropped_tokens if record is not None else 0)
-                usage = common_pb2.Usage(
-                    prompt_tokens=fed - session.total_generated,
-                    completion_tokens=session.total_generated,
-                    total_tokens=fed,
-                )
-                usage.extra["units"] = session.units_done
-                if record is not None:
-                    usage.extra["window_trims"] = record.trims
-                yield thinker_pb2.ThinkerResponse(
-                    done=common_pb2.Done(id=session.ident(), finish_reason="stop", usage=usage)
-                )
-                return
-            item = await inbox.get()
-            if item is None:
-                ending = True
-                continue
-            if isinstance(item, thinker_pb2.ThinkerRequest):
-                kind = item.WhichOneof("kind")
-                if kind == "unit":
-                    unit = item.unit
-                    if unit.HasField("id") and unit.id.epoch < session.epoch:
-                        continue  # stale: sent before the client saw the interrupt
-                    pending.append((unit, time.perf_counter()))
-                elif kind == "control":
-                    which = item.control.WhichOneof("kind")
-                    if which == "interrupt":
-                        INTERRUPTS.labels(STAGE).inc()
-                        new_epoch = int(item.control.interrupt.new_epoch)
-                        dropped = len(pending) + (1 if current is not None or deferred is not None else 0)
-                        pending.clear()
-                        deferred = None  # a unit waiting for a window trim belongs to the old epoch
-                        if current is not None:
-                            engine.cancel(seq)  # the engine records the drain of the running unit
-                        else:
-                            INTERRUPT_DRAIN.labels(STAGE).observe(0.0)  # nothing of the old epoch running
-                        session.after_interrupt(new_epoch)
-                        ack = common_pb2.InterruptAck(
-                            id=session.ident(), new_epoch=new_epoch, dropped_items=dropped
-                        )
-                        yield thinker_pb2.ThinkerResponse(interrupt_ack=ack)
-                    elif which == "end":
-                        ending = True
-                else:
-                    err = StageError(
-                        INVALID_ARGUMENT, "a duplex stream accepts units and controls after open", "open"
-                    )
-                    yield thinker_pb2.ThinkerResponse(error=err.to_proto(session.ident()))
-                    return
-                continue
-            ev: EngineEvent = item
-            context_tokens = ev.context_tokens
-            if ev.error is not None:
-                yield thinker_pb2.ThinkerResponse(error=ev.error.to_proto(session.ident()))
-                return
-            if ev.finish_reason == "prefilled" and deferred is not None:
-                unit_seq, work, t_start = deferred
-                deferred = None
-                current, t_submit = submit_unit(unit_seq, work, t_start, ev.context_tokens)
-                continue
-            if ev.finish_reason == "prefilled" or ev.finish_reason == "cancelled":
-                busy = False
-                current = None
-                continue
-            if current is None:
-                continue  # late event of a cancelled unit
-            unit_seq, unit_epoch, outcome = current
-            outcome.absorb(ev)
-            if ev.finish_reason is not None:
-                UNIT_PHASE_SECONDS.labels("engine").observe(time.perf_counter() - t_submit)
-                busy = False
-                current = None
-                if unit_epoch < session.epoch:
-                    continue  # finished just before an interrupt was applied: drop its output
-                for msg in session.unit_responses(unit_seq, outcome, context_tokens):
-                    yield msg
-    finally:
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await reader
-        engine.close(seq)

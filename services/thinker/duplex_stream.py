@@ -1,0 +1,263 @@
+"""The duplex stream of the thinker: one persistent session fed one 1 s unit at a time.
+
+:class:`DuplexStream` is the thinker's per-stream part of :mod:`services.common.stage_stream` in duplex
+mode; what a unit means to the model (its tokens, embeddings, policy and results) is
+:class:`~services.thinker.duplex.DuplexSession`'s. The stream owns the scheduling:
+
+* the session prefix is prefilled once at open into a persistent engine sequence;
+* units queue in arrival order; the next one is encoded (mel, Whisper rows, frames) on the encode
+  executor and submitted once the previous unit's decision is in (:meth:`DuplexStream.advance`);
+* with ``--duplex-window basic`` a unit that would pass the window's high mark first replaces the
+  sequence with a trimmed one (prefix + newest units) and follows that prefill;
+* an interrupt to a newer epoch (the fence is the driver's) cancels the running unit, drops the queued
+  ones and acknowledges how many; a unit that finishes just before the interrupt is applied is dropped;
+* ``End`` or half-close lets the queued units finish, then ``Done`` carries the session's usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import Counter
+
+from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
+from services.common.metrics import INTERRUPT_DRAIN
+from services.common.pb import common_pb2, thinker_pb2
+from services.common.stage_stream import Inbox, Interrupted, StageStream
+from services.thinker.backend import ThinkerBackend
+from services.thinker.duplex import UNIT_PHASE_SECONDS, DuplexSession, UnitOutcome
+from services.thinker.duplex_policy import MAX_TOKENS_PER_UNIT
+from services.thinker.duplex_window import ContextRecord
+from services.thinker.engine import EngineEvent
+from services.thinker.errors import failure
+from services.thinker.scheduler import Sequence as EngineSequence
+from services.thinker.scheduler import WorkItem
+
+log = logging.getLogger(__name__)
+
+WINDOW_TRIMS = Counter(
+    "minicpmo_thinker_duplex_window_trims_total",
+    "Duplex sessions' context trims by the sliding window (--duplex-window basic)",
+)
+Response = thinker_pb2.ThinkerResponse
+
+
+@dataclass
+class RunningUnit:
+    unit_seq: int
+    epoch: int
+    outcome: UnitOutcome
+    submitted: float  # perf_counter when it went to the engine
+
+
+@dataclass
+class EncodedUnit:
+    """A unit encoded and waiting for the engine (behind a window trim's prefill, when deferred)."""
+
+    unit_seq: int
+    work: WorkItem
+    started: float  # perf_counter when its encode began
+
+
+class DuplexStream(StageStream[Response]):
+    data_kind = "unit"
+
+    def __init__(self, backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> None:
+        self.backend = backend
+        self.engine = backend.engine
+        self.open_msg = open_msg
+        self.session: DuplexSession | None = None
+        self.seq: EngineSequence | None = None
+        self.sink = None  # the inbox's thread-safe post, for the engine sequence (and a trimmed one)
+        self.record: ContextRecord | None = None
+        self.pending: list[tuple[thinker_pb2.ThinkerUnit, float]] = []  # (unit, arrival time)
+        self.current: RunningUnit | None = None
+        self.deferred: EncodedUnit | None = None  # a unit waiting for a window trim's prefill
+        self.busy = True  # the engine computes something of this session (the prefix at first)
+        self.ending = False
+        self.context_tokens = 0
+
+    def identity(self) -> common_pb2.Identity:
+        if self.session is not None:
+            return self.session.ident()
+        ident = common_pb2.Identity()
+        ident.CopyFrom(self.open_msg.id)
+        return ident
+
+    async def start(self, inbox: Inbox) -> Sequence[Response]:
+        """Build and prefill the session prefix (instructions, reference voice rows, seeded text)."""
+        loop = asyncio.get_running_loop()
+        try:
+            session = DuplexSession(self.backend, self.open_msg)
+            prefix = await loop.run_in_executor(self.backend.executor, session.prefix_work)
+            self.engine.check_prompt_length(len(prefix.token_ids) + MAX_TOKENS_PER_UNIT, "instructions")
+        except StageError:
+            raise
+        except Exception as exc:
+            log.exception("duplex session setup failed")
+            raise failure("duplex setup failed", exc) from exc
+        self.session = session
+        self.sink = inbox.post_threadsafe
+        self.seq = self.engine.open(self.sink, persistent=True)
+        self.engine.submit(self.seq, prefix)
+        if self.backend.duplex_window is not None:
+            self.record = ContextRecord(self.backend.duplex_window, self.engine.runner.model.embed_tokens)
+            self.record.record(0, prefix, prefix=True)
+        return ()
+
+    async def on_data(self, unit: thinker_pb2.ThinkerUnit) -> Sequence[Response]:
+        self.pending.append((unit, time.perf_counter()))
+        return ()
+
+    async def on_interrupt(self, new_epoch: int) -> Interrupted:
+        assert self.session is not None and self.seq is not None
+        running = self.current is not None or self.deferred is not None
+        dropped = len(self.pending) + (1 if running else 0)
+        self.pending.clear()
+        self.deferred = None  # a unit waiting for a window trim belongs to the old epoch
+        if self.current is not None:
+            self.engine.cancel(self.seq)  # the engine records the drain of the running unit
+        else:
+            INTERRUPT_DRAIN.labels("thinker").observe(0.0)  # nothing of the old epoch running
+        self.session.after_interrupt(new_epoch)
+        return Interrupted(dropped)
+
+    async def on_end(self) -> Sequence[Response]:
+        self.ending = True
+        return ()
+
+    def on_unexpected(self, kind: str | None) -> Sequence[Response]:
+        if kind == "open":
+            return super().on_unexpected(kind)
+        raise StageError(INVALID_ARGUMENT, "a duplex stream accepts units and controls after open", "open")
+
+    async def advance(self) -> Sequence[Response]:
+        if not self.busy and self.pending:
+            return await self._start_next_unit()
+        if self.ending and not self.busy and not self.pending:
+            self.finished = True
+            return [self._done()]
+        return ()
+
+    async def _start_next_unit(self) -> Sequence[Response]:
+        """Encode the oldest queued unit and hand it to the engine (after a window trim if one is due)."""
+        session = self.session
+        assert session is not None and self.seq is not None
+        unit, arrived = self.pending.pop(0)
+        unit_seq = int(unit.id.unit_seq) if unit.HasField("id") else session.units_done
+        started = time.perf_counter()
+        UNIT_PHASE_SECONDS.labels("queued").observe(started - arrived)
+        force_speak = bool(self.open_msg.force_speak or unit.request_response)
+        try:
+            work = await asyncio.get_running_loop().run_in_executor(
+                self.backend.executor, session.unit_work, unit, force_speak
+            )
+        except StageError as err:
+            return self._fail(err, unit_seq)
+        except Exception as exc:  # an encoder failure (e.g. out of memory) ends the stream typed
+            log.exception("duplex unit encode failed")
+            return self._fail(failure("duplex unit encode failed", exc), unit_seq)
+        encoded = EncodedUnit(unit_seq, work, started)
+        if await self._trim_window(encoded):
+            return ()
+        if self.context_tokens + len(work.token_ids) + MAX_TOKENS_PER_UNIT > self.engine.max_context:
+            err = StageError(
+                CONTEXT_LENGTH_EXCEEDED,
+                f"duplex session context {self.context_tokens} + unit would pass {self.engine.max_context} tokens",
+                "unit",
+            )
+            return self._fail(err, unit_seq)
+        self._submit(encoded, self.context_tokens)
+        return ()
+
+    async def _trim_window(self, encoded: EncodedUnit) -> bool:
+        """With a sliding window due: a fresh sequence (prefix + newest units); the unit follows its prefill."""
+        record, session = self.record, self.session
+        assert session is not None and self.seq is not None
+        if record is None or not record.needs_trim(self.context_tokens, len(encoded.work.token_ids)):
+            return False
+        loop = asyncio.get_running_loop()
+        trim = await loop.run_in_executor(
+            self.backend.executor, record.trimmed, list(self.seq.tokens), len(encoded.work.token_ids)
+        )
+        if trim is None:
+            return False
+        self.engine.close(self.seq)
+        self.seq = self.engine.open(self.sink, persistent=True)
+        trim.tag = ("trim", session.epoch)
+        self.engine.submit(self.seq, trim)
+        WINDOW_TRIMS.inc()
+        log.info(
+            "duplex session %s: context %d -> %d tokens (window trim)",
+            session.identity.session_id,
+            self.context_tokens,
+            len(trim.token_ids),
+        )
+        self.deferred = encoded
+        self.busy = True
+        return True
+
+    def _submit(self, encoded: EncodedUnit, start: int) -> None:
+        session = self.session
+        assert session is not None and self.seq is not None
+        encoded.work.tag = (encoded.unit_seq, session.epoch)
+        submitted = time.perf_counter()
+        UNIT_PHASE_SECONDS.labels("encode").observe(submitted - encoded.started)
+        if self.record is not None:
+            self.record.record(start, encoded.work)
+        self.engine.submit(self.seq, encoded.work)
+        self.current = RunningUnit(encoded.unit_seq, session.epoch, UnitOutcome(), submitted)
+        self.busy = True
+
+    def _fail(self, err: StageError, unit_seq: int) -> list[Response]:
+        assert self.session is not None
+        self.finished = True
+        return [Response(error=err.to_proto(self.session.ident(unit_seq)))]
+
+    def _done(self) -> Response:
+        session = self.session
+        assert session is not None
+        record = self.record
+        fed = self.context_tokens + (record.dropped_tokens if record is not None else 0)
+        usage = common_pb2.Usage(
+            prompt_tokens=fed - session.total_generated,
+            completion_tokens=session.total_generated,
+            total_tokens=fed,
+        )
+        usage.extra["units"] = session.units_done
+        if record is not None:
+            usage.extra["window_trims"] = record.trims
+        return Response(done=common_pb2.Done(id=session.ident(), finish_reason="stop", usage=usage))
+
+    async def on_event(self, ev: EngineEvent) -> Sequence[Response]:
+        session = self.session
+        assert session is not None
+        self.context_tokens = ev.context_tokens
+        if ev.error is not None:
+            raise ev.error
+        if ev.finish_reason == "prefilled" and self.deferred is not None:
+            deferred, self.deferred = self.deferred, None
+            self._submit(deferred, ev.context_tokens)
+            return ()
+        if ev.finish_reason in ("prefilled", "cancelled"):
+            self.busy, self.current = False, None
+            return ()
+        current = self.current
+        if current is None:
+            return ()  # late event of a cancelled unit
+        current.outcome.absorb(ev)
+        if ev.finish_reason is None:
+            return ()
+        UNIT_PHASE_SECONDS.labels("engine").observe(time.perf_counter() - current.submitted)
+        self.busy, self.current = False, None
+        if current.epoch < session.epoch:
+            return ()  # finished just before an interrupt was applied: drop its output
+        return session.unit_responses(current.unit_seq, current.outcome, self.context_tokens)
+
+    async def close(self) -> None:
+        if self.seq is not None:
+            self.engine.close(self.seq)

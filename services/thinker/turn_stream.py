@@ -1,0 +1,204 @@
+"""Turn mode of the thinker: one chat request per stream, from ThinkerOpen to Done.
+
+``ThinkerOpen`` (messages, sampling, template switches, speech export settings) becomes one engine work
+item (prompt ids + encoder embeddings); the engine's events become ``TextDelta`` per token, ``SpeechChunk``
+(spoken span ids + hidden rows, :class:`~services.thinker.turn.TurnOutput`) and one ``Done``. An
+interrupt to a newer epoch cancels the request: ``InterruptAck`` (1 dropped), then ``Done(interrupted)``.
+Half-closing the request side does not stop generation. The stream skeleton is
+:mod:`services.common.stage_stream`'s; this module is the turn's part only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
+from services.common.pb import common_pb2, thinker_pb2
+from services.common.stage_stream import Inbox, Interrupted, StageStream
+from services.common.tensors import dtype_from_proto, pcm_to_float
+from services.thinker.backend import ThinkerBackend
+from services.thinker.engine import EngineEvent
+from services.thinker.errors import failure
+from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig
+from services.thinker.scheduler import Sequence as EngineSequence
+from services.thinker.scheduler import WorkItem
+from services.thinker.turn import TTS_BOS_ID, TurnOutput
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 2048
+DEFAULT_CHUNK_TOKENS = 10
+Response = thinker_pb2.ThinkerResponse
+
+
+def sampling_from_proto(msg: thinker_pb2.SamplingParams, room: int) -> SamplingConfig:
+    """Proto sampling → validated config; unset fields mean greedy, 2048 tokens, default stop ids.
+
+    ``room`` = context positions left after the prompt; ``max_tokens`` is capped to it so a request
+    never reserves KV beyond the context limit.
+    """
+    if room < 1:
+        raise StageError(
+            CONTEXT_LENGTH_EXCEEDED, "the prompt leaves no room in the thinker context", "messages"
+        )
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if msg.HasField("max_tokens") and max_tokens < 1:
+        raise StageError(INVALID_ARGUMENT, "max_tokens must be >= 1", "sampling.max_tokens")
+    cfg = SamplingConfig(
+        temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k if msg.HasField("top_k") else 0,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+        max_tokens=min(int(max_tokens), room),
+        min_tokens=min(int(msg.min_tokens) if msg.HasField("min_tokens") else 0, room),
+        ignore_eos=bool(msg.ignore_eos),
+        stop_token_ids=tuple(dict.fromkeys([*DEFAULT_STOP_IDS, *msg.stop_token_ids])),
+    )
+    return cfg.validate()
+
+
+def messages_from_proto(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> list[Any]:
+    """Proto chat messages → processor messages (media stay encoded; the processor decodes them)."""
+    from services.thinker.processor import AudioClip, AudioInput, ImageInput, Message, VideoInput
+    from services.thinker.processor.chat import speech_system_message
+
+    out: list[Any] = []
+    if open_msg.want_speech and open_msg.ref_audio.data:
+        samples, rate = pcm_to_float(open_msg.ref_audio)
+        out.append(speech_system_message(AudioClip(samples, rate)))
+    for i, m in enumerate(open_msg.messages):
+        parts: list[Any] = []
+        for j, part in enumerate(m.content):
+            kind = part.WhichOneof("kind")
+            if kind == "text":
+                parts.append(part.text)
+            elif kind == "image":
+                parts.append(ImageInput(bytes(part.image.data)))
+            elif kind == "audio":
+                samples, rate = pcm_to_float(part.audio.pcm)
+                parts.append(AudioInput(AudioClip(samples, rate)))
+            elif kind == "video":
+                parts.append(VideoInput(frames=tuple(bytes(f) for f in part.video.frames)))
+                if part.video.soundtrack.data:
+                    samples, rate = pcm_to_float(part.video.soundtrack)
+                    parts.append(AudioInput(AudioClip(samples, rate)))
+            else:
+                raise StageError(INVALID_ARGUMENT, "empty content part", f"messages[{i}].content[{j}]")
+        out.append(Message(m.role, parts))
+    return out
+
+
+@dataclass
+class TurnPrompt:
+    ids: list[int]
+    embeds: torch.Tensor | None
+
+
+def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> TurnPrompt:
+    """Chat template + placeholder expansion + encoders (runs in a worker thread: encoders block)."""
+    if not open_msg.messages:
+        raise StageError(INVALID_ARGUMENT, "messages must not be empty", "messages")
+    messages = messages_from_proto(backend, open_msg)
+    use_tts = True if (open_msg.use_tts_template or open_msg.want_speech) else None
+    processed = backend.processor(
+        messages, enable_thinking=open_msg.enable_thinking, use_tts_template=use_tts
+    )
+    backend.engine.check_prompt_length(processed.num_tokens)
+    embeds = None
+    if processed.image_bounds.numel() or processed.audio_bounds.numel():
+        embeds = backend.model.embed_prompt(processed).detach()
+    return TurnPrompt(processed.input_ids.tolist(), embeds)
+
+
+class TurnStream(StageStream[Response]):
+    """One chat request: the prompt is built at start, then engine events are translated until Done."""
+
+    data_kind = None  # turn mode takes no data messages after open
+
+    def __init__(self, backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> None:
+        self.backend = backend
+        self.engine = backend.engine
+        self.open_msg = open_msg
+        self.seq: EngineSequence | None = None
+        self.turn: TurnOutput | None = None
+        self.prompt_tokens = 0
+        self.outbox: list[Response] = []
+
+    def identity(self) -> common_pb2.Identity:
+        ident = common_pb2.Identity()
+        ident.CopyFrom(self.open_msg.id)
+        return ident
+
+    async def start(self, inbox: Inbox) -> Sequence[Response]:
+        backend, engine, open_msg = self.backend, self.engine, self.open_msg
+        loop = asyncio.get_running_loop()
+        try:
+            prompt = await loop.run_in_executor(backend.executor, build_turn_prompt, backend, open_msg)
+        except StageError:
+            raise
+        except Exception as exc:  # encoder/processor bug: typed INTERNAL, never a bare gRPC failure
+            log.exception("thinker prompt build failed")
+            raise failure("prompt build failed", exc) from exc
+        sampling = sampling_from_proto(open_msg.sampling, engine.max_context - len(prompt.ids))
+        hidden_dtype = dtype_from_proto(open_msg.hidden_dtype) if open_msg.hidden_dtype else None
+        want_speech = bool(open_msg.want_speech)
+        self.prompt_tokens = len(prompt.ids)
+        self.turn = TurnOutput(
+            backend.tokenizer,
+            open_msg.id,
+            self.outbox.append,
+            hidden_size=backend.hidden_size,
+            want_speech=want_speech,
+            prompt_ends_with_tts_bos=bool(prompt.ids) and prompt.ids[-1] == TTS_BOS_ID,
+            first_chunk_tokens=open_msg.first_chunk_tokens or open_msg.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+            chunk_tokens=open_msg.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+            hidden_dtype=hidden_dtype,
+            stop_ids=frozenset(sampling.stop_token_ids),
+            prompt_tokens=len(prompt.ids),
+        )
+        self.seq = engine.open(inbox.post_threadsafe)
+        work = WorkItem(
+            prompt.ids, prompt.embeds, Sampler(sampling), emit_hidden=want_speech, feed_last=want_speech
+        )
+        engine.submit(self.seq, work)
+        return ()
+
+    def _drain_outbox(self) -> list[Response]:
+        out, self.outbox[:] = list(self.outbox), []
+        return out
+
+    async def on_interrupt(self, new_epoch: int) -> Interrupted:
+        assert self.turn is not None and self.seq is not None
+        self.engine.close(self.seq)
+        self.turn.finish("interrupted", self.prompt_tokens)
+        self.finished = True
+        return Interrupted(dropped=1, then=self._drain_outbox())
+
+    def on_unexpected(self, kind: str | None) -> Sequence[Response]:
+        if kind == "unit":
+            raise StageError(INVALID_ARGUMENT, "ThinkerUnit is only valid in duplex mode", "unit")
+        return super().on_unexpected(kind)
+
+    async def on_event(self, ev: EngineEvent) -> Sequence[Response]:
+        assert self.turn is not None
+        if ev.error is not None:
+            raise ev.error
+        if ev.hidden is not None and ev.fed_token is not None:
+            self.turn.on_row(ev.fed_token, ev.hidden)
+        if ev.token is not None:
+            self.turn.on_token(ev.token, ev.finish_reason)
+        if ev.finish_reason is not None:
+            self.turn.finish(ev.finish_reason, self.prompt_tokens)
+            self.finished = True
+        return self._drain_outbox()
+
+    async def close(self) -> None:
+        if self.seq is not None:
+            self.engine.close(self.seq)
