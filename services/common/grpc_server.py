@@ -1,8 +1,9 @@
 """The gRPC front every stage shares: asyncio server, health, reflection, metrics, graceful drain.
 
-A stage's ``server.py`` builds its servicer (a thin adapter over its engine) and calls
-:func:`serve_stage`. This module owns everything that is the same for all three stages so that each
-``server.py`` stays a thin translation between proto messages and engine calls.
+A stage's ``server.py`` builds its servicer (a thin adapter over its engine, whose ``Generate`` is
+:class:`~services.common.stage_stream.StageStreamDriver`) and wraps it in a :class:`StageServer`; the
+stage CLI runs that with :func:`serve_forever`. This module owns everything about the process that is
+the same for all three stages: options and flags, health, reflection, the metrics port and the drain.
 
 Shutdown order on SIGTERM/SIGINT (Kubernetes sends SIGTERM after preStop):
 1. health flips to NOT_SERVING, so load balancers and the gateway stop sending new streams;

@@ -34,12 +34,20 @@ Design
   condition, EOS is never sampled and the turn ends after exactly N frames.
 * **Output**: codec windows (:mod:`windows`): 3 left-context + 25 new frames, the first window padded
   with silence 4218, optional smaller first window, exactly one ``is_last`` window per turn.
-* **Interrupts**: a Control with a newer epoch drops queued chunks and in-flight decoding, resets the
-  turn and answers with ``InterruptAck``; chunks of older epochs are ignored.
+* **Interrupts**: the epoch rule is the stream driver's (:mod:`services.common.stage_stream`); the
+  engine applies an advancing interrupt between two steps: it drops queued chunks and in-flight
+  decoding, resets the turn and answers with ``InterruptAck`` in order with the windows already sent.
+  (Its own checks of older/equal epochs only matter to callers that drive the engine directly.)
 
 Threading: :meth:`TalkerEngine.start` runs :meth:`step` in a dedicated thread (torch calls block);
 the gRPC front talks to it only through :meth:`submit` (thread-safe) and each stream's ``emit``
 callback. Tests drive :meth:`step` directly.
+
+Size: this module is ~670 lines, over the project's ~500, because one class owns the step loop and the
+segment rules of the three turn forms, which all mutate the same per-stream state between two batched
+steps; the pure parts are already apart (:mod:`streams`, :mod:`sampling`, :mod:`windows`,
+:mod:`kv_cache`). Splitting the segment rules out would mean passing the engine's slot, cache and
+batch bookkeeping into every one of them.
 """
 
 from __future__ import annotations

@@ -237,15 +237,7 @@ class ThinkerProcessor:
         if tag_count != len(media):
             raise ProcessorError("messages", "message text must not contain media placeholder tags")
 
-        pixel_values: list[torch.Tensor] = []
-        tgt_sizes: list[tuple[int, int]] = []
-        expected_image_spans = 0
-        mels: list[torch.Tensor] = []
-        expected_audio_rows = 0
-        total_audio_s = 0.0
-        image_index = 0
-        video_frames = 0
-        pieces: list[str] = []
+        expanded = _Expansion()
         rest = text
         for mi, pj, part in media:
             param = f"messages[{mi}].content[{pj}]"
@@ -257,67 +249,30 @@ class ThinkerProcessor:
                 else VIDEO_TAG
             )
             before, _, rest = rest.partition(tag)
-            pieces.append(before)
+            expanded.pieces.append(before)
             if isinstance(part, ImageInput):
-                img = decode_image(part.data, param)
-                sliced = slice_image(
-                    img, self.slice_config, self._max_slices(part.max_slice_nums or default_slices)
-                )
-                pixel_values.extend(sliced.slices)
-                tgt_sizes.extend(sliced.tgt_sizes)
-                expected_image_spans += len(sliced.slices)
-                pieces.append(
-                    image_placeholder(sliced.grid, self.query_num, image_index if image_ids else None)
-                )
-                image_index += 1
+                self._expand_image(expanded, part, param, default_slices, image_ids)
             elif isinstance(part, AudioInput):
-                wave = decode_audio(part.data, param)
-                total_audio_s += len(wave) / SAMPLE_RATE
-                if total_audio_s > self.limits.max_audio_seconds:
-                    raise ProcessorError(
-                        param, f"audio in the prompt exceeds {self.limits.max_audio_seconds:g} s in total"
-                    )
-                count = audio_embed_count(len(wave), self.audio_pool_step)
-                mels.extend(log_mel(piece) for piece in split_pieces(wave))
-                expected_audio_rows += count
-                pieces.append(audio_placeholder(count, audio_chunked_placeholders))
+                self._expand_audio(expanded, part, param, audio_chunked_placeholders)
             else:
-                frames = list(part.frames)
-                if part.data is not None:
-                    frames = sample_video_frames(part.data, param, max_frames=self.limits.max_video_frames)
-                if not frames:
-                    raise ProcessorError(param, "video has no frames")
-                video_frames += len(frames)
-                if video_frames > self.limits.max_video_frames:
-                    raise ProcessorError(
-                        param,
-                        f"{video_frames} video frames in the prompt; the limit is {self.limits.max_video_frames}",
-                    )
-                for k, frame in enumerate(frames):
-                    sliced = slice_image(decode_image(frame, f"{param}.frames[{k}]"), self.slice_config, 1)
-                    pixel_values.extend(sliced.slices)
-                    tgt_sizes.extend(sliced.tgt_sizes)
-                    expected_image_spans += 1
-                pieces.append(frame_placeholder(self.query_num) * len(frames))
-        pieces.append(rest)
-        final_text = "".join(pieces)
+                self._expand_video(expanded, part, param)
+        expanded.pieces.append(rest)
+        final_text = "".join(expanded.pieces)
 
         ids = torch.tensor([t for t in self.encode_text(final_text) if t != LISTEN_ID], dtype=torch.long)
         image_bounds = _spans(ids, _IMAGE_OPEN, _IMAGE_CLOSE)
         audio_bounds = _spans(ids, (_AUDIO_OPEN,), (_AUDIO_CLOSE,))
-        self._validate_spans(ids, image_bounds, expected_image_spans, audio_bounds, expected_audio_rows)
+        self._validate_spans(ids, image_bounds, expanded.image_spans, audio_bounds, expanded.audio_rows)
         if self.limits.max_prompt_tokens is not None and ids.numel() > self.limits.max_prompt_tokens:
             raise ProcessorError(
                 "messages", f"prompt has {ids.numel()} tokens; the limit is {self.limits.max_prompt_tokens}"
             )
-
-        if mels:
-            lens = torch.tensor([m.shape[1] for m in mels], dtype=torch.long)
-            feats = torch.zeros(len(mels), mels[0].shape[0], int(lens.max()))
-            for i, m in enumerate(mels):
-                feats[i, :, : m.shape[1]] = m
-        else:
-            lens, feats = torch.zeros(0, dtype=torch.long), torch.zeros(0, 80, 0)
+        feats, lens = _pad_mels(expanded.mels)
+        pixel_values, tgt_sizes, video_frames = (
+            expanded.pixel_values,
+            expanded.tgt_sizes,
+            expanded.video_frames,
+        )
         return ProcessedPrompt(
             prompt_text=final_text,
             input_ids=ids,
@@ -331,6 +286,50 @@ class ThinkerProcessor:
             num_audios=n_audios,
             num_video_frames=video_frames,
         )
+
+    def _expand_image(
+        self, ex: _Expansion, part: ImageInput, param: str, default_slices: int, image_ids: bool
+    ) -> None:
+        img = decode_image(part.data, param)
+        sliced = slice_image(img, self.slice_config, self._max_slices(part.max_slice_nums or default_slices))
+        ex.pixel_values.extend(sliced.slices)
+        ex.tgt_sizes.extend(sliced.tgt_sizes)
+        ex.image_spans += len(sliced.slices)
+        ex.pieces.append(
+            image_placeholder(sliced.grid, self.query_num, ex.image_index if image_ids else None)
+        )
+        ex.image_index += 1
+
+    def _expand_audio(self, ex: _Expansion, part: AudioInput, param: str, chunked: bool) -> None:
+        wave = decode_audio(part.data, param)
+        ex.audio_seconds += len(wave) / SAMPLE_RATE
+        if ex.audio_seconds > self.limits.max_audio_seconds:
+            raise ProcessorError(
+                param, f"audio in the prompt exceeds {self.limits.max_audio_seconds:g} s in total"
+            )
+        count = audio_embed_count(len(wave), self.audio_pool_step)
+        ex.mels.extend(log_mel(piece) for piece in split_pieces(wave))
+        ex.audio_rows += count
+        ex.pieces.append(audio_placeholder(count, chunked))
+
+    def _expand_video(self, ex: _Expansion, part: VideoInput, param: str) -> None:
+        frames = list(part.frames)
+        if part.data is not None:
+            frames = sample_video_frames(part.data, param, max_frames=self.limits.max_video_frames)
+        if not frames:
+            raise ProcessorError(param, "video has no frames")
+        ex.video_frames += len(frames)
+        if ex.video_frames > self.limits.max_video_frames:
+            raise ProcessorError(
+                param,
+                f"{ex.video_frames} video frames in the prompt; the limit is {self.limits.max_video_frames}",
+            )
+        for k, frame in enumerate(frames):
+            sliced = slice_image(decode_image(frame, f"{param}.frames[{k}]"), self.slice_config, 1)
+            ex.pixel_values.extend(sliced.slices)
+            ex.tgt_sizes.extend(sliced.tgt_sizes)
+            ex.image_spans += 1
+        ex.pieces.append(frame_placeholder(self.query_num) * len(frames))
 
     def _validate_spans(
         self,
@@ -387,3 +386,29 @@ class ThinkerProcessor:
         for i, m in enumerate(mels):
             feats[i, :, : m.shape[1]] = m
         return feats, lens, audio_embed_count(len(wave), self.audio_pool_step)
+
+
+@dataclass
+class _Expansion:
+    """What expanding a prompt's media placeholders collects, in prompt order."""
+
+    pieces: list[str] = field(default_factory=list)  # the prompt text with placeholders expanded
+    pixel_values: list[torch.Tensor] = field(default_factory=list)
+    tgt_sizes: list[tuple[int, int]] = field(default_factory=list)
+    image_spans: int = 0
+    image_index: int = 0
+    mels: list[torch.Tensor] = field(default_factory=list)
+    audio_rows: int = 0
+    audio_seconds: float = 0.0
+    video_frames: int = 0
+
+
+def _pad_mels(mels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mel pieces -> ``[pieces, 80, longest]`` zero-padded features and their lengths."""
+    if not mels:
+        return torch.zeros(0, 80, 0), torch.zeros(0, dtype=torch.long)
+    lens = torch.tensor([m.shape[1] for m in mels], dtype=torch.long)
+    feats = torch.zeros(len(mels), mels[0].shape[0], int(lens.max()))
+    for i, m in enumerate(mels):
+        feats[i, :, : m.shape[1]] = m
+    return feats, lens
