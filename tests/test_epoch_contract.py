@@ -22,16 +22,14 @@ import pytest
 import torch
 from stage_processes import StageProcess, start_stages, stop_all
 
+import services.common.pb.code2wav_pb2 as code2wav_pb2
+import services.common.pb.code2wav_pb2_grpc as code2wav_pb2_grpc
+import services.common.pb.common_pb2 as common_pb2
+import services.common.pb.talker_pb2 as talker_pb2
+import services.common.pb.talker_pb2_grpc as talker_pb2_grpc
+import services.common.pb.thinker_pb2 as thinker_pb2
+import services.common.pb.thinker_pb2_grpc as thinker_pb2_grpc
 from services.common.checkpoint import CODEC_SILENCE_ID
-from services.common.pb import (
-    code2wav_pb2,
-    code2wav_pb2_grpc,
-    common_pb2,
-    talker_pb2,
-    talker_pb2_grpc,
-    thinker_pb2,
-    thinker_pb2_grpc,
-)
 from services.common.stage_stream import Admit, EpochFence
 from services.common.tensors import pcm_from_float, tensor_to_proto
 
