@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import importlib
 import logging
 import time
@@ -30,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
+from gateway.auth import check_api_key
 from gateway.config import GatewayConfig
 from gateway.openai.chat import OPENAPI_COMPONENTS
 from gateway.openai.chat import router as chat_router
@@ -40,15 +40,6 @@ from services.common.deploy_profile import ProfileError, load_profile
 
 log = logging.getLogger(__name__)
 _PUBLIC_PATHS = ("/health", "/metrics")
-
-
-def check_api_key(config: GatewayConfig, authorization: str | None) -> bool:
-    """True when no key is configured or ``authorization`` is ``Bearer <key>``."""
-    if not config.api_key:
-        return True
-    if not authorization or not authorization.lower().startswith("bearer "):
-        return False
-    return hmac.compare_digest(authorization[7:].strip().encode(), config.api_key.encode())
 
 
 class _AuthAndCountMiddleware:

@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from gateway.auth import check_api_key
 from gateway.config import GatewayConfig
 from gateway.media import MediaPolicy
 from gateway.metrics import IN_FLIGHT, REJECTED
@@ -44,8 +45,6 @@ class GatewayRuntime:
 
     def check_api_key(self, authorization: str | None) -> bool:
         """True when no API key is configured or ``authorization`` is ``Bearer <key>`` (for WebSocket routes)."""
-        from gateway.app import check_api_key
-
         return check_api_key(self.config, authorization)
 
     def acquire(self) -> None:

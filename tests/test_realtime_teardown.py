@@ -24,9 +24,10 @@ from websockets.sync.client import ClientConnection, connect
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.duplex_pipeline import UnitOutcome
+from gateway.realtime.attachment import CLOSE, Attachment
+from gateway.realtime.pipeline.events import UnitOutcome
 from gateway.realtime.routes import RealtimeEndpoint
-from gateway.realtime.session import CLOSE, Attachment, DuplexSession
+from gateway.realtime.session import DuplexSession
 from gateway.realtime.settings import RealtimeSettings
 
 CLOSE_BOUND_S = 0.5

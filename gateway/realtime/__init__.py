@@ -7,15 +7,22 @@ defaults of wire-protocol §4 with the served model name of the gateway config.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gateway.realtime.settings import RealtimeSettings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from gateway.realtime.pipeline.events import PipelineHost, SessionPipeline
 
 __all__ = ["RealtimeSettings", "mount_realtime"]
 
 
-def mount_realtime(app: Any) -> None:
-    from gateway.duplex_pipeline import GrpcDuplexPipeline
+def mount_realtime(app: FastAPI) -> None:
+    # Imported here so that importing the package (for RealtimeSettings) does not load FastAPI routes
+    # and the stage clients.
+    from gateway.realtime.pipeline.duplex import GrpcDuplexPipeline
     from gateway.realtime.routes import create_realtime_router
 
     settings = getattr(app.state, "realtime_settings", None)
@@ -27,7 +34,7 @@ def mount_realtime(app: Any) -> None:
             settings.max_sessions = config.realtime_session_limit
         app.state.realtime_settings = settings
 
-    def pipeline_factory(session: Any) -> Any:
+    def pipeline_factory(session: PipelineHost) -> SessionPipeline:
         # Unit tests of the lifecycle projection may install their own pipeline; the server never does.
         override = getattr(app.state, "realtime_pipeline_factory", None)
         if override is not None:

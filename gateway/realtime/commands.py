@@ -6,23 +6,23 @@ session exactly as it was (malformed frames never derail a session).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from gateway.realtime import events as ev
 from gateway.realtime.audio import (
-    UNIT_SAMPLES,
     canonical_input_format,
     decode_input_audio,
     default_rate_for,
+    rms,
     strict_b64decode,
     validate_rate,
 )
 from gateway.realtime.config import parse_session
+from gateway.realtime.conversation import Item, UserItem
 from gateway.realtime.errors import RealtimeError
-from gateway.realtime.server_vad import sync_server_vad
-from gateway.realtime.session import UserItem
 from gateway.realtime.video import decode_video_frames
 
 if TYPE_CHECKING:
@@ -52,9 +52,7 @@ async def dispatch(s: DuplexSession, event: dict[str, Any]) -> None:
 
 
 async def session_update(s: DuplexSession, event: dict[str, Any]) -> None:
-    s.cfg = parse_session(event.get("session"), current=s.cfg, audio_started=s.audio_started)
-    s.server_vad = sync_server_vad(s)
-    s.emit("session.updated", session=s.session_object())
+    s.reconfigure(parse_session(event.get("session"), current=s.cfg, audio_started=s.input.started))
 
 
 async def session_resume_mid_session(s: DuplexSession, event: dict[str, Any]) -> None:
@@ -71,17 +69,24 @@ async def heartbeat(s: DuplexSession, event: dict[str, Any]) -> None:
 
 async def close(s: DuplexSession, event: dict[str, Any]) -> None:
     reason = event.get("reason")
-    await s._close(reason if isinstance(reason, str) and reason else "client_close")
+    await s.end(reason if isinstance(reason, str) and reason else "client_close")
 
 
 # ------------------------------------------------------------------------------------------ input
 
 
-def _buffered_input_bytes(s: DuplexSession) -> int:
-    samples = s.assembler.pending_samples + UNIT_SAMPLES * (
-        len(s.input_units) + sum(len(item.units) for item in s.committed_backlog)
-    )
-    return samples * 4
+def _is_speech(s: DuplexSession, event: dict[str, Any], samples: np.ndarray) -> bool:
+    """The client's speech flag or probability on the append, else an energy check of the audio."""
+    for key in ("is_speech", "speech"):
+        if isinstance(event.get(key), bool):
+            return event[key]
+    prob = event.get("speech_probability")
+    vad = event.get("vad")
+    if prob is None and isinstance(vad, dict):
+        prob = vad.get("speech_probability")
+    if isinstance(prob, (int, float)) and not isinstance(prob, bool):
+        return prob >= 0.5
+    return rms(samples) >= s.settings.overlap_silence_rms
 
 
 async def append(s: DuplexSession, event: dict[str, Any]) -> None:
@@ -100,9 +105,9 @@ async def append(s: DuplexSession, event: dict[str, Any]) -> None:
         raise RealtimeError("bad_event", "input_audio_buffer.append needs base64 audio", param="audio")
     raw = strict_b64decode(audio_b64)
     samples = decode_input_audio(raw, fmt, rate)
-    if _buffered_input_bytes(s) + samples.size * 4 > s.settings.max_pending_input_bytes:
+    if s.buffered_input_bytes() + samples.size * 4 > s.settings.max_pending_input_bytes:
         raise RealtimeError("input_backpressure", "too much pending input audio; commit or clear first")
-    speech = s.is_speech(event, samples)
+    speech = _is_speech(s, event, samples)
 
     force = event.get("force_barge_in") is True or event.get("overlap_action") == "barge_in"
     active = s.lifecycle.active
@@ -118,7 +123,7 @@ async def append(s: DuplexSession, event: dict[str, Any]) -> None:
             reason="client_force_barge_in",
             metadata={"response_id": active.id},
         )
-        await hard_interrupt(s, "barge_in")
+        s.interrupt("barge_in")
     elif active is not None and not s.cfg.auto_response and s.server_vad is None:
         s.emit(
             "overlap.decision",
@@ -130,28 +135,14 @@ async def append(s: DuplexSession, event: dict[str, Any]) -> None:
             metadata={"response_id": active.id},
         )
 
-    s.audio_started = True
+    s.input.note_append(samples.size)
     if s.server_vad is not None:
-        await s.server_vad.push(samples, frames)
-        s.input_samples += samples.size
+        s.server_vad.push(samples, frames)
         return
-    s.input_samples += samples.size
-    s.input_has_audio = True
-    s.input_has_speech = s.input_has_speech or speech
-    units = s.assembler.push(samples, frames, speech)
-    for unit in units:
-        if s.cfg.auto_response:
-            s.forward_unit(unit)
-        else:
-            s.input_units.append(unit)
-            if not unit.is_speech and s.lifecycle.active is None:
-                s.emit(
-                    "response.listen",
-                    session_id=s.id,
-                    epoch=s.epoch,
-                    response={"object": "realtime.response", "status": "listening",
-                              "metadata": {"reason": "silence_or_noise"}},
-                )
+    for unit in s.input.push(samples, frames, speech):
+        s.accept_units([unit])
+        if not s.cfg.auto_response and not unit.is_speech and s.lifecycle.active is None:
+            s.emit_listen("silence_or_noise")
 
 
 async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
@@ -160,7 +151,7 @@ async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
         create = True
     if create is not None and not isinstance(create, bool):
         raise RealtimeError("bad_event", "response_create must be a boolean", param="response_create")
-    if not s.input_has_audio:
+    if not s.input.has_audio:
         raise RealtimeError("input_audio_buffer_empty", "input_audio_buffer.commit requires a non-empty input audio buffer")
     if not s.cfg.auto_response and s.pending_commits() >= s.settings.max_pending_commits:
         raise RealtimeError("input_backpressure", f"more than {s.settings.max_pending_commits} pending commits")
@@ -170,80 +161,19 @@ async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
         # any) ends here, and the detector starts over.
         item_id = s.server_vad.item_id
         s.server_vad.reset()
-    speech = s.input_has_speech and event.get("is_speech") is not False
-    seal_input(s, create=bool(create), speech=speech, item_id=item_id)
-
-
-def seal_input(s: DuplexSession, *, create: bool, speech: bool, item_id: str | None = None) -> None:
-    """Turn the uncommitted input into a user item (and, with ``create``, answer it): commit or server VAD."""
-    audio_samples = s.assembler.total_samples
-    residual = s.assembler.flush()
-    if residual is not None:
-        if s.cfg.auto_response:
-            s.forward_unit(residual)
-        else:
-            s.input_units.append(residual)
-    s.turn_id += 1
-    item = UserItem(item_id or ev.new_user_item_id(), s.turn_id, audio_samples * 1000 // 16_000, s.input_units, speech)
-    s.input_units = []
-    s.assembler.total_samples = 0
-    s.input_has_audio = s.input_has_speech = False
-    s.items[item.id] = {"kind": "user", "item": item}
-    s.item_order.append(item.id)
-    previous, s.last_item_id = s.last_item_id, item.id
-    for resp in s.lifecycle.responses.values():
-        resp.superseded_by_user_turn = True
-    active = s.lifecycle.active
-    deferred = bool(create and speech and active is not None and not s.cfg.auto_response)
-    s.emit("conversation.item.added", previous_item_id=previous, item=item.to_json())
-    s.emit("conversation.item.created", previous_item_id=previous, item=item.to_json())
-    committed_event: dict[str, Any] = {
-        "type": "input.committed",
-        "turn_id": s.turn_id,
-        "epoch": s.epoch,
-        "history_len": len(s.item_order),
-        "message": "speech" if speech else "silence_or_noise",
-    }
-    if deferred:
-        committed_event["response_create_deferred"] = True
-    s.emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id, event=committed_event)
-    s.emit("conversation.item.done", item=item.to_json())
-    if not speech:
-        s.emit(
-            "response.listen",
-            session_id=s.id,
-            epoch=s.epoch,
-            response={"object": "realtime.response", "status": "listening", "metadata": {"reason": "silence_or_noise"}},
-        )
-        return
-    if s.cfg.auto_response:
-        return
-    s.committed_backlog.append(item)
-    if create:
-        if deferred:
-            s.lifecycle.deferred_create = True
-        else:
-            s.lifecycle.start_turn_response()
+    speech = s.input.has_speech and event.get("is_speech") is not False
+    s.seal_input(create=bool(create), speech=speech, item_id=item_id)
 
 
 async def clear(s: DuplexSession, event: dict[str, Any]) -> None:
-    _drop_input(s)
+    s.drop_input()
     s.emit("input_audio_buffer.cleared")
-
-
-def _drop_input(s: DuplexSession) -> None:
-    s.assembler.clear()
-    s.assembler.total_samples = 0
-    s.input_units = []
-    s.input_has_audio = s.input_has_speech = False
-    if s.server_vad is not None:
-        s.server_vad.reset()
 
 
 async def input_cancel(s: DuplexSession, event: dict[str, Any]) -> None:
-    _drop_input(s)
+    s.drop_input()
     s.emit("input_audio_buffer.cleared")
-    await hard_interrupt(s, "barge_in")
+    s.interrupt("barge_in")
 
 
 async def text_append(s: DuplexSession, event: dict[str, Any]) -> None:
@@ -253,22 +183,12 @@ async def text_append(s: DuplexSession, event: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ interrupts
 
 
-async def hard_interrupt(s: DuplexSession, reason: str, *, cleared: bool = False) -> None:
-    """Bump the epoch, fence every live stage stream, and close the active response as cancelled."""
-    s.interrupt_started = time.monotonic()
-    s.unit_sent_at.clear()  # units of the old epoch will never report a decision
-    s.epoch += 1
-    s.pipeline.interrupt(s.epoch, reason)
-    s.lifecycle.deferred_create = False
-    s.lifecycle.cancel_active(reason, cleared=cleared)
-
-
 async def barge_in(s: DuplexSession, event: dict[str, Any]) -> None:
     if not s.settings.supports_barge_in:
         raise RealtimeError("barge_in_unsupported", "this deployment does not support barge-in")
-    _drop_input(s)
+    s.drop_input()
     s.emit("input_audio_buffer.cleared")
-    await hard_interrupt(s, "barge_in")
+    s.interrupt("barge_in")
 
 
 async def response_cancel(s: DuplexSession, event: dict[str, Any]) -> None:
@@ -276,14 +196,14 @@ async def response_cancel(s: DuplexSession, event: dict[str, Any]) -> None:
     active = s.lifecycle.active
     if active is None or (rid is not None and rid != active.id):
         raise RealtimeError("response_not_active", f"response {rid or ''} is not active".replace("  ", " "), param="response_id")
-    await hard_interrupt(s, "client_cancelled")
+    s.interrupt("client_cancelled")
 
 
 async def output_clear(s: DuplexSession, event: dict[str, Any]) -> None:
     rid = event.get("response_id")
     active = s.lifecycle.active
     if active is not None and (rid is None or rid == active.id):
-        await hard_interrupt(s, "output_audio_buffer_clear", cleared=True)
+        s.interrupt("output_audio_buffer_clear", cleared=True)
         return
     last = s.lifecycle.last
     s.emit("output_audio_buffer.cleared", response_id=rid or (last.id if last else None))
@@ -333,12 +253,12 @@ def _ack_target(s: DuplexSession, event: dict[str, Any]) -> ev.ResponseState:
     if last is None:
         raise RealtimeError("playback_item_not_found", "no assistant audio has been sent", param="item_id")
     if item_id is not None and item_id != last.item_id:
-        known = s.items.get(item_id)
+        known = s.conversation.get(item_id)
         if known is None and not str(item_id).startswith("item_resp_"):
             raise RealtimeError("playback_item_mismatch", "item_id is not the current assistant item", param="item_id")
-        if known is None or known["kind"] != "assistant":
+        if not isinstance(known, ev.ResponseState):
             raise RealtimeError("playback_item_mismatch", "item_id is not an assistant item", param="item_id")
-        return known["response"]
+        return known
     return last
 
 
@@ -352,10 +272,7 @@ async def playback_ack(s: DuplexSession, event: dict[str, Any]) -> None:
     resp = _ack_target(s, event)
     if resp.superseded_by_user_turn and resp.status != "in_progress":
         raise RealtimeError("playback_ack_too_late", "a later user turn was committed after this response")
-    resp.played_ms = max(resp.played_ms, min(int(played), resp.audio_ms))
-    resp.committed_ms = max(resp.committed_ms, min(int(committed), resp.audio_ms))
-    if resp.status == "cancelled":
-        resp.history_transcript = resp.transcript_at(resp.committed_ms)
+    resp.ack_playback(int(played), int(committed))
     s.emit(
         "playback.acknowledged",
         event={
@@ -373,20 +290,20 @@ async def playback_ack(s: DuplexSession, event: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ items
 
 
-def _lookup_item(s: DuplexSession, event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def _lookup_item(s: DuplexSession, event: dict[str, Any]) -> tuple[str, Item]:
     item_id = event.get("item_id")
     if not isinstance(item_id, str) or not item_id:
         raise RealtimeError("missing_item_id", "item_id is required", param="item_id")
-    entry = s.items.get(item_id)
+    entry = s.conversation.get(item_id)
     if entry is None:
         raise RealtimeError("item_not_found", f"no item {item_id}", param="item_id")
     return item_id, entry
 
 
-def _item_json(entry: dict[str, Any]) -> dict[str, Any]:
-    if entry["kind"] == "user":
-        return entry["item"].to_json()
-    resp: ev.ResponseState = entry["response"]
+def _item_json(entry: Item) -> dict[str, Any]:
+    if isinstance(entry, UserItem):
+        return entry.to_json()
+    resp = entry
     status = {"in_progress": "in_progress", "completed": "completed", "cancelled": "cancelled"}.get(resp.status, "incomplete")
     item = resp.item(status)
     transcript = resp.history_transcript if resp.history_transcript is not None else resp.transcript
@@ -403,18 +320,16 @@ async def item_retrieve(s: DuplexSession, event: dict[str, Any]) -> None:
 
 async def item_delete(s: DuplexSession, event: dict[str, Any]) -> None:
     item_id, entry = _lookup_item(s, event)
-    if entry["kind"] == "assistant" and entry["response"].status == "in_progress":
+    if isinstance(entry, ev.ResponseState) and entry.status == "in_progress":
         raise RealtimeError("item_in_progress", "cancel the response before deleting its item", param="item_id")
-    del s.items[item_id]
-    s.item_order.remove(item_id)
+    s.conversation.delete(item_id)
     s.emit("conversation.item.deleted", item_id=item_id, event={"item_id": item_id})
 
 
 async def item_truncate(s: DuplexSession, event: dict[str, Any]) -> None:
-    item_id, entry = _lookup_item(s, event)
-    if entry["kind"] != "assistant" or not entry["response"].wants_audio:
+    item_id, resp = _lookup_item(s, event)
+    if not isinstance(resp, ev.ResponseState) or not resp.wants_audio:
         raise RealtimeError("invalid_item_type", "only assistant audio items can be truncated", param="item_id")
-    resp: ev.ResponseState = entry["response"]
     end_ms = event.get("audio_end_ms")
     if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
         raise RealtimeError("bad_event", "audio_end_ms must be a non-negative integer", param="audio_end_ms")
@@ -425,9 +340,8 @@ async def item_truncate(s: DuplexSession, event: dict[str, Any]) -> None:
             "invalid_audio_end_ms", f"audio_end_ms {end_ms} exceeds the item's {resp.audio_ms} ms of audio", param="audio_end_ms"
         )
     if resp.status == "in_progress":
-        await hard_interrupt(s, "client_cancelled")
-    resp.committed_ms = end_ms
-    resp.history_transcript = resp.transcript_at(end_ms)
+        s.interrupt("client_cancelled")
+    resp.truncate(end_ms)
     s.emit(
         "conversation.item.truncated",
         item_id=item_id,

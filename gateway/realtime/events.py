@@ -139,6 +139,19 @@ class ResponseState:
             "content": [self.item_content()] if status != "in_progress" else [],
         }
 
+    def ack_playback(self, played_ms: int, committed_ms: int) -> None:
+        """A client playback ack: positions only grow and never pass the audio sent; a cancelled response's
+        history keeps what was committed."""
+        self.played_ms = max(self.played_ms, min(played_ms, self.audio_ms))
+        self.committed_ms = max(self.committed_ms, min(committed_ms, self.audio_ms))
+        if self.status == "cancelled":
+            self.history_transcript = self.transcript_at(self.committed_ms)
+
+    def truncate(self, end_ms: int) -> None:
+        """``conversation.item.truncate``: the history keeps the audio (and text) up to ``end_ms``."""
+        self.committed_ms = end_ms
+        self.history_transcript = self.transcript_at(end_ms)
+
     def playback(self) -> dict[str, int]:
         return {
             "generated_ms": self.audio_ms,

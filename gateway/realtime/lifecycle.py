@@ -23,13 +23,15 @@ from gateway.realtime import events as ev
 from gateway.realtime import metrics
 from gateway.realtime.audio import encode_output_audio
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.pipeline.events import AudioOut, PipelineEvent, PipelineFailure, StageAck, UnitOutcome
 
 if TYPE_CHECKING:
-    from gateway.duplex_pipeline import PipelineEvent
     from gateway.realtime.session import DuplexSession
 
 
 class ResponseLifecycle:
+    """The responses of one session and the events that tell their story (owned by the session)."""
+
     def __init__(self, session: DuplexSession) -> None:
         self.s = session
         self.active: ev.ResponseState | None = None
@@ -38,8 +40,8 @@ class ResponseLifecycle:
         self.deferred_create = False
         # Native lane: the model may start its next turn before the previous turn's audio is complete.
         # Its decisions and audio wait here until the previous response is done.
-        self.queued_units: list[Any] = []
-        self.early_audio: dict[int, list[Any]] = {}
+        self.queued_units: list[UnitOutcome] = []
+        self.early_audio: dict[int, list[AudioOut]] = {}
 
     # ---------------------------------------------------------------- creation
 
@@ -56,10 +58,7 @@ class ResponseLifecycle:
         self.active = resp
         self.last = resp
         self.responses[resp.id] = resp
-        s.items[resp.item_id] = {"kind": "assistant", "response": resp}
-        s.item_order.append(resp.item_id)
-        previous = s.last_item_id
-        s.last_item_id = resp.item_id
+        previous = s.conversation.add(resp)
         s.emit(
             "response.created",
             response_id=resp.id,
@@ -90,8 +89,7 @@ class ResponseLifecycle:
     def start_turn_response(self) -> None:
         """Turn lane: open a response and send the committed audio, asking for an answer at its last unit."""
         s = self.s
-        units = [u for item in s.committed_backlog for u in item.units]
-        s.committed_backlog.clear()
+        units = s.take_backlog()
         if not units:
             units = [s.silence_unit()]
         resp = self.create("turn", start_unit=None)
@@ -104,11 +102,8 @@ class ResponseLifecycle:
     # ---------------------------------------------------------------- pipeline outputs
 
     async def on_pipeline(self, event: PipelineEvent) -> None:
-        from gateway.duplex_pipeline import AudioOut, PipelineFailure, StageAck, UnitOutcome
-
         s = self.s
         if isinstance(event, StageAck):
-            s.stage_acks.append({"stage": event.stage, "epoch": event.new_epoch, "dropped_items": event.dropped})
             s.emit(
                 "duplex.stage_interrupt_ack",
                 session_id=s.id,
@@ -121,14 +116,12 @@ class ResponseLifecycle:
         if event.epoch < s.epoch:
             return  # gateway fence: late output of an interrupted epoch
         if isinstance(event, UnitOutcome):
-            sent = s.unit_sent_at.pop(event.unit_seq, None)
-            if sent is not None:
-                metrics.UNIT_DECISION.observe(time.monotonic() - sent)
+            s.note_decision(event.unit_seq)
             self._on_unit(event)
         elif isinstance(event, AudioOut):
             self._on_audio(event)
 
-    def _on_unit(self, out: Any) -> None:
+    def _on_unit(self, out: UnitOutcome) -> None:
         s = self.s
         resp = self.active
         speak = out.decision == "speak"
@@ -139,13 +132,7 @@ class ResponseLifecycle:
                 resp = self.create("native", start_unit=out.unit_seq)
             else:
                 if s.cfg.auto_response:
-                    s.emit(
-                        "response.listen",
-                        session_id=s.id,
-                        epoch=s.epoch,
-                        response={"object": "realtime.response", "status": "listening",
-                                  "metadata": {"reason": "model_listen", "unit_seq": out.unit_seq}},
-                    )
+                    s.emit_listen("model_listen", unit_seq=out.unit_seq)
                 return  # turn lane: the model only answers when asked
         if speak and out.speech_turn:
             if resp.speech_turn == 0:
@@ -173,14 +160,7 @@ class ResponseLifecycle:
         ended = out.turn_end or (not speak)
         if not speak and not resp.spoke:
             # The model declined to answer the requested turn: the listen terminates the response.
-            s.emit(
-                "response.listen",
-                session_id=s.id,
-                epoch=s.epoch,
-                response_id=resp.id,
-                response={"object": "realtime.response", "status": "listening",
-                          "metadata": {"reason": "model_listen", "unit_seq": out.unit_seq}},
-            )
+            s.emit_listen("model_listen", unit_seq=out.unit_seq, response_id=resp.id)
             s.pipeline.end_speech(resp.epoch, resp.speech_turn)
             self.finish(resp, "completed", "model_listen")
             return
@@ -209,7 +189,7 @@ class ResponseLifecycle:
                 delta=text,
             )
 
-    def _on_audio(self, out: Any) -> None:
+    def _on_audio(self, out: AudioOut) -> None:
         resp = self.active
         if out.speech_turn and (resp is None or (resp.speech_turn and out.speech_turn != resp.speech_turn)):
             if resp is not None and out.speech_turn > resp.speech_turn:
@@ -284,7 +264,7 @@ class ResponseLifecycle:
             metadata={"session_id": self.s.id, "epoch": resp.epoch, "model_speak": True},
         )
 
-    async def _on_failure(self, failure: Any) -> None:
+    async def _on_failure(self, failure: PipelineFailure) -> None:
         """A stage stream failed: ``error`` (stable code), the active response ``failed``, then either the
         end of the session or a fence of the failed speaking turn.
 
@@ -310,11 +290,9 @@ class ResponseLifecycle:
             self.deferred_create = False  # no new response can start on a dead thinker
             if self.active is not None:
                 self.finish(self.active, "failed", failure.code)
-            await s._close(failure.code)
+            await s.end(failure.code)
             return
-        s.epoch += 1
-        s.unit_sent_at.clear()
-        s.pipeline.interrupt(s.epoch, "stage_failure")
+        s.advance_epoch("stage_failure")
         if self.active is not None:
             self.finish(self.active, "failed", failure.code)
 
@@ -332,7 +310,7 @@ class ResponseLifecycle:
         if status != "completed":
             resp.pending_text = ""
             resp.history_transcript = resp.transcript_at(resp.committed_ms)
-        common = {"response_id": resp.id, "item_id": resp.item_id, "output_index": 0, "content_index": 0}
+        common: dict[str, Any] = {"response_id": resp.id, "item_id": resp.item_id, "output_index": 0, "content_index": 0}
         if cleared:
             s.emit("output_audio_buffer.cleared", response_id=resp.id)
         if resp.wants_audio:
@@ -387,7 +365,18 @@ class ResponseLifecycle:
             if s.committed_backlog:
                 self.start_turn_response()
 
+    def supersede_all(self) -> None:
+        """A user turn was committed: playback acks of every earlier response come too late from now on."""
+        for resp in self.responses.values():
+            resp.superseded_by_user_turn = True
+
+    def defer_create(self) -> None:
+        """Turn lane: a response was asked for while one runs; it starts when the running one is done."""
+        self.deferred_create = True
+
     def cancel_active(self, reason: str, *, cleared: bool = False) -> bool:
+        """A hard interrupt: a deferred response.create is dropped and the active response cancelled."""
+        self.deferred_create = False
         if self.active is None:
             return False
         self.finish(self.active, "cancelled", reason, cleared=cleared)

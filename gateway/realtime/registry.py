@@ -5,25 +5,20 @@ from __future__ import annotations
 import hmac
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from gateway.realtime import metrics
+from gateway.realtime.attachment import hash_token
 from gateway.realtime.config import SessionConfig
 from gateway.realtime.errors import RealtimeError
-from gateway.realtime.session import DuplexSession, hash_token
+from gateway.realtime.pipeline.events import PipelineFactory
+from gateway.realtime.session import DuplexSession
 from gateway.realtime.settings import RealtimeSettings
-
-if TYPE_CHECKING:
-    from gateway.duplex_pipeline import SessionPipeline
 
 _TOMBSTONE_LIMIT = 4096
 
 
 class SessionRegistry:
-    def __init__(
-        self, settings: RealtimeSettings, pipeline_factory: Callable[[DuplexSession], SessionPipeline]
-    ) -> None:
+    def __init__(self, settings: RealtimeSettings, pipeline_factory: PipelineFactory) -> None:
         self.settings = settings
         self.pipeline_factory = pipeline_factory
         self.sessions: dict[str, DuplexSession] = {}

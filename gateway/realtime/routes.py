@@ -11,17 +11,19 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from gateway.auth import check_api_key
 from gateway.realtime import events as ev
+from gateway.realtime.attachment import CLOSE, Attachment, hash_token
 from gateway.realtime.config import parse_session
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.pipeline.events import PipelineFactory
 from gateway.realtime.registry import SessionRegistry
-from gateway.realtime.session import CLOSE, Attachment, DuplexSession, hash_token
+from gateway.realtime.session import DuplexSession
 from gateway.realtime.settings import RealtimeSettings
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ def _client_id(event: dict[str, Any]) -> str | None:
 
 
 class RealtimeEndpoint:
-    def __init__(self, settings: RealtimeSettings, pipeline_factory: Callable[[DuplexSession], Any]) -> None:
+    def __init__(self, settings: RealtimeSettings, pipeline_factory: PipelineFactory) -> None:
         self.settings = settings
         self.registry = SessionRegistry(settings, pipeline_factory)
 
@@ -77,8 +79,6 @@ class RealtimeEndpoint:
         config = getattr(ws.app.state, "config", None)
         if config is None or not getattr(config, "api_key", None):
             return True
-        from gateway.app import check_api_key
-
         return check_api_key(config, ws.headers.get("authorization"))
 
     async def serve(self, ws: WebSocket) -> None:
@@ -209,11 +209,10 @@ class RealtimeEndpoint:
                 event = _parse_frame(text, self.settings.max_frame_bytes)
                 size = len(text)
                 if event["type"] in ("input_audio_buffer.append", "conversation.item.create"):
-                    if session.pending_input_bytes + size > self.settings.max_pending_input_bytes:
+                    if not session.reserve_input_bytes(size):
                         raise RealtimeError(
                             "input_backpressure", "pending input exceeds the session limit", event_id=_client_id(event)
                         )
-                    session.pending_input_bytes += size
                 else:
                     size = 0
             except RealtimeError as exc:
@@ -224,12 +223,12 @@ class RealtimeEndpoint:
 
 def create_realtime_router(
     settings: RealtimeSettings | None = None,
-    pipeline_factory: Callable[[DuplexSession], Any] | None = None,
+    pipeline_factory: PipelineFactory | None = None,
 ) -> APIRouter:
     """Router with both realtime routes; ``router.realtime`` exposes the endpoint (registry, settings)."""
     settings = settings or RealtimeSettings()
     if pipeline_factory is None:
-        from gateway.duplex_pipeline import grpc_pipeline_factory
+        from gateway.realtime.pipeline.duplex import grpc_pipeline_factory  # stage clients only when needed
 
         pipeline_factory = grpc_pipeline_factory(settings)
     endpoint = RealtimeEndpoint(settings, pipeline_factory)

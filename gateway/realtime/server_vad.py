@@ -53,7 +53,7 @@ class ServerVadTurns:
         self._frames = []
         self._drop_preroll(self.detector.clock)
 
-    async def push(self, samples: np.ndarray, frames: list[bytes]) -> None:
+    def push(self, samples: np.ndarray, frames: list[bytes]) -> None:
         """Route one append (16 kHz float) through the detector; act on every boundary inside it."""
         s = self.s
         if frames:
@@ -66,7 +66,7 @@ class ServerVadTurns:
             self._route(samples[pos - chunk_start : event.at_sample - chunk_start])
             pos = event.at_sample
             if isinstance(event, SpeechStarted):
-                barged = await self._speech_started(event) or barged
+                barged = self._speech_started(event) or barged
             elif isinstance(event, SpeechStopped):
                 self._speech_stopped(event)
         self._route(samples[pos - chunk_start :])
@@ -104,17 +104,14 @@ class ServerVadTurns:
         if segment.size == 0:
             return
         frames, self._frames = self._frames, []
-        s.input_units.extend(s.assembler.push(segment, frames, True))
-        s.input_has_audio = s.input_has_speech = True
+        s.input.push_speech(segment, frames)
 
     def _drop_preroll(self, next_start: int) -> None:
         self._preroll, self._preroll_size, self._preroll_start = [], 0, next_start
 
     # ---------------------------------------------------------------- boundaries
 
-    async def _speech_started(self, event: SpeechStarted) -> bool:
-        from gateway.realtime.commands import hard_interrupt  # local: commands imports this module
-
+    def _speech_started(self, event: SpeechStarted) -> bool:
         s = self.s
         start = max(event.start_sample, self._preroll_start)
         pre = np.concatenate(self._preroll) if self._preroll else np.zeros(0, dtype=np.float32)
@@ -128,7 +125,7 @@ class ServerVadTurns:
         if active is not None:
             if s.settings.supports_barge_in:
                 self._decision("barge_in", "server_vad_speech_started", active.id)
-                await hard_interrupt(s, "turn_detected")
+                s.interrupt("turn_detected")
                 barged = True
             else:
                 self._decision("listen", "barge_in_unsupported", active.id)
@@ -136,23 +133,18 @@ class ServerVadTurns:
         return barged
 
     def _speech_stopped(self, event: SpeechStopped) -> None:
-        from gateway.realtime.commands import seal_input  # local: commands imports this module
-
         s = self.s
         self.in_speech = False
         item_id, self.item_id = self.item_id, None
         self._drop_preroll(event.end_sample)
         s.emit("input_audio_buffer.speech_stopped", audio_end_ms=event.audio_end_ms, item_id=item_id)
-        if not s.input_has_audio:
+        if not s.input.has_audio:
             return
         if s.pending_commits() >= s.settings.max_pending_commits:
             s.emit_error(RealtimeError("input_backpressure", f"more than {s.settings.max_pending_commits} pending commits"))
-            s.assembler.clear()
-            s.assembler.total_samples = 0
-            s.input_units = []
-            s.input_has_audio = s.input_has_speech = False
+            s.input.clear()
             return
-        seal_input(s, create=True, speech=True, item_id=item_id)
+        s.seal_input(create=True, speech=True, item_id=item_id)
 
     def _decision(self, action: str, reason: str, response_id: str) -> None:
         s = self.s
@@ -180,5 +172,5 @@ def sync_server_vad(s: DuplexSession) -> ServerVadTurns | None:
     if current is not None and current.params == params:
         return current
     if current is None:
-        return ServerVadTurns(s, params, clock=s.input_samples)
+        return ServerVadTurns(s, params, clock=s.input.clock)
     return ServerVadTurns(s, params, clock=current.detector.clock, in_speech=current.in_speech, item_id=current.item_id)

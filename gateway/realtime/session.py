@@ -9,128 +9,135 @@ their outbound queue.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from gateway.realtime import commands, metrics
 from gateway.realtime import events as ev
-from gateway.realtime import metrics
-from gateway.realtime.audio import UNIT_SAMPLES, AudioUnit, UnitAssembler
+from gateway.realtime.attachment import Attachment, hash_token
+from gateway.realtime.audio import UNIT_SAMPLES, AudioUnit
 from gateway.realtime.config import SessionConfig, render_session
+from gateway.realtime.conversation import Conversation, UserItem
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.input_buffer import InputBuffer
 from gateway.realtime.journal import EventJournal
 from gateway.realtime.lifecycle import ResponseLifecycle
+from gateway.realtime.pipeline.events import PipelineEvent, PipelineHost, SessionPipeline
 from gateway.realtime.server_vad import ServerVadTurns, sync_server_vad
 from gateway.realtime.settings import RealtimeSettings
 
-if TYPE_CHECKING:
-    from gateway.duplex_pipeline import PipelineEvent, SessionPipeline
-
 log = logging.getLogger(__name__)
-
-CLOSE = object()  # outbound sentinel: close the socket after draining
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-class Attachment:
-    """One socket's view of a session: an outbound queue drained by the socket's writer task."""
-
-    def __init__(self, generation: int) -> None:
-        self.generation = generation
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.close_code: int | None = None
-        self.detached = False
-
-    def send(self, event: dict[str, Any]) -> None:
-        if not self.detached:
-            self.queue.put_nowait(event)
-
-    def close(self, code: int = 1000) -> None:
-        if not self.detached:
-            self.detached = True
-            self.close_code = code
-            self.queue.put_nowait(CLOSE)
-
-
-@dataclass
-class UserItem:
-    id: str
-    turn_id: int
-    audio_ms: int
-    units: list[AudioUnit]
-    has_speech: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "realtime.item",
-            "type": "message",
-            "role": "user",
-            "status": "completed",
-            "content": [{"type": "input_audio", "transcript": None, "audio_ms": self.audio_ms}],
-        }
 
 
 class DuplexSession:
+    """The state of one realtime session, changed only by its own methods, on its own mailbox task.
+
+    It is the single owner of the session's **epoch**: :meth:`advance_epoch` is the one place it is bumped
+    (a barge-in is one call, :meth:`interrupt`); the pipeline, the speaking turns and the responses read
+    it or carry the epoch they were born in. Components it owns (``input``, ``conversation``,
+    ``lifecycle``, ``journal``, ``server_vad``) keep their own invariants behind their methods; other
+    modules (commands, server VAD, the response lifecycle, the socket routes) read the properties below.
+    """
+
     def __init__(
         self,
         settings: RealtimeSettings,
         cfg: SessionConfig,
-        pipeline_factory: Callable[[DuplexSession], SessionPipeline],
+        pipeline_factory: Callable[[PipelineHost], SessionPipeline],
         on_finished: Callable[[DuplexSession], None],
     ) -> None:
         self.settings = settings
-        self.cfg = cfg
         self.id = ev.new_session_id()
-        self.state = "open"
-        self.epoch = 0
-        self.turn_id = 0
-        self.generation = 1
-        self.resume_token: str | None = None
-        self.resume_token_hash: str | None = None
+        self._cfg = cfg
+        self._state = "open"
+        self._epoch = 0
+        self._turn_id = 0
+        self._generation = 1
+        self._resume_token: str | None = None
+        self._resume_token_hash: str | None = None
         self.journal = EventJournal(ttl_s=settings.journal_ttl_s, max_bytes=settings.journal_max_bytes)
-        self.attachment: Attachment | None = None
+        self.attachment: Attachment | None = None  # set only by attach_new / _do_resume / _do_detach
         self.mailbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.pending_input_bytes = 0
-        self.assembler = UnitAssembler()
-        self.audio_started = False
-        self.input_has_audio = False
-        self.input_has_speech = False
-        self.input_units: list[AudioUnit] = []  # closed units of the uncommitted user item
-        self.committed_backlog: list[UserItem] = []  # turn lane: committed but not yet sent to the model
-        self.items: dict[str, dict[str, Any]] = {}
-        self.item_order: list[str] = []
-        self.last_item_id: str | None = None
-        self.unit_seq = 0  # next unit index sent to the thinker
+        self._pending_input_bytes = 0  # raw frame bytes read by the socket, not yet handled here
+        self.input = InputBuffer()
+        self._backlog: list[UserItem] = []  # turn lane: committed but not yet sent to the model
+        self.conversation = Conversation()
+        self._unit_seq = 0  # next unit index sent to the thinker
+        self._interrupt_started: float | None = None  # monotonic time of the last hard interrupt
+        self._unit_sent_at: dict[int, float] = {}  # unit_seq -> when it went to the thinker (metrics)
         self.pipeline = pipeline_factory(self)
         self.lifecycle = ResponseLifecycle(self)
         self._on_finished = on_finished
         self._task: asyncio.Task[None] | None = None
         self._grace_task: asyncio.Task[None] | None = None
-        self.stage_acks: list[dict[str, Any]] = []
-        self.interrupt_started: float | None = None
-        self.unit_sent_at: dict[int, float] = {}  # unit_seq -> when it went to the thinker (metrics)  # monotonic time of the last hard interrupt
-        self.input_samples = 0  # 16 kHz samples appended this session: the server-VAD audio clock
-        self.server_vad: ServerVadTurns | None = None
-        self.server_vad = sync_server_vad(self)
+        self._server_vad: ServerVadTurns | None = None
+        self._server_vad = sync_server_vad(self)
         if settings.supports_session_resume:
             self.rotate_token()
+
+    # ---------------------------------------------------------------- read-only state
+
+    @property
+    def cfg(self) -> SessionConfig:
+        return self._cfg
+
+    @property
+    def state(self) -> str:
+        """``open`` until the session ends (``closed``) or its resume grace runs out (``expired``)."""
+        return self._state
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch: outputs stamped with an older one belong to an interrupted turn."""
+        return self._epoch
+
+    @property
+    def turn_id(self) -> int:
+        """The number of the last committed user turn."""
+        return self._turn_id
+
+    @property
+    def generation(self) -> int:
+        """The attachment generation: bumped by every resume."""
+        return self._generation
+
+    @property
+    def resume_token_hash(self) -> str | None:
+        return self._resume_token_hash
+
+    @property
+    def server_vad(self) -> ServerVadTurns | None:
+        return self._server_vad
+
+    @property
+    def committed_backlog(self) -> tuple[UserItem, ...]:
+        """Turn lane: committed user items whose audio the model has not been sent yet."""
+        return tuple(self._backlog)
+
+    @property
+    def pending_input_bytes(self) -> int:
+        return self._pending_input_bytes
+
+    @property
+    def unit_seq(self) -> int:
+        """The index the next unit sent to the thinker gets."""
+        return self._unit_seq
+
+    @property
+    def interrupt_started(self) -> float | None:
+        return self._interrupt_started
 
     # ---------------------------------------------------------------- plumbing
 
     def rotate_token(self) -> str:
-        self.resume_token = secrets.token_urlsafe(32)
-        self.resume_token_hash = hash_token(self.resume_token)
-        return self.resume_token
+        self._resume_token = secrets.token_urlsafe(32)
+        self._resume_token_hash = hash_token(self._resume_token)
+        return self._resume_token
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"realtime-session-{self.id}")
@@ -203,7 +210,7 @@ class DuplexSession:
         fields: dict[str, Any] = {"session": self.session_object()}
         if self.settings.supports_session_resume:
             fields["attachment_generation"] = self.generation
-            fields["resume_token"] = self.resume_token
+            fields["resume_token"] = self._resume_token
         self.emit("session.created", journaled=False, **fields)
         self.emit("session.updated", session=self.session_object())
         return self.attachment
@@ -223,7 +230,7 @@ class DuplexSession:
                     elif kind == "detach":
                         self._do_detach(payload)
                     elif kind == "close":
-                        await self._close(payload)
+                        await self.end(payload)
                     elif kind == "reject":
                         self.emit_error(payload)
                     elif kind == "expire":
@@ -244,7 +251,7 @@ class DuplexSession:
                     log.info("realtime session %s: closed by the gateway's shutdown", self.id)
                 else:
                     log.error("realtime session %s: session task ended while open; closing it", self.id)
-                await self._close("server_shutdown" if cancelled else "internal_error")
+                await self.end("server_shutdown" if cancelled else "internal_error")
             await self._close_pipeline()
             self._on_finished(self)
 
@@ -264,13 +271,13 @@ class DuplexSession:
         except Exception:
             log.exception("realtime session %s: pipeline close failed; closing the session anyway", self.id)
 
-    async def _close(self, reason: str, *, terminal_type: str = "session.closed") -> None:
+    async def end(self, reason: str, *, terminal_type: str = "session.closed") -> None:
         """End the session: abort the response (no cancelled ``response.done``, §4.10), free the stages,
         then ``session.closed`` and socket close 1000 — the last two unconditionally, so that a client's
         ``session.close`` is always answered in bounded time."""
         if self.state != "open":
             return
-        self.state = "closed"
+        self._state = "closed"
         try:
             self.lifecycle.abort_silently()
             await self._close_pipeline()
@@ -305,7 +312,7 @@ class DuplexSession:
             return
         self.lifecycle.abort_silently()
         self.emit("session.expired", session_id=self.id, reason="disconnect_grace_expired")
-        self.state = "expired"
+        self._state = "expired"
 
     def _do_resume(self, attachment: Attachment, last_seq: int, token_hash: str, done: asyncio.Future[None]) -> None:
         """Activate a new socket: replace the old one, announce, replay the journal (all atomically)."""
@@ -317,7 +324,7 @@ class DuplexSession:
         if self._grace_task is not None:
             self._grace_task.cancel()
             self._grace_task = None
-        self.generation += 1
+        self._generation += 1
         attachment.generation = self.generation
         old = self.attachment
         if old is not None:
@@ -352,46 +359,141 @@ class DuplexSession:
     # ---------------------------------------------------------------- client commands
 
     async def _handle_client(self, event: dict[str, Any], raw_size: int) -> None:
-        self.pending_input_bytes = max(0, self.pending_input_bytes - raw_size)
-        from gateway.realtime.commands import dispatch  # local: commands imports this module
-
+        self._pending_input_bytes = max(0, self._pending_input_bytes - raw_size)
         try:
-            await dispatch(self, event)
+            await commands.dispatch(self, event)
         except RealtimeError as exc:
             if exc.event_id is None and isinstance(event.get("event_id"), str):
                 exc.event_id = event["event_id"]
             raise
 
-    # ---------------------------------------------------------------- input helpers used by commands
+    def reserve_input_bytes(self, size: int) -> bool:
+        """The socket read a ``size``-byte input frame: count it until handled, unless over the limit."""
+        if self._pending_input_bytes + size > self.settings.max_pending_input_bytes:
+            return False
+        self._pending_input_bytes += size
+        return True
 
-    def is_speech(self, event: dict[str, Any], samples: np.ndarray) -> bool:
-        for key in ("is_speech", "speech"):
-            if isinstance(event.get(key), bool):
-                return event[key]
-        prob = event.get("speech_probability")
-        vad = event.get("vad")
-        if prob is None and isinstance(vad, dict):
-            prob = vad.get("speech_probability")
-        if isinstance(prob, (int, float)) and not isinstance(prob, bool):
-            return prob >= 0.5
-        from gateway.realtime.audio import rms
+    # ---------------------------------------------------------------- configuration
 
-        return rms(samples) >= self.settings.overlap_silence_rms
+    def reconfigure(self, cfg: SessionConfig) -> None:
+        """Apply a validated ``session.update`` (server VAD kept, rebuilt or dropped to match) and announce it."""
+        self._cfg = cfg
+        self._server_vad = sync_server_vad(self)
+        self.emit("session.updated", session=self.session_object())
+
+    # ---------------------------------------------------------------- the epoch
+
+    def advance_epoch(self, reason: str) -> int:
+        """The one place the epoch changes: bump it and fence every live stage stream at the new value.
+
+        Units sent under the old epoch will never report a decision, so their send times are dropped.
+        """
+        self._epoch += 1
+        self._unit_sent_at.clear()
+        self.pipeline.interrupt(self._epoch, reason)
+        return self._epoch
+
+    def interrupt(self, reason: str, *, cleared: bool = False) -> None:
+        """A hard interrupt (barge-in, cancel, clear, VAD turn): new epoch, and the active response cancelled."""
+        self._interrupt_started = time.monotonic()
+        self.advance_epoch(reason)
+        self.lifecycle.cancel_active(reason, cleared=cleared)
+
+    # ---------------------------------------------------------------- input and turns
+
+    def buffered_input_bytes(self) -> int:
+        """Bytes (as float32) of input audio held by the session: uncommitted plus committed, unsent."""
+        backlog = sum(len(item.units) for item in self._backlog)
+        return (self.input.pending_samples + UNIT_SAMPLES * backlog) * 4
+
+    def accept_units(self, units: list[AudioUnit]) -> None:
+        """Closed input units: straight to the model in the native lane, else held for the commit."""
+        for unit in units:
+            if self.cfg.auto_response:
+                self.forward_unit(unit)
+            else:
+                self.input.hold([unit])
+
+    def drop_input(self) -> None:
+        """``input_audio_buffer.clear`` / ``input.cancel`` / barge-in: forget the uncommitted input."""
+        self.input.clear()
+        if self._server_vad is not None:
+            self._server_vad.reset()
+
+    def seal_input(self, *, create: bool, speech: bool, item_id: str | None = None) -> None:
+        """Turn the uncommitted input into a user item (and, with ``create``, answer it): commit or server VAD."""
+        audio_samples, residual = self.input.flush()
+        if residual is not None:
+            self.accept_units([residual])
+        self._turn_id += 1
+        item = UserItem(item_id or ev.new_user_item_id(), self._turn_id, audio_samples * 1000 // 16_000,
+                        self.input.seal(), speech)
+        previous = self.conversation.add(item)
+        self.lifecycle.supersede_all()
+        deferred = bool(create and speech and self.lifecycle.active is not None and not self.cfg.auto_response)
+        self.emit("conversation.item.added", previous_item_id=previous, item=item.to_json())
+        self.emit("conversation.item.created", previous_item_id=previous, item=item.to_json())
+        committed_event: dict[str, Any] = {
+            "type": "input.committed",
+            "turn_id": self._turn_id,
+            "epoch": self._epoch,
+            "history_len": len(self.conversation),
+            "message": "speech" if speech else "silence_or_noise",
+        }
+        if deferred:
+            committed_event["response_create_deferred"] = True
+        self.emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id, event=committed_event)
+        self.emit("conversation.item.done", item=item.to_json())
+        if not speech:
+            self.emit_listen("silence_or_noise")
+            return
+        if self.cfg.auto_response:
+            return
+        self._backlog.append(item)
+        if create:
+            if deferred:
+                self.lifecycle.defer_create()
+            else:
+                self.lifecycle.start_turn_response()
+
+    def take_backlog(self) -> list[AudioUnit]:
+        """Turn lane: the units of every committed, unsent user item, which the caller now sends."""
+        units = [u for item in self._backlog for u in item.units]
+        self._backlog.clear()
+        return units
+
+    def emit_listen(self, reason: str, *, unit_seq: int | None = None, response_id: str | None = None) -> None:
+        """``response.listen``: the model (or the input) gives nothing to answer."""
+        metadata: dict[str, Any] = {"reason": reason}
+        if unit_seq is not None:
+            metadata["unit_seq"] = unit_seq
+        fields: dict[str, Any] = {"session_id": self.id, "epoch": self._epoch}
+        if response_id is not None:
+            fields["response_id"] = response_id
+        fields["response"] = {"object": "realtime.response", "status": "listening", "metadata": metadata}
+        self.emit("response.listen", **fields)
 
     def forward_unit(self, unit: AudioUnit, *, request_response: bool = False) -> int:
         """Send one unit to the thinker under the current epoch; returns its session-wide unit index."""
-        seq = self.unit_seq
-        self.unit_seq += 1
+        seq = self._unit_seq
+        self._unit_seq += 1
         metrics.UNITS.inc()
-        self.unit_sent_at[seq] = time.monotonic()
-        self.pipeline.push_unit(unit.samples, unit.frames, seq, self.epoch, self.turn_id, request_response)
+        self._unit_sent_at[seq] = time.monotonic()
+        self.pipeline.push_unit(unit.samples, unit.frames, seq, self._epoch, self._turn_id, request_response)
         return seq
+
+    def note_decision(self, unit_seq: int) -> None:
+        """The thinker decided on ``unit_seq``: observe how long that took."""
+        sent = self._unit_sent_at.pop(unit_seq, None)
+        if sent is not None:
+            metrics.UNIT_DECISION.observe(time.monotonic() - sent)
 
     def silence_unit(self) -> AudioUnit:
         return AudioUnit(-1, np.zeros(UNIT_SAMPLES, dtype=np.float32), [], False)
 
     def pending_commits(self) -> int:
-        return len(self.committed_backlog)
+        return len(self._backlog)
 
     def now(self) -> float:
         return time.monotonic()

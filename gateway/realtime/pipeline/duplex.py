@@ -1,0 +1,302 @@
+"""Stage plumbing of one duplex session: one thinker duplex stream, one :class:`SpeechTurn` per speaking turn.
+
+The session (``gateway.realtime.session``) decides *what* to send; this module moves messages between
+the stages and reports back through :meth:`PipelineHost.post_pipeline` (the session's mailbox):
+
+* units go to the thinker's duplex stream (opened lazily on the first unit, so a session that never
+  sends audio never touches a stage);
+* the thinker's ``SpeechChunk`` hidden states of a speaking turn go to that turn's talker and code2wav
+  streams (:mod:`gateway.realtime.pipeline.speech`), which report the 24 kHz audio as :class:`AudioOut`;
+* ``UnitResult`` decisions go to the session as :class:`UnitOutcome`;
+* :meth:`GrpcDuplexPipeline.interrupt` — called by the session right after it advanced its epoch — sends
+  ``Control.interrupt(new_epoch)`` down every live stream; each stage's ``InterruptAck`` is reported as
+  :class:`StageAck`, and the old turn's streams are then closed. Outputs stamped with an epoch older than
+  the session's are dropped here and again by the session (double fence).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+
+from gateway.realtime import metrics
+from gateway.realtime.pipeline.events import (
+    PipelineFailure,
+    PipelineHost,
+    StageAck,
+    UnitOutcome,
+)
+from gateway.realtime.pipeline.speech import SpeechTurn, failure_code, stage_error_code
+from gateway.realtime.settings import RealtimeSettings
+from gateway.stage_clients import StageSet, StageStream
+from services.common.pb import common_pb2, thinker_pb2
+from services.common.tensors import pcm_from_float
+
+log = logging.getLogger(__name__)
+
+_CLOSE_WAIT_S = 2.0
+
+
+class GrpcDuplexPipeline:
+    """The gRPC pipeline of one session (see the module docstring)."""
+
+    def __init__(self, host: PipelineHost, stages: StageSet, settings: RealtimeSettings) -> None:
+        self.host = host
+        self.stages = stages
+        self.settings = settings
+        self.thinker: StageStream | None = None
+        self._outbox: asyncio.Queue[thinker_pb2.ThinkerRequest] = asyncio.Queue()  # ordered writes to the thinker
+        self._tasks: list[asyncio.Task[None]] = []
+        self.turn: SpeechTurn | None = None
+        self.speech_from_unit: int | None = None  # turn lane: speech only from the requested unit on
+        self._in_seq = 0
+        self._speech_turns = 0
+        self._live_turns: set[SpeechTurn] = set()
+        self._unit_turn: dict[int, int] = {}  # unit_seq -> speaking turn its speech chunk went to
+        self._interrupt_sent = 0.0
+        self._closed = False
+        self._thinker_failed = False  # reported once; the session ends on it
+        self._voice_failed_epoch = -1  # a talker/code2wav failure drops that epoch's speech until the fence
+        self._side_tasks: set[asyncio.Task[None]] = set()  # fire-and-forget work, kept referenced until done
+        ref_audio = host.cfg.ref_audio
+        self.ref_pcm = pcm_from_float(ref_audio, 16_000) if ref_audio is not None else None
+
+    # ---------------------------------------------------------------- session-facing API
+
+    def push_unit(
+        self, samples: np.ndarray, frames: list[bytes], unit_seq: int, epoch: int, turn_id: int, request_response: bool
+    ) -> None:
+        if self._closed:
+            return
+        self._ensure_thinker()
+        unit = thinker_pb2.ThinkerUnit(
+            id=self._identity(epoch, turn_id, unit_seq),
+            audio=pcm_from_float(samples, 16_000),
+            frames=frames,
+            request_response=request_response,
+        )
+        self._outbox.put_nowait(thinker_pb2.ThinkerRequest(unit=unit))
+
+    def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
+        self.speech_from_unit = unit_seq
+
+    def end_speech(self, epoch: int, speech_turn: int = 0) -> None:
+        """The response voiced by ``speech_turn`` (0: the current turn) is over: end its talker input.
+
+        A turn whose thinker chunk carried ``turn_end`` was already ended by the pipeline itself; naming
+        the turn keeps a late call from ending the model's *next* turn by mistake.
+        """
+        if not self.host.cfg.auto_response:
+            self.speech_from_unit = None  # turn lane: no speech until the next requested response
+        turn = self.turn
+        if turn is None or turn.epoch != epoch or (speech_turn and turn.turn_id != speech_turn):
+            return
+        self._spawn(turn.end_input())
+
+    def interrupt(self, new_epoch: int, reason: str) -> None:
+        self._interrupt_sent = time.monotonic()
+        self.speech_from_unit = None
+        if self.thinker is not None:
+            ctl = common_pb2.Control(
+                id=self._identity(new_epoch, self.host.turn_id, 0),
+                interrupt=common_pb2.Interrupt(new_epoch=new_epoch, reason=reason),
+            )
+            self._outbox.put_nowait(thinker_pb2.ThinkerRequest(control=ctl))
+        self.turn = None
+        for turn in list(self._live_turns):  # the current turn and any older one still finishing its audio
+            self._spawn(turn.interrupt(new_epoch, reason))
+
+    async def close(self) -> None:
+        """Abort every stage stream of the session (which frees its KV/caches) and stop the pumps.
+
+        The RPCs are cancelled first, so no pump can stay blocked on a stage; the wait for the pumps to
+        unwind is bounded, so a slow stage can never hold up ``session.closed``.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for turn in list(self._live_turns):
+            turn.cancel()
+        self.turn = None
+        if self.thinker is not None:
+            self.thinker.cancel()
+        tasks = [*self._tasks, *self._side_tasks]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None] | None) -> None:
+        """Run ``coro`` as a task the pipeline keeps a reference to (asyncio only keeps weak ones, so an
+        unreferenced task can vanish mid-flight) and cancels on close."""
+        if coro is None:
+            return
+        task = asyncio.create_task(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    # ---------------------------------------------------------------- thinker
+
+    def _identity(self, epoch: int, turn_id: int, unit_seq: int) -> common_pb2.Identity:
+        ident = common_pb2.Identity(
+            request_id=self.host.id, session_id=self.host.id, epoch=epoch, turn_id=turn_id,
+            unit_seq=unit_seq, chunk_seq=self._in_seq,
+        )
+        self._in_seq += 1
+        return ident
+
+    def _ensure_thinker(self) -> None:
+        if self.thinker is not None:
+            return
+        cfg = self.host.cfg
+        self.thinker = self.stages["thinker"].open_stream(deadline_s=24 * 3600.0)
+        sampling = thinker_pb2.SamplingParams()
+        if cfg.temperature is not None:
+            sampling.temperature = cfg.temperature
+        if self.settings.seed is not None:
+            sampling.seed = self.settings.seed
+        open_msg = thinker_pb2.ThinkerOpen(
+            id=self._identity(0, 0, 0),
+            mode=thinker_pb2.STREAM_MODE_DUPLEX,
+            sampling=sampling,
+            want_speech="audio" in cfg.modalities,
+            instructions=cfg.instructions,
+            force_listen_units=cfg.force_listen_count,
+            hidden_dtype=common_pb2.DTYPE_BFLOAT16 if self.settings.hidden_dtype == "bf16" else common_pb2.DTYPE_FLOAT32,
+        )
+        if self.ref_pcm is not None:
+            open_msg.ref_audio.CopyFrom(self.ref_pcm)
+        if cfg.initial_user_text:
+            open_msg.messages.append(
+                thinker_pb2.ChatMessage(role="user", content=[thinker_pb2.ContentPart(text=cfg.initial_user_text)])
+            )
+        self._outbox.put_nowait(thinker_pb2.ThinkerRequest(open=open_msg))
+        self._tasks.append(asyncio.create_task(self._thinker_writer(self.thinker)))
+        self._tasks.append(asyncio.create_task(self._thinker_reader(self.thinker)))
+
+    async def _thinker_writer(self, stream: StageStream) -> None:
+        try:
+            while True:
+                msg = await self._outbox.get()
+                await stream.write(msg)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - reported to the session, never raised into the loop
+            self._fail_thinker(*failure_code(exc))
+
+    async def _thinker_reader(self, stream: StageStream) -> None:
+        try:
+            async for resp in stream.responses():
+                kind = resp.WhichOneof("kind")
+                if kind == "unit":
+                    self._on_unit_result(resp.unit)
+                elif kind == "speech":
+                    await self._on_speech(resp.speech)
+                elif kind == "interrupt_ack":
+                    ack = resp.interrupt_ack
+                    metrics.BARGE_IN_STAGE.labels("thinker").observe(time.monotonic() - self._interrupt_sent)
+                    self.host.post_pipeline(StageAck("thinker", int(ack.new_epoch), int(ack.dropped_items)))
+                elif kind == "error":
+                    # The thinker ends a duplex stream after an error: the session's model state is gone.
+                    self._fail_thinker(stage_error_code(resp.error), f"thinker: {resp.error.message}")
+                    return
+                elif kind == "done":
+                    break
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001
+            self._fail_thinker(*failure_code(exc))
+            return
+        # The gateway never ends the thinker stream of a live session, so an end here is a failure too.
+        self._fail_thinker("engine_error", "thinker: the duplex stream ended unexpectedly")
+
+    def _on_unit_result(self, unit: thinker_pb2.UnitResult) -> None:
+        epoch = int(unit.id.epoch)
+        if epoch < self.host.epoch:
+            return  # fence: an interrupted epoch
+        decision = "speak" if unit.decision == thinker_pb2.UNIT_DECISION_SPEAK else "listen"
+        self.host.post_pipeline(
+            UnitOutcome(epoch, int(unit.id.unit_seq), decision, unit.transcript, bool(unit.turn_end),
+                        int(unit.context_tokens), self._unit_turn.pop(int(unit.id.unit_seq), 0))
+        )
+
+    async def _on_speech(self, chunk: thinker_pb2.SpeechChunk) -> None:
+        epoch = int(chunk.id.epoch)
+        cfg = self.host.cfg
+        if epoch < self.host.epoch or "audio" not in cfg.modalities:
+            return
+        if self.speech_from_unit is not None and chunk.id.unit_seq < self.speech_from_unit:
+            return  # turn lane: the model spoke on a unit nobody asked it to answer
+        if self.speech_from_unit is None and not cfg.auto_response:
+            return  # turn lane with no requested response
+        if epoch <= self._voice_failed_epoch:
+            return  # a speaking turn of this epoch lost its voice; the session fences the epoch next
+        turn = self.turn
+        if turn is None or turn.finished or turn.ending:
+            self._speech_turns += 1
+            turn = self._new_turn(epoch, self._speech_turns)
+            if not await turn.start():
+                return
+        self._unit_turn[int(chunk.id.unit_seq)] = turn.turn_id
+        await turn.send_speech(chunk)
+        if chunk.turn_end:
+            self._spawn(turn.end_input())  # decided here, in stream order: the next speech opens a new turn
+
+    # ---------------------------------------------------------------- speaking turns and failures
+
+    def _new_turn(self, epoch: int, turn_id: int) -> SpeechTurn:
+        """Open the talker + code2wav streams of a speaking turn; it is live (interruptible) at once."""
+        turn = SpeechTurn(
+            session_id=self.host.id, epoch=epoch, turn_id=turn_id, stages=self.stages, settings=self.settings,
+            ref_pcm=self.ref_pcm, report=self.host.post_pipeline, on_failure=self._turn_failed,
+            on_finished=self._turn_finished,
+        )
+        self.turn = turn
+        self._live_turns.add(turn)
+        return turn
+
+    def _turn_finished(self, turn: SpeechTurn) -> None:
+        self._live_turns.discard(turn)
+        if self.turn is turn:
+            self.turn = None
+
+    def _turn_failed(self, turn: SpeechTurn, stage: str, code: str, message: str) -> None:
+        """A talker/code2wav stream failed (the turn has cancelled itself): drop the rest of that epoch's
+        speech and report it once."""
+        if self._closed:
+            return
+        self._voice_failed_epoch = max(self._voice_failed_epoch, turn.epoch)
+        log.warning("duplex session %s: %s failed in speaking turn %d (%s): %s",
+                    self.host.id, stage, turn.turn_id, code, message)
+        self.host.post_pipeline(PipelineFailure(code, message, stage, turn.epoch))
+
+    def _fail_thinker(self, code: str, message: str) -> None:
+        if self._closed or self._thinker_failed:
+            return
+        self._thinker_failed = True
+        log.warning("duplex session %s: thinker failed (%s): %s", self.host.id, code, message)
+        self.host.post_pipeline(PipelineFailure(code, message, "thinker"))
+
+
+def grpc_pipeline_factory(
+    settings: RealtimeSettings, stages: StageSet | None = None
+) -> Callable[[PipelineHost], GrpcDuplexPipeline]:
+    """Factory for sessions; without ``stages`` it connects (once, on first use) to the targets in ``settings``."""
+    holder: dict[str, StageSet] = {}
+
+    def factory(host: PipelineHost) -> GrpcDuplexPipeline:
+        resolved = stages or holder.get("stages")
+        if resolved is None:
+            resolved = StageSet(
+                {"thinker": settings.thinker_target, "talker": settings.talker_target,
+                 "code2wav": settings.code2wav_target}
+            )
+            holder["stages"] = resolved
+        return GrpcDuplexPipeline(host, resolved, settings)
+
+    return factory

@@ -1,0 +1,165 @@
+"""No import cycles in ``gateway/`` and ``services/``: a small AST walk over the sources, so one cannot come back.
+
+An edge ``a -> b`` is any ``import``/``from ... import`` of a module of these packages that runs when ``a``
+runs: module level *and* inside functions (a function-local import only defers the cycle, it does not break
+it). Imports under ``if TYPE_CHECKING:`` are left out: they never execute, so they cannot make a module see
+a half-initialised one, and annotations need them. ``from pkg import name`` is an edge to ``pkg.name``
+when that is a module, else to ``pkg`` itself; the implicit import of parent packages is not an edge (as
+in grimp), since it would make every ``__init__`` that mounts its submodules look like a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("gateway", "services")
+
+
+def _modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` under the given top-level packages."""
+    found: dict[str, Path] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import node that can execute (``if TYPE_CHECKING:`` bodies skipped, their ``else`` kept)."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+            continue
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    if not is_package:
+        base.pop()
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports at run time."""
+    modules = _modules(root, packages)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = _resolve(name, is_package, node)
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in modules else base)
+            graph[name].update(t for t in targets if t in modules and t != name)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted, in name order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+
+    def visit(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component: list[str] = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * len(graph) + 100))
+    try:
+        for node in sorted(graph):
+            if node not in index:
+                visit(node)
+    finally:
+        sys.setrecursionlimit(limit)
+    return sorted(found)
+
+
+def test_gateway_and_services_have_no_import_cycle() -> None:
+    graph = import_graph(ROOT)
+    assert "gateway.app" in graph and "services.common.deploy_profile" in graph  # the walk saw the tree
+    assert cycles(graph) == []
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+
+
+def test_a_deliberate_cycle_is_found(tmp_path: Path) -> None:
+    """The check fails on the shapes a cycle takes: a local import inside a function, a relative
+    ``from . import``, a ``from pkg import module``; and stays quiet on a ``TYPE_CHECKING`` back-reference."""
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg.b import thing\n",
+            "pkg/b.py": "def thing():\n    from . import c\n    return c\n",
+            "pkg/c.py": "import pkg.a\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/x.py": "from pkg.sub import y\n",
+            "pkg/sub/y.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub import x\n",
+            "pkg/sub/z.py": "from ..sub import w\n",
+            "pkg/sub/w.py": "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    from pkg.sub.z import q\n",
+        },
+    )
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.sub.y"] == set()
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"], ["pkg.sub.w", "pkg.sub.z"]]
+
+
+def test_an_acyclic_tree_passes(tmp_path: Path) -> None:
+    _write(tmp_path, {"pkg/__init__.py": "from pkg import a\n", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "import os\n"})
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": set()}
+    assert cycles(graph) == []
