@@ -49,7 +49,18 @@ from typing import Any
 
 import yaml
 
-STAGES: tuple[str, ...] = ("thinker", "talker", "code2wav")
+from services.common.deploy_schema import (
+    STAGES,
+    Code2WavDoc,
+    ProfileError,
+    TalkerDoc,
+    TalkerSamplingDoc,
+    ThinkerDoc,
+    ThinkerSamplingDoc,
+    check_device,
+    validate_document,
+)
+
 DEFAULT_STAGE_PORTS: dict[str, int] = {"thinker": 50051, "talker": 50052, "code2wav": 50053}
 DEFAULT_SERVED_MODEL_NAME = "openbmb/MiniCPM-o-4_5"
 # Replica k of a stage listens on port + 10*k; the three stages' base ports differ by 1, so replicas of
@@ -60,21 +71,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "deploy"
 DEFAULT_PROFILE = "minicpmo_4_5"
 
 # Sampling keys each stage's Open message understands (thinker SamplingParams / TalkerSampling fields).
-THINKER_SAMPLING_KEYS = frozenset(
-    {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos"}
-)
-TALKER_SAMPLING_KEYS = frozenset(
-    {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "min_new_frames", "max_new_frames",
-     "fixed_frames"}
-)
-_INT_SAMPLING_KEYS = frozenset(
-    {"top_k", "seed", "max_tokens", "min_tokens", "min_new_frames", "max_new_frames", "fixed_frames"}
-)
-_DTYPES = frozenset({"bfloat16", "float16", "float32"})
-
-
-class ProfileError(ValueError):
-    """A deploy profile is malformed; the message names the file and the offending key."""
+THINKER_SAMPLING_KEYS = frozenset(ThinkerSamplingDoc.model_fields)
+TALKER_SAMPLING_KEYS = frozenset(TalkerSamplingDoc.model_fields)
 
 
 @dataclass(frozen=True)
@@ -164,7 +162,7 @@ class DeployProfile:
         ``cuda`` keeps the profile's explicit GPU indices when it has them; a profile written for CPU
         gets ``cuda:0`` for every replica.
         """
-        device = _check_device(device, "--device")
+        device = check_device(device, "--device")
         stages: dict[str, StageProfile] = {}
         for name, sp in self.stages.items():
             if device == "cpu":
@@ -217,195 +215,33 @@ def _deep_merge(base: Any, update: Any, where: str) -> Any:
     return merged
 
 
-def _check_device(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise ProfileError(f"{where}: device must be a string like 'cpu', 'cuda' or 'cuda:3', got {value!r}")
-    if value in ("cpu", "cuda"):
-        return value
-    if value.startswith("cuda:") and value[5:].isdigit():
-        return value
-    raise ProfileError(f"{where}: device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
-
-
-def _take(raw: Mapping[str, Any], allowed: dict[str, type | tuple[type, ...]], where: str) -> dict[str, Any]:
-    """Type-check ``raw`` against ``allowed`` (key -> accepted types); unknown keys are errors."""
-    if not isinstance(raw, Mapping):
-        raise ProfileError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in allowed:
-            raise ProfileError(f"{where}: unknown key {key!r} (allowed: {sorted(allowed)})")
-        types = allowed[key]
-        if value is None:
-            continue
-        if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-            raise ProfileError(f"{where}.{key}: expected {types}, got a boolean")
-        if not isinstance(value, types):
-            raise ProfileError(f"{where}.{key}: expected {types}, got {type(value).__name__} {value!r}")
-        out[key] = value
-    return out
-
-
-def _positive(value: float, where: str) -> None:
-    if value <= 0:
-        raise ProfileError(f"{where}: must be positive, got {value}")
-
-
-def _parse_sampling(raw: Any, allowed_keys: frozenset[str], where: str) -> dict[str, Any]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise ProfileError(f"{where}: expected a mapping of sampling parameters")
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in allowed_keys:
-            raise ProfileError(f"{where}: unknown sampling key {key!r} (allowed: {sorted(allowed_keys)})")
-        if key == "ignore_eos":
-            if not isinstance(value, bool):
-                raise ProfileError(f"{where}.{key}: expected a boolean")
-        elif key in _INT_SAMPLING_KEYS:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ProfileError(f"{where}.{key}: expected a non-negative integer, got {value!r}")
-        else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ProfileError(f"{where}.{key}: expected a non-negative number, got {value!r}")
-            value = float(value)
-        out[key] = value
-    return out
-
-
-def _parse_stage(name: str, raw: Any, where: str) -> StageProfile:
-    num = (int, float)
-    fields = _take(
-        raw if raw is not None else {},
-        {
-            "devices": list,
-            "device": str,
-            "replicas": int,
-            "port": int,
-            "memory_fraction": num,
-            "max_num_seqs": int,
-            "max_model_len": int,
-            "dtype": str,
-            "sampling": dict,
-            "hidden_chunk_tokens": int,
-            "first_hidden_chunk_tokens": int,
-            "hidden_dtype": str,
-            "codec": dict,
-            "notes": str,
-        },
-        where,
-    )
-    fields.pop("notes", None)
-    if "devices" in fields and ("device" in fields or "replicas" in fields):
-        raise ProfileError(f"{where}: give either 'devices' (one per replica) or 'device' + 'replicas', not both")
-    if "devices" in fields:
-        devices = tuple(_check_device(d, f"{where}.devices[{i}]") for i, d in enumerate(fields.pop("devices")))
-    else:
-        device = _check_device(fields.pop("device", "cpu"), f"{where}.device")
-        replicas = fields.pop("replicas", 1)
-        _positive(replicas, f"{where}.replicas")
-        devices = tuple(device for _ in range(replicas))
-    if not devices:
-        raise ProfileError(f"{where}.devices: at least one replica is needed")
-    fields["devices"] = devices
+def _stage_profile(name: str, doc: ThinkerDoc | TalkerDoc | Code2WavDoc) -> StageProfile:
+    fields = doc.given()
+    for key in ("devices", "device", "replicas", "notes", "sampling", "codec"):
+        fields.pop(key, None)
+    fields["devices"] = doc.placement()
     fields.setdefault("port", DEFAULT_STAGE_PORTS[name])
-    if not 0 < fields["port"] < 65536 - 1000:
-        raise ProfileError(f"{where}.port: {fields['port']} is not a usable port (metrics use port + 1000)")
-    if "memory_fraction" in fields and not 0 < fields["memory_fraction"] <= 1:
-        raise ProfileError(f"{where}.memory_fraction: must be in (0, 1], got {fields['memory_fraction']}")
-    for key in ("max_num_seqs", "max_model_len", "hidden_chunk_tokens", "first_hidden_chunk_tokens"):
-        if key in fields:
-            _positive(fields[key], f"{where}.{key}")
-    for key in ("dtype", "hidden_dtype"):
-        if key in fields and fields[key] not in _DTYPES:
-            raise ProfileError(f"{where}.{key}: expected one of {sorted(_DTYPES)}, got {fields[key]!r}")
-    if name != "thinker":
-        for key in ("hidden_chunk_tokens", "first_hidden_chunk_tokens", "hidden_dtype"):
-            if key in fields:
-                raise ProfileError(f"{where}.{key}: only the thinker exports hidden states")
-    if name != "talker" and "codec" in fields:
-        raise ProfileError(f"{where}.codec: codec windows are a talker setting")
-    if name == "code2wav" and "sampling" in fields:
-        raise ProfileError(f"{where}.sampling: code2wav has no sampling parameters")
-    allowed = THINKER_SAMPLING_KEYS if name == "thinker" else TALKER_SAMPLING_KEYS
-    fields["sampling"] = _parse_sampling(fields.get("sampling"), allowed, f"{where}.sampling")
-    if "codec" in fields:
-        codec = _take(
-            fields["codec"],
-            {"window_frames": int, "left_context_frames": int, "first_window_frames": int},
-            f"{where}.codec",
-        )
-        for key, value in codec.items():
-            if value < (0 if key == "left_context_frames" else 1):
-                raise ProfileError(f"{where}.codec.{key}: out of range ({value})")
-        fields["codec"] = CodecWindows(**codec)
+    sampling = getattr(doc, "sampling", None)
+    fields["sampling"] = sampling.given() if sampling is not None else {}
+    codec = getattr(doc, "codec", None)
+    if codec is not None:
+        fields["codec"] = CodecWindows(**codec.given())
     return StageProfile(name=name, **fields)
 
 
 def parse_profile(raw: Any, source: str = "<dict>") -> DeployProfile:
-    """Validate a loaded YAML/JSON document and build a :class:`DeployProfile`."""
-    top = _take(
-        raw,
-        {
-            "version": int,
-            "name": str,
-            "description": str,
-            "served_model_name": str,
-            "gateway": dict,
-            "stages": dict,
-        },
-        source,
-    )
-    if top.get("version", 1) != 1:
-        raise ProfileError(f"{source}: unsupported profile version {top['version']} (this build reads 1)")
-    stages_raw = top.get("stages")
-    if not stages_raw:
-        raise ProfileError(f"{source}: 'stages' is required (thinker, talker, code2wav)")
-    unknown = set(stages_raw) - set(STAGES)
-    if unknown:
-        raise ProfileError(f"{source}: unknown stages {sorted(unknown)} (expected {list(STAGES)})")
-    missing = [s for s in STAGES if s not in stages_raw]
-    if missing:
-        raise ProfileError(f"{source}: stages missing: {missing}")
-    stages = {s: _parse_stage(s, stages_raw[s], f"{source}: stages.{s}") for s in STAGES}
-
-    gw_raw = _take(
-        top.get("gateway") or {},
-        {
-            "port": int,
-            "max_concurrent_requests": int,
-            "max_realtime_sessions": int,
-            "max_body_bytes": int,
-            "request_timeout_s": (int, float),
-            "media": dict,
-        },
-        f"{source}: gateway",
-    )
-    media_types: dict[str, type | tuple[type, ...]] = {
-        "video_fps": (int, float),
-        "video_max_frames": int,
-        "max_images": int,
-        "max_audios": int,
-        "max_videos": int,
-        "max_audio_seconds": (int, float),
-        "max_video_seconds": (int, float),
-        "max_image_pixels": int,
-        "max_media_bytes": int,
-    }
-    media_raw = _take(gw_raw.pop("media", {}), media_types, f"{source}: gateway.media")
-    for key, value in {**gw_raw, **media_raw}.items():
-        if key.startswith("max_") and key in ("max_images", "max_audios", "max_videos"):
-            if value < 0:
-                raise ProfileError(f"{source}: gateway.media.{key} must be >= 0")
-        else:
-            _positive(value, f"{source}: gateway.{key}")
-    gateway = GatewayProfile(**gw_raw, media=MediaLimits(**media_raw))
-    name = top.get("name") or Path(source).stem
+    """Validate a loaded YAML/JSON document (:mod:`services.common.deploy_schema`) and build the profile."""
+    doc = validate_document(raw, source)
+    gateway = GatewayProfile()
+    if doc.gateway is not None:
+        gw = doc.gateway.given()
+        media = gw.pop("media", None)
+        gateway = GatewayProfile(**gw, media=MediaLimits(**media.given()) if media is not None else MediaLimits())
+    stages = {name: _stage_profile(name, getattr(doc.stages, name)) for name in STAGES}
     return DeployProfile(
-        name=name,
-        description=top.get("description", "").strip(),
-        served_model_name=top.get("served_model_name", DEFAULT_SERVED_MODEL_NAME),
+        name=doc.name or Path(source).stem,
+        description=(doc.description or "").strip(),
+        served_model_name=doc.served_model_name or DEFAULT_SERVED_MODEL_NAME,
         gateway=gateway,
         stages=stages,
         source=source,

@@ -1,0 +1,313 @@
+"""The deploy-profile *document* (what a YAML file may hold) as pydantic v2 models.
+
+:func:`services.common.deploy_profile.parse_profile` validates a loaded document here — types, ranges,
+unknown keys and the per-stage rules in one pass — and then builds the resolved, frozen
+:class:`~services.common.deploy_profile.DeployProfile`. Every field is optional (``None`` or absent: the
+profile's default applies), types are strict (no ``"4"`` for 4, no ``true`` for 1), and
+:func:`profile_error` turns the first pydantic error into the :class:`ProfileError` message users have
+always seen: ``<file>: stages.thinker.memory_fraction: must be in (0, 1], got 1.5``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
+
+STAGES: tuple[str, ...] = ("thinker", "talker", "code2wav")
+DTYPES = frozenset({"bfloat16", "float16", "float32"})
+
+T = TypeVar("T")
+
+
+class ProfileError(ValueError):
+    """A deploy profile is malformed; the message names the file and the offending key."""
+
+
+def check_device(value: object, where: str) -> str:
+    """A replica's device (``cpu``, ``cuda`` or ``cuda:N``); ``where`` prefixes the error."""
+    message = _device_problem(value)
+    if message is not None:
+        raise ProfileError(f"{where}: {message}")
+    assert isinstance(value, str)
+    return value
+
+
+def _device_problem(value: object) -> str | None:
+    if not isinstance(value, str):
+        return f"device must be a string like 'cpu', 'cuda' or 'cuda:3', got {value!r}"
+    if value in ("cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return None
+    return f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}"
+
+
+# ------------------------------------------------------------------------------------------ field rules
+
+
+def _rule(ok: Callable[[Any], bool], message: str) -> AfterValidator:
+    """An after-validator that refuses a value of the right type with ``message`` (``{v}``: the value)."""
+
+    def check(value: T) -> T:
+        if not ok(value):
+            raise ValueError(message.format(v=value))
+        return value
+
+    return AfterValidator(check)
+
+
+def _device(value: object) -> object:
+    message = _device_problem(value)
+    if message is not None:
+        raise ValueError(message)
+    return value
+
+
+def _refuse(message: str) -> BeforeValidator:
+    """A key that exists in the document only on other stages: present here, it is refused with ``message``."""
+
+    def refuse(value: object) -> object:
+        raise ValueError(message)
+
+    return BeforeValidator(refuse)
+
+
+def _sampling(kind: str) -> BeforeValidator:
+    """Sampling values keep their own wording (``expected a non-negative integer, got 'x'``)."""
+
+    def check(value: object) -> object:
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise ValueError("expected a boolean")
+            return value
+        is_number = isinstance(value, int) or (kind == "float" and isinstance(value, float))
+        if isinstance(value, bool) or not is_number or value < 0:  # type: ignore[operator]
+            noun = "integer" if kind == "int" else "number"
+            raise ValueError(f"expected a non-negative {noun}, got {value!r}")
+        return float(value) if kind == "float" else value  # type: ignore[arg-type]
+
+    return BeforeValidator(check)
+
+
+PositiveInt = Annotated[int, _rule(lambda v: v > 0, "must be positive, got {v}")]
+PositiveNumber = Annotated[float, _rule(lambda v: v > 0, "must be positive, got {v}")]
+Count = Annotated[int, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
+Device = Annotated[str, BeforeValidator(_device)]
+DType = Annotated[str, _rule(lambda v: v in DTYPES, f"expected one of {sorted(DTYPES)}, got {{v!r}}")]
+Port = Annotated[int, _rule(lambda v: 0 < v < 65536 - 1000, "{v} is not a usable port (metrics use port + 1000)")]
+Fraction = Annotated[float, _rule(lambda v: 0 < v <= 1, "must be in (0, 1], got {v}")]
+Frames = Annotated[int, _rule(lambda v: v >= 1, "out of range ({v})")]
+ContextFrames = Annotated[int, _rule(lambda v: v >= 0, "out of range ({v})")]
+SamplingInt = Annotated[int, _sampling("int")]
+SamplingFloat = Annotated[float, _sampling("float")]
+SamplingBool = Annotated[bool, _sampling("bool")]
+HiddenOnlyThinker = Annotated[None, _refuse("only the thinker exports hidden states")]
+CodecOnlyTalker = Annotated[None, _refuse("codec windows are a talker setting")]
+NoSampling = Annotated[None, _refuse("code2wav has no sampling parameters")]
+
+
+class _Doc(BaseModel):
+    """A mapping of the document: strict types, ``null`` means absent, unknown keys refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    _unknown_noun: ClassVar[str] = "key"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping(cls, data: object) -> dict[str, object]:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"expected a mapping, got {type(data).__name__}")
+        for key in data:
+            if key not in cls.model_fields:
+                raise ValueError(f"unknown {cls._unknown_noun} {key!r} (allowed: {sorted(cls.model_fields)})")
+        return {k: v for k, v in data.items() if v is not None}
+
+    def given(self) -> dict[str, Any]:
+        """The keys the document set (the profile's defaults fill the rest)."""
+        return {k: getattr(self, k) for k in self.model_fields_set}
+
+
+class _SamplingDoc(_Doc):
+    """Keys both the thinker's ``SamplingParams`` and the talker's ``TalkerSampling`` have."""
+
+    _unknown_noun: ClassVar[str] = "sampling key"
+    temperature: SamplingFloat | None = None
+    top_p: SamplingFloat | None = None
+    top_k: SamplingInt | None = None
+    repetition_penalty: SamplingFloat | None = None
+    seed: SamplingInt | None = None
+
+
+class ThinkerSamplingDoc(_SamplingDoc):
+    max_tokens: SamplingInt | None = None
+    min_tokens: SamplingInt | None = None
+    ignore_eos: SamplingBool | None = None
+
+
+class TalkerSamplingDoc(_SamplingDoc):
+    min_new_frames: SamplingInt | None = None
+    max_new_frames: SamplingInt | None = None
+    fixed_frames: SamplingInt | None = None
+
+
+class CodecDoc(_Doc):
+    window_frames: Frames | None = None
+    left_context_frames: ContextFrames | None = None
+    first_window_frames: Frames | None = None
+
+
+class _StageDoc(_Doc):
+    """Keys every stage takes; ``devices`` (one per replica) or the ``device`` + ``replicas`` shorthand."""
+
+    devices: Annotated[list[Device], _rule(bool, "at least one replica is needed")] | None = None
+    device: Device | None = None
+    replicas: PositiveInt | None = None
+    port: Port | None = None
+    memory_fraction: Fraction | None = None
+    max_num_seqs: PositiveInt | None = None
+    max_model_len: PositiveInt | None = None
+    dtype: DType | None = None
+    notes: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_placement(cls, data: object) -> object:
+        if isinstance(data, Mapping) and data.get("devices") is not None and (
+            data.get("device") is not None or data.get("replicas") is not None
+        ):
+            raise ValueError("give either 'devices' (one per replica) or 'device' + 'replicas', not both")
+        return data
+
+    def placement(self) -> tuple[str, ...]:
+        if self.devices is not None:
+            return tuple(self.devices)
+        return tuple(self.device or "cpu" for _ in range(self.replicas or 1))
+
+
+class ThinkerDoc(_StageDoc):
+    sampling: ThinkerSamplingDoc | None = None
+    hidden_chunk_tokens: PositiveInt | None = None
+    first_hidden_chunk_tokens: PositiveInt | None = None
+    hidden_dtype: DType | None = None
+    codec: CodecOnlyTalker = None
+
+
+class _NoHiddenDoc(_StageDoc):
+    """A stage after the thinker: the hidden-state keys are named, to be refused with a reason."""
+
+    hidden_chunk_tokens: HiddenOnlyThinker = None
+    first_hidden_chunk_tokens: HiddenOnlyThinker = None
+    hidden_dtype: HiddenOnlyThinker = None
+
+
+class TalkerDoc(_NoHiddenDoc):
+    sampling: TalkerSamplingDoc | None = None
+    codec: CodecDoc | None = None
+
+
+class Code2WavDoc(_NoHiddenDoc):
+    sampling: NoSampling = None
+    codec: CodecOnlyTalker = None
+
+
+class StagesDoc(_Doc):
+    thinker: ThinkerDoc = ThinkerDoc()
+    talker: TalkerDoc = TalkerDoc()
+    code2wav: Code2WavDoc = Code2WavDoc()
+
+
+class MediaDoc(_Doc):
+    video_fps: PositiveNumber | None = None
+    video_max_frames: PositiveInt | None = None
+    max_images: Count | None = None
+    max_audios: Count | None = None
+    max_videos: Count | None = None
+    max_audio_seconds: PositiveNumber | None = None
+    max_video_seconds: PositiveNumber | None = None
+    max_image_pixels: PositiveInt | None = None
+    max_media_bytes: PositiveInt | None = None
+
+
+class GatewayDoc(_Doc):
+    port: PositiveInt | None = None
+    max_concurrent_requests: PositiveInt | None = None
+    max_realtime_sessions: PositiveInt | None = None
+    max_body_bytes: PositiveInt | None = None
+    request_timeout_s: PositiveNumber | None = None
+    media: MediaDoc | None = None
+
+
+class ProfileDoc(_Doc):
+    version: int | None = None
+    name: str | None = None
+    description: str | None = None
+    served_model_name: str | None = None
+    gateway: GatewayDoc | None = None
+    stages: StagesDoc
+
+    @model_validator(mode="before")
+    @classmethod
+    def _three_stages(cls, data: object) -> object:
+        """The stage set is checked before the stages themselves, with the messages it always had."""
+        if not isinstance(data, Mapping):
+            return data
+        version = data.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and version != 1:
+            raise ValueError(f"unsupported profile version {version} (this build reads 1)")
+        stages = data.get("stages")
+        if not stages:
+            raise ValueError("'stages' is required (thinker, talker, code2wav)")
+        if isinstance(stages, Mapping):
+            unknown = set(stages) - set(STAGES)
+            if unknown:
+                raise ValueError(f"unknown stages {sorted(unknown)} (expected {list(STAGES)})")
+            missing = [s for s in STAGES if s not in stages]
+            if missing:
+                raise ValueError(f"stages missing: {missing}")
+        return data
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+# How the hand-written checks named the expected type; kept so the messages stay what users know.
+_EXPECTED = {
+    "int_type": int,
+    "float_type": (int, float),
+    "string_type": str,
+    "list_type": list,
+    "dict_type": dict,
+    "model_type": dict,
+    "bool_type": bool,
+}
+
+
+def _where(source: str, loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return f"{source}: {path}" if path else source
+
+
+def profile_error(exc: ValidationError, source: str) -> ProfileError:
+    """The first error of a validation, worded as the profile's own checks word it."""
+    err = exc.errors(include_url=False)[0]
+    where = _where(source, err["loc"])
+    ctx = err.get("ctx") or {}
+    value = err.get("input")
+    if err["type"] == "value_error" and "error" in ctx:
+        return ProfileError(f"{where}: {ctx['error']}")
+    expected = _EXPECTED.get(err["type"])
+    if expected is not None:
+        got = "a boolean" if isinstance(value, bool) else f"{type(value).__name__} {value!r}"
+        return ProfileError(f"{where}: expected {expected}, got {got}")
+    if err["type"] == "missing":
+        return ProfileError(f"{where}: is required")
+    return ProfileError(f"{where}: {err['msg']}")
+
+
+def validate_document(raw: object, source: str) -> ProfileDoc:
+    """Validate a loaded YAML/JSON document; a malformed one raises :class:`ProfileError`."""
+    try:
+        return ProfileDoc.model_validate(raw)
+    except ValidationError as exc:
+        raise profile_error(exc, source) from None
