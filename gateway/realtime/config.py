@@ -187,6 +187,7 @@ def parse_session(
 
 
 def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bool) -> SessionConfig:
+    """Apply the four groups of fields in order: the first group with a bad field names the error."""
     if obj is None:
         obj = {}
     if not isinstance(obj, dict):
@@ -194,7 +195,22 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
     opening = current is None
     cfg = copy.deepcopy(current) if current is not None else SessionConfig()
 
-    # 1. audio formats
+    _apply_audio_formats(cfg, obj, opening)
+    _apply_turn_taking(cfg, obj, opening)
+    extra = obj.get("extra_body") or {}
+    if not isinstance(extra, dict):
+        raise RealtimeError("bad_event", "extra_body must be an object", param="extra_body")
+    _apply_fixed_at_open(cfg, obj, extra, opening, audio_started)
+    _apply_knobs(cfg, obj, extra, opening)
+    if cfg.wants_audio and cfg.ref_audio is None:
+        raise RealtimeError(
+            "ref_audio_required", "ref_audio is required when audio is an output modality", param="ref_audio"
+        )
+    return cfg
+
+
+def _apply_audio_formats(cfg: SessionConfig, obj: dict[str, Any], opening: bool) -> None:
+    """1. Input and output audio formats and rates."""
     in_spec = obj.get("input_audio_format", _get(obj, "audio", "input", "format"))
     fmt, rate = _format_and_rate(in_spec, "input_audio_format")
     declared_rate = obj.get("sample_rate_hz", _get(obj, "audio", "input", "sample_rate_hz"))
@@ -217,7 +233,9 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
             "unsupported_audio_format", "output audio is 24000 Hz", param="audio.output.sample_rate_hz"
         )
 
-    # 2. turn detection
+
+def _apply_turn_taking(cfg: SessionConfig, obj: dict[str, Any], opening: bool) -> None:
+    """2. Overlap policy, turn detection (server VAD), playback commit policy."""
     if "overlap_policy" in obj:
         cfg.overlap_policy = obj["overlap_policy"] if obj["overlap_policy"] in OVERLAP_POLICIES else "listen_only"
     audio_input = _get(obj, "audio", "input")
@@ -230,15 +248,17 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
         value = obj["playback_commit_policy"]
         cfg.playback_commit_policy = value if value in PLAYBACK_POLICIES else "ack_only"
 
-    # 3. identity-bearing fields: only on open
+
+def _apply_fixed_at_open(
+    cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any], opening: bool, audio_started: bool
+) -> None:
+    """3. Identity-bearing fields (model, reference voice, voice, instructions, context window): set at
+    open, refused as a live change."""
     model = obj.get("model")
     if model is not None:
         if not opening and model != cfg.model:
             raise RealtimeError("model_update_unsupported", "the model cannot change within a session", param="model")
         cfg.model = str(model)
-    extra = obj.get("extra_body") or {}
-    if not isinstance(extra, dict):
-        raise RealtimeError("bad_event", "extra_body must be an object", param="extra_body")
     owned = sorted(SERVER_OWNED_EXTRA_KEYS & extra.keys())
     if owned:
         raise RealtimeError("invalid_session_config", f"extra_body keys are server-owned: {owned}", param="extra_body")
@@ -269,7 +289,9 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
         if knob in extra and not opening and extra[knob] != cfg.extra_body.get(knob):
             raise RealtimeError("sliding_window_update_unsupported", f"{knob} is fixed at open", param=knob)
 
-    # 4. plain knobs
+
+def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any], opening: bool) -> None:
+    """4. Plain knobs, changeable at any time (within the lane rules)."""
     mods = obj.get("output_modalities", obj.get("modalities"))
     if mods is not None:
         if not isinstance(mods, list) or not mods or any(m not in ("text", "audio") for m in mods):
@@ -304,12 +326,6 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
             "turn_detection server_vad needs the turn lane (extra_body.auto_response false)",
             param="turn_detection",
         )
-
-    if cfg.wants_audio and cfg.ref_audio is None:
-        raise RealtimeError(
-            "ref_audio_required", "ref_audio is required when audio is an output modality", param="ref_audio"
-        )
-    return cfg
 
 
 GA_PCM_RATE = 24_000
