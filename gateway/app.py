@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ from gateway.openai.errors import APIError, error_body, error_response
 from gateway.runtime import GatewayRuntime
 from gateway.shutdown import GRACEFUL_SHUTDOWN_S, GatewayServer
 from services.common.deploy_profile import ProfileError, load_profile
+from services.common.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 _PUBLIC_PATHS = ("/health", "/metrics")
@@ -215,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (stage deadlines)")
     p.add_argument("--openai-audio-delta", action="store_true", help="also stream audio in delta.audio (OpenAI)")
+    env = os.environ.get
+    p.add_argument("--stage-tls-ca", default=env("MINICPMO_STAGE_TLS_CA") or None,
+                   help="connect to the stages over TLS, verifying them against this CA (PEM; default: profile tls)")
+    p.add_argument("--stage-tls-cert", default=env("MINICPMO_STAGE_TLS_CERT") or None,
+                   help="mutual TLS: the gateway's client certificate (PEM)")
+    p.add_argument("--stage-tls-key", default=env("MINICPMO_STAGE_TLS_KEY") or None,
+                   help="mutual TLS: the key of --stage-tls-cert (PEM)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -232,6 +241,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
         openai_audio_delta=args.openai_audio_delta,
+        stage_tls=ClientTLS(args.stage_tls_ca, args.stage_tls_cert, args.stage_tls_key) if args.stage_tls_ca else None,
     )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.deploy_profile import DeployProfile, load_profile
+from services.common.tls import ClientTLS
 
 
 @dataclass
@@ -27,6 +28,7 @@ class GatewayConfig:
     max_body_bytes: int | None = None  # None: from the profile
     request_timeout_s: float | None = None  # None: from the profile
     openai_audio_delta: bool = False  # also put streamed audio in delta.audio (OpenAI style)
+    stage_tls: ClientTLS | None = None  # None: the profile's tls section, if any (else plaintext)
 
     @property
     def model_name(self) -> str:
@@ -43,6 +45,14 @@ class GatewayConfig:
     @property
     def body_limit(self) -> int:
         return self.max_body_bytes or self.profile.gateway.max_body_bytes
+
+    @property
+    def tls(self) -> ClientTLS | None:
+        """TLS towards the stages: the explicit setting, else the deploy profile's ``tls`` section."""
+        if self.stage_tls is not None:
+            return self.stage_tls
+        t = self.profile.tls
+        return ClientTLS(t.ca_file, t.client_cert_file, t.client_key_file) if t is not None else None
 
     @property
     def timeout_s(self) -> float:

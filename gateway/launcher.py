@@ -54,6 +54,7 @@ from services.common.deploy_profile import (
     DeployProfile,
     ProfileError,
     StageProfile,
+    TLSProfile,
     load_profile,
     parse_overrides,
 )
@@ -105,6 +106,14 @@ def stage_flags(sp: StageProfile) -> list[str]:
     return ["--max-batch", str(sp.max_num_seqs), *memory]  # code2wav: windows vocoded per engine step
 
 
+def tls_flags(tls: TLSProfile | None) -> list[str]:
+    """A stage's ``--tls-*`` flags for the profile's ``tls`` section (none: plaintext)."""
+    if tls is None:
+        return []
+    flags = ["--tls-cert", tls.cert_file, "--tls-key", tls.key_file]
+    return flags + (["--tls-client-ca", tls.ca_file] if tls.require_client_cert else [])
+
+
 def plan_children(
     profile: DeployProfile,
     checkpoint: str | os.PathLike[str],
@@ -132,6 +141,7 @@ def plan_children(
                 "--host", host,
                 "--port", str(ports[index]),
                 *stage_flags(sp),
+                *tls_flags(profile.tls),
             ]
             children.append(ChildSpec(f"{stage}-{index}", stage, argv, env, ports[index], device))
             addrs.setdefault(stage, []).append(f"{host}:{ports[index]}")
@@ -206,13 +216,20 @@ def pick_free_stage_ports(profile: DeployProfile) -> dict[str, list[int]]:
 
 
 # ---- health -------------------------------------------------------------------------------------
-def _stage_serving(port: int, stage: str) -> bool:
+def _stage_serving(port: int, stage: str, tls: TLSProfile | None = None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from gateway.stage_clients import STAGE_SERVICES
+    from services.common.tls import ClientTLS
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    target = f"127.0.0.1:{port}"
+    if tls is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        creds = ClientTLS(tls.ca_file, tls.client_cert_file, tls.client_key_file).credentials()
+        channel = grpc.secure_channel(target, creds)
+    with channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=STAGE_SERVICES[stage]), timeout=1.0
@@ -245,8 +262,10 @@ def _die_with_parent() -> None:
 class Supervisor:
     """Starts, watches and stops the children."""
 
-    def __init__(self, children: list[ChildSpec], log_dir: Path | None, verbose: bool = False) -> None:
+    def __init__(self, children: list[ChildSpec], log_dir: Path | None, verbose: bool = False,
+                 tls: TLSProfile | None = None) -> None:
         self.children = children
+        self.tls = tls  # for the start-up health probes of the stages
         self.log_dir = log_dir
         self.verbose = verbose
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -326,7 +345,10 @@ class Supervisor:
             for child in self.children:
                 if child.name not in pending:
                     continue
-                ok = _gateway_healthy(child.port) if child.stage is None else _stage_serving(child.port, child.stage)
+                if child.stage is None:
+                    ok = _gateway_healthy(child.port)
+                else:
+                    ok = _stage_serving(child.port, child.stage, self.tls)
                 if ok:
                     pending.discard(child.name)
             if not pending:
@@ -425,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     stage_ports = pick_free_stage_ports(profile) if args.stage_ports == "auto" else None
     children = plan_children(profile, checkpoint.resolve(), profile_file, port, args.host,
                              stage_ports=stage_ports, gateway_args=gateway_args)
-    sup = Supervisor(children, None if args.verbose else log_dir, verbose=args.verbose)
+    sup = Supervisor(children, None if args.verbose else log_dir, verbose=args.verbose, tls=profile.tls)
 
     stop_requested = False
 

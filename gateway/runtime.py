@@ -34,7 +34,7 @@ class GatewayRuntime:
 
     @classmethod
     def build(cls, config: GatewayConfig, created: int) -> GatewayRuntime:
-        stages = StageSet(config.stage_addrs, StageTimeouts(stream_s=config.timeout_s))
+        stages = StageSet(config.stage_addrs, StageTimeouts(stream_s=config.timeout_s), config.tls)
         policy = MediaPolicy(
             limits=config.profile.gateway.media,
             allowed_root=config.allowed_media_root,

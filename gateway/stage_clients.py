@@ -42,6 +42,7 @@ from services.common.pb import (
     talker_pb2_grpc,
     thinker_pb2_grpc,
 )
+from services.common.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,8 @@ class StageTimeouts:
 class StageClient:
     """One channel to one stage (all its replicas)."""
 
-    def __init__(self, stage: str, addr: str, timeouts: StageTimeouts | None = None) -> None:
+    def __init__(self, stage: str, addr: str, timeouts: StageTimeouts | None = None,
+                 tls: ClientTLS | None = None) -> None:
         if stage not in STAGE_SERVICES:
             raise ValueError(f"unknown stage {stage!r}")
         self.stage = stage
@@ -175,7 +177,11 @@ class StageClient:
         self.timeouts = timeouts or StageTimeouts()
         options = [*GRPC_OPTIONS, *RECONNECT_OPTIONS, ("grpc.service_config", _service_config(stage)),
                    ("grpc.enable_retries", 0)]
-        self.channel = grpc.aio.insecure_channel(self.target, options=options)
+        self.tls = tls
+        if tls is None:
+            self.channel = grpc.aio.insecure_channel(self.target, options=options)
+        else:  # the stage's certificate is verified against tls.ca_file; mTLS also presents ours
+            self.channel = grpc.aio.secure_channel(self.target, tls.credentials(), options=options)
         self.stub = _STUBS[stage](self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: common_pb2.StageInfo | None = None
@@ -371,11 +377,12 @@ class StageStream:
 class StageSet:
     """The three stage clients the gateway talks to (plus helpers routes and the realtime code share)."""
 
-    def __init__(self, addrs: dict[str, str], timeouts: StageTimeouts | None = None) -> None:
+    def __init__(self, addrs: dict[str, str], timeouts: StageTimeouts | None = None,
+                 tls: ClientTLS | None = None) -> None:
         missing = [s for s in STAGE_SERVICES if s not in addrs]
         if missing:
             raise ValueError(f"stage addresses missing for {missing}")
-        self.clients = {s: StageClient(s, addrs[s], timeouts) for s in STAGE_SERVICES}
+        self.clients = {s: StageClient(s, addrs[s], timeouts, tls) for s in STAGE_SERVICES}
 
     def __getitem__(self, stage: str) -> StageClient:
         return self.clients[stage]

@@ -16,6 +16,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     description: free text
     served_model_name: openbmb/MiniCPM-o-4_5
     gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, media: {...}}
+    tls:       {ca_file, cert_file, key_file, client_cert_file, client_key_file, require_client_cert}  # optional
     stages:
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
@@ -145,6 +146,23 @@ class GatewayProfile:
 
 
 @dataclass(frozen=True)
+class TLSProfile:
+    """TLS between the gateway and every stage (services/common/tls.py). Paths as the processes see them.
+
+    ``cert_file``/``key_file``: the stages' certificate (its SANs must cover every stage address);
+    ``ca_file``: the CA the gateway verifies it against, and with ``require_client_cert`` the CA the
+    stages require the gateway's ``client_cert_file``/``client_key_file`` to chain to (mutual TLS).
+    """
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    require_client_cert: bool = False
+
+
+@dataclass(frozen=True)
 class DeployProfile:
     name: str
     description: str = ""
@@ -152,6 +170,7 @@ class DeployProfile:
     gateway: GatewayProfile = field(default_factory=GatewayProfile)
     stages: Mapping[str, StageProfile] = field(default_factory=dict)
     source: str = ""
+    tls: TLSProfile | None = None
 
     def stage(self, name: str) -> StageProfile:
         return self.stages[name]
@@ -180,8 +199,9 @@ class DeployProfile:
         for key, value in overrides.items():
             if key in STAGES:
                 raw["stages"][key] = _deep_merge(raw["stages"][key], value, f"overrides.{key}")
-            elif key in ("gateway", "served_model_name", "description"):
-                raw[key] = _deep_merge(raw[key], value, f"overrides.{key}") if isinstance(raw[key], dict) else value
+            elif key in ("gateway", "served_model_name", "description", "tls"):
+                current = raw.get(key)
+                raw[key] = _deep_merge(current, value, f"overrides.{key}") if isinstance(current, dict) else value
             else:
                 raise ProfileError(f"stage overrides: unknown key {key!r} (expected one of {list(STAGES)} or gateway)")
         return parse_profile(raw, source=self.source + " + overrides")
@@ -189,6 +209,8 @@ class DeployProfile:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("source")
+        if data["tls"] is None:
+            data.pop("tls")
         data["version"] = 1
         for name, sp in data["stages"].items():
             sp.pop("name")
@@ -245,6 +267,7 @@ def parse_profile(raw: Any, source: str = "<dict>") -> DeployProfile:
         gateway=gateway,
         stages=stages,
         source=source,
+        tls=TLSProfile(**doc.tls.given()) if doc.tls is not None else None,
     )
 
 

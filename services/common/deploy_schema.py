@@ -237,12 +237,32 @@ class GatewayDoc(_Doc):
     media: MediaDoc | None = None
 
 
+class TLSDoc(_Doc):
+    """TLS between the gateway and the stages (services/common/tls.py); file paths as the processes see them."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    require_client_cert: bool | None = None
+
+    @model_validator(mode="after")
+    def _client_pair(self) -> TLSDoc:
+        if bool(self.client_cert_file) != bool(self.client_key_file):
+            raise ValueError("client_cert_file and client_key_file go together")
+        if self.require_client_cert and not self.client_cert_file:
+            raise ValueError("require_client_cert needs the gateway's client_cert_file and client_key_file")
+        return self
+
+
 class ProfileDoc(_Doc):
     version: int | None = None
     name: str | None = None
     description: str | None = None
     served_model_name: str | None = None
     gateway: GatewayDoc | None = None
+    tls: TLSDoc | None = None
     stages: StagesDoc
 
     @model_validator(mode="before")

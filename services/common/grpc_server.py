@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.deploy_profile import DEFAULT_STAGE_PORTS
 from services.common.metrics import DRAINING
+from services.common.tls import ServerTLS, server_tls_args
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class ServeOptions:
     port: int = 0
     metrics_port: int | None = None  # None: port + 1000; 0: disabled
     drain_timeout_s: float = 30.0
+    tls: ServerTLS | None = None  # None: plaintext gRPC (services/common/tls.py)
 
     def resolved_metrics_port(self) -> int:
         if self.metrics_port is None:
@@ -78,11 +81,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to let in-flight streams finish on SIGTERM"
     )
+    env = os.environ.get
+    parser.add_argument("--tls-cert", default=env("MINICPMO_TLS_CERT") or None,
+                        help="serve gRPC over TLS with this certificate chain (PEM; env MINICPMO_TLS_CERT)")
+    parser.add_argument("--tls-key", default=env("MINICPMO_TLS_KEY") or None,
+                        help="private key of --tls-cert (PEM; env MINICPMO_TLS_KEY)")
+    parser.add_argument("--tls-client-ca", default=env("MINICPMO_TLS_CLIENT_CA") or None,
+                        help="mutual TLS: require client certificates signed by this CA (PEM; env MINICPMO_TLS_CLIENT_CA)")
 
 
 def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
+    try:
+        tls = server_tls_args(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
     return ServeOptions(
-        host=args.host, port=args.port, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout
+        host=args.host, port=args.port, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout, tls=tls
     )
 
 
@@ -115,7 +129,9 @@ class StageServer:
         reflection.enable_server_reflection(
             (self.service_full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        self.port = server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        address = f"{self.options.host}:{self.options.port}"
+        tls = self.options.tls
+        self.port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"{self.stage}: cannot bind {self.options.host}:{self.options.port}")
         await server.start()
@@ -127,7 +143,9 @@ class StageServer:
             start_http_server(mport, addr=self.options.host)
             self.metrics_port = mport
         await self.set_serving(True)
-        log.info("%s serving gRPC on %s:%d (metrics %s)", self.stage, self.options.host, self.port, mport or "off")
+        mode = "plaintext" if tls is None else ("mutual TLS" if tls.client_ca_file else "TLS")
+        log.info("%s serving gRPC (%s) on %s:%d (metrics %s)", self.stage, mode, self.options.host, self.port,
+                 mport or "off")
         return self.port
 
     async def set_serving(self, serving: bool) -> None:
