@@ -16,7 +16,10 @@ This follows upstream's duplex path number for number (``MiniCPMODuplex.streamin
   emitted included. The floor is re-read every unit, so the 2 frames a unit shares with the previous one
   can differ from what that unit saw: they are passed to Whisper as recomputed (``lookbehind``).
 
-The recomputation costs one STFT over at most 30 s per unit (~3000 frames), a few milliseconds.
+Computing that literally means one STFT over up to 30 s per unit (:func:`buffer_log_mel`, the reference
+the tests hold the stream to). The stream gets the same numbers incrementally instead: a frame whose
+window lies inside the buffer never changes, so only the unit's frames, the frames next to either end of
+the buffer (reflect-padded) and the per-frame maxima the floor needs are computed, about 105 frames a unit.
 """
 
 from __future__ import annotations
@@ -59,16 +62,37 @@ class DuplexMelChunk:
         return self.mel[:, self.mel.shape[1] - self.suffix_frames :]
 
 
+def log10_frames(buffer: np.ndarray, first: int, count: int) -> torch.Tensor:
+    """Clamped ``log10`` mel ``[80, count]`` of frames ``first ..`` of the buffer's centred STFT (unfloored).
+
+    Frame ``j`` reads samples ``[160 j - 200, 160 j + 200)``, reflected at both ends of the buffer as the
+    centred STFT pads, so these are exactly the columns of the whole-buffer mel.
+    """
+    length = buffer.shape[0]
+    idx = np.arange(HOP * first - N_FFT // 2, HOP * (first + count - 1) + N_FFT // 2)
+    idx = np.abs(idx)
+    idx = np.where(idx >= length, 2 * (length - 1) - idx, idx)
+    seg = torch.from_numpy(np.ascontiguousarray(buffer[idx], dtype=np.float32))
+    spec = torch.stft(
+        seg, n_fft=N_FFT, hop_length=HOP, window=torch.hann_window(N_FFT), center=False, return_complex=True
+    )
+    return torch.clamp(_mel_filters() @ (spec.abs() ** 2), min=1e-10).log10()
+
+
+def _floored(logm: torch.Tensor, buffer_len: int, buffer_max: float | torch.Tensor) -> torch.Tensor:
+    if buffer_len < DYNAMIC_AFTER_S * SAMPLE_RATE:
+        floor = torch.tensor(FIXED_FLOOR, dtype=logm.dtype)
+    else:
+        floor = torch.as_tensor(buffer_max, dtype=logm.dtype) - DYNAMIC_RANGE_DB
+    return (torch.maximum(logm, floor) + 4.0) / 4.0
+
+
 def buffer_log_mel(buffer: np.ndarray) -> torch.Tensor:
     """Whisper log-mel of a whole buffer ``[80, len // 160]`` with the duplex floor rule (see module doc)."""
     wave = torch.from_numpy(np.ascontiguousarray(buffer, dtype=np.float32))[None]
     spec = torch.stft(wave, n_fft=N_FFT, hop_length=HOP, window=torch.hann_window(N_FFT), return_complex=True)
     logm = torch.clamp(_mel_filters() @ (spec[..., :-1].abs() ** 2), min=1e-10).log10()[0]
-    if buffer.shape[0] < DYNAMIC_AFTER_S * SAMPLE_RATE:
-        floor = torch.tensor(FIXED_FLOOR, dtype=logm.dtype)
-    else:
-        floor = logm.max() - DYNAMIC_RANGE_DB
-    return (torch.maximum(logm, floor) + 4.0) / 4.0
+    return _floored(logm, buffer.shape[0], logm.max())
 
 
 class DuplexAudioStream:
@@ -88,6 +112,7 @@ class DuplexAudioStream:
         self._buffer = np.zeros(0, dtype=np.float32)  # what the mel is computed over
         self._base_frame = 0  # global frame index of the buffer's first frame
         self._emitted = 0  # global frame index after the last emitted core frame
+        self._frame_max: dict[int, float] = {}  # global frame -> max over its bins, frames inside the buffer
         self.units = 0
 
     def push(self, samples: np.ndarray) -> DuplexMelChunk | None:
@@ -105,20 +130,29 @@ class DuplexAudioStream:
             return None
         self._pending = pending[need:]
         self._append(pending[:need])
-        mel = buffer_log_mel(self._buffer)
-        stable = min(mel.shape[1], (self._buffer.shape[0] - N_FFT // 2) // HOP + 1) + self._base_frame
+        length = self._buffer.shape[0]
+        frames = length // HOP  # the centred STFT's frames minus the last one, as upstream drops it
+        interior_last = (length - N_FFT // 2) // HOP  # the last frame whose window ends inside the buffer
         core_start, core_end = self._emitted, self._emitted + self.unit_chunk // HOP
-        if stable < core_end + REDUNDANCY_FRAMES:
+        if min(frames, interior_last + 1) + self._base_frame < core_end + REDUNDANCY_FRAMES:
             return None  # cannot happen with whole units; upstream reports the unit as failed
-        start = max(0, core_start - REDUNDANCY_FRAMES) - self._base_frame
-        end = core_end + REDUNDANCY_FRAMES - self._base_frame
-        start, end = max(0, min(start, mel.shape[1])), max(0, min(end, mel.shape[1]))
+        start = min(max(0, core_start - REDUNDANCY_FRAMES - self._base_frame), frames)
+        end = min(max(start, core_end + REDUNDANCY_FRAMES - self._base_frame), frames)
+        region = log10_frames(self._buffer, start, frames - start)  # the unit's frames and the right edge
+        maxima = region.max(dim=0).values
+        for i in range(frames - start):
+            j = start + i
+            if 2 <= j <= interior_last:  # a frame no later push or slide changes
+                self._frame_max[self._base_frame + j] = float(maxima[i])
+        edges = [float(maxima[interior_last + 1 - start :].max())] if frames > interior_last + 1 else []
+        if start > 0:  # the frames next to the buffer's left end (reflect-padded there)
+            edges.append(float(log10_frames(self._buffer, 0, min(2, frames)).max()))
+        buffer_max = max(edges + list(self._frame_max.values()))
         self._emitted = core_end
         self.units += 1
+        mel = _floored(region[:, : end - start], length, buffer_max)
         # Matches upstream: the prefix is declared as 0 frames for the first unit and 2 afterwards.
-        return DuplexMelChunk(
-            mel[:, start:end].contiguous(), 0 if first else REDUNDANCY_FRAMES, REDUNDANCY_FRAMES
-        )
+        return DuplexMelChunk(mel.contiguous(), 0 if first else REDUNDANCY_FRAMES, REDUNDANCY_FRAMES)
 
     def _append(self, chunk: np.ndarray) -> None:
         self._buffer = np.concatenate([self._buffer, chunk])
@@ -133,3 +167,5 @@ class DuplexAudioStream:
         if drop > 0:
             self._buffer = self._buffer[drop:]
             self._base_frame += drop // HOP
+            # frames that left the buffer, and the new first two (now reflect-padded), leave the max
+            self._frame_max = {g: v for g, v in self._frame_max.items() if g >= self._base_frame + 2}
