@@ -12,7 +12,7 @@ finishes the queued work and sends ``Done``. Validation failures end the stream 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -21,7 +21,7 @@ from services.code2wav.engine import STAGE, Code2WavEngine, StreamHandle
 from services.code2wav.runner import MAX_NEW_TOKENS, WindowResult
 from services.common.errors import FAILED_PRECONDITION, OUT_OF_ORDER, StageError
 from services.common.pb import code2wav_pb2, code2wav_pb2_grpc, common_pb2
-from services.common.stage_stream import Inbox, Interrupted, StageStream, StageStreamDriver
+from services.common.stage_stream import Inbox, Interrupted, StageServicer, StageStream, StageStreamDriver
 from services.common.tensors import pcm_from_float, pcm_to_float
 
 SERVICE_FULL_NAME = "minicpmo.v1.Code2WavService"
@@ -108,7 +108,7 @@ class Code2WavStream(StageStream[Response]):
             self.engine.close(self.handle)
 
 
-class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
+class Code2WavServicer(StageServicer, code2wav_pb2_grpc.Code2WavServiceServicer):
     """Adapter between the proto stream and the engine; holds no model state of its own."""
 
     def __init__(self, engine: Code2WavEngine, info: common_pb2.StageInfo) -> None:
@@ -121,17 +121,6 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
             lambda opened: Code2WavStream(engine, opened),
             missing_open_code=FAILED_PRECONDITION,
         )
-
-    async def GetInfo(  # noqa: N802 - gRPC method name
-        self, request: common_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.StageInfo:
-        return self.info
-
-    async def Generate(  # noqa: N802 - gRPC method name
-        self, request_iterator: AsyncIterator[code2wav_pb2.Code2WavRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Response]:
-        async for msg in self.driver.generate(request_iterator):
-            yield msg
 
 
 def stage_info(engine: Code2WavEngine, model_version: str) -> common_pb2.StageInfo:

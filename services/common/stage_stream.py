@@ -355,5 +355,22 @@ class _StreamRun:
         return [msg]
 
 
+class StageServicer:
+    """The two RPCs every stage servicer answers the same way; mixed in before the generated base class.
+
+    A servicer sets ``info`` (its ``StageInfo``) and ``driver`` (its :class:`StageStreamDriver`).
+    """
+
+    info: common_pb2.StageInfo
+    driver: StageStreamDriver[Any]
+
+    async def GetInfo(self, request: common_pb2.GetInfoRequest, context: Any) -> common_pb2.StageInfo:  # noqa: N802
+        return self.info
+
+    async def Generate(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        async for msg in self.driver.generate(request_iterator):
+            yield msg
+
+
 def _is_end(req: Any) -> bool:
     return req.WhichOneof("kind") == "control" and req.control.WhichOneof("kind") == "end"

@@ -20,9 +20,8 @@ import argparse
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
-import grpc
 import torch
 
 from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
@@ -36,7 +35,7 @@ from services.common.grpc_server import (
 )
 from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
-from services.common.stage_stream import Inbox, Interrupted, StageStream, StageStreamDriver
+from services.common.stage_stream import Inbox, Interrupted, StageServicer, StageStream, StageStreamDriver
 from services.common.tensors import TORCH_DTYPES, compute_dtype, dtype_to_proto, tensor_from_proto
 from services.talker.engine import STAGE, TalkerEngine
 from services.talker.model.tts import MiniCPMTTS
@@ -100,7 +99,7 @@ def output_to_proto(st: StreamState, out: Output) -> talker_pb2.TalkerResponse |
     return None  # ClosedOut carries nothing on the wire
 
 
-class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
+class TalkerServicer(StageServicer, talker_pb2_grpc.TalkerServiceServicer):
     """Maps one Generate stream onto one engine stream."""
 
     def __init__(self, engine: TalkerEngine, info: common_pb2.StageInfo) -> None:
@@ -109,9 +108,6 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         self.driver = StageStreamDriver(
             STAGE, talker_pb2.TalkerRequest, talker_pb2.TalkerResponse, lambda msg: TalkerStream(self, msg)
         )
-
-    async def GetInfo(self, request: common_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return self.info
 
     def settings_from_open(self, msg: talker_pb2.TalkerOpen) -> StreamSettings:
         sp = msg.sampling
@@ -173,14 +169,6 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
             turn_id=msg.id.turn_id if msg.HasField("id") else st.turn_id,
             unit_seq=msg.id.unit_seq if msg.HasField("id") else 0,
         )
-
-    async def Generate(  # noqa: N802
-        self,
-        request_iterator: AsyncIterator[talker_pb2.TalkerRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[talker_pb2.TalkerResponse]:
-        async for msg in self.driver.generate(request_iterator):
-            yield msg
 
 
 class TalkerStream(StageStream[talker_pb2.TalkerResponse]):

@@ -32,7 +32,7 @@ from services.thinker.backend import ThinkerBackend
 from services.thinker.duplex import UNIT_PHASE_SECONDS, DuplexSession, UnitOutcome
 from services.thinker.duplex_policy import MAX_TOKENS_PER_UNIT
 from services.thinker.duplex_window import ContextRecord
-from services.thinker.engine import EngineEvent
+from services.thinker.engine import STAGE, EngineEvent
 from services.thinker.errors import failure
 from services.thinker.scheduler import Sequence as EngineSequence
 from services.thinker.scheduler import WorkItem
@@ -122,7 +122,7 @@ class DuplexStream(StageStream[Response]):
         if self.current is not None:
             self.engine.cancel(self.seq)  # the engine records the drain of the running unit
         else:
-            INTERRUPT_DRAIN.labels("thinker").observe(0.0)  # nothing of the old epoch running
+            INTERRUPT_DRAIN.labels(STAGE).observe(0.0)  # nothing of the old epoch running
         self.session.after_interrupt(new_epoch)
         return Interrupted(dropped)
 

@@ -13,13 +13,10 @@ reflection, metrics and graceful drain come from :mod:`services.common.grpc_serv
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-
-import grpc
 
 from services.common.grpc_server import ServeOptions, StageServer
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
-from services.common.stage_stream import StageStream, StageStreamDriver
+from services.common.stage_stream import StageServicer, StageStream, StageStreamDriver
 from services.thinker.backend import ThinkerBackend, stage_info
 from services.thinker.duplex_stream import DuplexStream
 from services.thinker.engine import STAGE
@@ -28,7 +25,7 @@ from services.thinker.turn_stream import TurnStream
 SERVICE_NAME = "minicpmo.v1.ThinkerService"
 
 
-class ThinkerServicer(thinker_pb2_grpc.ThinkerServiceServicer):
+class ThinkerServicer(StageServicer, thinker_pb2_grpc.ThinkerServiceServicer):
     def __init__(self, backend: ThinkerBackend, info: common_pb2.StageInfo) -> None:
         self.backend = backend
         self.info = info
@@ -45,19 +42,6 @@ class ThinkerServicer(thinker_pb2_grpc.ThinkerServiceServicer):
         if open_msg.mode == thinker_pb2.STREAM_MODE_DUPLEX:
             return DuplexStream(self.backend, open_msg)
         return TurnStream(self.backend, open_msg)
-
-    async def GetInfo(  # noqa: N802
-        self, request: common_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.StageInfo:
-        return self.info
-
-    async def Generate(  # noqa: N802
-        self,
-        request_iterator: AsyncIterator[thinker_pb2.ThinkerRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[thinker_pb2.ThinkerResponse]:
-        async for msg in self.driver.generate(request_iterator):
-            yield msg
 
 
 def make_server(backend: ThinkerBackend, options: ServeOptions) -> StageServer:

@@ -241,14 +241,9 @@ class ThinkerProcessor:
         rest = text
         for mi, pj, part in media:
             param = f"messages[{mi}].content[{pj}]"
-            tag = (
-                IMAGE_TAG
-                if isinstance(part, ImageInput)
-                else AUDIO_TAG
-                if isinstance(part, AudioInput)
-                else VIDEO_TAG
+            before, _, rest = rest.partition(
+                next(tag for kind, tag in _TAGS.items() if isinstance(part, kind))
             )
-            before, _, rest = rest.partition(tag)
             expanded.pieces.append(before)
             if isinstance(part, ImageInput):
                 self._expand_image(expanded, part, param, default_slices, image_ids)
@@ -268,23 +263,18 @@ class ThinkerProcessor:
                 "messages", f"prompt has {ids.numel()} tokens; the limit is {self.limits.max_prompt_tokens}"
             )
         feats, lens = _pad_mels(expanded.mels)
-        pixel_values, tgt_sizes, video_frames = (
-            expanded.pixel_values,
-            expanded.tgt_sizes,
-            expanded.video_frames,
-        )
         return ProcessedPrompt(
             prompt_text=final_text,
             input_ids=ids,
-            pixel_values=pixel_values,
-            tgt_sizes=torch.tensor(tgt_sizes, dtype=torch.long).reshape(-1, 2),
+            pixel_values=expanded.pixel_values,
+            tgt_sizes=torch.tensor(expanded.tgt_sizes, dtype=torch.long).reshape(-1, 2),
             image_bounds=image_bounds,
             audio_features=feats,
             audio_feature_lens=lens,
             audio_bounds=audio_bounds,
             num_images=n_images,
             num_audios=n_audios,
-            num_video_frames=video_frames,
+            num_video_frames=expanded.video_frames,
         )
 
     def _expand_image(
@@ -386,6 +376,9 @@ class ThinkerProcessor:
         for i, m in enumerate(mels):
             feats[i, :, : m.shape[1]] = m
         return feats, lens, audio_embed_count(len(wave), self.audio_pool_step)
+
+
+_TAGS: dict[type, str] = {ImageInput: IMAGE_TAG, AudioInput: AUDIO_TAG, VideoInput: VIDEO_TAG}
 
 
 @dataclass
