@@ -11,12 +11,10 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
-import io
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import soundfile as sf
 
 from gateway.realtime.audio import (
     OUTPUT_FORMATS,
@@ -28,6 +26,7 @@ from gateway.realtime.audio import (
 )
 from gateway.realtime.errors import RealtimeError
 from gateway.realtime.vad import normalize_server_vad, silero_available
+from services.common.audio import AUDIO_DECODE_ERRORS, read_audio
 
 DEFAULT_MODEL = "openbmb/MiniCPM-o-4_5"
 DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
@@ -125,14 +124,12 @@ def decode_ref_audio(uri: Any) -> np.ndarray:
     elif uri.startswith(("http://", "https://", "file:", "/")):
         raise RealtimeError("unsupported_ref_audio_path", "ref_audio must be inline (data: URI)", param="ref_audio")
     try:
-        raw = base64.b64decode(payload, validate=True)
-        samples, rate = sf.read(io.BytesIO(raw), dtype="float32", always_2d=True)
-    except (binascii.Error, ValueError, RuntimeError, sf.LibsndfileError) as exc:
+        mono, rate = read_audio(base64.b64decode(payload, validate=True))
+    except (binascii.Error, *AUDIO_DECODE_ERRORS) as exc:
         raise RealtimeError("bad_ref_audio", f"ref_audio could not be decoded: {exc}", param="ref_audio") from exc
-    mono = samples.mean(axis=1)
     if mono.size == 0 or mono.size / rate > _MAX_REF_AUDIO_S:
         raise RealtimeError("bad_ref_audio", f"ref_audio must be 0.1–{_MAX_REF_AUDIO_S:.0f} s", param="ref_audio")
-    x = resample(mono.astype(np.float32), int(rate), UNIT_RATE)
+    x = resample(mono, rate, UNIT_RATE)
     keep = (x.size // (UNIT_RATE // 10)) * (UNIT_RATE // 10)
     if keep == 0:
         raise RealtimeError("bad_ref_audio", "ref_audio is shorter than 100 ms", param="ref_audio")
