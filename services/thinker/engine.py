@@ -3,8 +3,8 @@
 Threading model: one engine thread per device owns the scheduler, the KV cache and the runner. Streams
 (the asyncio gRPC front, or tests) talk to it only through a command queue (:meth:`ThinkerEngine.submit`,
 :meth:`cancel`, :meth:`close`) and receive :class:`EngineEvent` objects through the per-sequence sink
-callback, which runs on the engine thread and must not block (the server forwards into an asyncio
-queue with ``call_soon_threadsafe``). Tests can instead drive :meth:`step` synchronously.
+callback, which runs on the engine thread and must not block (a stream's sink is
+:meth:`services.common.stage_stream.Inbox.post_threadsafe`, which hands the event to the event loop). Tests can instead drive :meth:`step` synchronously.
 
 A step: drain commands → ask the scheduler for a plan → run it → sample every row that ends a prompt or
 decodes → emit events → update metrics. Errors are typed (:class:`StageError`) and go to the affected
