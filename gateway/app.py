@@ -19,7 +19,7 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.auth import check_api_key
@@ -52,18 +53,18 @@ class _AuthAndCountMiddleware:
     route relies on it to cancel stage work when a non-streaming client goes away.
     """
 
-    def __init__(self, app: Callable[..., Awaitable[None]], config: GatewayConfig) -> None:
+    def __init__(self, app: ASGIApp, config: GatewayConfig) -> None:
         self.app = app
         self.config = config
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:  # type: ignore[type-arg]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
         status = {"code": 500}
 
-        async def send_counting(message: dict) -> None:  # type: ignore[type-arg]
+        async def send_counting(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
             await send(message)

@@ -42,7 +42,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,7 +64,7 @@ RESTART_BASE_S = 1.0  # first restart delay; doubles per quick death
 RESTART_MAX_S = 30.0
 STABLE_S = 60.0  # a child that ran this long before dying starts its backoff from scratch
 MAX_QUICK_DEATHS = 5
-GATEWAY_STOP_S = 20.0  # the gateway's own graceful shutdown is 10 s (gateway.app.GRACEFUL_SHUTDOWN_S)
+GATEWAY_STOP_S = 20.0  # the gateway's own graceful shutdown is 10 s (gateway.shutdown.GRACEFUL_SHUTDOWN_S)
 STAGE_STOP_S = 40.0  # a stage drains for up to --drain-timeout (30 s) before it exits
 
 
@@ -165,7 +165,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MINICPMO_CACHE_DIR", Path.home() / ".cache" / "minicpmo")).expanduser()
 
 
-def ensure_tiny_checkpoint(log: callable = print) -> Path:  # type: ignore[valid-type]
+def ensure_tiny_checkpoint(log: Callable[..., None] = print) -> Path:
     """The cached tiny checkpoint, generated on first use (atomic: a half-written one is never used)."""
     target = cache_dir() / "tiny-ckpt"
     if (target / "config.json").is_file():
@@ -301,7 +301,7 @@ class Supervisor:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with code {proc.returncode}\n{self.tail(child)}")
 
-    def supervise(self, now: float | None = None, log: callable = print) -> None:  # type: ignore[valid-type]
+    def supervise(self, now: float | None = None, log: Callable[..., None] = print) -> None:
         """Restart children that exited, with backoff; raises RuntimeError once one keeps dying.
 
         Called every few hundred milliseconds by the launcher's main loop (after start-up).

@@ -228,7 +228,7 @@ def decode_video(data: bytes, limits: MediaLimits, param: str) -> DecodedVideo:
     import av
 
     try:
-        container = av.open(io.BytesIO(data))
+        container = av.open(io.BytesIO(data), mode="r")
     except Exception as exc:  # noqa: BLE001
         raise MediaError(400, f"{param}: not a decodable video ({exc})", param, "invalid_video") from exc
     with container:

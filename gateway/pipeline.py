@@ -55,7 +55,7 @@ class ChatJob:
     ref_audio: common_pb2.Pcm | None = None
     hidden_chunk_tokens: int = 10
     first_hidden_chunk_tokens: int = 11
-    hidden_dtype: int = common_pb2.DTYPE_BFLOAT16
+    hidden_dtype: common_pb2.DType = common_pb2.DTYPE_BFLOAT16
     window_frames: int = 25
     left_context_frames: int = 3
     first_window_frames: int = 25

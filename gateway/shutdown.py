@@ -16,17 +16,20 @@ import asyncio
 import logging
 import time
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
 log = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 10.0  # in-flight HTTP requests may finish within this
+GRACEFUL_SHUTDOWN_S = 10  # seconds (uvicorn takes an int); in-flight HTTP requests may finish within this
 REALTIME_CLOSE_S = 3.0  # realtime sessions get this long to send session.closed
 
 
-async def close_realtime_sessions(app: Any, timeout_s: float = REALTIME_CLOSE_S) -> int:
+async def close_realtime_sessions(app: FastAPI, timeout_s: float = REALTIME_CLOSE_S) -> int:
     """Ask every realtime session to close with ``server_shutdown``; wait (bounded) until they are gone."""
     endpoint = getattr(app.state, "realtime", None)
     registry = getattr(endpoint, "registry", None)
@@ -46,7 +49,7 @@ async def close_realtime_sessions(app: Any, timeout_s: float = REALTIME_CLOSE_S)
 class GatewayServer(uvicorn.Server):
     """uvicorn server whose first exit signal drains the gateway before uvicorn's shutdown starts."""
 
-    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
         super().__init__(config)
         self.gateway_app = app
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -26,11 +26,12 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.metrics import STAGE_RETRIES
@@ -315,7 +316,7 @@ class StageStream:
     def _failure(self, err: grpc.aio.AioRpcError) -> StageFailure:
         return StageFailure.from_rpc_error(self.stage, self.client.target, err)
 
-    async def write(self, msg: Any) -> None:
+    async def write(self, msg: Message) -> None:
         """Send one request; awaits gRPC flow control, which is the backpressure towards the stage."""
         if self._sent is not None:
             self._sent.append(msg)
@@ -387,7 +388,7 @@ class StageSet:
     def __getitem__(self, stage: str) -> StageClient:
         return self.clients[stage]
 
-    def __iter__(self) -> Iterable[StageClient]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[StageClient]:
         return iter(self.clients.values())
 
     async def health(self) -> dict[str, tuple[bool, str]]:

@@ -41,7 +41,7 @@ def _bad_string(value: str) -> bool:
     return False
 
 
-def check_json_value(value: Any) -> None:
+def check_json_value(value: object) -> None:
     """Refuse non-finite numbers, unencodable strings and nesting deeper than :data:`MAX_NESTING`.
 
     Iterative (an explicit stack), so the check itself cannot hit the recursion limit it guards against.
@@ -87,7 +87,7 @@ def _check_content_type(request: Request) -> None:
     )
 
 
-async def read_json_body(request: Request, limit: int) -> Any:
+async def read_json_body(request: Request, limit: int) -> object:
     """The body as checked JSON: 413 over ``limit`` bytes, 415 not JSON-typed, 400 malformed or unusable.
 
     The body is read to its end before a 415 so that the kept-alive connection stays in step.

@@ -219,10 +219,10 @@ def _parse_stage_sampling(raw: Any, stage: str, param: str) -> dict[str, Any]:
             v = _int_in_range(value, f"{param}.{key}", name, -1 if name == "top_k" else 0)
             out[name] = 0 if (name == "top_k" and v == -1) else v  # -1: vLLM's "disabled" spelling
         else:
-            v = _number(value, f"{param}.{key}")
-            if v < 0:
+            number = _number(value, f"{param}.{key}")
+            if number < 0:
                 raise _bad(f"'{param}.{key}' must be >= 0", f"{param}.{key}")
-            out[name] = v
+            out[name] = number
     return out
 
 
@@ -241,7 +241,7 @@ def _check_context(thinker: dict[str, Any], max_model_len: int | None) -> None:
                        key)
 
 
-def parse_chat_request(body: Any, served_model_name: str, max_model_len: int | None = None) -> ChatRequest:
+def parse_chat_request(body: object, served_model_name: str, max_model_len: int | None = None) -> ChatRequest:
     """Validate a decoded JSON body; raises :class:`APIError` (400, or 404 for an unknown model).
 
     ``max_model_len`` is the thinker context from the deploy profile (None: not checked here).

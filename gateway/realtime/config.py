@@ -112,7 +112,10 @@ def _output_format(spec: Any) -> str | None:
     return key
 
 
-def decode_ref_audio(uri: Any) -> np.ndarray:
+_REF_AUDIO_ERRORS: tuple[type[Exception], ...] = (binascii.Error, *AUDIO_DECODE_ERRORS)  # bad base64 or audio
+
+
+def decode_ref_audio(uri: object) -> np.ndarray:
     """A ``data:audio/...;base64`` URI (or bare base64 WAV) → 16 kHz mono float32 trimmed to 100 ms."""
     if not isinstance(uri, str) or not uri:
         raise RealtimeError("bad_ref_audio", "ref_audio must be a data: URI with base64 audio", param="ref_audio")
@@ -125,7 +128,7 @@ def decode_ref_audio(uri: Any) -> np.ndarray:
         raise RealtimeError("unsupported_ref_audio_path", "ref_audio must be inline (data: URI)", param="ref_audio")
     try:
         mono, rate = read_audio(base64.b64decode(payload, validate=True))
-    except (binascii.Error, *AUDIO_DECODE_ERRORS) as exc:
+    except _REF_AUDIO_ERRORS as exc:
         raise RealtimeError("bad_ref_audio", f"ref_audio could not be decoded: {exc}", param="ref_audio") from exc
     if mono.size == 0 or mono.size / rate > _MAX_REF_AUDIO_S:
         raise RealtimeError("bad_ref_audio", f"ref_audio must be 0.1–{_MAX_REF_AUDIO_S:.0f} s", param="ref_audio")
@@ -170,7 +173,7 @@ def _validate_turn_detection(td: Any, overlap_policy: str, opening: bool) -> dic
 
 
 def parse_session(
-    obj: Any, *, current: SessionConfig | None = None, audio_started: bool = False
+    obj: object, *, current: SessionConfig | None = None, audio_started: bool = False
 ) -> SessionConfig:
     """Build a config from a ``session`` object; with ``current``, apply it as a live update.
 

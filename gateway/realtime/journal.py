@@ -59,7 +59,7 @@ class EventJournal:
         self._bytes += encoded
         return event
 
-    def ack(self, seq: Any) -> None:
+    def ack(self, seq: object) -> None:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0 or seq > self.head:
             raise RealtimeError(
                 "invalid_event_ack",

@@ -33,9 +33,12 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from onnxruntime import InferenceSession
 
 SAMPLE_RATE = 16_000
 FRAME_MS = 20  # the energy detector's frame
@@ -256,7 +259,7 @@ def silero_model_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def silero_session() -> Any:
+def silero_session() -> InferenceSession:
     """The process-wide onnxruntime session (loaded once, ~2 MB). ``run`` is thread-safe and the
     recurrent state is an explicit input, so every detector shares it. Raises ``RuntimeError`` when the
     model or onnxruntime is missing."""

@@ -24,9 +24,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 SUPPORTED_VERSION = "4.5"
 
@@ -350,7 +353,7 @@ class Checkpoint:
         return t
 
     # -------------------------------------------------------------------------------------- tokenizer
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerFast:
         """Load the fast tokenizer and assert every special-token id of model-spec §1.4."""
         return load_tokenizer(self.root)
 
@@ -371,7 +374,7 @@ class Checkpoint:
         return p
 
 
-def load_tokenizer(root: str | Path) -> Any:
+def load_tokenizer(root: str | Path) -> PreTrainedTokenizerFast:
     """Load ``tokenizer.json`` (+ ``tokenizer_config.json``) and check the special ids.
 
     Uses ``PreTrainedTokenizerFast`` directly so the remote ``MiniCPMOTokenizerFast`` class is not needed.
@@ -401,7 +404,7 @@ def load_tokenizer(root: str | Path) -> Any:
     return tok
 
 
-def check_special_ids(tok: Any, where: str) -> None:
+def check_special_ids(tok: PreTrainedTokenizerBase, where: str) -> None:
     for token, want in SPECIAL_TOKEN_IDS.items():
         got = tok.convert_tokens_to_ids(token)
         if got != want:

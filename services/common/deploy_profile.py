@@ -251,7 +251,7 @@ def _stage_profile(name: str, doc: ThinkerDoc | TalkerDoc | Code2WavDoc) -> Stag
     return StageProfile(name=name, **fields)
 
 
-def parse_profile(raw: Any, source: str = "<dict>") -> DeployProfile:
+def parse_profile(raw: object, source: str = "<dict>") -> DeployProfile:
     """Validate a loaded YAML/JSON document (:mod:`services.common.deploy_schema`) and build the profile."""
     doc = validate_document(raw, source)
     gateway = GatewayProfile()

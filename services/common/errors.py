@@ -6,6 +6,8 @@ the stream (never a free-text gRPC status alone), and the gateway maps codes to 
 
 from __future__ import annotations
 
+from typing import cast
+
 from services.common.pb import common_pb2
 
 ErrorCode = common_pb2.ErrorCode
@@ -52,7 +54,8 @@ class StageError(Exception):
         return CODE_NAMES.get(self.code, "unknown")
 
     def to_proto(self, identity: common_pb2.Identity | None = None) -> common_pb2.Error:
-        err = common_pb2.Error(code=self.code, message=self.message, param=self.param)
+        # The proto enum is a plain int at run time; the cast only tells the stubs so.
+        err = common_pb2.Error(code=cast(common_pb2.ErrorCode, self.code), message=self.message, param=self.param)
         if identity is not None:
             err.id.CopyFrom(identity)
         return err

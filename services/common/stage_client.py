@@ -41,7 +41,7 @@ from services.common.pb import (
 )
 from services.common.tensors import pcm_from_float, pcm_to_float, tensor_to_proto
 
-_STUBS = {
+_STUBS: dict[str, type[Any]] = {  # the generated stub classes share no base class
     "thinker": thinker_pb2_grpc.ThinkerServiceStub,
     "talker": talker_pb2_grpc.TalkerServiceStub,
     "code2wav": code2wav_pb2_grpc.Code2WavServiceStub,

@@ -238,10 +238,10 @@ class StageStreamDriver(Generic[RespT]):
             yield self.error(err, stream.identity() if stream is not None else open_msg.id)
         except Exception as exc:  # a handler bug: typed INTERNAL on the stream, never a bare gRPC failure
             log.exception("%s stream failed", self.stage)
-            err = StageError(
+            internal = StageError(
                 INTERNAL, f"{self.stage} failed on this stream ({type(exc).__name__}); see server log"
             )
-            yield self.error(err, stream.identity() if stream is not None else open_msg.id)
+            yield self.error(internal, stream.identity() if stream is not None else open_msg.id)
         finally:
             if reader is not None:
                 reader.cancel()

@@ -13,7 +13,7 @@ from services.common.audio import float_to_pcm16, pcm16_to_float
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.common.pb import common_pb2
 
-_TORCH_TO_PB: dict[torch.dtype, int] = {
+_TORCH_TO_PB: dict[torch.dtype, common_pb2.DType] = {
     torch.float32: common_pb2.DTYPE_FLOAT32,
     torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
     torch.float16: common_pb2.DTYPE_FLOAT16,
@@ -39,7 +39,7 @@ def compute_dtype(name: str | None, device: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def dtype_to_proto(dtype: torch.dtype) -> int:
+def dtype_to_proto(dtype: torch.dtype) -> common_pb2.DType:
     if dtype not in _TORCH_TO_PB:
         raise StageError(INVALID_ARGUMENT, f"dtype {dtype} cannot be sent as a Tensor message")
     return _TORCH_TO_PB[dtype]
@@ -82,7 +82,9 @@ def tensor_from_proto(msg: common_pb2.Tensor, device: str | torch.device = "cpu"
     return t.reshape(shape).to(device)
 
 
-def pcm_from_float(samples: np.ndarray, sample_rate: int, fmt: int = common_pb2.PCM_FORMAT_S16LE) -> common_pb2.Pcm:
+def pcm_from_float(
+    samples: np.ndarray, sample_rate: int, fmt: common_pb2.PcmFormat = common_pb2.PCM_FORMAT_S16LE
+) -> common_pb2.Pcm:
     """Mono float samples in [-1, 1] → Pcm message (s16le clips; f32le is lossless)."""
     x = np.asarray(samples, dtype=np.float32).reshape(-1)
     if fmt == common_pb2.PCM_FORMAT_F32LE:

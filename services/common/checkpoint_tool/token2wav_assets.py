@@ -328,7 +328,7 @@ def synth_reference_audio(seed: int, rate: int = REF_AUDIO_RATE, seconds: float 
             f0 = rng.uniform(105, 160) * (1 + 0.15 * np.sin(2 * np.pi * rng.uniform(1, 3) * t)) * np.linspace(
                 1.05, 0.92, n)
             phase = 2 * np.pi * np.cumsum(f0) / rate
-            source = sum(np.sin(k * phase) / k for k in range(1, 40))
+            source = sum((np.sin(k * phase) / k for k in range(1, 40)), np.zeros(n))  # start: an array, not 0
             seg = np.zeros(n)
             for freq, gain in zip(_VOWEL_FORMANTS[rng.integers(len(_VOWEL_FORMANTS))], (1.0, 0.6, 0.3), strict=True):
                 seg += gain * _resonate(source, freq, 90.0, rate)

@@ -149,9 +149,9 @@ def build_base_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
     for a, b in _learn_corpus_merges(symbols, limit=3000):
         add(a, b)
     # Two-byte tokens: every ASCII pair, and every well-formed two-byte UTF-8 character.
-    for a in range(128):
-        for b in range(128):
-            add(symbols[a], symbols[b])
+    for first in range(128):
+        for second in range(128):
+            add(symbols[first], symbols[second])
     for lead in range(0xC2, 0xE0):
         for cont in range(0x80, 0xC0):
             add(symbols[lead], symbols[cont])
