@@ -255,25 +255,7 @@ def parse_chat_request(body: object, served_model_name: str, max_model_len: int 
                        "NotFoundError")
     messages = _parse_messages(body.get("messages"))
 
-    modalities = body.get("modalities")
-    if modalities is None:
-        modalities = list(OUTPUT_MODALITIES)
-    if not isinstance(modalities, list):
-        raise _bad("'modalities' must be a list such as [\"text\", \"audio\"]", "modalities")
-    if not modalities or any(m not in OUTPUT_MODALITIES for m in modalities):
-        raise _bad(f"Unsupported output modalities {modalities!r}; this model outputs {list(OUTPUT_MODALITIES)}",
-                   "modalities")
-
-    audio_format = "wav"
-    audio = body.get("audio")
-    if audio is not None:
-        _expect(audio, dict, "audio", "an object")
-        if audio.get("format") is not None:
-            fmt = normalize_format(audio["format"])
-            if fmt is None:
-                raise _bad(f"Unsupported audio format {audio['format']!r}; supported: "
-                           f"{list(SUPPORTED_FORMATS) + ['pcm16']}", "audio.format")
-            audio_format = fmt
+    modalities, audio_format = _parse_output(body)
 
     stream = _opt_bool(body, "stream", False)
     include_usage = continuous = False
@@ -295,6 +277,50 @@ def parse_chat_request(body: object, served_model_name: str, max_model_len: int 
     if ref_audio is not None and not isinstance(ref_audio, str):
         raise _bad("MiniCPM-o 4.5 chat ref_audio must be a URI string", "ref_audio")
 
+    _refuse_unsupported(body)
+    thinker, talker = _parse_sampling(body, max_model_len)
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        modalities=list(dict.fromkeys(modalities)),
+        audio_format=audio_format,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage_stats=continuous,
+        use_tts_template=use_tts,
+        enable_thinking=enable_thinking,
+        ref_audio=ref_audio,
+        thinker_sampling=thinker,
+        talker_sampling=talker,
+        return_stage_metrics=_opt_bool(body, "return_stage_metrics", False),
+    )
+
+def _parse_output(body: dict[str, Any]) -> tuple[list[str], str]:
+    """``modalities`` and ``audio.format``: what the response carries."""
+    modalities = body.get("modalities")
+    if modalities is None:
+        modalities = list(OUTPUT_MODALITIES)
+    if not isinstance(modalities, list):
+        raise _bad("'modalities' must be a list such as [\"text\", \"audio\"]", "modalities")
+    if not modalities or any(m not in OUTPUT_MODALITIES for m in modalities):
+        raise _bad(f"Unsupported output modalities {modalities!r}; this model outputs {list(OUTPUT_MODALITIES)}",
+                   "modalities")
+
+    audio_format = "wav"
+    audio = body.get("audio")
+    if audio is not None:
+        _expect(audio, dict, "audio", "an object")
+        if audio.get("format") is not None:
+            fmt = normalize_format(audio["format"])
+            if fmt is None:
+                raise _bad(f"Unsupported audio format {audio['format']!r}; supported: "
+                           f"{list(SUPPORTED_FORMATS) + ['pcm16']}", "audio.format")
+            audio_format = fmt
+    return modalities, audio_format
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """OpenAI options this server does not implement: refused with 400 rather than ignored."""
     n = _opt_int(body, "n", 1)
     if n not in (None, 1):
         raise _bad("only n=1 is supported", "n")
@@ -312,6 +338,9 @@ def parse_chat_request(body: object, served_model_name: str, max_model_len: int 
     if response_format is not None and response_format != {"type": "text"}:
         raise _bad("only response_format {\"type\": \"text\"} is supported", "response_format")
 
+
+def _parse_sampling(body: dict[str, Any], max_model_len: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The thinker's and the talker's sampling: top-level OpenAI keys, then ``sampling_params_list``."""
     thinker: dict[str, Any] = {}
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
@@ -338,21 +367,7 @@ def parse_chat_request(body: object, served_model_name: str, max_model_len: int 
         if len(spl) > 1:
             talker.update(_parse_stage_sampling(spl[1], "talker", "sampling_params_list[1]"))
     _check_context(thinker, max_model_len)
-    return ChatRequest(
-        model=model,
-        messages=messages,
-        modalities=list(dict.fromkeys(modalities)),
-        audio_format=audio_format,
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage_stats=continuous,
-        use_tts_template=use_tts,
-        enable_thinking=enable_thinking,
-        ref_audio=ref_audio,
-        thinker_sampling=thinker,
-        talker_sampling=talker,
-        return_stage_metrics=_opt_bool(body, "return_stage_metrics", False),
-    )
+    return thinker, talker
 
 
 # ---- the request body as an OpenAPI schema --------------------------------------------------------
