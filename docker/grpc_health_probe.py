@@ -24,11 +24,31 @@ def default_port() -> int:
     return DEFAULT_PORTS.get(os.environ.get("MINICPMO_STAGE", ""), 50051)
 
 
+def _channel(target: str):  # noqa: ANN202 - grpc.Channel, imported lazily
+    """Plaintext, or TLS when the stage serves TLS (MINICPMO_TLS_CERT set): the stage is verified against
+    MINICPMO_TLS_CA, and the probe presents MINICPMO_TLS_PROBE_CERT/KEY (default: the stage's own
+    certificate, which then needs the clientAuth usage) for a stage that requires client certificates."""
+    import grpc
+
+    env = os.environ.get
+    if not env("MINICPMO_TLS_CERT"):
+        return grpc.insecure_channel(target)
+
+    def read(name: str) -> bytes | None:
+        path = env(name)
+        return open(path, "rb").read() if path else None  # noqa: SIM115 - tiny files, process exits next
+
+    cert = read("MINICPMO_TLS_PROBE_CERT") or read("MINICPMO_TLS_CERT")
+    key = read("MINICPMO_TLS_PROBE_KEY") or read("MINICPMO_TLS_KEY")
+    creds = grpc.ssl_channel_credentials(read("MINICPMO_TLS_CA"), key, cert)
+    return grpc.secure_channel(target, creds)
+
+
 def check(host: str, port: int, service: str, timeout_s: float) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+    with _channel(f"{host}:{port}") as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s

@@ -65,6 +65,9 @@ LAYOUTS: dict[str, Layout] = {
                      (REPO / "docker-compose.yml", REPO / "compose" / "8x4090.yml")),
     "cpu": Layout("cpu", "cpu", CHART_DIR / "values-cpu.yaml",
                   (REPO / "docker-compose.yml", REPO / "compose" / "cpu.yml")),
+    # the 1-GPU layout with the mutual-TLS add-on: every layout check must hold for it too
+    "1gpu-tls": Layout("1gpu-tls", "minicpmo_4_5", CHART_DIR / "values-1gpu.yaml",
+                       (REPO / "docker-compose.yml", REPO / "docker-compose.override.yml", REPO / "compose" / "tls.yml")),
 }
 
 

@@ -246,3 +246,25 @@ def test_openapi_declares_the_chat_body(gateway: ThreadedGateway, conn: http.cli
     # every $ref in the document resolves
     for target in re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)):
         assert target in schemas, target
+
+
+def test_no_request_content_or_secrets_in_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """At the default level (INFO) nothing a client sent - text, media, keys - reaches the gateway's logs,
+    whatever the outcome (401, 400, 503 with stages down)."""
+    secret_text, secret_key = "SECRET-PROMPT-4711", "sk-SECRET-KEY-0815"
+    addrs = {s: dead_address() for s in ("thinker", "talker", "code2wav")}
+    config = GatewayConfig(stage_addrs=addrs, profile=load_profile("cpu"), api_key="right-key")
+    caplog.set_level("INFO")
+    with ThreadedGateway(config) as gw:
+        c = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
+        body = json.dumps(_body(messages=[{"role": "user", "content": secret_text}])).encode()
+        for key in (secret_key, "right-key"):
+            for payload in (body, body.replace(b'"user"', b'"robot"'), body[:-3]):
+                c.request("POST", ROUTE, body=payload,
+                          headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+                resp = c.getresponse()
+                resp.read()
+                assert resp.status in (400, 401, 503), resp.status
+        c.close()
+    assert caplog.records, "the gateway logged nothing at all: the check would be vacuous"
+    assert secret_text not in caplog.text and secret_key not in caplog.text

@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -23,6 +26,7 @@ from services.common.deploy_profile import load_profile
 from services.common.grpc_server import ServeOptions, StageServer
 from services.common.tls import ClientTLS, ServerTLS, server_tls_args
 
+REPO = Path(__file__).resolve().parents[1]
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
@@ -119,6 +123,18 @@ def test_mutual_tls_refuses_clients_without_a_good_certificate(certs: dict[str, 
                 ok, reason = await _serving(port, tls)
                 assert not ok, f"a client with {who} was let in"
                 assert reason.startswith("UNAVAILABLE"), (who, reason)
+            # the container health probe (docker/grpc_health_probe.py) speaks mTLS from its environment
+            probe_env = {"MINICPMO_TLS_CERT": certs["stage_cert"], "MINICPMO_TLS_KEY": certs["stage_key"],
+                         "MINICPMO_TLS_CA": certs["ca"], "MINICPMO_TLS_PROBE_CERT": certs["gw_cert"],
+                         "MINICPMO_TLS_PROBE_KEY": certs["gw_key"]}
+            probe = [sys.executable, str(REPO / "docker" / "grpc_health_probe.py"), "--port", str(port)]
+            done = await asyncio.to_thread(subprocess.run, probe, env={**os.environ, **probe_env},
+                                           capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0 and "SERVING" in done.stdout, done.stdout + done.stderr
+            plain = {k: v for k, v in os.environ.items() if not k.startswith("MINICPMO_TLS")}
+            done = await asyncio.to_thread(subprocess.run, probe, env=plain, capture_output=True, text=True,
+                                           timeout=60)
+            assert done.returncode == 1, done.stdout
         finally:
             await server.stop(grace=0)
 
