@@ -120,6 +120,50 @@ def test_fed_rows_are_the_encoder_outputs(dump) -> None:  # noqa: ANN001
     assert dump["duplex.u1.pixel_values.0"].shape == (3, 14, 14490)
 
 
+class _HostGraph:
+    """Stands in for CUDA graph capture on the CPU: a replay re-runs the body into the static outputs."""
+
+    def __call__(self, runner, body):  # noqa: ANN001, ANN204 (ModelRunner.graph_capture)
+        outputs = body()
+
+        def replay() -> None:
+            for static, fresh in zip(outputs, body(), strict=True):
+                static.copy_(fresh)
+
+        return replay, outputs
+
+
+def test_graph_replays_record_the_same_session(tiny_ckpt, dump, tmp_path) -> None:  # noqa: ANN001
+    """The GPU path's taps: with the row-graph step path (emulated on the host) the dump records the same
+    rows, hidden states and decisions, although a replay's output buffers are reused by the next one."""
+    from services.thinker.duplex_dump import build_backend_for_dump, run_session, to_arrays
+
+    inputs = tmp_path / "inputs.npz"
+    _inputs(inputs)
+    with np.load(inputs) as z:
+        media = {k: z[k] for k in z.files}
+    backend = build_backend_for_dump(str(tiny_ckpt), "cpu", "float32", cuda_graphs=False)
+    runner = backend.engine.runner
+    runner.use_cuda_graphs, runner.graph_capture = True, _HostGraph()
+    assert runner.warmup_graphs(2, 1024) > 0
+    rec = run_session(
+        backend,
+        media["duplex.inputs.audio_16k"],
+        media["duplex.inputs.ref_audio_16k"],
+        media["duplex.inputs.frame_rgb"],
+        units=UNITS,
+        frame_unit=1,
+    )
+    backend.executor.shutdown(wait=False)
+    graphed = to_arrays(rec, media)
+    assert runner.step_counts["graph"] > 0 and runner.step_counts["graph_mixed"] > 0
+    for key, ref in dump.items():
+        if ref.dtype.kind in "iub":
+            np.testing.assert_array_equal(graphed[key], ref, err_msg=key)
+        elif key.startswith("duplex."):
+            np.testing.assert_allclose(graphed[key], ref, atol=1e-4, rtol=1e-4, err_msg=key)
+
+
 def test_streaming_mel_slices_the_whole_buffer_with_the_first_unit_carry() -> None:
     """The incremental stream equals upstream's literal recipe: the whole buffer's mel, sliced."""
     rng = np.random.default_rng(0)

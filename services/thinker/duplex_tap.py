@@ -20,6 +20,11 @@ from services.thinker import duplex_policy
 from services.thinker.duplex_policy import CHUNK_EOS
 
 
+def _keep(x: torch.Tensor) -> torch.Tensor:
+    """An fp32 host copy (a graph replay's output buffers are overwritten by the next replay)."""
+    return x.detach().to("cpu", torch.float32, copy=True)
+
+
 def _top2(x: torch.Tensor) -> tuple[int, float]:
     """(argmax, top1 - top2) of a logit row, in fp32."""
     v, i = x.detach().reshape(-1).float().topk(2)
@@ -100,18 +105,18 @@ class RunnerTap:
                 self.rec.ids[pos] = int(tok)
                 if emb is None:
                     emb = embed(torch.tensor([tok], device=embed.weight.device))[0]
-                self.rec.embeds[pos] = emb.detach().float().cpu()
+                self.rec.embeds[pos] = _keep(emb)
                 if packed is not None:
-                    self.rec.hidden[pos] = packed[j].detach().float().cpu()
+                    self.rec.hidden[pos] = _keep(packed[j])
                 elif j < len(inp.decode):
-                    self.rec.hidden[pos] = out.decode_hidden[j].detach().float().cpu()
+                    self.rec.hidden[pos] = _keep(out.decode_hidden[j])
             for j, r in enumerate(inp.decode):
-                self.rec.logits[r.position] = out.decode_logits[j].detach().float().cpu()
+                self.rec.logits[r.position] = _keep(out.decode_logits[j])
                 self.rec.last_sampled = r.position
             for chunk, lg in zip(inp.prefill, out.prefill_logits, strict=True):
                 if lg is not None:
                     pos = chunk.start + len(chunk.token_ids) - 1
-                    self.rec.logits[pos] = lg.detach().float().cpu()
+                    self.rec.logits[pos] = _keep(lg)
                     self.rec.last_sampled = pos
 
 
@@ -193,9 +198,9 @@ def encoder_tap(model: Any) -> Iterator[EncoderRecord]:
         rows = o_aud(features, lens, *a, **k)
         rec.ref_audio.append(
             {
-                "features": features.float().cpu(),
+                "features": _keep(features),
                 "lens": torch.as_tensor(lens).reshape(-1).cpu(),
-                "rows": torch.cat(list(rows), 0).float().cpu(),
+                "rows": _keep(torch.cat(list(rows), 0)),
             }
         )
         return rows
@@ -207,8 +212,8 @@ def encoder_tap(model: Any) -> Iterator[EncoderRecord]:
         rows = o_aud_s(mel, state, lookahead, lookbehind)
         rec.audio.append(
             {
-                "features": torch.cat([p.float().cpu() for p in parts], -1),
-                "rows": rows.float().cpu(),
+                "features": _keep(torch.cat([p.float().cpu() for p in parts], -1)),
+                "rows": _keep(rows),
                 "whisper_frames": int(state.frames),
             }
         )
@@ -218,9 +223,9 @@ def encoder_tap(model: Any) -> Iterator[EncoderRecord]:
         out = o_vis(pixel_values, tgt_sizes)
         rec.vision.append(
             {
-                "pixel_values": [p.float().cpu() for p in pixel_values],
+                "pixel_values": [_keep(p) for p in pixel_values],
                 "tgt_sizes": tgt_sizes.cpu(),
-                "embeds": out.float().cpu(),
+                "embeds": _keep(out),
             }
         )
         return out
