@@ -37,15 +37,16 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import node that can execute (``if TYPE_CHECKING:`` bodies skipped, their ``else`` kept)."""
+def _imports(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import node that can execute (``if TYPE_CHECKING:`` bodies skipped, their ``else`` kept);
+    with ``type_checking``, the annotation-only ones too."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
             continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
@@ -61,13 +62,16 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
-def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
-    """Module -> the modules of ``packages`` it imports at run time."""
+def import_graph(
+    root: Path, packages: tuple[str, ...] = PACKAGES, *, type_checking: bool = False
+) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports at run time (with ``type_checking``: or names in
+    annotations)."""
     modules = _modules(root, packages)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path)), type_checking):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -129,6 +133,17 @@ def test_gateway_and_services_have_no_import_cycle() -> None:
     assert cycles(graph) == []
 
 
+def test_the_realtime_pipeline_does_not_know_the_session() -> None:
+    """The duplex pipeline reports through ``PipelineHost.post_pipeline``; not even its annotations may name
+    the session, the commands or the response lifecycle (they would pull the session's state into it)."""
+    graph = import_graph(ROOT, ("gateway",), type_checking=True)
+    pipeline = [m for m in graph if m.startswith("gateway.realtime.pipeline")]
+    assert len(pipeline) >= 4
+    owners = {"gateway.realtime.session", "gateway.realtime.commands", "gateway.realtime.lifecycle",
+              "gateway.realtime.server_vad", "gateway.realtime.registry", "gateway.realtime.routes"}
+    assert {m: sorted(graph[m] & owners) for m in pipeline} == {m: [] for m in pipeline}
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / rel
@@ -155,6 +170,7 @@ def test_a_deliberate_cycle_is_found(tmp_path: Path) -> None:
     )
     graph = import_graph(tmp_path, ("pkg",))
     assert graph["pkg.b"] == {"pkg.c"} and graph["pkg.sub.y"] == set()
+    assert import_graph(tmp_path, ("pkg",), type_checking=True)["pkg.sub.y"] == {"pkg.sub.x"}
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"], ["pkg.sub.w", "pkg.sub.z"]]
 
 
