@@ -221,7 +221,7 @@ async def storm(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Chat streams and realtime sessions cut at random points, ``--concurrency`` at a time."""
     rng = random.Random(args.seed)
     sem = asyncio.Semaphore(args.concurrency)
-    counts = {"chat_cut": 0, "chat_5xx": 0, "realtime_cut": 0}
+    counts = {"chat_cut": 0, "chat_5xx": 0, "realtime_cut": 0, "realtime_capacity_waits": 0}
 
     async def chat(client: httpx.AsyncClient) -> None:
         async with sem:
@@ -239,9 +239,22 @@ async def storm(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
                         break
             counts["chat_cut"] += 1
 
+    rt_sem = asyncio.Semaphore(min(args.concurrency, args.session_limit))
+
     async def realtime() -> None:
-        async with sem:
-            ws = await open_session(pipe.url)
+        # A dropped session keeps its slot for the disconnect grace (30 s, resumable by design), so opens
+        # beyond the session limit are refused as resource_exhausted until one is reaped: wait and retry.
+        async with rt_sem:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    ws = await open_session(pipe.url)
+                    break
+                except RuntimeError as exc:
+                    if "resource_exhausted" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    counts["realtime_capacity_waits"] += 1
+                    await asyncio.sleep(1.0)
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _tone_b64(1.3)}))
             await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
             await ws.send(json.dumps({"type": "response.create"}))
@@ -304,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--realtime", type=int, default=20, help="storm: realtime sessions to drop")
     p.add_argument("--concurrency", type=int, default=8, help="storm: cuts in flight at once")
     p.add_argument("--grace-s", type=float, default=35.0, help="storm: wait for the realtime disconnect grace")
+    p.add_argument("--session-limit", type=int, default=4, help="storm: the profile's max_realtime_sessions")
     p.add_argument("--duplex", type=int, default=8, help="soak: realtime clients")
     p.add_argument("--minutes", type=float, default=20.0, help="soak: duration")
     p.add_argument("--rss-bound-mib", type=float, default=200.0, help="allowed RSS growth per process")

@@ -291,3 +291,26 @@ def test_invalid_profile_content_fails_render_or_parse() -> None:
     docs = render_chart({"deployProfile": {"name": "custom", "content": yaml.safe_dump(profile)}})
     with pytest.raises(ValueError, match="devices"):
         configmap_profile(docs)
+
+
+def test_mutual_tls_renders_valid_objects_with_exec_probes() -> None:
+    """tls.enabled: every stage serves its certificate and requires the gateway's (env the stage CLI and
+    the probe script read), probes are exec probes, and the objects still match the Kubernetes schema."""
+    values = _merge(load_values(LAYOUTS["1gpu"].values_file), {"tls": {"enabled": True, "secretName": "mtls"}})
+    docs = render_chart(values)
+    assert validate_kubernetes(docs) == []
+    for name, dep in stage_deployments(docs).items():
+        pod = dep["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["MINICPMO_TLS_CERT"] == "/etc/minicpmo-tls/stage.crt", name
+        assert env["MINICPMO_TLS_CLIENT_CA"] == "/etc/minicpmo-tls/ca.crt", name
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            command = pod["containers"][0][probe]["exec"]["command"]
+            assert command[1] == "/opt/minicpmo/docker/grpc_health_probe.py", (name, probe)
+        assert {"name": "tls", "secret": {"secretName": "mtls"}} in pod["volumes"]
+    gateway = next(d for d in by_kind(docs, "Deployment") if component(d) == "gateway")
+    gw_env = {e["name"]: e.get("value") for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert gw_env["MINICPMO_STAGE_TLS_CERT"] == "/etc/minicpmo-tls/gateway.crt"
+    without_secret = _merge(load_values(LAYOUTS["1gpu"].values_file), {"tls": {"enabled": True}})
+    with pytest.raises(Exception, match="tls.secretName is required"):
+        render_chart(without_secret)

@@ -92,3 +92,18 @@ app.kubernetes.io/part-of: minicpmo
     readOnly: true
 {{- end }}
 {{- end }}
+
+{{/*
+A stage's health probe handler: native gRPC, or with TLS an exec of the image's probe script (Kubernetes'
+gRPC probes cannot speak TLS). The script reads the TLS files from the container environment.
+*/}}
+{{- define "minicpmo.stageProbe" -}}
+{{- if .root.Values.tls.enabled -}}
+exec:
+  command: ["python", "/opt/minicpmo/docker/grpc_health_probe.py", "--port", {{ .port | quote }}]
+{{- else -}}
+grpc:
+  port: {{ .port }}
+  service: ""
+{{- end -}}
+{{- end }}
