@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -337,7 +337,8 @@ class StageStream:
             self._sent = None  # output arrived: from now on a failure is final
             return msg
 
-    async def responses(self) -> Any:
+    async def responses(self) -> AsyncIterator[Any]:
+        """The stage's responses until the end of the stream (their message type is the stage's)."""
         while (msg := await self.read()) is not None:
             yield msg
 

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from gateway.realtime.server_vad import ServerVadTurns, sync_server_vad
 from gateway.realtime.settings import RealtimeSettings
 
 log = logging.getLogger(__name__)
+
+# What the mailbox carries: a client event, a pipeline event, or a change of attachment or lifetime.
+MailKind = Literal["client", "pipeline", "attach", "detach", "close", "reject", "expire"]
 
 
 class DuplexSession:
@@ -62,7 +65,7 @@ class DuplexSession:
         self._resume_token_hash: str | None = None
         self.journal = EventJournal(ttl_s=settings.journal_ttl_s, max_bytes=settings.journal_max_bytes)
         self.attachment: Attachment | None = None  # set only by attach_new / _do_resume / _do_detach
-        self.mailbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.mailbox: asyncio.Queue[tuple[MailKind, Any]] = asyncio.Queue()
         self._pending_input_bytes = 0  # raw frame bytes read by the socket, not yet handled here
         self.input = InputBuffer()
         self._backlog: list[UserItem] = []  # turn lane: committed but not yet sent to the model
@@ -142,7 +145,7 @@ class DuplexSession:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"realtime-session-{self.id}")
 
-    def post(self, kind: str, payload: Any) -> None:
+    def post(self, kind: MailKind, payload: Any) -> None:
         self.mailbox.put_nowait((kind, payload))
 
     def post_pipeline(self, event: PipelineEvent) -> None:
@@ -494,6 +497,3 @@ class DuplexSession:
 
     def pending_commits(self) -> int:
         return len(self._backlog)
-
-    def now(self) -> float:
-        return time.monotonic()
