@@ -10,77 +10,29 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import soundfile as sf
-from gateway_server import free_port
+from launched_pipeline import SHORT_REPLIES, Served, launched
 from media_samples import data_url, mp4_bytes, png_bytes, wav_bytes
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
 
 MODEL = "openbmb/MiniCPM-o-4_5"
-STARTUP_TIMEOUT_S = 900
-OVERRIDES = {"thinker": {"sampling": {"max_tokens": 12}}, "talker": {"sampling": {"max_new_frames": 50}}}
-
-
-@dataclass
-class Served:
-    url: str
-    stage_ports: dict[str, int]
-    proc: subprocess.Popen[str]
-    log_dir: Path
+OVERRIDES = SHORT_REPLIES
 
 
 @pytest.fixture(scope="module")
 def served(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log_dir = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "gateway.launcher",
-        "--checkpoint", str(tiny_ckpt),
-        "--deploy-config", "cpu",
-        "--device", "cpu",
-        "--stage-ports", "auto",
-        "--port", str(port),
-        "--log-dir", str(log_dir),
-        "--stage-overrides", json.dumps(OVERRIDES),
-        "--startup-timeout", str(STARTUP_TIMEOUT_S),
-    ]
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    out_path = log_dir / "launcher.out"
-    out = open(out_path, "w")  # noqa: SIM115 - the child writes to it until teardown
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
-    stage_ports: dict[str, int] = {}
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S + 60
-        while True:
-            text = out_path.read_text()
-            if "[minicpmo-serve] ready" in text:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"minicpmo-serve did not start:\n{text}")
-            time.sleep(1)
-        for stage, p in re.findall(r"start (thinker|talker|code2wav)-0 on cpu port (\d+)", text):
-            stage_ports[stage] = int(p)
-        yield Served(f"http://127.0.0.1:{port}", stage_ports, proc, log_dir)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        out.close()
+    with launched(tiny_ckpt, tmp_path_factory.mktemp("serve"), OVERRIDES) as served:
+        stage_ports = served.stage_ports
+        yield served
     # Ctrl-C / SIGTERM stops every child: nothing listens on the stage ports any more.
     for port_ in stage_ports.values():
         with pytest.raises(httpx.HTTPError):
