@@ -37,15 +37,25 @@ def launched(ckpt: Path, log_dir: Path, overrides: dict[str, Any] | None = None)
     """Start the launcher, wait for its ready line, yield, then SIGTERM it (kill after 60 s)."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "gateway.launcher",
-        "--checkpoint", str(ckpt),
-        "--deploy-config", "cpu",
-        "--device", "cpu",
-        "--stage-ports", "auto",
-        "--port", str(port),
-        "--log-dir", str(log_dir),
-        "--stage-overrides", json.dumps(SHORT_REPLIES if overrides is None else overrides),
-        "--startup-timeout", str(STARTUP_TIMEOUT_S),
+        sys.executable,
+        "-m",
+        "gateway.launcher",
+        "--checkpoint",
+        str(ckpt),
+        "--deploy-config",
+        "cpu",
+        "--device",
+        "cpu",
+        "--stage-ports",
+        "auto",
+        "--port",
+        str(port),
+        "--log-dir",
+        str(log_dir),
+        "--stage-overrides",
+        json.dumps(SHORT_REPLIES if overrides is None else overrides),
+        "--startup-timeout",
+        str(STARTUP_TIMEOUT_S),
     ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     out_path = log_dir / "launcher.out"

@@ -34,9 +34,19 @@ def test_first_choice_letter(text: str | None, letter: str | None) -> None:
     assert do.first_choice_letter(text) == letter
 
 
-def _outcome(qid: str, status: str, correct: bool, duration: str = "30s", category: str = "Pets") -> do.Outcome:
-    return do.Outcome(qid=qid, status=status, correct=correct, predicted="A" if status == "answered" else None,
-                      answer="A", duration=duration, category=category, task_type="Event")
+def _outcome(
+    qid: str, status: str, correct: bool, duration: str = "30s", category: str = "Pets"
+) -> do.Outcome:
+    return do.Outcome(
+        qid=qid,
+        status=status,
+        correct=correct,
+        predicted="A" if status == "answered" else None,
+        answer="A",
+        duration=duration,
+        category=category,
+        task_type="Event",
+    )
 
 
 def test_summary_counts_failures_apart_from_wrong_answers() -> None:
@@ -49,7 +59,9 @@ def test_summary_counts_failures_apart_from_wrong_answers() -> None:
     report = do.summarize(outs)
     overall = report["overall"]
     assert (overall["answered"], overall["failed"], overall["correct"], overall["wrong"]) == (3, 1, 2, 1)
-    assert overall["accuracy"] == pytest.approx(2 / 3) and overall["accuracy_incl_failures"] == pytest.approx(0.5)
+    assert overall["accuracy"] == pytest.approx(2 / 3) and overall["accuracy_incl_failures"] == pytest.approx(
+        0.5
+    )
     assert report["by_duration"]["60s"]["failed"] == 1 and report["by_duration"]["60s"]["accuracy"] == 1.0
     assert report["by_category"]["Travel"]["questions"] == 1
     assert [f["qid"] for f in report["failures"]] == ["3"]
@@ -59,9 +71,17 @@ def make_dataset(root: Path) -> None:
     """Three questions in the published layout; the third names a video whose files are missing."""
     rows = []
     for i, (vid, duration) in enumerate([("vidA", "30s"), ("vidB", "60s"), ("vidMissing", "30s")]):
-        rows.append({"Question": f"What happens in clip {i}?", "Choice": ["A. a tone", "B. a bark", "C. rain", "D. nothing"],
-                     "Answer": "A", "video_id": vid, "Type": "Event Sequence", "video_duration": duration,
-                     "video_category": "Music" if i else "Pets"})
+        rows.append(
+            {
+                "Question": f"What happens in clip {i}?",
+                "Choice": ["A. a tone", "B. a bark", "C. rain", "D. nothing"],
+                "Answer": "A",
+                "video_id": vid,
+                "Type": "Event Sequence",
+                "video_duration": duration,
+                "video_category": "Music" if i else "Pets",
+            }
+        )
         if vid != "vidMissing":
             folder = root / "Videos" / vid
             folder.mkdir(parents=True)
@@ -86,14 +106,31 @@ def test_end_to_end_against_the_launcher(served: Served, tmp_path: Path, pack: s
     root = tmp_path / "Daily-Omni"
     make_dataset(root)
     results = tmp_path / "results.jsonl"
-    argv = ["--api-base", f"{served.url}/v1", "--dataset-root", str(root), "--results", str(results),
-            "--pack", pack, "--concurrency", "2"]
+    argv = [
+        "--api-base",
+        f"{served.url}/v1",
+        "--dataset-root",
+        str(root),
+        "--results",
+        str(results),
+        "--pack",
+        pack,
+        "--concurrency",
+        "2",
+    ]
     assert do.main([*argv, "--limit", "2"]) == 0
     first = [json.loads(line) for line in results.read_text().splitlines()]
     assert sorted(o["status"] for o in first) == ["answered", "answered"], first
-    plain = httpx.post(f"{served.url}/v1/chat/completions", timeout=300, json={
-        "model": "openbmb/MiniCPM-o-4_5", "modalities": ["text"], "max_tokens": 4,
-        "messages": [{"role": "user", "content": do.prompt_text(do.load_questions(root)[0])}]}).json()
+    plain = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        timeout=300,
+        json={
+            "model": "openbmb/MiniCPM-o-4_5",
+            "modalities": ["text"],
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": do.prompt_text(do.load_questions(root)[0])}],
+        },
+    ).json()
     for o in first:  # three seconds of video and sound reached the prompt (3 frames x 64 + ~30 audio)
         assert o["prompt_tokens"] >= plain["usage"]["prompt_tokens"] + 3 * 64 + 25, o
 
@@ -107,5 +144,10 @@ def test_end_to_end_against_the_launcher(served: Served, tmp_path: Path, pack: s
     correct = sum(o["correct"] for o in lines)
     assert overall["correct"] == correct and overall["accuracy"] == correct / 2
     assert set(report["by_duration"]) == {"30s", "60s"} and report["by_duration"]["30s"]["failed"] == 1
-    assert report["config"] == {"pack": pack, "enable_thinking": False, "max_tokens": 256,
-                                "model": "openbmb/MiniCPM-o-4_5", "questions": 3}
+    assert report["config"] == {
+        "pack": pack,
+        "enable_thinking": False,
+        "max_tokens": 256,
+        "model": "openbmb/MiniCPM-o-4_5",
+        "questions": 3,
+    }
