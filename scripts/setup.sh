@@ -28,14 +28,16 @@ fi
 # Some tests use Debian packages: the realtime web page's browser test (tests/test_realtime_web_browser.py)
 # drives Debian's chromium through Playwright (no browser download), the compose cross-check
 # (tests/test_deploy_compose.py) runs docker-compose's own `config` merge (no daemon needed), and the
-# Silero VAD tests (tests/test_realtime_silero_vad.py) speak their sentences with espeak-ng. Install them
-# where apt-get can (as root); elsewhere those tests skip and say why.
+# Silero VAD tests (tests/test_realtime_silero_vad.py) speak their sentences with espeak-ng, and the Gradio
+# demo streams speech to its page through ffmpeg (without it the demo plays each reply once complete).
+# Install them where apt-get can (as root); elsewhere those tests skip and say why.
 apt_wanted=()
 command -v chromium >/dev/null 2>&1 || apt_wanted+=(chromium)
 command -v docker-compose >/dev/null 2>&1 || apt_wanted+=(docker-compose)
 command -v espeak-ng >/dev/null 2>&1 || apt_wanted+=(espeak-ng)
+command -v ffmpeg >/dev/null 2>&1 || apt_wanted+=(ffmpeg)
 if [ "${#apt_wanted[@]}" -gt 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  echo "[setup] installing ${apt_wanted[*]} with apt-get (for the browser, compose and VAD tests)"
+  echo "[setup] installing ${apt_wanted[*]} with apt-get (for the browser, compose, VAD and demo tests)"
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_wanted[@]}"; } \
       >/tmp/minicpmo-apt-install.log 2>&1; then
     echo "[setup] warning: apt-get install failed (see /tmp/minicpmo-apt-install.log); those tests will skip" >&2
