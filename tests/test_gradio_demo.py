@@ -7,7 +7,6 @@ any console error fails the test)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import soundfile as sf
+from browser_helpers import find_chromium
 from gateway_server import free_port
 from launched_pipeline import Served, launched
 from media_samples import png_bytes, wav_bytes
@@ -142,17 +142,9 @@ def test_text_only_with_thinking(demo_url: str) -> None:
     assert "[error" not in str(history[-1]["content"]) and saved is None
 
 
-def _chromium() -> str | None:
-    for candidate in (os.environ.get("MINICPMO_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
-        found = candidate and shutil.which(candidate)
-        if found:
-            return found
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(
-    _chromium() is None,
+    find_chromium() is None,
     reason="no Chromium executable (scripts/setup.sh installs Debian's "
     "'chromium' where apt-get runs as root, or set MINICPMO_CHROMIUM)",
 )
@@ -160,7 +152,7 @@ def test_page_in_headless_chromium(demo_url: str, tmp_path: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api")
     errors: list[str] = []
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=_chromium(), headless=True)
+        browser = pw.chromium.launch(executable_path=find_chromium(), headless=True)
         page = browser.new_page()
         page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
         page.on("pageerror", lambda exc: errors.append(str(exc)))

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import shutil
 import time
 import wave
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from browser_helpers import find_chromium
 from gateway_server import serve_in_thread
 from realtime_helpers import response_metadata, tone
 from test_realtime_e2e import gateway_url, stage_addrs  # noqa: F401 - module-scoped real-stage fixtures
@@ -41,16 +40,7 @@ BROWSER_ARGS = [
 ]
 
 
-def _find_chromium() -> str | None:
-    """Debian's chromium (scripts/setup.sh installs it with apt-get); MINICPMO_CHROMIUM overrides."""
-    for candidate in (os.environ.get("MINICPMO_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
-        found = candidate and shutil.which(candidate)
-        if found:
-            return found
-    return None
-
-
-CHROMIUM = _find_chromium()
+CHROMIUM = find_chromium()
 # Decided at collection, so a machine without a browser does not start the stage servers for nothing.
 pytestmark = [
     pytest.mark.slow,
