@@ -37,16 +37,23 @@ _REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
 
 
 # ---- the pipeline and what it reports -----------------------------------------------------------
-def start_pipeline(out: Path) -> Any:
+def start_pipeline(out: Path, overrides: dict[str, Any] | None = None) -> Any:
     from bench.e2e import Pipeline
     from gateway.launcher import ensure_tiny_checkpoint
     from services.common.deploy_profile import load_profile
 
-    profile = load_profile("cpu").with_overrides(OVERRIDES)
+    profile = load_profile("cpu").with_overrides(OVERRIDES).with_overrides(overrides or {})
     pipe = Pipeline(profile, ensure_tiny_checkpoint(), out / "logs", {})
     pipe.start()
     pipe.wait_healthy(900)
     return pipe
+
+
+# Everything a stage holds for a request: open streams, admitted requests, queued work, engine
+# sequences, KV cache bytes. All must read 0 once no client is connected.
+_IDLE_GAUGES = ("minicpmo_stage_in_flight", "minicpmo_stage_streams_active", "minicpmo_stage_queue_depth",
+                "minicpmo_thinker_running", "minicpmo_thinker_sequences", "minicpmo_thinker_kv_used_bytes",
+                "minicpmo_talker_engine_streams")
 
 
 def stage_gauges(pipe: Any) -> dict[str, float]:
@@ -55,9 +62,10 @@ def stage_gauges(pipe: Any) -> dict[str, float]:
         if child.stage is None:
             continue
         text = httpx.get(f"http://127.0.0.1:{child.port + 1000}/metrics", timeout=10).text
-        for name in ("minicpmo_stage_in_flight", "minicpmo_stage_streams_active"):
-            m = re.search(rf'^{name}{{stage="{child.stage}"}} ([0-9.e+-]+)$', text, re.M)
-            out[f"{child.name}.{name.removeprefix('minicpmo_stage_')}"] = float(m.group(1)) if m else 0.0
+        for name in _IDLE_GAUGES:
+            values = re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+            if values:
+                out[f"{child.name}.{name.removeprefix('minicpmo_')}"] = sum(float(v) for v in values)
     return out
 
 
@@ -304,6 +312,23 @@ async def soak(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
             and float(responses.get("completed", 0)) >= stats["turns_ok"]}
 
 
+def warm_up(pipe: Any, rounds: int = 2) -> None:
+    """A few chat requests with speech and a realtime turn, so every stage has run once."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(rounds):
+        httpx.post(f"{pipe.url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
+
+    async def turn() -> None:
+        ws = await open_session(pipe.url)
+        try:
+            await realtime_turn(ws, 300)
+        finally:
+            await ws.send(json.dumps({"type": "session.close"}))
+            await ws.close()
+
+    asyncio.run(turn())
+
+
 # ---- CLI ------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.reliability", description=__doc__.split("\n")[0])
@@ -320,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-limit", type=int, default=4, help="storm: the profile's max_realtime_sessions")
     p.add_argument("--duplex", type=int, default=8, help="soak: realtime clients")
     p.add_argument("--minutes", type=float, default=20.0, help="soak: duration")
+    p.add_argument("--profile-overrides", default=None,
+                   help='JSON merged into the cpu profile, e.g. {"gateway": {"max_realtime_sessions": 8}}')
     p.add_argument("--rss-bound-mib", type=float, default=200.0, help="allowed RSS growth per process")
     return p
 
@@ -327,11 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    pipe = start_pipeline(args.out)
+    pipe = start_pipeline(args.out, json.loads(args.profile_overrides) if args.profile_overrides else None)
     report: dict[str, Any] = {"run": args.run, "args": {k: str(v) for k, v in vars(args).items()}}
     started = time.monotonic()
     try:
+        warm_up(pipe)  # first requests allocate work buffers and caches: not a leak, not in the RSS bound
         rss_before = rss_mib(pipe)
+        report["rss_before_mib"] = rss_before
         if args.run == "fuzz-http":
             report["result"] = fuzz_http(pipe, args, args.out)
         else:
