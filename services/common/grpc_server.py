@@ -82,12 +82,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
         "--drain-timeout", type=float, default=30.0, help="seconds to let in-flight streams finish on SIGTERM"
     )
     env = os.environ.get
-    parser.add_argument("--tls-cert", default=env("MINICPMO_TLS_CERT") or None,
-                        help="serve gRPC over TLS with this certificate chain (PEM; env MINICPMO_TLS_CERT)")
-    parser.add_argument("--tls-key", default=env("MINICPMO_TLS_KEY") or None,
-                        help="private key of --tls-cert (PEM; env MINICPMO_TLS_KEY)")
-    parser.add_argument("--tls-client-ca", default=env("MINICPMO_TLS_CLIENT_CA") or None,
-                        help="mutual TLS: require client certificates signed by this CA (PEM; env MINICPMO_TLS_CLIENT_CA)")
+    parser.add_argument(
+        "--tls-cert",
+        default=env("MINICPMO_TLS_CERT") or None,
+        help="serve gRPC over TLS with this certificate chain (PEM; env MINICPMO_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=env("MINICPMO_TLS_KEY") or None,
+        help="private key of --tls-cert (PEM; env MINICPMO_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        default=env("MINICPMO_TLS_CLIENT_CA") or None,
+        help="mutual TLS: require client certificates signed by this CA (PEM; env MINICPMO_TLS_CLIENT_CA)",
+    )
 
 
 def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -96,7 +105,11 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     return ServeOptions(
-        host=args.host, port=args.port, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout, tls=tls
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout,
+        tls=tls,
     )
 
 
@@ -131,7 +144,9 @@ class StageServer:
         )
         address = f"{self.options.host}:{self.options.port}"
         tls = self.options.tls
-        self.port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+        self.port = (
+            server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+        )
         if self.port == 0:
             raise RuntimeError(f"{self.stage}: cannot bind {self.options.host}:{self.options.port}")
         await server.start()
@@ -144,12 +159,20 @@ class StageServer:
             self.metrics_port = mport
         await self.set_serving(True)
         mode = "plaintext" if tls is None else ("mutual TLS" if tls.client_ca_file else "TLS")
-        log.info("%s serving gRPC (%s) on %s:%d (metrics %s)", self.stage, mode, self.options.host, self.port,
-                 mport or "off")
+        log.info(
+            "%s serving gRPC (%s) on %s:%d (metrics %s)",
+            self.stage,
+            mode,
+            self.options.host,
+            self.port,
+            mport or "off",
+        )
         return self.port
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         await self.health.set("", status)
         await self.health.set(self.service_full_name, status)
 
@@ -163,7 +186,9 @@ class StageServer:
             try:
                 await asyncio.wait_for(self._drain(), timeout=self.options.drain_timeout_s)
             except TimeoutError:
-                log.warning("%s: drain exceeded %.1fs; cancelling the rest", self.stage, self.options.drain_timeout_s)
+                log.warning(
+                    "%s: drain exceeded %.1fs; cancelling the rest", self.stage, self.options.drain_timeout_s
+                )
         await self.server.stop(grace)
         self._stopped.set()
         DRAINING.labels(self.stage).set(0)

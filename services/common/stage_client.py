@@ -49,7 +49,9 @@ _STUBS: dict[str, type[Any]] = {  # the generated stub classes share no base cla
 
 
 def _identity(args: argparse.Namespace) -> common_pb2.Identity:
-    return common_pb2.Identity(request_id=args.request_id or f"cli-{uuid.uuid4().hex[:8]}", epoch=0, turn_id=0)
+    return common_pb2.Identity(
+        request_id=args.request_id or f"cli-{uuid.uuid4().hex[:8]}", epoch=0, turn_id=0
+    )
 
 
 def _read_audio(path: str) -> common_pb2.Pcm:
@@ -83,7 +85,9 @@ def _describe(msg: Any) -> str:
 async def _thinker_requests(args: argparse.Namespace) -> AsyncIterator[thinker_pb2.ThinkerRequest]:
     parts = [thinker_pb2.ContentPart(text=args.prompt)]
     if args.image:
-        parts.insert(0, thinker_pb2.ContentPart(image=thinker_pb2.ImagePart(data=Path(args.image).read_bytes())))
+        parts.insert(
+            0, thinker_pb2.ContentPart(image=thinker_pb2.ImagePart(data=Path(args.image).read_bytes()))
+        )
     if args.audio:
         parts.insert(0, thinker_pb2.ContentPart(audio=thinker_pb2.AudioPart(pcm=_read_audio(args.audio))))
     sampling = thinker_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -99,7 +103,9 @@ async def _thinker_requests(args: argparse.Namespace) -> AsyncIterator[thinker_p
     yield thinker_pb2.ThinkerRequest(open=open_msg)
 
 
-async def _talker_requests(args: argparse.Namespace, hidden_size: int) -> AsyncIterator[talker_pb2.TalkerRequest]:
+async def _talker_requests(
+    args: argparse.Namespace, hidden_size: int
+) -> AsyncIterator[talker_pb2.TalkerRequest]:
     ident = _identity(args)
     sampling = talker_pb2.TalkerSampling(seed=args.seed)
     if args.frames:
@@ -172,7 +178,9 @@ async def _run(args: argparse.Namespace) -> int:
         elif stage == "talker":
             hidden = args.hidden_size or int(info.properties.get("condition_hidden_size", "0"))
             if hidden <= 0:
-                print("talker GetInfo did not report condition_hidden_size; pass --hidden-size", file=sys.stderr)
+                print(
+                    "talker GetInfo did not report condition_hidden_size; pass --hidden-size", file=sys.stderr
+                )
                 return 1
             requests = _talker_requests(args, hidden)
         else:

@@ -21,7 +21,11 @@ _TORCH_TO_PB: dict[torch.dtype, common_pb2.DType] = {
     torch.int32: common_pb2.DTYPE_INT32,
 }
 # Compute dtype names as stage CLIs and deploy profiles spell them.
-TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 _PB_TO_TORCH: dict[int, torch.dtype] = {v: k for k, v in _TORCH_TO_PB.items()}
 _ITEMSIZE: dict[torch.dtype, int] = {
     torch.float32: 4,
@@ -102,11 +106,15 @@ def pcm_to_float(msg: common_pb2.Pcm) -> tuple[np.ndarray, int]:
     channels = max(1, int(msg.channels))
     if msg.format == common_pb2.PCM_FORMAT_F32LE:
         if len(msg.data) % (4 * channels):
-            raise StageError(INVALID_ARGUMENT, "f32le pcm byte length is not a whole number of frames", "data")
+            raise StageError(
+                INVALID_ARGUMENT, "f32le pcm byte length is not a whole number of frames", "data"
+            )
         x = np.frombuffer(msg.data, dtype="<f4").astype(np.float32)
     elif msg.format in (common_pb2.PCM_FORMAT_S16LE, common_pb2.PCM_FORMAT_UNSPECIFIED):
         if len(msg.data) % (2 * channels):
-            raise StageError(INVALID_ARGUMENT, "s16le pcm byte length is not a whole number of frames", "data")
+            raise StageError(
+                INVALID_ARGUMENT, "s16le pcm byte length is not a whole number of frames", "data"
+            )
         x = pcm16_to_float(msg.data)
     else:
         raise StageError(INVALID_ARGUMENT, f"unsupported pcm format {msg.format}", "format")
