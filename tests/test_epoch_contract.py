@@ -235,3 +235,43 @@ def test_the_fence_itself() -> None:
     assert fence.advance(7) and fence.epoch == 7
     assert not fence.advance(7) and not fence.advance(2) and fence.epoch == 7
     assert fence.admit(6) is Admit.STALE and fence.admit(0) is Admit.STALE and fence.stale == 2
+
+
+def test_the_driver_reads_a_bounded_number_of_requests_ahead() -> None:
+    """A client that floods a stream is read only MAX_QUEUED_REQUESTS ahead of what the stage took."""
+    from services.common.stage_stream import MAX_QUEUED_REQUESTS, StageStream, StageStreamDriver
+
+    release = asyncio.Event()
+    pulled = 0
+
+    class Slow(StageStream):
+        data_kind = "window"
+
+        def identity(self) -> common_pb2.Identity:
+            return common_pb2.Identity()
+
+        async def on_data(self, data: Any) -> list[Any]:
+            await release.wait()  # the stage is busy: nothing more is taken from the inbox
+            self.finished = True
+            return []
+
+    async def flood() -> Any:
+        nonlocal pulled
+        yield _code2wav_open(0)
+        for i in range(10 * MAX_QUEUED_REQUESTS):
+            pulled += 1
+            yield _code2wav_window(0, i)
+
+    async def run() -> int:
+        driver = StageStreamDriver(
+            "test", code2wav_pb2.Code2WavRequest, code2wav_pb2.Code2WavResponse, lambda _o: Slow()
+        )
+        task = asyncio.create_task(anext(aiter(driver.generate(flood())), None))
+        await asyncio.sleep(0.2)
+        seen = pulled
+        release.set()
+        await task
+        return seen
+
+    seen = asyncio.run(run())
+    assert MAX_QUEUED_REQUESTS <= seen <= MAX_QUEUED_REQUESTS + 2

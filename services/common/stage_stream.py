@@ -46,6 +46,9 @@ from services.common.pb import common_pb2
 log = logging.getLogger(__name__)
 
 RespT = TypeVar("RespT")
+# Client requests read ahead of the stream's task at most; past that the pump stops reading and gRPC flow
+# control pushes back on the client (engine events are not counted: the engine bounds its own output).
+MAX_QUEUED_REQUESTS = 64
 _HALF_CLOSE = object()  # the pump's last item: the client closed its side of the stream
 
 
@@ -102,6 +105,7 @@ class Inbox:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
+        self.request_room = asyncio.Semaphore(MAX_QUEUED_REQUESTS)  # see MAX_QUEUED_REQUESTS
 
     def post(self, item: Any) -> None:
         """From the stream's event loop (an asyncio engine, a callback on the loop)."""
@@ -255,6 +259,7 @@ class StageStreamDriver(Generic[RespT]):
         """Move the client's requests into the inbox until it half-closes or sends ``Control.end``."""
         try:
             async for req in requests:
+                await inbox.request_room.acquire()
                 inbox.post(req)
                 if req.WhichOneof("kind") == "control" and req.control.WhichOneof("kind") == "end":
                     return
@@ -277,6 +282,7 @@ class StageStreamDriver(Generic[RespT]):
                 out = () if ended else await stream.on_end()
                 ended = True
             elif isinstance(item, self.request_cls):
+                inbox.request_room.release()
                 if ended:
                     continue  # after Control.end nothing more of the client's is read
                 out = await self._request(stream, run, item)
