@@ -9,7 +9,9 @@ exercised too) with different prompt lengths, then 3 where the third (20 tokens)
 two decode, so its prefill and their decode rows replay one row graph (a mixed step).
 
 * thinker: :class:`services.thinker.engine.ThinkerEngine`, greedy, ``ignore_eos``; compared: sampled
-  tokens and the final-norm hidden row of every fed token;
+  tokens and the final-norm hidden row of every fed token. The eager engine runs the pure-torch kernels
+  (``--eager-kernels torch``), the graphed one the default backend (Triton on CUDA: fused norms, rotary,
+  cache writes and paged attention), so the comparison covers both the graphs and the kernels;
 * talker: :class:`services.talker.engine.TalkerEngine`, greedy codes (repetition penalty off, so the
   argmax of the observed logits is the chosen code), fixed frame count; compared: codes and the fp32
   logits of every step.
@@ -101,7 +103,8 @@ def _top2(logits: torch.Tensor) -> Top2:
 
 # ---- thinker -------------------------------------------------------------------------------------
 def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, prompts: list[list[int]],
-                 tokens: int, kv_bytes: int, late_after: int | None = None) -> list[Run]:
+                 tokens: int, kv_bytes: int, late_after: int | None = None,
+                 kernels: str | None = None) -> list[Run]:
     """Greedy runs of ``prompts``; with ``late_after`` the last prompt arrives after that many steps, so
     its prefill shares a step with the others' decode rows (a mixed step, replayed as a row graph when the
     step has at most 32 tokens)."""
@@ -111,6 +114,7 @@ def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, promp
 
     engine = ThinkerEngine(llm, EngineConfig(max_num_seqs=8, kv_budget_bytes=kv_bytes, use_cuda_graphs=graphs),
                            device)
+    engine.runner.set_kernels(kernels)
     if graphs and late_after is not None:
         # The mixed step's row bucket must exist: a step with prefill never captures (as in the server,
         # which captures every bucket at startup).
@@ -134,7 +138,8 @@ def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, promp
     engine.run_until_idle()
     active = engine.runner.use_cuda_graphs
     counts = dict(engine.runner.step_counts)
-    print(f"[cuda_smoke] thinker {'graph' if graphs else 'eager'} engine steps: {counts}", flush=True)
+    print(f"[cuda_smoke] thinker {'graph' if graphs else 'eager'} engine steps ({engine.runner.kernel_backend} "
+          f"kernels): {counts}", flush=True)
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -162,8 +167,8 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
     # (22 tokens) run as one mixed row-graph step.
     for batch, lengths, late in ((1, [64], None), (3, [64, 97, 33], None), (3, [64, 97, 20], 5)):
         prompts = [torch.randint(1000, min(vocab, 100_000), (n,), generator=gen).tolist() for n in lengths]
-        eager = thinker_runs(llm, device, False, prompts, args.tokens, args.kv_bytes, late)
-        graph = thinker_runs(llm, device, True, prompts, args.tokens, args.kv_bytes, late)
+        eager = thinker_runs(llm, device, False, prompts, args.tokens, args.kv_bytes, late, args.eager_kernels)
+        graph = thinker_runs(llm, device, True, prompts, args.tokens, args.kv_bytes, late, args.graph_kernels)
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
             # Row k is the hidden of token k fed back; it chose token k+1. Token 0 came from the prefill.
             with torch.inference_mode():
@@ -248,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rel-tol", type=float, default=None,
                    help="also fail when max |graph - eager| / max |eager| on the shared prefix exceeds this "
                         "(default: report only; bf16 kernels of different shapes round differently)")
+    p.add_argument("--eager-kernels", default="torch",
+                   help="thinker kernel backend of the eager reference engine (torch: the pure-torch path)")
+    p.add_argument("--graph-kernels", default=None,
+                   help="thinker kernel backend of the graphed engine (default: auto, Triton on CUDA)")
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU (graphs inactive) to test the harness")
     p.add_argument("--out-dir", default=None, help="default: $OUT/cuda_smoke or ./bench-results/cuda_smoke")
     return p

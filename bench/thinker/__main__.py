@@ -9,7 +9,10 @@ bytes and FLOPs), in one process and one run:
 * the same two numbers for transformers ``generate()`` / forward on the *same* module and weights
   (decode ms/step = (t(n new tokens) - t(1 new token)) / (n - 1), so prefill is excluded);
 * the HBM roofline of a decode step: bytes every step must read (all weights except the embedding
-  table, plus the KV of the batch) / memory bandwidth (auto for H200/H100/A100, or ``--hbm-gbps``).
+  table, plus the KV of the batch) / memory bandwidth (auto for H200/H100/A100, or ``--hbm-gbps``);
+* the same-run floors of :mod:`bench.thinker.floor`: the step's weight matmuls alone in one CUDA graph
+  per batch (decode is reported as a ratio to it) and the dense matmul rate (prefill is reported as the
+  share of it its matmul FLOPs reach).
 
 Prints one JSON object, then a Markdown table (the form BENCHMARKS.md records).
 """
@@ -27,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bench.thinker import floor
 from services.common.checkpoint import Checkpoint
 from services.thinker.engine import EngineConfig, ThinkerEngine
 from services.thinker.runner import build_qwen3_llm
@@ -91,15 +95,32 @@ def engine_decode(
         engine.step()
     dt = _timed(lambda: [engine.step() for _ in range(steps)], engine.device)
     assert all(s.wants_decode for s in seqs), "a sequence stopped during the timed window"
+    replay_ms = graph_replay_ms(engine, batch, max(len(s.tokens) for s in seqs) + 1)
     for s in seqs:
         engine.close(s)
     engine.step()
     return {
         "batch": batch,
+        "graph_replay_ms": replay_ms,
         "ms_per_step": 1e3 * dt / steps,
         "tok_s_per_stream": steps / dt,
         "tok_s_total": batch * steps / dt,
     }
+
+
+def graph_replay_ms(engine: ThinkerEngine, batch: int, context: int, iters: int = 20) -> float | None:
+    """GPU time of the last decode step's graph alone (replayed on its inputs as they stand: the same KV
+    slots are rewritten with the same values), so engine ms - this = host work not overlapped."""
+    graph = engine.runner._graph_for(batch, context, capture=False) if engine.runner.use_cuda_graphs else None
+    if graph is None or engine.device.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph._replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def engine_prefill(engine: ThinkerEngine, prompt_len: int, iters: int) -> dict[str, float]:
@@ -154,7 +175,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Thinker engine benchmark — {result['device_name']}, {result['dtype']}, "
         f"context {result['context_len']} tokens, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, "
-        f"torch.compile {'on' if result.get('compiled_layers') else 'off'}",
+        f"torch.compile {'on' if result.get('compiled_layers') else 'off'}, kernels {result.get('kernels', 'torch')}",
         "",
         "| batch | engine ms/step | engine tok/s per stream | engine tok/s total | transformers ms/step "
         "| speed-up | roofline ms/step | % of roofline |",
@@ -171,6 +192,26 @@ def markdown(result: dict[str, Any]) -> str:
             else f"| {r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} | – | – "
         )
         lines[-1] += f"| {roof:.2f} | {100 * roof / r['ms_per_step']:.0f}% |" if roof else "| – | – |"
+    ref = result.get("floor")
+    if ref:
+        stack = {r["batch"]: r["ms"] for r in ref["matmul_stack"]}
+        lines += [
+            "",
+            f"Same-run floors: dense {result['dtype']} matmul {ref['matmul_tflop_s']:.0f} TFLOP/s, copy "
+            f"{ref['copy_tb_s']:.2f} TB/s, weights {ref['weight_bytes'] / 1e9:.2f} GB per step.",
+            "",
+            "| batch | engine ms/step | graph replay ms | matmul-stack floor ms | ratio | floor weight TB/s |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in result["engine_decode"]:
+            f = stack.get(r["batch"])
+            if f:
+                tb = next(x["weight_tb_s"] for x in ref["matmul_stack"] if x["batch"] == r["batch"])
+                rep = r.get("graph_replay_ms")
+                lines.append(
+                    f"| {r['batch']} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} | {f:.2f} "
+                    f"| {r['ms_per_step'] / f:.2f}x | {tb:.2f} |"
+                )
     p, hp = result["engine_prefill"], result.get("transformers_prefill")
     lines += [
         "",
@@ -179,6 +220,12 @@ def markdown(result: dict[str, Any]) -> str:
         f"| one prompt | {p['prompt_len']} | {p['ms']:.1f} | {p['tok_s']:.0f} | "
         + (f"{hp['ms']:.1f} | {hp['tok_s']:.0f} |" if hp else "– | – |"),
     ]
+    if "matmul_share" in p:
+        lines += [
+            "",
+            f"Prefill: {p['tflop'] * 1e3:.2f} GFLOP of matmuls in {p['ms']:.1f} ms = "
+            f"{p['tflop_s']:.0f} TFLOP/s, {100 * p['matmul_share']:.0f}% of the same-run matmul rate.",
+        ]
     return "\n".join(lines)
 
 
@@ -187,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
-    ap.add_argument("--batches", default="1,4,8", help="comma-separated decode batch sizes")
+    ap.add_argument("--batches", default="1,4,8,16", help="comma-separated decode batch sizes")
     ap.add_argument("--context-len", type=int, default=512, help="prompt tokens before the timed decode")
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--warmup-steps", type=int, default=16)
@@ -199,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer blocks")
     ap.add_argument("--kv-budget-gb", type=float, default=None)
     ap.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth for the roofline (GB/s)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the matmul-stack / matmul-rate floors")
+    ap.add_argument("--kernels", default=None, help="thinker kernel backend: torch | triton | auto")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -236,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         device,
     )
+    engine.runner.set_kernels(args.kernels)
     if engine.cache.capacity_tokens < max(batches) * max_tokens_needed:
         print("KV budget too small for the largest batch; raise --kv-budget-gb", file=sys.stderr)
         return 2
@@ -250,6 +300,16 @@ def main(argv: list[str] | None = None) -> int:
         r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
         decode.append(r)
     prefill = engine_prefill(engine, args.prompt_len, args.prefill_iters)
+    ref = None if args.no_floor else floor.reference(engine.runner, batches, device)
+    if ref:
+        flops = floor.prefill_flops(engine.runner, args.prompt_len)
+        prefill["tflop"] = flops / 1e12
+        prefill["tflop_s"] = flops / (prefill["ms"] / 1e3) / 1e12
+        prefill["matmul_share"] = prefill["tflop_s"] / ref["matmul_tflop_s"]
+        stack = {r["batch"]: r["ms"] for r in ref["matmul_stack"]}
+        for r in decode:
+            r["floor_ms"] = stack[r["batch"]]
+            r["floor_ratio"] = r["ms_per_step"] / stack[r["batch"]]
     result: dict[str, Any] = {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -263,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_s": load_s,
         "engine_decode": decode,
         "engine_prefill": prefill,
+        "kernels": engine.runner.kernel_backend,
+        "floor": ref,
     }
     engine.shutdown()
     del engine  # free the KV pool and graphs before the baseline allocates its own cache

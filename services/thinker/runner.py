@@ -32,6 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.thinker.kernels import (
+    AttentionTiles,
+    get_ops,
+    key_splits,
+    rms_norm_ref,
+    rotate_ref,
+    select_backend,
+)
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.row_graph import Capture, RowGraph
 
@@ -144,18 +152,8 @@ def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
     return weight, bias
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with the exact operation order of transformers' Qwen3RMSNorm (fp32 statistics)."""
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+_rms_norm = rms_norm_ref
+_rotate = rotate_ref
 
 
 def _pre_attention(
@@ -223,6 +221,7 @@ class ModelRunner:
         *,
         use_cuda_graphs: bool = True,
         compile_layers: bool = False,
+        kernels: str | None = None,
     ) -> None:
         self.llm = llm
         self.model = llm.model
@@ -246,10 +245,32 @@ class ModelRunner:
             self._post = torch.compile(_post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
+        self.set_kernels(kernels)
+        self._row_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 8
+        )
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
         self.step_counts: dict[str, int] = {"graph": 0, "graph_mixed": 0, "eager": 0}
         self._graph_pool = None
         self.graph_capture: Capture | None = None  # None: real CUDA graphs (tests emulate them on CPU)
+
+    def set_kernels(self, kernels: str | None) -> None:
+        """Choose the kernel backend (``torch`` | ``triton`` | ``auto``/None, see services.thinker.kernels).
+
+        Only before any graph is captured: a captured graph keeps the kernels it recorded.
+        """
+        if self._graphs:
+            raise RuntimeError("set_kernels after a CUDA graph was captured")
+        self.kernel_backend = select_backend(self.device, kernels)
+        self.ops = get_ops(self.kernel_backend)
+        if self.kernel_backend != "torch" and self._pre is not _pre_attention:
+            log.info(
+                "--compile has no effect with the %s kernels (they are fused already)", self.kernel_backend
+            )
+        log.info("thinker kernels: %s", self.kernel_backend)
 
     def _fuse(self, layer: nn.Module) -> _FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -341,6 +362,67 @@ class ModelRunner:
                 lay.down_weight,
             )
         return self.model.norm(x)
+
+    def _layers_forward_fused(
+        self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
+    ) -> torch.Tensor:
+        """The same layers through the fused kernels of ``self.ops`` (Triton on CUDA).
+
+        Per layer: add+RMSNorm, QKV GEMM, q/k norm+rotary+cache write, paged attention, O GEMM,
+        add+RMSNorm, gate|up GEMM, SwiGLU, down GEMM; the residual add of the down projection is fused
+        into the next layer's input norm (and the last one into the final norm).
+        """
+        ops = self.ops
+        t = x.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        delta: torch.Tensor | None = None
+        for idx, lay in enumerate(self.layers):
+            if delta is None:
+                h = ops.rms_norm(x, lay.input_norm_weight, lay.input_eps)
+            else:
+                x, h = ops.add_rms_norm(x, delta, lay.input_norm_weight, lay.input_eps)
+            qkv = F.linear(h, lay.qkv_weight, lay.qkv_bias)
+            k_cache, v_cache = self.cache.k[idx], self.cache.v[idx]
+            q = ops.qk_rope_store(
+                qkv,
+                lay.qk_norm_weight,
+                lay.qk_eps,
+                self.cos,
+                self.sin,
+                positions,
+                write_slots,
+                k_cache,
+                v_cache,
+                hq,
+                hkv,
+            )
+            o = ops.paged_attention(q, k_cache, v_cache, tiles)
+            x, h = ops.add_rms_norm(
+                x, F.linear(o.view(t, hq * d), lay.o_weight, lay.o_bias), lay.post_norm_weight, lay.post_eps
+            )
+            delta = F.linear(ops.silu_mul(F.linear(h, lay.gate_up_weight)), lay.down_weight)
+        norm = self.model.norm
+        if delta is None:
+            return ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))
+        return ops.add_rms_norm(x, delta, norm.weight, float(norm.variance_epsilon))[1]
+
+    def _row_tiles(self, positions: torch.Tensor, table: torch.Tensor, context: int) -> AttentionTiles:
+        """Tiles of a packed-row step: every row is its own one-row tile over its own block-table row."""
+        b = positions.shape[0]
+        consts = self._row_consts.get(b)
+        if consts is None or consts[0].device != positions.device:
+            consts = (
+                torch.arange(b, device=positions.device),
+                torch.ones(b, dtype=torch.long, device=positions.device),
+            )
+            self._row_consts[b] = consts
+        rows, ones = consts
+        return AttentionTiles(
+            rows, ones, rows, positions, table, self.cache.layout.block_size, 1, self._splits(b, context)
+        )
+
+    def _splits(self, tiles: int, context: int) -> int:
+        return key_splits(tiles, self.num_kv_heads, context, self._sms)
 
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _AttnPlan
@@ -513,7 +595,10 @@ class ModelRunner:
             if chunk.embeds is not None:
                 x[row : row + n] = chunk.embeds.to(device=dev, dtype=x.dtype)
             row += n
-        hidden = self._layers_forward(x, positions, write, plan)
+        if self.kernel_backend == "torch":
+            hidden = self._layers_forward(x, positions, write, plan)
+        else:
+            hidden = self._layers_forward_fused(x, positions, write, self._eager_tiles(inp))
         # Logits only where a next token is drawn: every decode row and the last row of chunks that ask.
         want = list(range(b))
         row = b
@@ -534,6 +619,33 @@ class ModelRunner:
             decode_hidden=hidden[:b],
             decode_logits=logits[:b],
             prefill_logits=prefill_logits,
+        )
+
+    EAGER_TILE_ROWS = 16  # rows of one sequence per attention tile in eager steps (prefill chunks)
+
+    def _eager_tiles(self, inp: StepInput) -> AttentionTiles:
+        """Attention tiles of an eager step: one per decode row, prefill chunks cut into 16-row tiles."""
+        bs = self.cache.layout.block_size
+        bt = self.EAGER_TILE_ROWS
+        tables: list[list[int]] = []
+        tiles: list[tuple[int, int, int, int]] = []  # (row, length, sequence, position)
+        for i, r in enumerate(inp.decode):
+            tables.append(r.blocks[: r.position // bs + 1])
+            tiles.append((i, 1, i, r.position))
+        row = len(inp.decode)
+        for chunk in inp.prefill:
+            n = len(chunk.token_ids)
+            seq = len(tables)
+            tables.append(chunk.blocks[: (chunk.start + n - 1) // bs + 1])
+            tiles.extend((row + k, min(bt, n - k), seq, chunk.start + k) for k in range(0, n, bt))
+            row += n
+        width = max(len(t) for t in tables)
+        table = torch.full((len(tables), width), BlockPool.SCRATCH_BLOCK, dtype=torch.long)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        meta = torch.tensor(tiles, dtype=torch.long).t().contiguous().to(self.device, non_blocking=True)
+        return AttentionTiles(
+            meta[0], meta[1], meta[2], meta[3], table.to(self.device, non_blocking=True), bs, bt
         )
 
     # ------------------------------------------------------------------------------------ cuda graphs
@@ -564,7 +676,9 @@ class ModelRunner:
             return 0
         # Steps that pack prefill chunks use row buckets up to PACKED_MAX_ROWS whatever max_batch is.
         max_batch = max(max_batch, self.PACKED_MAX_ROWS)
-        top_batch = next((x for x in self.GRAPH_BATCH_BUCKETS if x >= max_batch), self.GRAPH_BATCH_BUCKETS[-1])
+        top_batch = next(
+            (x for x in self.GRAPH_BATCH_BUCKETS if x >= max_batch), self.GRAPH_BATCH_BUCKETS[-1]
+        )
         top_context = min(_next_pow2(max_context, self.GRAPH_MIN_CONTEXT), self.GRAPH_MAX_CONTEXT)
         count = 0
         for batch in (b for b in self.GRAPH_BATCH_BUCKETS if b <= top_batch):
@@ -590,11 +704,14 @@ class ModelRunner:
         Rows with ``use_embeds`` take ``embeds`` (audio/vision rows of a prefill chunk) instead of the
         token embedding.
         """
-        plan = self._decode_attn_plan(positions, table)
         x = self.model.embed_tokens(ids)
         if embeds is not None and use_embeds is not None:
             x = torch.where(use_embeds[:, None], embeds, x)
-        hidden = self._layers_forward(x, positions, write, plan)
+        if self.kernel_backend == "torch":
+            hidden = self._layers_forward(x, positions, write, self._decode_attn_plan(positions, table))
+        else:
+            tiles = self._row_tiles(positions, table, table.shape[1] * self.cache.layout.block_size)
+            hidden = self._layers_forward_fused(x, positions, write, tiles)
         return hidden, self.llm.lm_head(hidden)
 
 

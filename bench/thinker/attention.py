@@ -1,0 +1,127 @@
+"""Decode attention candidates over the paged cache, one layer's shapes, same run:
+
+    python -m bench.thinker.attention [--device cuda] [--batches 1,8,16] [--contexts 512,4096]
+
+* ``gather_sdpa``: the pure-torch path (gather each row's slots into ``[B, L]``, mask, SDPA);
+* ``triton``: the paged kernel of ``services.thinker.kernels`` (no gather copy), with and without key
+  splits (what the runner picks for the bucket, and 1).
+
+Full-size head layout (32 query heads, 8 KV heads, head_dim 128, bf16 on CUDA), pages of 16 tokens
+scattered over a pool; each variant is recorded into one CUDA graph of 36 calls (one per layer) so
+launch cost counts as it does in the decode step. Prints JSON and a Markdown table (µs per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from services.thinker.kernels import AttentionTiles, TorchOps, key_splits
+
+
+def _graph_us(fn, device: torch.device, layers: int = 36, iters: int = 20) -> float:  # noqa: ANN001
+    if device.type != "cuda":
+        import time
+
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
+    s = torch.cuda.Stream(device=device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(layers):
+            fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / iters / layers
+
+
+def _case(device: torch.device, ops, b: int, ctx: int, splits_for) -> dict:  # noqa: ANN001
+    """One (batch, context) point: every candidate on the same pages."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hq, hkv, d, page = 32, 8, 128, 16
+    blocks = -(-ctx // page)
+    pool = b * blocks + 1
+    k_cache = torch.randn(pool * page, hkv, d, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    table = (torch.randperm(pool - 1, device=device)[: b * blocks] + 1).view(b, blocks)
+    pos = torch.full((b,), ctx - 1, dtype=torch.long, device=device)
+    q = torch.randn(b, hq, d, dtype=dtype, device=device)
+    offsets = torch.arange(blocks * page, device=device)
+    gather = table.repeat_interleave(page, dim=1) * page + offsets % page
+    mask = (offsets[None, :] <= pos[:, None])[:, None, None, :]
+
+    def sdpa() -> torch.Tensor:
+        kd = k_cache[gather].transpose(1, 2)
+        vd = v_cache[gather].transpose(1, 2)
+        return F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), kd, vd, attn_mask=mask)
+
+    row: dict = {"batch": b, "context": ctx, "gather_sdpa_us": _graph_us(sdpa, device)}
+    rows = torch.arange(b, device=device)
+    ones = torch.ones(b, dtype=torch.long, device=device)
+    for label, splits in (("triton", splits_for(b, ctx)), ("triton_nosplit", 1)):
+        tiles = AttentionTiles(rows, ones, rows, pos, table, page, 1, splits)
+        row[f"{label}_us"] = _graph_us(lambda t=tiles: ops.paged_attention(q, k_cache, v_cache, t), device)
+        row[f"{label}_splits"] = splits
+    tiles = AttentionTiles(rows, ones, rows, pos, table, page, 1, splits_for(b, ctx))
+    ref = sdpa().reshape(b, hq, d).float()
+    row["max_abs_diff"] = (ops.paged_attention(q, k_cache, v_cache, tiles).float() - ref).abs().max().item()
+    return row
+
+
+def run(device: torch.device, batches: list[int], contexts: list[int], splits_for) -> list[dict]:  # noqa: ANN001
+    if device.type == "cuda":
+        from services.thinker.kernels.triton_ops import TritonOps as ops
+    else:
+        ops = TorchOps
+    return [_case(device, ops, b, ctx, splits_for) for ctx in contexts for b in batches]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.thinker.attention", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="1,8,16")
+    ap.add_argument("--contexts", default="512,4096")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+    def splits_for(b: int, ctx: int) -> int:  # the runner's rule
+        return key_splits(b, 8, ctx, sms)
+
+    rows = run(
+        device,
+        [int(x) for x in args.batches.split(",")],
+        [int(x) for x in args.contexts.split(",")],
+        splits_for,
+    )
+    print(json.dumps(rows, indent=2))
+    print(
+        "\n| batch | context | gather+SDPA µs | Triton paged µs (splits) | Triton, no split µs | max abs diff |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['context']} | {r['gather_sdpa_us']:.1f} | {r['triton_us']:.1f} "
+            f"({r['triton_splits']}) | {r['triton_nosplit_us']:.1f} | {r['max_abs_diff']:.2e} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""Fused kernels of the thinker step, with a pure-torch reference for every one of them.
+
+Why: a decode step of the full-size model spends as long outside its weight matmuls as in them when
+every norm, rotary, cache write and attention gather is its own handful of small kernels (see
+BENCHMARKS.md, "matmul-stack floor"). The Triton backend (:mod:`.triton_ops`) does each of those jobs in
+one kernel and reads keys/values straight from the paged cache (no gather copy):
+
+* ``rms_norm`` / ``add_rms_norm``: the residual add and the next RMSNorm in one pass;
+* ``qk_rope_store``: q/k RMSNorm, rotary, and the K/V write into the paged cache in one pass;
+* ``paged_attention``: causal attention of query tiles over their sequence's pages (flash-style online
+  softmax, GQA folded into the tile rows, optional split over the keys for short batches);
+* ``silu_mul``: the SwiGLU gate.
+
+The torch backend (:class:`TorchOps`) computes the same functions with the operation order of the
+transformers modules; it is the CPU/CI path and the reference the Triton path is compared with
+(tests run the Triton kernels on CPU through Triton's interpreter, ``bench.cuda_smoke`` on the GPU).
+
+``select_backend`` picks: ``MINICPMO_THINKER_KERNELS`` = ``torch`` | ``triton`` | ``auto`` (default:
+Triton on CUDA when it imports, torch otherwise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "triton")
+ENV_VAR = "MINICPMO_THINKER_KERNELS"
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton compiles for CUDA devices; on CPU it runs only through its interpreter (tests)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def select_backend(device: torch.device, requested: str | None = None) -> str:
+    """The kernel backend for ``device``: ``requested``, else the environment, else ``auto``."""
+    want = (requested or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    if want not in (*BACKENDS, "auto"):
+        raise ValueError(f"{ENV_VAR} must be one of torch, triton, auto (got {want!r})")
+    if want == "auto":
+        return "triton" if device.type == "cuda" and triton_usable(device) else "torch"
+    if want == "triton" and not triton_usable(device):
+        raise ValueError(
+            f"the triton kernel backend needs triton and a CUDA device (or TRITON_INTERPRET=1), not {device}"
+        )
+    return want
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with the exact operation order of transformers' Qwen3RMSNorm (fp32 statistics)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it (rotate_half on the two halves of the head)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class TorchOps:
+    """The fused operations as plain torch (reference semantics; CPU and CI path)."""
+
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm_ref(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(
+        x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, rms_norm(x + delta))`` with the sum rounded to the activation dtype first."""
+        s = x + delta
+        return s, rms_norm_ref(s, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def qk_rope_store(
+        qkv: torch.Tensor,
+        qk_norm_weight: torch.Tensor,
+        eps: float,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        hq: int,
+        hkv: int,
+    ) -> torch.Tensor:
+        """q/k norms and rotary of packed ``qkv [T, (hq+2hkv)*D]``; K/V go to the cache; returns q."""
+        t = qkv.shape[0]
+        d = qk_norm_weight.shape[-1]
+        qk = qkv[:, : (hq + hkv) * d].reshape(t, hq + hkv, d)
+        v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
+        cos = cos_table.index_select(0, positions)[:, None, :]
+        sin = sin_table.index_select(0, positions)[:, None, :]
+        qk = rotate_ref(rms_norm_ref(qk, qk_norm_weight, eps), cos, sin)
+        k_cache.index_copy_(0, write_slots, qk[:, hq:])
+        v_cache.index_copy_(0, write_slots, v)
+        return qk[:, :hq]
+
+    @staticmethod
+    def paged_attention(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tiles: AttentionTiles,
+    ) -> torch.Tensor:
+        """Reference of the Triton kernel: each tile's rows attend causally over their sequence's pages."""
+        t, hq, d = q.shape
+        hkv = k_cache.shape[1]
+        g = hq // hkv
+        out = torch.zeros_like(q)
+        page = tiles.page_size
+        rows, lens, seqs, poss = (x.tolist() for x in (tiles.row, tiles.length, tiles.seq, tiles.pos))
+        for row, n, seq, pos in zip(rows, lens, seqs, poss, strict=True):
+            if n <= 0:
+                continue
+            total = pos + n
+            j = torch.arange(total, device=q.device)
+            slots = tiles.table[seq].index_select(0, j // page) * page + j % page
+            k = k_cache.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
+            v = v_cache.index_select(0, slots).transpose(0, 1)
+            qt = q[row : row + n].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+            allowed = j[None, :] <= (pos + torch.arange(n, device=q.device))[:, None]  # [n, L]
+            mask = allowed.repeat(g, 1)
+            o = torch.nn.functional.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=mask)
+            out[row : row + n] = o[0].view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+        return out
+
+
+class AttentionTiles:
+    """Where each query tile of a step lives: packed rows, sequence (block-table row) and positions.
+
+    A tile is up to ``block_t`` consecutive rows of one sequence whose positions are ``pos, pos+1, ...``;
+    it attends to keys ``[0, pos + t]`` for its row ``t``. Decode rows are tiles of one row. ``table`` is
+    ``[sequences, max_blocks]`` (int64 block ids, padded with the scratch block); ``splits`` splits each
+    tile's keys over that many programs (flash-decoding) when tiles are too few to fill the GPU.
+    """
+
+    __slots__ = ("row", "length", "seq", "pos", "table", "page_size", "block_t", "splits")
+
+    def __init__(
+        self,
+        row: torch.Tensor,
+        length: torch.Tensor,
+        seq: torch.Tensor,
+        pos: torch.Tensor,
+        table: torch.Tensor,
+        page_size: int,
+        block_t: int,
+        splits: int = 1,
+    ) -> None:
+        self.row, self.length, self.seq, self.pos = row, length, seq, pos
+        self.table = table
+        self.page_size = int(page_size)
+        self.block_t = int(block_t)
+        self.splits = max(1, int(splits))
+
+
+def key_splits(tiles: int, kv_heads: int, context: int, sms: int) -> int:
+    """Key splits per tile (a power of two, at most 16) so that few tiles still spread over the SMs.
+
+    A split keeps at least 256 keys, and tiles x KV heads x splits stays within half the SM count
+    (doubling past that only adds the combine pass's cost for no more parallel reads).
+    """
+    s = 1
+    while s < 16 and tiles * kv_heads * s * 2 <= sms and context // (2 * s) >= 256:
+        s *= 2
+    return s
+
+
+def get_ops(backend: str):  # noqa: ANN201 (TorchOps or the Triton module's ops object)
+    """The ops object of ``backend`` (the Triton module is imported only when asked for)."""
+    if backend == "torch":
+        return TorchOps
+    if backend == "triton":
+        from services.thinker.kernels.triton_ops import TritonOps
+
+        return TritonOps
+    raise ValueError(f"unknown kernel backend {backend!r}")

@@ -1,0 +1,338 @@
+"""Triton kernels of the thinker step (see :mod:`services.thinker.kernels` for why and what).
+
+Every kernel reproduces the rounding points of the torch reference where the reference rounds to the
+activation dtype (RMSNorm output before the weight, each rotary product, the residual sum), so norms,
+rotary and the gate match the reference to the last bit or one ulp; attention accumulates in fp32 with
+an online softmax (flash-attention order), which differs from SDPA only by fp32 summation order and
+the bf16 rounding of the probabilities before the P·V product.
+
+Launch shapes are fixed by the tensors' shapes and ``AttentionTiles`` (no host reads of device data),
+so every wrapper is safe inside a CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from services.thinker.kernels import AttentionTiles
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=m, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + row * n_cols + cols, mask=m, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(xo_ptr.dtype.element_ty)
+        tl.store(xo_ptr + row * n_cols + cols, x, mask=m)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / n_cols
+    hn = (h * (1.0 / tl.sqrt(var + eps))).to(y_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0)
+    y = (w.to(tl.float32) * hn.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * n_cols + cols, y, mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_cols
+    gate = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=m, other=0.0)
+    up = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=m, other=0.0)
+    gf = gate.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(out_ptr.dtype.element_ty)
+    tl.store(
+        out_ptr + row * n_cols + cols,
+        (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
+        mask=m,
+    )
+
+
+@triton.jit
+def _qk_rope_store_kernel(
+    qkv_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    half: tl.constexpr = D // 2
+    offs = tl.arange(0, D)
+    width: tl.constexpr = (HQ + 2 * HKV) * D
+    base = qkv_ptr + t * width + h * D
+    x = tl.load(base + offs)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if h < HQ + HKV:
+        partner = (offs + half) % D
+        xp = tl.load(base + partner)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / D
+        inv = 1.0 / tl.sqrt(var + eps)
+        w = tl.load(w_ptr + h * D + offs).to(tl.float32)
+        wp = tl.load(w_ptr + h * D + partner).to(tl.float32)
+        xn = (w * (xf * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+        xpn = (wp * (xp.to(tl.float32) * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+        rot = tl.where(offs < half, -xpn.to(tl.float32), xpn.to(tl.float32))
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
+        s = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
+        a = (xn.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+        b = (rot * s).to(x.dtype).to(tl.float32)
+        out = (a + b).to(x.dtype)
+        if h < HQ:
+            tl.store(q_ptr + (t * HQ + h) * D + offs, out)
+        else:
+            tl.store(k_ptr + (slot * HKV + (h - HQ)) * D + offs, out)
+    else:
+        tl.store(v_ptr + (slot * HKV + (h - HQ - HKV)) * D + offs, x)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    po_ptr,
+    pm_ptr,
+    pl_ptr,
+    row_ptr,
+    len_ptr,
+    seq_ptr,
+    pos_ptr,
+    table_ptr,
+    table_stride,
+    n_rows,
+    scale_log2,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    row0 = tl.load(row_ptr + tile).to(tl.int64)
+    n = tl.load(len_ptr + tile)
+    seq = tl.load(seq_ptr + tile).to(tl.int64)
+    p0 = tl.load(pos_ptr + tile)
+    m_idx = tl.arange(0, BLOCK_M)
+    t_idx = m_idx // G
+    g_idx = m_idx % G
+    m_valid = (t_idx < n) & (t_idx < BLOCK_T)
+    d_idx = tl.arange(0, D)
+    q_rows = row0 + t_idx
+    q_off = (q_rows * HQ + kvh * G + g_idx) * D
+    q = tl.load(q_ptr + q_off[:, None] + d_idx[None, :], mask=m_valid[:, None], other=0.0)
+    q_pos = p0 + t_idx
+    total = p0 + n
+    per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per
+    end = tl.minimum(total, start + per)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    n_idx = tl.arange(0, BLOCK_N)
+    for kb in range(start, end, BLOCK_N):
+        j = kb + n_idx
+        j_valid = j < end
+        page = tl.load(table_ptr + seq * table_stride + j // PAGE, mask=j_valid, other=0).to(tl.int64)
+        slot = page * PAGE + j % PAGE
+        kv_off = (slot * HKV + kvh) * D
+        k = tl.load(k_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        allowed = j_valid[None, :] & (j[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    head = kvh * G + g_idx
+    if SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(
+            o_ptr + q_off[:, None] + d_idx[None, :], out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None]
+        )
+    else:
+        part = (split * n_rows + q_rows) * HQ + head
+        tl.store(po_ptr + part[:, None] * D + d_idx[None, :], acc, mask=m_valid[:, None])
+        tl.store(pm_ptr + part, m_i, mask=m_valid)
+        tl.store(pl_ptr + part, l_i, mask=m_valid)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    po_ptr, pm_ptr, pl_ptr, o_ptr, n_rows, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s_idx = tl.arange(0, SPLITS)
+    d_idx = tl.arange(0, D)
+    part = (s_idx * n_rows + row) * HQ + h
+    m = tl.load(pm_ptr + part)
+    l_part = tl.load(pl_ptr + part)
+    acc = tl.load(po_ptr + part[:, None] * D + d_idx[None, :])
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l_part * w, axis=0)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(o_ptr + (row * HQ + h) * D + d_idx, (num / den).to(o_ptr.dtype.element_ty))
+
+
+class TritonOps:
+    """The fused operations as Triton kernels (same signatures as :class:`~.TorchOps`)."""
+
+    name = "triton"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y = torch.empty_like(x)
+        n = x.shape[-1]
+        _add_rms_norm_kernel[(x.numel() // n,)](
+            x, x, weight, x, y, n, eps, HAS_DELTA=False, BLOCK=triton.next_power_of_2(n), num_warps=8
+        )
+        return y
+
+    @staticmethod
+    def add_rms_norm(
+        x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        s = torch.empty_like(x)
+        y = torch.empty_like(x)
+        n = x.shape[-1]
+        _add_rms_norm_kernel[(x.numel() // n,)](
+            x, delta, weight, s, y, n, eps, HAS_DELTA=True, BLOCK=triton.next_power_of_2(n), num_warps=8
+        )
+        return s, y
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        t, two_i = gate_up.shape
+        n = two_i // 2
+        out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
+        block = min(2048, triton.next_power_of_2(n))
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+        return out
+
+    @staticmethod
+    def qk_rope_store(
+        qkv: torch.Tensor,
+        qk_norm_weight: torch.Tensor,
+        eps: float,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        hq: int,
+        hkv: int,
+    ) -> torch.Tensor:
+        t = qkv.shape[0]
+        d = qk_norm_weight.shape[-1]
+        q = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
+        _qk_rope_store_kernel[(t, hq + 2 * hkv)](
+            qkv,
+            qk_norm_weight,
+            cos_table,
+            sin_table,
+            positions,
+            write_slots,
+            q,
+            k_cache,
+            v_cache,
+            eps,
+            HQ=hq,
+            HKV=hkv,
+            D=d,
+            num_warps=1,
+        )
+        return q
+
+    @staticmethod
+    def paged_attention(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles
+    ) -> torch.Tensor:
+        t, hq, d = q.shape
+        hkv = k_cache.shape[1]
+        g = hq // hkv
+        out = torch.empty_like(q)
+        block_m = max(16, triton.next_power_of_2(tiles.block_t * g))
+        block_n = 64 if block_m >= 64 else 32
+        splits = tiles.splits
+        if splits > 1:
+            po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
+            pm = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
+            pl = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
+        else:
+            po = pm = pl = out  # unused
+        n_tiles = tiles.row.shape[0]
+        _paged_attention_kernel[(n_tiles, hkv, splits)](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            po,
+            pm,
+            pl,
+            tiles.row,
+            tiles.length,
+            tiles.seq,
+            tiles.pos,
+            tiles.table,
+            tiles.table.stride(0),
+            t,
+            (1.0 / math.sqrt(d)) * 1.4426950408889634,
+            HQ=hq,
+            HKV=hkv,
+            G=g,
+            D=d,
+            PAGE=tiles.page_size,
+            BLOCK_T=tiles.block_t,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            SPLITS=splits,
+            IEEE=q.dtype == torch.float32,
+            num_warps=4,
+        )
+        if splits > 1:
+            _combine_splits_kernel[(t, hq)](po, pm, pl, out, t, HQ=hq, D=d, SPLITS=splits, num_warps=1)
+        return out

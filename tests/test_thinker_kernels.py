@@ -1,0 +1,195 @@
+"""The thinker's fused kernels (services.thinker.kernels) against their torch reference, on CPU.
+
+The Triton kernels run through Triton's interpreter (``TRITON_INTERPRET=1``), so the kernel code itself
+is what is tested, not a stand-in. The interpreter has no bfloat16 arithmetic of its own, so kernels are
+checked in fp32 and fp16 here; bf16 on the GPU is compared with the torch path by ``bench.cuda_smoke``.
+Then a whole engine on the tiny checkpoint with the Triton backend must give the torch backend's tokens
+and hidden rows, eagerly and through the packed-row (graph body) step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on the CPU
+triton = pytest.importorskip("triton")
+
+from services.common.checkpoint import Checkpoint  # noqa: E402
+from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
+from services.thinker.kernels import AttentionTiles, TorchOps, select_backend  # noqa: E402
+from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
+from services.thinker.sampling import Sampler, SamplingConfig  # noqa: E402
+from services.thinker.scheduler import WorkItem  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_scalars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6's interpreter turns loop bounds into ints with ``int(ndarray)``, which numpy >= 2.4
+    refuses for 1-element arrays; take the element instead (test-only, interpreter-only)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU only through the Triton interpreter")
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # noqa: ANN001, ANN202
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+def _triton_ops():  # noqa: ANN202
+    from services.thinker.kernels.triton_ops import TritonOps
+
+    return TritonOps
+
+
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_gate_and_rope_kernels_match_reference(dtype: torch.dtype) -> None:
+    tri = _triton_ops()
+    g = torch.Generator().manual_seed(0)
+    x, d = (torch.randn(5, 128, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(128, generator=g).to(dtype)
+    tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    torch.testing.assert_close(tri.rms_norm(x, w, 1e-6), TorchOps.rms_norm(x, w, 1e-6), **tol)
+    for got, want in zip(tri.add_rms_norm(x, d, w, 1e-6), TorchOps.add_rms_norm(x, d, w, 1e-6), strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    gu = torch.randn(5, 512, generator=g).to(dtype)
+    torch.testing.assert_close(tri.silu_mul(gu), TorchOps.silu_mul(gu), **tol)
+
+    hq, hkv, dim = 4, 2, 32
+    qkv = torch.randn(6, (hq + 2 * hkv) * dim, generator=g).to(dtype)
+    wn = torch.randn(hq + hkv, dim, generator=g).to(dtype)
+    cos, sin = (torch.randn(100, dim, generator=g).to(dtype) for _ in range(2))
+    pos = torch.tensor([3, 7, 9, 10, 50, 2])
+    slots = torch.tensor([17, 18, 40, 41, 5, 33])
+    caches = [[torch.zeros(64, hkv, dim, dtype=dtype) for _ in range(2)] for _ in range(2)]
+    qa = TorchOps.qk_rope_store(qkv, wn, 1e-6, cos, sin, pos, slots, *caches[0], hq, hkv)
+    qb = tri.qk_rope_store(qkv, wn, 1e-6, cos, sin, pos, slots, *caches[1], hq, hkv)
+    torch.testing.assert_close(qb, qa, **tol)
+    torch.testing.assert_close(caches[1][0], caches[0][0], **tol)  # K written at the slots, normed + rotated
+    torch.testing.assert_close(caches[1][1], caches[0][1], rtol=0, atol=0)  # V copied as is
+    assert caches[1][0][slots].abs().sum() > 0 and caches[1][0][0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_paged_attention_matches_reference(dtype: torch.dtype, splits: int) -> None:
+    """A decode row and a 40-token prefill chunk cut into 16-row tiles, scattered over pages."""
+    tri = _triton_ops()
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, dim, page = 4, 2, 32, 16
+    k_cache, v_cache = (torch.randn(16 * page, hkv, dim, generator=g).to(dtype) for _ in range(2))
+    table = torch.tensor([[3, 5, 7, 1, 0, 0], [2, 4, 6, 8, 9, 10]])
+    q = torch.randn(41, hq, dim, generator=g).to(dtype)
+    tiles = [(0, 1, 0, 50)] + [(1 + k, min(16, 40 - k), 1, 30 + k) for k in range(0, 40, 16)]
+    meta = torch.tensor(tiles).t().contiguous()
+    spec = AttentionTiles(meta[0], meta[1], meta[2], meta[3], table, page, 16, splits)
+    want = TorchOps.paged_attention(q, k_cache, v_cache, spec)
+    got = tri.paged_attention(q, k_cache, v_cache, spec)
+    atol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+    # one-row tiles (the packed-row graph layout) over the same pages
+    rows = AttentionTiles(
+        torch.arange(3),
+        torch.ones(3, dtype=torch.long),
+        torch.tensor([0, 1, 1]),
+        torch.tensor([50, 30, 31]),
+        table,
+        page,
+        1,
+        splits,
+    )
+    torch.testing.assert_close(
+        tri.paged_attention(q[:3], k_cache, v_cache, rows),
+        TorchOps.paged_attention(q[:3], k_cache, v_cache, rows),
+        rtol=0,
+        atol=atol,
+    )
+
+
+def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("MINICPMO_THINKER_KERNELS", raising=False)
+    assert select_backend(cpu) == "torch"  # auto: Triton only on CUDA
+    assert select_backend(cpu, "triton") == "triton"  # interpreter present
+    monkeypatch.setenv("MINICPMO_THINKER_KERNELS", "triton")
+    assert select_backend(cpu) == "triton"
+    with pytest.raises(ValueError, match="torch, triton, auto"):
+        select_backend(cpu, "cutlass")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA device"):
+        select_backend(cpu, "triton")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt: Path) -> torch.nn.Module:
+    ckpt = Checkpoint(tiny_ckpt)
+    tensors = ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=torch.float32)
+    return build_qwen3_llm(ckpt.config, tensors, torch.float32, "cpu")
+
+
+def _engine_run(llm: torch.nn.Module, kernels: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+    engine = ThinkerEngine(
+        llm, EngineConfig(max_num_seqs=4, kv_budget_bytes=8 << 20, max_step_tokens=24), torch.device("cpu")
+    )
+    engine.runner.set_kernels(kernels)
+    assert engine.runner.kernel_backend == kernels
+    prompts = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate((23, 41, 9))]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    rows: list[torch.Tensor] = []
+    for i, prompt in enumerate(prompts):
+        seq = engine.open(
+            lambda ev, i=i: (
+                ev.token is not None
+                and tokens[i].append(ev.token)
+                or (ev.hidden is not None and rows.append(ev.hidden))
+            )
+        )
+        cfg = SamplingConfig(max_tokens=6, stop_token_ids=())
+        engine.submit(seq, WorkItem(prompt, sampler=Sampler(cfg), emit_hidden=True))
+    engine.run_until_idle()
+    return tokens, rows
+
+
+def test_engine_with_triton_kernels_matches_torch_kernels(llm: torch.nn.Module) -> None:
+    """Chunked prefill (41 tokens over 24-token steps) and batched decode through the Triton path."""
+    want_tokens, want_rows = _engine_run(llm, "torch")
+    got_tokens, got_rows = _engine_run(llm, "triton")
+    assert got_tokens == want_tokens and all(len(t) == 6 for t in got_tokens)
+    assert len(got_rows) == len(want_rows) > 0
+    for got, want in zip(got_rows, want_rows, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_row_step_with_triton_kernels_matches_eager(llm: torch.nn.Module) -> None:
+    """The graph body (one-row tiles, key splits) equals the eager Triton step and the torch step."""
+    engine = ThinkerEngine(llm, EngineConfig(max_num_seqs=4, kv_budget_bytes=8 << 20), torch.device("cpu"))
+    runner = engine.runner
+    runner.set_kernels("triton")
+    runner._sms = 64  # as many SMs as make the row step split its keys (2 rows x 2 KV heads)
+    blocks_a, blocks_b = engine.cache.pool.allocate(40), engine.cache.pool.allocate(40)
+    prompt_a, prompt_b = list(range(2000, 2600)), list(range(3000, 3300))
+    runner.step(StepInput(prefill=[PrefillChunk(prompt_a, 0, blocks_a), PrefillChunk(prompt_b, 0, blocks_b)]))
+    step = StepInput(
+        decode=[DecodeRow(7, 600, blocks_a)],
+        prefill=[PrefillChunk([5, 6, 8], 300, blocks_b, want_logits=True)],
+    )
+    assert runner._splits(4, 1024) > 1
+    packed = runner.packed_step_eager(step)
+    eager = runner.step(step)
+    runner.set_kernels("torch")
+    ref = runner.step(step)
+    for out in (packed, eager):
+        torch.testing.assert_close(out.decode_logits, ref.decode_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.decode_hidden, ref.decode_hidden, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.prefill_logits[0], ref.prefill_logits[0], rtol=1e-4, atol=1e-4)
