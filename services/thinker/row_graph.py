@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from services.thinker.kv_cache import BlockPool
 
 if TYPE_CHECKING:
-    from services.thinker.runner import ModelRunner
+    from services.thinker.runner import DecodeRow, ModelRunner
 
 SCRATCH_SLOT = BlockPool.SCRATCH_BLOCK  # slot 0 lives in the scratch block
 
@@ -19,7 +20,27 @@ Outputs = tuple[torch.Tensor, torch.Tensor]
 Capture = Callable[["ModelRunner", Callable[[], Outputs]], tuple[Callable[[], None], Outputs]]
 
 
-def capture_cuda_graph(runner: ModelRunner, body: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
+def fill_rows(rows: Sequence[DecodeRow], block_size: int, host: np.ndarray, batch: int, blocks: int) -> None:
+    """Write the rows' ids, positions, write slots and block tables into one int64 host array.
+
+    Layout ``[ids B | positions B | write slots B | table B*blocks]``; padded rows keep position 0 and
+    the scratch block, so they write to and read from scratch only.
+    """
+    host[: 2 * batch] = 0
+    host[2 * batch : 3 * batch] = SCRATCH_SLOT
+    table = host[3 * batch :].reshape(batch, blocks)
+    table[:] = BlockPool.SCRATCH_BLOCK
+    for i, r in enumerate(rows):
+        used = r.position // block_size + 1
+        host[i] = r.token_id
+        host[batch + i] = r.position
+        host[2 * batch + i] = r.blocks[used - 1] * block_size + r.position % block_size
+        table[i, :used] = r.blocks[:used]
+
+
+def capture_cuda_graph(
+    runner: ModelRunner, body: Callable[[], Outputs]
+) -> tuple[Callable[[], None], Outputs]:
     """Warm ``body`` up on a side stream, then record it into the runner's shared graph pool."""
     dev = runner.device
     stream = torch.cuda.Stream(device=dev)
@@ -50,25 +71,38 @@ class RowGraph:
         self.context = context
         self.blocks = -(-context // runner.cache.layout.block_size)
         dev = runner.device
-        self.ids = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.write = torch.full((batch,), SCRATCH_SLOT, dtype=torch.long, device=dev)
-        self.table = torch.full((batch, self.blocks), BlockPool.SCRATCH_BLOCK, dtype=torch.long, device=dev)
+        self.block_size = runner.cache.layout.block_size
+        # One device buffer for every small input (one H2D copy per step) and its host mirror, pinned on
+        # CUDA so the copy is asynchronous; the event guards the mirror against a copy still in flight.
+        n = batch * (3 + self.blocks)
+        self.staging = torch.zeros(n, dtype=torch.long, device=dev)
+        self._host = torch.zeros(n, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        fill_rows([], self.block_size, self._host_np, batch, self.blocks)
+        self.staging.copy_(self._host)
+        self.ids = self.staging[:batch]
+        self.pos = self.staging[batch : 2 * batch]
+        self.write = self.staging[2 * batch : 3 * batch]
+        self.table = self.staging[3 * batch :].view(batch, self.blocks)
         self.embeds = torch.zeros(batch, runner.hidden_size, dtype=runner.dtype, device=dev)
         self.use_embeds = torch.zeros(batch, dtype=torch.bool, device=dev)
         self._embeds_dirty = False
         args = (self.ids, self.pos, self.write, self.table, self.embeds, self.use_embeds)
         capture = runner.graph_capture or capture_cuda_graph
-        self._replay, (self.hidden, self.logits) = capture(runner, lambda: runner.decode_forward_static(*args))
+        self._replay, (self.hidden, self.logits) = capture(
+            runner, lambda: runner.decode_forward_static(*args)
+        )
 
     def run(
-        self, host: tuple[torch.Tensor, ...], embeds: Sequence[tuple[int, torch.Tensor]] = ()
+        self, rows: Sequence[DecodeRow], embeds: Sequence[tuple[int, torch.Tensor]] = ()
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, pos, write, table = host
-        self.ids.copy_(ids, non_blocking=True)
-        self.pos.copy_(pos, non_blocking=True)
-        self.write.copy_(write, non_blocking=True)
-        self.table.copy_(table, non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host mirror
+        fill_rows(rows, self.block_size, self._host_np, self.batch, self.blocks)
+        self.staging.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         if self._embeds_dirty:
             self.use_embeds.zero_()
             self._embeds_dirty = False

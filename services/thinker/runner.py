@@ -32,16 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.thinker.kernels import (
-    AttentionTiles,
-    get_ops,
-    key_splits,
-    rms_norm_ref,
-    rotate_ref,
-    select_backend,
-)
+from services.thinker.fused_forward import FusedForward
+from services.thinker.kernels import get_ops, rms_norm_ref, rotate_ref, select_backend
 from services.thinker.kv_cache import BlockPool, PagedKVCache
-from services.thinker.row_graph import Capture, RowGraph
+from services.thinker.row_graph import Capture, RowGraph, fill_rows
 
 log = logging.getLogger(__name__)
 
@@ -246,12 +240,7 @@ class ModelRunner:
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
         self.set_kernels(kernels)
-        self._row_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._sms = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count
-            if self.device.type == "cuda"
-            else 8
-        )
+        self.fused = FusedForward(self)
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
         self.step_counts: dict[str, int] = {"graph": 0, "graph_mixed": 0, "eager": 0}
         self._graph_pool = None
@@ -363,67 +352,6 @@ class ModelRunner:
             )
         return self.model.norm(x)
 
-    def _layers_forward_fused(
-        self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
-    ) -> torch.Tensor:
-        """The same layers through the fused kernels of ``self.ops`` (Triton on CUDA).
-
-        Per layer: add+RMSNorm, QKV GEMM, q/k norm+rotary+cache write, paged attention, O GEMM,
-        add+RMSNorm, gate|up GEMM, SwiGLU, down GEMM; the residual add of the down projection is fused
-        into the next layer's input norm (and the last one into the final norm).
-        """
-        ops = self.ops
-        t = x.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        delta: torch.Tensor | None = None
-        for idx, lay in enumerate(self.layers):
-            if delta is None:
-                h = ops.rms_norm(x, lay.input_norm_weight, lay.input_eps)
-            else:
-                x, h = ops.add_rms_norm(x, delta, lay.input_norm_weight, lay.input_eps)
-            qkv = F.linear(h, lay.qkv_weight, lay.qkv_bias)
-            k_cache, v_cache = self.cache.k[idx], self.cache.v[idx]
-            q = ops.qk_rope_store(
-                qkv,
-                lay.qk_norm_weight,
-                lay.qk_eps,
-                self.cos,
-                self.sin,
-                positions,
-                write_slots,
-                k_cache,
-                v_cache,
-                hq,
-                hkv,
-            )
-            o = ops.paged_attention(q, k_cache, v_cache, tiles)
-            x, h = ops.add_rms_norm(
-                x, F.linear(o.view(t, hq * d), lay.o_weight, lay.o_bias), lay.post_norm_weight, lay.post_eps
-            )
-            delta = F.linear(ops.silu_mul(F.linear(h, lay.gate_up_weight)), lay.down_weight)
-        norm = self.model.norm
-        if delta is None:
-            return ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))
-        return ops.add_rms_norm(x, delta, norm.weight, float(norm.variance_epsilon))[1]
-
-    def _row_tiles(self, positions: torch.Tensor, table: torch.Tensor, context: int) -> AttentionTiles:
-        """Tiles of a packed-row step: every row is its own one-row tile over its own block-table row."""
-        b = positions.shape[0]
-        consts = self._row_consts.get(b)
-        if consts is None or consts[0].device != positions.device:
-            consts = (
-                torch.arange(b, device=positions.device),
-                torch.ones(b, dtype=torch.long, device=positions.device),
-            )
-            self._row_consts[b] = consts
-        rows, ones = consts
-        return AttentionTiles(
-            rows, ones, rows, positions, table, self.cache.layout.block_size, 1, self._splits(b, context)
-        )
-
-    def _splits(self, tiles: int, context: int) -> int:
-        return key_splits(tiles, self.num_kv_heads, context, self._sms)
-
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _AttnPlan
     ) -> torch.Tensor:
@@ -460,18 +388,10 @@ class ModelRunner:
 
         Padded rows use position 0 and the scratch block, so they write to and read from scratch only.
         """
-        bs = self.cache.layout.block_size
-        ids = torch.zeros(pad_batch, dtype=torch.long)
-        pos = torch.zeros(pad_batch, dtype=torch.long)
-        write = torch.full((pad_batch,), SCRATCH_SLOT, dtype=torch.long)
-        table = torch.full((pad_batch, pad_blocks), BlockPool.SCRATCH_BLOCK, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i] = r.token_id
-            pos[i] = r.position
-            write[i] = r.blocks[r.position // bs] * bs + r.position % bs
-            used = r.position // bs + 1
-            table[i, :used] = torch.tensor(r.blocks[:used], dtype=torch.long)
-        return ids, pos, write, table
+        host = torch.empty(pad_batch * (3 + pad_blocks), dtype=torch.long)
+        fill_rows(rows, self.cache.layout.block_size, host.numpy(), pad_batch, pad_blocks)
+        b = pad_batch
+        return host[:b], host[b : 2 * b], host[2 * b : 3 * b], host[3 * b :].view(b, pad_blocks)
 
     def _decode_attn_plan(self, pos: torch.Tensor, table: torch.Tensor) -> _AttnPlan:
         """Device-side gather indices and validity mask from block tables (graph-safe, no host loops)."""
@@ -495,7 +415,7 @@ class ModelRunner:
                 # A step with prefill never waits for a capture: it runs eagerly if its bucket is missing.
                 graph = self._graph_for(len(rows), max(r.position + 1 for r in rows), capture=not inp.prefill)
                 if graph is not None:
-                    hidden, logits = graph.run(self._decode_host(rows, graph.batch, graph.blocks), embeds)
+                    hidden, logits = graph.run(rows, embeds)
                     self.step_counts["graph_mixed" if inp.prefill else "graph"] += 1
                     return self._row_output(inp, hidden, logits, clone=True)
         self.step_counts["eager"] += 1
@@ -562,6 +482,7 @@ class ModelRunner:
         dev = self.device
         b = len(inp.decode)
         plan = _AttnPlan(num_decode=b)
+        torch_attention = self.kernel_backend == "torch"  # else the fused path builds its own tiles
         ids_parts: list[torch.Tensor] = []
         pos_parts: list[torch.Tensor] = []
         write_parts: list[torch.Tensor] = []
@@ -569,7 +490,10 @@ class ModelRunner:
             bs = self.cache.layout.block_size
             max_blocks = max(r.position // bs + 1 for r in inp.decode)
             ids, pos, write, table = self._decode_host(inp.decode, b, max_blocks)
-            plan = self._decode_attn_plan(pos.to(dev, non_blocking=True), table.to(dev, non_blocking=True))
+            if torch_attention:
+                plan = self._decode_attn_plan(
+                    pos.to(dev, non_blocking=True), table.to(dev, non_blocking=True)
+                )
             ids_parts.append(ids)
             pos_parts.append(pos)
             write_parts.append(write)
@@ -578,9 +502,12 @@ class ModelRunner:
             n = len(chunk.token_ids)
             end = chunk.start + n
             gather = self._slot_tensor(chunk.blocks, 0, end)
-            allowed = torch.arange(end)[None, :] <= (chunk.start + torch.arange(n))[:, None]
-            mask = allowed.repeat(self.group, 1)
-            plan.prefill.append((row, n, gather.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)))
+            if torch_attention:
+                allowed = torch.arange(end)[None, :] <= (chunk.start + torch.arange(n))[:, None]
+                mask = allowed.repeat(self.group, 1)
+                plan.prefill.append(
+                    (row, n, gather.to(dev, non_blocking=True), mask.to(dev, non_blocking=True))
+                )
             ids_parts.append(torch.tensor(chunk.token_ids, dtype=torch.long))
             pos_parts.append(torch.arange(chunk.start, end, dtype=torch.long))
             write_parts.append(gather[chunk.start :])
@@ -595,10 +522,10 @@ class ModelRunner:
             if chunk.embeds is not None:
                 x[row : row + n] = chunk.embeds.to(device=dev, dtype=x.dtype)
             row += n
-        if self.kernel_backend == "torch":
+        if torch_attention:
             hidden = self._layers_forward(x, positions, write, plan)
         else:
-            hidden = self._layers_forward_fused(x, positions, write, self._eager_tiles(inp))
+            hidden = self.fused.layers(x, positions, write, self.fused.eager_tiles(inp))
         # Logits only where a next token is drawn: every decode row and the last row of chunks that ask.
         want = list(range(b))
         row = b
@@ -619,33 +546,6 @@ class ModelRunner:
             decode_hidden=hidden[:b],
             decode_logits=logits[:b],
             prefill_logits=prefill_logits,
-        )
-
-    EAGER_TILE_ROWS = 16  # rows of one sequence per attention tile in eager steps (prefill chunks)
-
-    def _eager_tiles(self, inp: StepInput) -> AttentionTiles:
-        """Attention tiles of an eager step: one per decode row, prefill chunks cut into 16-row tiles."""
-        bs = self.cache.layout.block_size
-        bt = self.EAGER_TILE_ROWS
-        tables: list[list[int]] = []
-        tiles: list[tuple[int, int, int, int]] = []  # (row, length, sequence, position)
-        for i, r in enumerate(inp.decode):
-            tables.append(r.blocks[: r.position // bs + 1])
-            tiles.append((i, 1, i, r.position))
-        row = len(inp.decode)
-        for chunk in inp.prefill:
-            n = len(chunk.token_ids)
-            seq = len(tables)
-            tables.append(chunk.blocks[: (chunk.start + n - 1) // bs + 1])
-            tiles.extend((row + k, min(bt, n - k), seq, chunk.start + k) for k in range(0, n, bt))
-            row += n
-        width = max(len(t) for t in tables)
-        table = torch.full((len(tables), width), BlockPool.SCRATCH_BLOCK, dtype=torch.long)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        meta = torch.tensor(tiles, dtype=torch.long).t().contiguous().to(self.device, non_blocking=True)
-        return AttentionTiles(
-            meta[0], meta[1], meta[2], meta[3], table.to(self.device, non_blocking=True), bs, bt
         )
 
     # ------------------------------------------------------------------------------------ cuda graphs
@@ -710,8 +610,7 @@ class ModelRunner:
         if self.kernel_backend == "torch":
             hidden = self._layers_forward(x, positions, write, self._decode_attn_plan(positions, table))
         else:
-            tiles = self._row_tiles(positions, table, table.shape[1] * self.cache.layout.block_size)
-            hidden = self._layers_forward_fused(x, positions, write, tiles)
+            hidden = self.fused.layers(x, positions, write, self.fused.row_tiles(positions, table))
         return hidden, self.llm.lm_head(hidden)
 
 

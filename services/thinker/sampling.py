@@ -180,6 +180,8 @@ def choose_tokens(
     """
     out: list[int] = [0] * len(samplers)
     greedy_rows = [i for i, s in enumerate(samplers) if s.batchable_greedy]
+    if len(greedy_rows) == len(samplers):  # the common serving step: one argmax, one host sync
+        return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
     if greedy_rows:
         idx = torch.tensor(greedy_rows, device=logits.device)
         best = torch.argmax(logits.index_select(0, idx), dim=-1).tolist()
@@ -192,7 +194,10 @@ def choose_tokens(
     for cls, rows in groups.items():
         picked = logits[rows].float() if len(rows) < len(samplers) else logits.float()
         tokens = cls.choose_rows(
-            [samplers[i] for i in rows], picked, [histories[i] for i in rows], [num_generated[i] for i in rows]
+            [samplers[i] for i in rows],
+            picked,
+            [histories[i] for i in rows],
+            [num_generated[i] for i in rows],
         )
         for i, tok in zip(rows, tokens, strict=True):
             out[i] = int(tok)

@@ -1,0 +1,111 @@
+"""The thinker's decoder layers through the fused kernels (:mod:`services.thinker.kernels`).
+
+:class:`FusedForward` is what :class:`~services.thinker.runner.ModelRunner` runs instead of its
+pure-torch layer loop when the kernel backend is not ``torch``: per layer add+RMSNorm, the QKV GEMM,
+q/k norm + rotary + the K/V write into the paged cache, paged attention straight from the pages (no
+gather), the O GEMM, add+RMSNorm, the gate|up GEMM, SwiGLU and the down GEMM, whose residual add is
+fused into the next layer's input norm (the last one into the final norm). It also builds the attention
+tiles of a step: one-row tiles for a packed-row (graph) step, derived on the device from the graph's
+inputs; 16-row tiles of each prefill chunk for an eager step, built on the host.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from services.thinker.kernels import AttentionTiles, key_splits
+from services.thinker.kv_cache import BlockPool
+
+if TYPE_CHECKING:
+    from services.thinker.runner import ModelRunner, StepInput
+
+EAGER_TILE_ROWS = 16  # rows of one sequence per attention tile in eager steps (prefill chunks)
+
+
+class FusedForward:
+    """The fused layer loop and tile builders of one runner (its weights, cache and kernel ops)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._row_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        dev = runner.device
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+
+    def layers(
+        self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
+    ) -> torch.Tensor:
+        """Every decoder layer over packed rows ``x [T, hidden]``; returns the final-norm hidden."""
+        r = self.runner
+        ops = r.ops
+        t = x.shape[0]
+        hq, hkv, d = r.num_heads, r.num_kv_heads, r.head_dim
+        delta: torch.Tensor | None = None
+        for idx, lay in enumerate(r.layers):
+            if delta is None:
+                h = ops.rms_norm(x, lay.input_norm_weight, lay.input_eps)
+            else:
+                x, h = ops.add_rms_norm(x, delta, lay.input_norm_weight, lay.input_eps)
+            qkv = F.linear(h, lay.qkv_weight, lay.qkv_bias)
+            k_cache, v_cache = r.cache.k[idx], r.cache.v[idx]
+            q = ops.qk_rope_store(
+                qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, positions, write_slots,
+                k_cache, v_cache, hq, hkv,
+            )  # fmt: skip
+            o = ops.paged_attention(q, k_cache, v_cache, tiles)
+            attn_out = F.linear(o.view(t, hq * d), lay.o_weight, lay.o_bias)
+            x, h = ops.add_rms_norm(x, attn_out, lay.post_norm_weight, lay.post_eps)
+            delta = F.linear(ops.silu_mul(F.linear(h, lay.gate_up_weight)), lay.down_weight)
+        norm = r.model.norm
+        if delta is None:
+            return ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))
+        return ops.add_rms_norm(x, delta, norm.weight, float(norm.variance_epsilon))[1]
+
+    def splits(self, tiles: int, context: int) -> int:
+        return key_splits(tiles, self.runner.num_kv_heads, context, self.sms)
+
+    def row_tiles(self, positions: torch.Tensor, table: torch.Tensor) -> AttentionTiles:
+        """Tiles of a packed-row step: every row its own one-row tile over its own block-table row.
+
+        Graph-safe: the row/length tensors are cached per row count (created during the warm-up passes
+        that precede a capture), the positions and table are the graph's own inputs.
+        """
+        b = positions.shape[0]
+        consts = self._row_consts.get(b)
+        if consts is None or consts[0].device != positions.device:
+            dev = positions.device
+            consts = (torch.arange(b, device=dev), torch.ones(b, dtype=torch.long, device=dev))
+            self._row_consts[b] = consts
+        rows, ones = consts
+        bs = self.runner.cache.layout.block_size
+        return AttentionTiles(rows, ones, rows, positions, table, bs, 1, self.splits(b, table.shape[1] * bs))
+
+    def eager_tiles(self, inp: StepInput) -> AttentionTiles:
+        """Tiles of an eager step: one per decode row, each prefill chunk cut into 16-row tiles."""
+        bs = self.runner.cache.layout.block_size
+        tables: list[list[int]] = []
+        tiles: list[tuple[int, int, int, int]] = []  # (row, length, sequence, position)
+        for i, r in enumerate(inp.decode):
+            tables.append(r.blocks[: r.position // bs + 1])
+            tiles.append((i, 1, i, r.position))
+        row = len(inp.decode)
+        for chunk in inp.prefill:
+            n = len(chunk.token_ids)
+            seq = len(tables)
+            tables.append(chunk.blocks[: (chunk.start + n - 1) // bs + 1])
+            tiles.extend(
+                (row + k, min(EAGER_TILE_ROWS, n - k), seq, chunk.start + k)
+                for k in range(0, n, EAGER_TILE_ROWS)
+            )
+            row += n
+        width = max(len(t) for t in tables)
+        table = torch.full((len(tables), width), BlockPool.SCRATCH_BLOCK, dtype=torch.long)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        dev = self.runner.device
+        meta = torch.tensor(tiles, dtype=torch.long).t().contiguous().to(dev, non_blocking=True)
+        return AttentionTiles(
+            meta[0], meta[1], meta[2], meta[3], table.to(dev, non_blocking=True), bs, EAGER_TILE_ROWS
+        )
