@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,12 @@ class Comparison:
     tokens: int
     verdict: str  # identical | near-tie | MISMATCH
     first_diff: int | None = None
-    margin_at_diff: float | None = None
+    margin_at_diff: float | None = None  # eager top-2 logit margin at the first difference
     max_abs_diff_before: float = 0.0  # hidden rows (thinker) or logits (talker) on the shared prefix
     max_rel_diff_before: float = 0.0
     compared_rows: int = 0
     detail: str = ""
+    gap_at_diff: float | None = None  # eager logit of the eager pick minus that of the graph's pick
 
 
 @dataclass
@@ -62,12 +64,16 @@ Top2 = tuple[int, int, float]  # (best id, runner-up id, margin) of the eager lo
 
 
 def compare(stage: str, batch: int, request: int, eager: Run, graph: Run, top2: list[Top2 | None],
-            tie_margin: float, rel_tol: float | None = None) -> Comparison:
+            tie_margin: float, rel_tol: float | None = None,
+            logits_at: Callable[[int], torch.Tensor] | None = None) -> Comparison:
     """Tokens decide; ``top2[k]`` describes the eager logits that chose token k (None when unknown).
 
     A first difference is a ``near-tie`` only when the graph picked the eager runner-up and the eager
-    margin is below ``tie_margin``: a broken graph produces tokens that are not the runner-up. The
-    hidden/logit drift on the shared prefix is reported, and enforced only when ``rel_tol`` is given.
+    margin is below ``tie_margin``: a broken graph produces tokens that are not the runner-up. With
+    ``logits_at(k)`` (the eager logits that chose token k) the rule is the graph's pick scoring within
+    ``tie_margin`` of the eager best under those logits (``gap_at_diff``), which also covers three-way
+    ties, where the graph's pick need not be the runner-up. The hidden/logit drift on the shared prefix
+    is reported, and enforced only when ``rel_tol`` is given.
     """
     n = min(len(eager.tokens), len(graph.tokens))
     first = next((k for k in range(n) if eager.tokens[k] != graph.tokens[k]), None)
@@ -84,7 +90,13 @@ def compare(stage: str, batch: int, request: int, eager: Run, graph: Run, top2: 
     if first is not None:
         info = top2[first] if first < len(top2) else None
         near_tie = False
-        if info is not None and first < len(graph.tokens):
+        if logits_at is not None and first < len(graph.tokens):
+            lg = logits_at(first).float()
+            best, _runner_up, margin = _top2(lg)
+            c.margin_at_diff = margin
+            c.gap_at_diff = float(lg[best] - lg[graph.tokens[first]])
+            near_tie = c.gap_at_diff < tie_margin
+        elif info is not None and first < len(graph.tokens):
             _best, runner_up, margin = info
             c.margin_at_diff = margin
             near_tie = graph.tokens[first] == runner_up and margin < tie_margin
@@ -171,11 +183,17 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
         graph = thinker_runs(llm, device, True, prompts, args.tokens, args.kv_bytes, late, args.graph_kernels)
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
             # Row k is the hidden of token k fed back; it chose token k+1. Token 0 came from the prefill.
-            with torch.inference_mode():
-                top2: list[Top2 | None] = [None] + [
-                    _top2(llm.lm_head(r.to(device, dtype))) for r in e.rows[: len(e.tokens) - 1]
-                ]
-            c = compare("thinker", batch, i, e, g, top2, args.tie_margin, args.rel_tol)
+            # Token 0 came from the prompt's last row, which the engine does not export: its logits are
+            # the transformers forward of the prompt (same weights, dtype and device).
+            def logits_at(k: int, e: Run = e, prompt: list[int] = prompts[i],
+                          model: torch.nn.Module = llm) -> torch.Tensor:
+                with torch.inference_mode():
+                    if k == 0:
+                        ids = torch.tensor([prompt], device=device)
+                        return model(input_ids=ids).logits[0, -1]
+                    return model.lm_head(e.rows[k - 1].to(device, dtype))
+
+            c = compare("thinker", batch, i, e, g, [], args.tie_margin, args.rel_tol, logits_at)
             out.append(c)
             print(f"[cuda_smoke] thinker batch {batch} request {i}: {c.verdict} ({c.tokens} tokens, "
                   f"max rel diff {c.max_rel_diff_before:.2e} over {c.compared_rows} rows) {c.detail}", flush=True)
@@ -293,12 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         "comparisons": [asdict(c) for c in results],
     }
     (out_dir / "cuda_smoke.json").write_text(json.dumps(report, indent=2))
-    lines = ["| stage | batch | request | tokens | verdict | first diff | margin | max rel diff before |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| stage | batch | request | tokens | verdict | first diff | top-2 margin | gap to graph's pick "
+             "| max rel diff before |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in results:
         margin = "—" if c.margin_at_diff is None else f"{c.margin_at_diff:.3g}"
+        gap = "—" if c.gap_at_diff is None else f"{c.gap_at_diff:.3g}"
         lines.append(f"| {c.stage} | {c.batch} | {c.request} | {c.tokens} | {c.verdict} | "
-                     f"{'—' if c.first_diff is None else c.first_diff} | {margin} | {c.max_rel_diff_before:.2e} |")
+                     f"{'—' if c.first_diff is None else c.first_diff} | {margin} | {gap} "
+                     f"| {c.max_rel_diff_before:.2e} |")
     (out_dir / "cuda_smoke.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     print(f"[cuda_smoke] {report['status']}: {len(results) - len(failed)}/{len(results)} requests agree "

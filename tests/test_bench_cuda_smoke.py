@@ -39,6 +39,17 @@ def test_compare_identical_near_tie_and_mismatch() -> None:
     assert short.verdict == "MISMATCH" and short.first_diff == 2
 
 
+def test_compare_with_eager_logits_counts_three_way_ties() -> None:
+    """With the eager logits the graph's pick only has to score within the margin of the eager best."""
+    logits = torch.zeros(10)
+    logits[3], logits[7], logits[9] = 5.0, 5.0, 4.99  # a three-way near-tie at step 0
+    tie = compare("thinker", 1, 0, _run([3, 1]), _run([9, 1]), [], 0.05, logits_at=lambda k: logits)
+    assert tie.verdict == "near-tie" and tie.first_diff == 0 and tie.margin_at_diff == 0.0
+    assert tie.gap_at_diff == pytest.approx(0.01, abs=1e-6)
+    far = compare("thinker", 1, 0, _run([3, 1]), _run([1, 1]), [], 0.05, logits_at=lambda k: logits)
+    assert far.verdict == "MISMATCH" and far.gap_at_diff == pytest.approx(5.0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
 def test_skips_without_cuda(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench.cuda_smoke", "--checkpoint", str(tmp_path)],

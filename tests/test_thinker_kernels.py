@@ -197,7 +197,8 @@ def test_key_splits_rule() -> None:
     """Few tiles over a long context split their keys; many tiles or short contexts do not."""
     from services.thinker.kernels import key_splits
 
-    assert key_splits(1, 8, 512, 132) == 2
+    assert key_splits(1, 8, 512, 132) == 4
     assert key_splits(1, 8, 4096, 132) == 16
-    assert key_splits(16, 8, 4096, 132) == 1
-    assert key_splits(1, 8, 256, 132) == 1
+    assert key_splits(16, 8, 1024, 132) == 2
+    assert key_splits(32, 8, 1024, 132) == 1
+    assert key_splits(1, 8, 128, 132) == 1

@@ -123,6 +123,25 @@ def graph_replay_ms(engine: ThinkerEngine, batch: int, context: int, iters: int 
     return start.elapsed_time(end) / iters
 
 
+def profile_step(engine: ThinkerEngine, batch: int, context: int, rows: int = 25) -> str | None:
+    """Top GPU kernels of one decode step's body, run eagerly on the graph's own inputs (same kernels as
+    the replay; launch gaps excluded), from the torch profiler; None without a captured graph."""
+    graph = engine.runner._graph_for(batch, context, capture=False) if engine.runner.use_cuda_graphs else None
+    if graph is None:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    args = (graph.ids, graph.pos, graph.write, graph.table, graph.embeds, graph.use_embeds)
+    with torch.inference_mode():
+        engine.runner.decode_forward_static(*args)
+        torch.cuda.synchronize(engine.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                engine.runner.decode_forward_static(*args)
+            torch.cuda.synchronize(engine.device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
 def engine_prefill(engine: ThinkerEngine, prompt_len: int, iters: int) -> dict[str, float]:
     times = []
     for i in range(iters + 1):  # the first run warms up kernels for this shape
@@ -246,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer blocks")
     ap.add_argument("--kv-budget-gb", type=float, default=None)
     ap.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth for the roofline (GB/s)")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one decode step (CUDA)")
     ap.add_argument("--no-floor", action="store_true", help="skip the matmul-stack / matmul-rate floors")
     ap.add_argument("--kernels", default=None, help="thinker kernel backend: torch | triton | auto")
     ap.add_argument("--json-out", default=None)
@@ -299,7 +319,18 @@ def main(argv: list[str] | None = None) -> int:
         r["bytes_per_step"] = step_bytes
         r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
         decode.append(r)
+    if args.profile and device.type == "cuda":
+        ctx = args.context_len + args.warmup_steps + args.decode_steps + 1
+        print(f"torch profiler, 3 decode-step bodies at batch {batches[0]} (eager, the graph's kernels):")
+        print(profile_step(engine, batches[0], ctx))
     prefill = engine_prefill(engine, args.prompt_len, args.prefill_iters)
+    if args.profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine_prefill(engine, args.prompt_len, 1)
+        print(f"torch profiler, 2 prefills of {args.prompt_len} tokens:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     ref = None if args.no_floor else floor.reference(engine.runner, batches, device)
     if ref:
         flops = floor.prefill_flops(engine.runner, args.prompt_len)

@@ -181,11 +181,13 @@ class AttentionTiles:
 def key_splits(tiles: int, kv_heads: int, context: int, sms: int) -> int:
     """Key splits per tile (a power of two, at most 16) so that few tiles still spread over the SMs.
 
-    A split keeps at least 256 keys, and tiles x KV heads x splits stays within half the SM count
-    (doubling past that only adds the combine pass's cost for no more parallel reads).
+    Decode attention is latency-bound (a loop of dependent page, K and V loads per program), so more,
+    shorter programs finish sooner until the GPU is full: split while the programs stay within two per
+    SM and every split keeps at least 128 keys (two 64-key blocks). Measured on the H200 by
+    ``python -m bench.thinker.attention`` (BENCHMARKS.md).
     """
     s = 1
-    while s < 16 and tiles * kv_heads * s * 2 <= sms and context // (2 * s) >= 256:
+    while s < 16 and tiles * kv_heads * s * 2 <= 2 * sms and context // (2 * s) >= 128:
         s *= 2
     return s
 

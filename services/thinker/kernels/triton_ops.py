@@ -296,7 +296,7 @@ class TritonOps:
         g = hq // hkv
         out = torch.empty_like(q)
         block_m = max(16, triton.next_power_of_2(tiles.block_t * g))
-        block_n = 64 if block_m >= 64 else 32
+        block_n = 64
         splits = tiles.splits
         if splits > 1:
             po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
