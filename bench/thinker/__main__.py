@@ -114,13 +114,7 @@ def graph_replay_ms(engine: ThinkerEngine, batch: int, context: int, iters: int 
     graph = engine.runner._graph_for(batch, context, capture=False) if engine.runner.use_cuda_graphs else None
     if graph is None or engine.device.type != "cuda":
         return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph._replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    return 1e3 * floor.time_per_call(graph._replay, engine.device, iters)
 
 
 def profile_step(engine: ThinkerEngine, batch: int, context: int, rows: int = 25) -> str | None:

@@ -19,34 +19,16 @@ import json
 import torch
 import torch.nn.functional as F
 
+from bench.thinker import floor
 from services.thinker.kernels import AttentionTiles, TorchOps, key_splits
 
 
 def _graph_us(fn, device: torch.device, layers: int = 36, iters: int = 20) -> float:  # noqa: ANN001
+    """µs per call of ``fn`` recorded ``layers`` times into one CUDA graph (one eager call on CPU)."""
     if device.type != "cuda":
-        import time
-
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return 1e6 * (time.perf_counter() - t0)
-    s = torch.cuda.Stream(device=device)
-    s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(layers):
-            fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / iters / layers
+        return 1e6 * floor.time_per_call(fn, device, 1)
+    graph = floor.capture_graph(fn, device, layers)
+    return 1e6 * floor.time_per_call(graph.replay, device, iters) / layers
 
 
 def _case(device: torch.device, ops, b: int, ctx: int, splits_for) -> dict:  # noqa: ANN001

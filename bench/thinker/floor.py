@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 
-def _time_per_call(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+def time_per_call(fn: Callable[[], object], device: torch.device, iters: int) -> float:
     """Seconds per call of ``fn`` (CUDA events on the GPU, wall clock on CPU), after two warm-ups."""
     for _ in range(2):
         fn()
@@ -57,7 +57,15 @@ def matmul_stack_ms(weights: list[torch.Tensor], batch: int, device: torch.devic
             torch.matmul(inputs[w.shape[1]], w.t(), out=out)
 
     if device.type != "cuda":
-        return 1e3 * _time_per_call(body, device, max(1, iters // 25))
+        return 1e3 * time_per_call(body, device, max(1, iters // 25))
+    graph = capture_graph(body, device)
+    ms = 1e3 * time_per_call(graph.replay, device, iters)
+    del graph
+    return ms
+
+
+def capture_graph(body: Callable[[], object], device: torch.device, repeat: int = 1) -> torch.cuda.CUDAGraph:
+    """``body`` run once on a side stream (lazy init, allocator), then ``repeat`` times into one graph."""
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -65,10 +73,9 @@ def matmul_stack_ms(weights: list[torch.Tensor], batch: int, device: torch.devic
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        body()
-    ms = 1e3 * _time_per_call(graph.replay, device, iters)
-    del graph
-    return ms
+        for _ in range(repeat):
+            body()
+    return graph
 
 
 @torch.inference_mode()
@@ -78,7 +85,7 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int | None = Non
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     out = torch.empty(n, n, dtype=dtype, device=device)
-    t = _time_per_call(lambda: torch.matmul(a, b, out=out), device, 10 if device.type == "cuda" else 2)
+    t = time_per_call(lambda: torch.matmul(a, b, out=out), device, 10 if device.type == "cuda" else 2)
     return 2 * n**3 / t
 
 
@@ -95,7 +102,7 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     n = nbytes or (2**30 if device.type == "cuda" else 2**24)
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t = _time_per_call(lambda: dst.copy_(src), device, 20 if device.type == "cuda" else 2)
+    t = time_per_call(lambda: dst.copy_(src), device, 20 if device.type == "cuda" else 2)
     return 2 * n / t
 
 
