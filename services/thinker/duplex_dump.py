@@ -62,7 +62,7 @@ def _png(rgb: np.ndarray) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.fromarray(np.asarray(rgb, dtype=np.uint8), "RGB").save(buf, format="PNG")
+    Image.fromarray(np.asarray(rgb, dtype=np.uint8)).save(buf, format="PNG")  # HxWx3 uint8: RGB
     return buf.getvalue()
 
 
