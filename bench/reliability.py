@@ -53,7 +53,7 @@ def start_pipeline(out: Path, overrides: dict[str, Any] | None = None) -> Any:
 # sequences, KV cache bytes. All must read 0 once no client is connected.
 _IDLE_GAUGES = ("minicpmo_stage_in_flight", "minicpmo_stage_streams_active", "minicpmo_stage_queue_depth",
                 "minicpmo_thinker_running", "minicpmo_thinker_sequences", "minicpmo_thinker_kv_used_bytes",
-                "minicpmo_talker_engine_streams")
+                "minicpmo_talker_engine_streams", "minicpmo_code2wav_cache_bytes")
 
 
 def stage_gauges(pipe: Any) -> dict[str, float]:
