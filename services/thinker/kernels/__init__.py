@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from services.thinker.kernels.tiles import AttentionTiles
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "triton")
@@ -147,35 +149,6 @@ class TorchOps:
             o = torch.nn.functional.scaled_dot_product_attention(qt[None], k[None], v[None], attn_mask=mask)
             out[row : row + n] = o[0].view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
         return out
-
-
-class AttentionTiles:
-    """Where each query tile of a step lives: packed rows, sequence (block-table row) and positions.
-
-    A tile is up to ``block_t`` consecutive rows of one sequence whose positions are ``pos, pos+1, ...``;
-    it attends to keys ``[0, pos + t]`` for its row ``t``. Decode rows are tiles of one row. ``table`` is
-    ``[sequences, max_blocks]`` (int64 block ids, padded with the scratch block); ``splits`` splits each
-    tile's keys over that many programs (flash-decoding) when tiles are too few to fill the GPU.
-    """
-
-    __slots__ = ("row", "length", "seq", "pos", "table", "page_size", "block_t", "splits")
-
-    def __init__(
-        self,
-        row: torch.Tensor,
-        length: torch.Tensor,
-        seq: torch.Tensor,
-        pos: torch.Tensor,
-        table: torch.Tensor,
-        page_size: int,
-        block_t: int,
-        splits: int = 1,
-    ) -> None:
-        self.row, self.length, self.seq, self.pos = row, length, seq, pos
-        self.table = table
-        self.page_size = int(page_size)
-        self.block_t = int(block_t)
-        self.splits = max(1, int(splits))
 
 
 def key_splits(tiles: int, kv_heads: int, context: int, sms: int) -> int:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.thinker.kernels import AttentionTiles
+from services.thinker.kernels.tiles import AttentionTiles
 
 
 @triton.jit
