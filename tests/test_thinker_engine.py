@@ -392,6 +392,7 @@ def test_graph_warmup_enumerates_every_bucket_up_to_the_limits() -> None:
         GRAPH_MAX_CONTEXT=ModelRunner.GRAPH_MAX_CONTEXT,
         PACKED_MAX_ROWS=ModelRunner.PACKED_MAX_ROWS,
         _graph_for=lambda b, c: seen.append((b, c)),
+        kernel_backend="torch",
     )
     # Row buckets go up to PACKED_MAX_ROWS (32) even for 8 sequences: packed prefill steps use them.
     assert ModelRunner.warmup_graphs(fake, 8, 1024) == 18
@@ -400,6 +401,13 @@ def test_graph_warmup_enumerates_every_bucket_up_to_the_limits() -> None:
     assert ModelRunner.warmup_graphs(fake, 3, 300) == 12  # 300 -> bucket 512
     assert seen == [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (256, 512)]
     assert ModelRunner.warmup_graphs(fake, 8, 0) == 0
+    # The Triton backend also runs one eager 16-token step into the scratch block first, so the eager
+    # kernel variants compile at start-up rather than at the first prefill.
+    eager: list = []
+    fake.kernel_backend, fake._eager_step = "triton", eager.append
+    assert ModelRunner.warmup_graphs(fake, 1, 256) == 6
+    [step] = eager
+    assert not step.decode and [(len(c.token_ids), c.start, c.blocks) for c in step.prefill] == [(16, 0, [0])]
     fake.use_cuda_graphs = False
     assert ModelRunner.warmup_graphs(fake, 8, 1024) == 0
 

@@ -574,6 +574,13 @@ class ModelRunner:
         """
         if not self.use_cuda_graphs or max_batch < 1 or max_context < 1:
             return 0
+        if self.kernel_backend != "torch":
+            # Compile the eager step's kernel variants now (16-row attention tiles): a first prefill would
+            # otherwise JIT-compile them while serving. 16 tokens at positions 0..15 of the scratch block,
+            # which only ever needs finite values.
+            self._eager_step(
+                StepInput(prefill=[PrefillChunk([0] * 16, 0, [BlockPool.SCRATCH_BLOCK], None, True)])
+            )
         # Steps that pack prefill chunks use row buckets up to PACKED_MAX_ROWS whatever max_batch is.
         max_batch = max(max_batch, self.PACKED_MAX_ROWS)
         top_batch = next(

@@ -7,7 +7,10 @@ an online softmax (flash-attention order), which differs from SDPA only by fp32 
 the bf16 rounding of the probabilities before the P·V product.
 
 Launch shapes are fixed by the tensors' shapes and ``AttentionTiles`` (no host reads of device data),
-so every wrapper is safe inside a CUDA-graph capture.
+so every wrapper is safe inside a CUDA-graph capture. Arguments that vary from step to step (row counts,
+block-table widths, the alignment of tile-metadata views) are excluded from Triton's specialisation, so a
+new step shape never triggers a JIT compile while serving (a compile takes hundreds of milliseconds and
+stalls every stream); :meth:`ModelRunner.warmup_graphs` compiles the eager variant at start-up.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _qk_rope_store_kernel(
     qkv_ptr,
     w_ptr,
@@ -106,7 +109,10 @@ def _qk_rope_store_kernel(
         tl.store(v_ptr + (slot * HKV + (h - HQ - HKV)) * D + offs, x)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["table_stride", "n_rows"],
+    do_not_specialize_on_alignment=["row_ptr", "len_ptr", "seq_ptr", "pos_ptr", "table_ptr"],
+)
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -197,7 +203,7 @@ def _paged_attention_kernel(
         tl.store(pl_ptr + part, l_i, mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _combine_splits_kernel(
     po_ptr, pm_ptr, pl_ptr, o_ptr, n_rows, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
 ):
