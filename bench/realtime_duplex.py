@@ -1,29 +1,29 @@
-"""Realtime duplex load: N concurrent sessions, with a barge-in in each (issue 7's benchmark).
+"""Realtime duplex at scale: 1/4/8/16 concurrent sessions paced in real time (issues 7 and 16).
 
     python -m bench.realtime_duplex --checkpoint CKPT [--deploy-config minicpmo_4_5] [--device cuda] \
-        [--sessions 1 4 8] [--out-dir DIR]          # launches the pipeline itself (bench/all 'realtime')
+        [--sessions 1 4 8 16] [--duration 60] [--lanes turn native] [--out-dir DIR]   # launches the pipeline
     python -m bench.realtime_duplex --url ws://127.0.0.1:8099 --ref-audio voice.wav \
-        [--http-url http://127.0.0.1:8099] [--units 4] [--out results.json]   # against a running gateway
+        [--http-url http://127.0.0.1:8099] [--out results.json]                       # a running gateway
 
-Per session (turn lane, so a random-weight model answers too): commit 2 s of audio, ``response.create``,
-barge in at the first audio delta, commit again, ``response.create``, wait for ``response.done``, close.
-Reported per concurrency level (p50/p90):
+Each session runs the controlled workload of :mod:`bench.realtime_workload` for ``--duration`` seconds:
+the turn lane (2 s of speech, a response speaking up to ``--units`` units, 2 s of speech, a response with
+a barge-in at its first audio delta, again), and separately the native lane (speech and silence
+streamed continuously, the model deciding when to speak, a final commit at the end). Reported per lane
+and level (JSON + Markdown):
 
-* ``first_audio_s`` — ``response.create`` to the first audio delta;
-* ``barge_in_ms`` — ``barge_in`` sent to the cancelled ``response.done`` (client side, includes one
-  socket round trip; the gateway's own histogram is ``minicpmo_realtime_barge_in_seconds``);
-* ``audio_rtf`` — wall time from the first to the last audio delta of the second response divided by
-  the audio duration it carried;
-* from the gateway's ``/metrics`` (deltas over the run): mean unit decision time
-  (``minicpmo_realtime_unit_decision_seconds``), its real-time factor (÷ 1 s), the mean per-stage
-  interrupt-ack latency (``minicpmo_realtime_stage_interrupt_ack_seconds``) and the gateway barge-in
-  latency (``minicpmo_realtime_barge_in_seconds``: barge_in received -> cancelled response.done, after
-  which no audio of it is sent);
-* from each stage's own ``/metrics`` (launch mode): the stage-side barge-in latency
-  ``minicpmo_stage_interrupt_drain_seconds`` (interrupt received -> last engine step of the old epoch).
-
-Per-unit processing time is reported as the thinker's unit decision time plus the talker + code2wav time
-for one second of audio (``audio_rtf`` x 1 s); the target is a unit real-time factor <= 0.25 at 4 sessions.
+* ``unit_rtf`` p50/p90/p99: per audio delta after a response's first, the time since the previous delta
+  divided by the audio it carried (client side);
+* underruns by the client playout model (playback 200 ms after the first delta; an underrun: the
+  received audio runs out before the next delta), count and total ms per session;
+* ``first_audio_s``: commit (+ ``response.create``) to the first audio delta (turn lane);
+* ``barge_in_ms``: ``barge_in`` sent to the cancelled ``response.done`` (client side), the gateway's
+  ``minicpmo_realtime_barge_in_seconds``, and each stage's drain
+  (``minicpmo_stage_interrupt_drain_seconds``: interrupt received -> last engine step of the old epoch);
+* the thinker's unit split (queued / encode / engine), step split (forward / host, i.e. the rest of the
+  step: sampling, its sync, events), each stage's mean engine batch size, the streaming-Whisper batch
+  size (units per encode call), and each stage's busy share: its engine step seconds per wall second
+  (a host-side proxy; with ``pynvml`` installed also the NVML per-process SM utilisation);
+* the gateway's unit decision time (``minicpmo_realtime_unit_decision_seconds``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import asyncio
 import base64
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,20 +41,18 @@ from typing import Any
 import numpy as np
 
 from bench.e2e_client import histogram_sums
+from bench.realtime_workload import SessionResult, native_session, turn_session
 
-
-def _pcm_b64(seconds: float) -> str:
-    t = np.arange(int(seconds * 16000)) / 16000
-    return base64.b64encode((0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()).decode()
-
-
-# Stage histograms read per level: the barge-in drain of every stage, and the thinker's split of a duplex
-# unit (queued / encode / engine) and of an engine step (forward / sample).
-STAGE_PREFIXES = "(?:minicpmo_stage_interrupt_drain_|minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_)"
+# Stage histograms read per level: barge-in drain, engine step time and batch size of every stage; the
+# thinker's split of a duplex unit (queued / encode / engine) and of a step (forward / sample), and its
+# streaming-Whisper batch size.
+STAGE_PREFIXES = ("(?:minicpmo_stage_interrupt_drain_|minicpmo_stage_step_|minicpmo_stage_batch_|"
+                  "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_whisper_)")
+STAGES = ("thinker", "talker", "code2wav")
 
 
 def _scrape(http_url: str | None, stage_urls: list[str] | None = None) -> dict[str, float]:
-    """Histogram sums/counts of the gateway (minicpmo_realtime_*) and the stages' drain histogram."""
+    """Histogram sums/counts of the gateway (minicpmo_realtime_*) and of the stages (STAGE_PREFIXES)."""
     out: dict[str, float] = {}
     if http_url:
         out.update(histogram_sums(f"{http_url}/metrics", "minicpmo_realtime_"))
@@ -63,121 +62,150 @@ def _scrape(http_url: str | None, stage_urls: list[str] | None = None) -> dict[s
     return out
 
 
-async def one_session(url: str, ref_uri: str, units: int) -> dict[str, float]:
-    import websockets
-
-    async with websockets.connect(f"{url}/v1/realtime?duplex=1&autostart=0", max_size=None) as ws:
-        async def until(pred: Any) -> dict[str, Any]:
-            while True:
-                event = json.loads(await ws.recv())
-                if event["type"] == "error":
-                    raise RuntimeError(event["error"])
-                if pred(event):
-                    return event
-
-        await ws.send(json.dumps({"type": "session.update", "session": {
-            "modalities": ["audio", "text"], "ref_audio": ref_uri, "turn_detection": None,
-            "extra_body": {"max_response_units": units}}}))
-        await until(lambda e: e["type"] == "session.updated")
-        res: dict[str, float] = {}
-        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _pcm_b64(2.0)}))
-        await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
-        t0 = time.monotonic()
-        await ws.send(json.dumps({"type": "response.create"}))
-        await until(lambda e: e["type"] == "response.output_audio.delta")
-        res["first_audio_s"] = time.monotonic() - t0
-        t1 = time.monotonic()
-        await ws.send(json.dumps({"type": "barge_in"}))
-        await until(lambda e: e["type"] == "response.done")
-        res["barge_in_ms"] = 1000 * (time.monotonic() - t1)
-        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": _pcm_b64(2.0)}))
-        await ws.send(json.dumps({"type": "input_audio_buffer.commit", "response_create": True}))
-        first = last = None
-        audio_ms = 0
-        while True:
-            event = await until(lambda e: e["type"] in ("response.output_audio.delta", "response.done"))
-            if event["type"] == "response.done":
-                break
-            now = time.monotonic()
-            first = first or now
-            last = now
-            audio_ms = event["metadata"]["audio_duration_ms"]
-        if first is not None and last is not None and audio_ms:
-            res["audio_rtf"] = (last - first) / (audio_ms / 1000)
-        await ws.send(json.dumps({"type": "session.close"}))
-        await until(lambda e: e["type"] == "session.closed")
-        return res
-
-
 def _pct(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     arr = np.asarray(values)
-    return {"p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90)), "n": len(values)}
+    return {"p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90)),
+            "p99": float(np.percentile(arr, 99)), "n": len(values)}
 
 
-async def run_level(args: argparse.Namespace, n: int, ref_uri: str,
-                    stage_urls: list[str] | None = None) -> dict[str, Any]:
+class NvmlSampler:
+    """Mean SM utilisation per stage process from NVML's per-process accounting (when pynvml is there)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.samples: dict[str, list[int]] = {name: [] for name in pids}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # noqa: BLE001 - optional: no NVML, no GPU, or no package
+            return
+        self._thread = threading.Thread(target=self._run, args=(pynvml,), daemon=True)
+        self._thread.start()
+
+    def _run(self, pynvml: Any) -> None:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        by_pid = {pid: name for name, pid in self.pids.items()}
+        last = 0
+        while not self._stop.wait(0.5):
+            for handle in handles:
+                try:
+                    rows = pynvml.nvmlDeviceGetProcessUtilization(handle, last)
+                except Exception:  # noqa: BLE001 - no samples yet in this window
+                    continue
+                for row in rows:
+                    last = max(last, int(row.timeStamp))
+                    if row.pid in by_pid:
+                        self.samples[by_pid[row.pid]].append(int(row.smUtil))
+
+    def stop(self) -> dict[str, float | None]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        return {name: (sum(v) / len(v) / 100 if v else None) for name, v in self.samples.items()}
+
+
+async def _sessions(args: argparse.Namespace, lane: str, n: int, ref_uri: str) -> list[Any]:
+    script = turn_session if lane == "turn" else native_session
+    return await asyncio.gather(*(script(args.url, ref_uri, args.duration, args.units) for _ in range(n)),
+                                return_exceptions=True)
+
+
+def run_level(args: argparse.Namespace, lane: str, n: int, ref_uri: str, stage_urls: list[str] | None = None,
+              pids: dict[str, int] | None = None) -> dict[str, Any]:
+    """One lane at one concurrency level: run the sessions, then fold client timings and metric deltas."""
     before = _scrape(args.http_url, stage_urls)
-    results = await asyncio.gather(*(one_session(args.url, ref_uri, args.units) for _ in range(n)),
-                                   return_exceptions=True)
+    nvml = NvmlSampler(pids or {})
+    nvml.start()
+    t0 = time.monotonic()
+    results = asyncio.run(_sessions(args, lane, n, ref_uri))
+    wall = time.monotonic() - t0
+    gpu = nvml.stop()
     after = _scrape(args.http_url, stage_urls)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    ok = [r for r in results if isinstance(r, dict)]
-    level: dict[str, Any] = {"sessions": n, "failed": len(results) - len(ok),
-                             "errors": [repr(r)[:300] for r in results if not isinstance(r, dict)]}
-    for key in ("first_audio_s", "barge_in_ms", "audio_rtf"):
-        level[key] = _pct([r[key] for r in ok if key in r])
+    ok = [r for r in results if isinstance(r, SessionResult)]
+    per_session = [r.summary() for r in ok]
+    level: dict[str, Any] = {
+        "lane": lane, "sessions": n, "wall_s": wall,
+        "failed": len(results) - len(ok) + sum(bool(s["errors"]) for s in per_session),
+        "errors": [repr(r)[:300] for r in results if not isinstance(r, SessionResult)]
+        + [e for s in per_session for e in s["errors"]][:20],
+        "responses": sum(s["responses"] for s in per_session),
+        "completed": sum(s["completed"] for s in per_session),
+        "unit_rtf": _pct([v for r in ok for c in r.responses for v in c.unit_rtf]),
+        "first_audio_s": _pct([x for r in ok for x in r.first_audio_s]),
+        "barge_in_ms": _pct([x for r in ok for x in r.barge_in_ms]),
+        "underruns_per_session": _pct([float(s["underruns"]) for s in per_session]),
+        "underrun_ms_per_session": _pct([s["underrun_ms"] for s in per_session]),
+        "underruns_total": sum(s["underruns"] for s in per_session),
+        "audio_s": sum(s["audio_s"] for s in per_session),
+    }
+    level.update(_metric_means(delta, wall))
+    level["gpu_sm_share"] = gpu
+    return level
 
-    def mean_ms(name: str) -> float | None:
+
+def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
+    """Means (ms, or plain for sizes) of the histograms' deltas over a level, and busy shares."""
+
+    def mean(name: str, scale: float = 1000.0) -> float | None:
         count = delta.get(name.replace("{", "_count{", 1) if "{" in name else name + "_count", 0.0)
         if not count:
             return None
-        total = delta[name.replace("{", "_sum{", 1) if "{" in name else name + "_sum"]
-        return 1000 * total / count
+        return scale * delta[name.replace("{", "_sum{", 1) if "{" in name else name + "_sum"] / count
 
-    decision = mean_ms("minicpmo_realtime_unit_decision_seconds")
-    if decision is not None:
-        level["unit_decision_mean_ms"] = decision
-        if level["audio_rtf"]:
-            level["unit_processing_ms"] = decision + 1000 * level["audio_rtf"]["p50"]
-            level["unit_rtf"] = level["unit_processing_ms"] / 1000
-    level["gateway_barge_in_mean_ms"] = mean_ms("minicpmo_realtime_barge_in_seconds")
-    for stage in ("thinker", "talker", "code2wav"):
-        level[f"{stage}_interrupt_ack_mean_ms"] = mean_ms(
-            f'minicpmo_realtime_stage_interrupt_ack_seconds{{stage="{stage}"}}')
-        level[f"{stage}_drain_mean_ms"] = mean_ms(f'minicpmo_stage_interrupt_drain_seconds{{stage="{stage}"}}')
+    out: dict[str, Any] = {
+        "unit_decision_mean_ms": mean("minicpmo_realtime_unit_decision_seconds"),
+        "gateway_barge_in_mean_ms": mean("minicpmo_realtime_barge_in_seconds"),
+        "whisper_batch_mean": mean("minicpmo_thinker_whisper_batch_size", 1.0),
+    }
+    for stage in STAGES:
+        out[f"{stage}_interrupt_ack_mean_ms"] = mean(f'minicpmo_realtime_stage_interrupt_ack_seconds{{stage="{stage}"}}')
+        out[f"{stage}_drain_mean_ms"] = mean(f'minicpmo_stage_interrupt_drain_seconds{{stage="{stage}"}}')
+        out[f"{stage}_batch_mean"] = mean(f'minicpmo_stage_batch_size{{stage="{stage}"}}', 1.0)
+        busy = delta.get(f'minicpmo_stage_step_seconds_sum{{stage="{stage}"}}')
+        out[f"{stage}_busy_share"] = busy / wall if busy is not None and wall > 0 else None
     for phase in ("queued", "encode", "engine"):
-        level[f"thinker_unit_{phase}_mean_ms"] = mean_ms(
-            f'minicpmo_thinker_duplex_unit_seconds{{phase="{phase}"}}')
+        out[f"thinker_unit_{phase}_mean_ms"] = mean(f'minicpmo_thinker_duplex_unit_seconds{{phase="{phase}"}}')
     for phase in ("forward", "sample"):
-        level[f"thinker_step_{phase}_mean_ms"] = mean_ms(
-            f'minicpmo_thinker_step_phase_seconds{{phase="{phase}"}}')
-    return level
+        out[f"thinker_step_{phase}_mean_ms"] = mean(f'minicpmo_thinker_step_phase_seconds{{phase="{phase}"}}')
+    return out
 
 
 def render_markdown(levels: list[dict[str, Any]]) -> str:
     def f(v: Any, digits: int = 1) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
 
-    lines = ["| sessions | failed | first audio p50 ms | unit decision ms | audio RTF p50 | unit RTF | "
-             "barge-in client p50 ms | gateway ms | stage drain ms thinker / talker / code2wav | "
-             "thinker unit ms queued / encode / engine | thinker step ms forward / sample |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def p(d: dict[str, float] | None, key: str, scale: float = 1.0, digits: int = 3) -> str:
+        return "-" if not d else f(d[key] * scale, digits)
+
+    lines = ["| sessions | lane | failed | unit RTF p50 / p90 / p99 | underruns per session p50 / max, ms | "
+             "first audio p50 / p90 ms | barge-in client p50 ms, stage drain ms thinker / talker / code2wav | "
+             "thinker step ms forward / host, batch | Whisper batch | busy share thinker / talker / code2wav |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for lv in levels:
-        fa = lv["first_audio_s"]["p50"] * 1000 if lv["first_audio_s"] else None
-        rtf = lv["audio_rtf"]["p50"] if lv["audio_rtf"] else None
-        bi = lv["barge_in_ms"]["p50"] if lv["barge_in_ms"] else None
-        drains = " / ".join(f(lv.get(f"{s}_drain_mean_ms"), 2) for s in ("thinker", "talker", "code2wav"))
-        unit = " / ".join(f(lv.get(f"thinker_unit_{p}_mean_ms")) for p in ("queued", "encode", "engine"))
-        step = " / ".join(f(lv.get(f"thinker_step_{p}_mean_ms"), 2) for p in ("forward", "sample"))
-        lines.append(f"| {lv['sessions']} | {lv['failed']} | {f(fa)} | {f(lv.get('unit_decision_mean_ms'))} | "
-                     f"{f(rtf, 3)} | {f(lv.get('unit_rtf'), 3)} | {f(bi)} | "
-                     f"{f(lv.get('gateway_barge_in_mean_ms'), 2)} | {drains} | {unit} | {step} |")
+        rtf = " / ".join(p(lv["unit_rtf"], k) for k in ("p50", "p90", "p99"))
+        under = lv["underruns_per_session"]
+        unders = "-" if not under else f"{under['p50']:.0f} / {lv['underruns_total']}, " + p(
+            lv["underrun_ms_per_session"], "p50", digits=0)
+        first = " / ".join(p(lv["first_audio_s"], k, 1000, 0) for k in ("p50", "p90"))
+        drains = " / ".join(f(lv.get(f"{s}_drain_mean_ms"), 2) for s in STAGES)
+        step = (f"{f(lv.get('thinker_step_forward_mean_ms'), 2)} / {f(lv.get('thinker_step_sample_mean_ms'), 2)}, "
+                f"{f(lv.get('thinker_batch_mean'), 1)}")
+        busy = " / ".join(f(lv.get(f"{s}_busy_share"), 2) for s in STAGES)
+        lines.append(f"| {lv['sessions']} | {lv['lane']} | {lv['failed']} | {rtf} | {unders} | {first} | "
+                     f"{p(lv['barge_in_ms'], 'p50', digits=0)}, {drains} | {step} | "
+                     f"{f(lv.get('whisper_batch_mean'), 1)} | {busy} |")
     return "\n".join(lines) + "\n"
 
 
-def _launch(args: argparse.Namespace) -> tuple[Any, list[str]]:
+def _launch(args: argparse.Namespace) -> tuple[Any, list[str], dict[str, int]]:
     """Start the pipeline for ``--checkpoint`` with the profile; point the bench at it."""
     from bench.cancel import stage_endpoints
     from bench.e2e import MpsDaemon, Pipeline
@@ -205,10 +233,12 @@ def _launch(args: argparse.Namespace) -> tuple[Any, list[str]]:
     args.http_url = pipeline.url
     if not args.ref_audio:
         args.ref_audio = str(Checkpoint(args.checkpoint).ref_audio_path)
-    return pipeline, [ep.metrics_url for ep in stage_endpoints(pipeline)]
+    endpoints = stage_endpoints(pipeline)
+    pids = {ep.stage: pipeline.supervisor.procs[ep.name].pid for ep in endpoints}
+    return pipeline, [ep.metrics_url for ep in endpoints], pids
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="ws://127.0.0.1:8099")
     p.add_argument("--http-url", default=None, help="gateway HTTP base for /metrics (optional)")
@@ -217,42 +247,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--stage-overrides", default=None, help="JSON, as minicpmo-serve takes it")
     p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--units", type=int, default=4, help="max units per response")
+    p.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--lanes", nargs="+", choices=("turn", "native"), default=["turn", "native"],
+                   help="workloads to run at every level (reported separately)")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="seconds each session runs its workload (real-time paced; the last cycle finishes)")
+    p.add_argument("--units", type=int, default=12, help="max units per response (the issue asks >= 10)")
     p.add_argument("--warmup", type=int, default=1,
-                   help="sessions run once, unmeasured, before the first level (CUDA-graph shapes, allocator)")
+                   help="sessions run once (one short turn-lane cycle), unmeasured, before the first level")
     p.add_argument("--ref-audio", default=None, help="voice WAV (default: the checkpoint's, in launch mode)")
     p.add_argument("--mps", action="store_true",
                    help="launch mode: the stages run as clients of a private MPS daemon (default: time-slicing)")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--out-dir", default=None, help="directory for realtime.json, realtime.md and logs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.mps and not args.checkpoint:
         p.error("--mps needs --checkpoint (it launches the stages itself)")
     pipeline = None
     stage_urls: list[str] = []
+    pids: dict[str, int] = {}
     if args.checkpoint:
-        pipeline, stage_urls = _launch(args)
+        pipeline, stage_urls, pids = _launch(args)
     elif not args.ref_audio:
         p.error("--ref-audio is required without --checkpoint")
+    levels = []
     try:
         ref_uri = "data:audio/wav;base64," + base64.b64encode(Path(args.ref_audio).read_bytes()).decode()
         if args.warmup > 0:
             print(f"[realtime] warm-up: {args.warmup} session(s)", flush=True)
-            warm = asyncio.run(run_level(args, args.warmup, ref_uri, stage_urls))
+            warm_args = argparse.Namespace(**{**vars(args), "duration": 0.0})
+            warm = run_level(warm_args, "turn", args.warmup, ref_uri, stage_urls)
             if warm["failed"]:
                 print(f"[realtime] warm-up failures: {warm['errors']}", flush=True)
-        levels = []
-        for n in args.sessions:
-            print(f"[realtime] {n} concurrent session(s)", flush=True)
-            levels.append(asyncio.run(run_level(args, n, ref_uri, stage_urls)))
+        for lane in args.lanes:
+            for n in args.sessions:
+                print(f"[realtime] {lane} lane, {n} concurrent session(s), {args.duration:g} s each", flush=True)
+                levels.append(run_level(args, lane, n, ref_uri, stage_urls, pids))
     finally:
         if pipeline is not None:
             pipeline.stop()
         if getattr(args, "mps_daemon", None) is not None:
             args.mps_daemon.stop()
     sharing = "MPS" if args.mps else "separate processes time-slicing" if args.checkpoint else "external"
-    text = json.dumps({"gpu_sharing": sharing, "levels": levels}, indent=2)
+    text = json.dumps({"gpu_sharing": sharing, "duration_s": args.duration, "levels": levels}, indent=2)
     md = render_markdown(levels)
     print(text)
     print(md, flush=True)

@@ -100,6 +100,9 @@ def stage_flags(sp: StageProfile) -> list[str]:
         flags = ["--dtype", sp.dtype, "--max-num-seqs", str(sp.max_num_seqs)]
         if sp.max_model_len:
             flags += ["--max-context", str(sp.max_model_len)]
+        flags += ["--duplex-window", sp.duplex_window]
+        if sp.duplex_window == "basic":
+            flags += ["--duplex-window-high", str(sp.duplex_window_high), "--duplex-window-low", str(sp.duplex_window_low)]
         return flags + memory
     if sp.name == "talker":
         return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *memory]

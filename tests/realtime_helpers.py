@@ -5,11 +5,17 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 import wave
+import zipfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 EVENT_ID_RE = re.compile(r"^event_[0-9a-f]{32}$")
 SESSION_ID_RE = re.compile(r"^duplex-[0-9a-f]{32}$")
@@ -71,3 +77,34 @@ def receive_until(ws: Any, type_: str, limit: int = 5000) -> list[dict[str, Any]
         if event["type"] == type_:
             return seen
     raise AssertionError(f"no {type_} within {limit} events: {[e['type'] for e in seen]}")
+
+
+def load_vllm_omni_duplex_client(tmp_path: Path) -> Any:
+    """Import ``vllm_omni/clients/duplex.py`` unmodified from the vllm-omni 0.30.0 wheel."""
+    wheel = os.environ.get("VLLM_OMNI_WHEEL")
+    if not wheel:
+        dl = tmp_path / "wheel"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "vllm-omni==0.30.0", "--no-deps", "-d", str(dl)],
+            capture_output=True, text=True, timeout=600,
+        )
+        found = list(dl.glob("vllm_omni-0.30.0-*.whl"))
+        if proc.returncode != 0 or not found:
+            pytest.skip(f"vllm-omni 0.30.0 wheel not available: {proc.stderr[-300:]}")
+        wheel = str(found[0])
+    root = tmp_path / "pkgs"
+    with zipfile.ZipFile(wheel) as zf:
+        for name in ("vllm_omni/clients/duplex.py", "vllm_omni/clients/utils.py", "vllm_omni/clients/minicpmo_4_5.py"):
+            zf.extract(name, root)
+    for pkg in ("vllm_omni", "vllm_omni/clients"):
+        (root / pkg / "__init__.py").write_text("")  # only the client modules, none of the server code
+    try:
+        import pybase64  # noqa: F401
+    except ImportError:
+        # The client imports pybase64 (a faster drop-in of base64); the stdlib module has the same API.
+        (root / "pybase64.py").write_text("from base64 import b64decode, b64encode  # noqa: F401\n")
+    sys.path.insert(0, str(root))
+    import vllm_omni.clients.duplex as duplex
+    import vllm_omni.clients.minicpmo_4_5 as preset
+
+    return duplex, preset

@@ -14,26 +14,38 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_realtime_bench_launches_the_pipeline_and_reports_barge_in(tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "realtime"
     cmd = [
         sys.executable, "-m", "bench.realtime_duplex", "--checkpoint", str(tiny_ckpt), "--deploy-config", "cpu",
-        "--device", "cpu", "--sessions", "1", "--units", "2", "--out-dir", str(out),
+        "--device", "cpu", "--sessions", "1", "--units", "3", "--duration", "1", "--warmup", "0",
+        "--out-dir", str(out),
     ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (level,) = json.loads((out / "realtime.json").read_text())["levels"]
-    assert level["sessions"] == 1 and level["failed"] == 0, level
-    assert level["first_audio_s"]["n"] == 1 and level["barge_in_ms"]["n"] == 1
-    assert level["unit_decision_mean_ms"] > 0 and level["gateway_barge_in_mean_ms"] is not None
+    turn, native = json.loads((out / "realtime.json").read_text())["levels"]
+    assert (turn["lane"], native["lane"]) == ("turn", "native")
+    assert turn["sessions"] == 1 and turn["failed"] == 0, turn
+    # One cycle: a whole response, then one barged in at its first audio delta.
+    assert turn["responses"] == 2 and turn["completed"] == 1
+    assert turn["first_audio_s"]["n"] == 2 and turn["barge_in_ms"]["n"] == 1
+    assert turn["unit_rtf"] is not None and set(turn["unit_rtf"]) == {"p50", "p90", "p99", "n"}
+    assert turn["underruns_per_session"]["n"] == 1 and turn["underruns_total"] >= 0
+    assert turn["unit_decision_mean_ms"] > 0 and turn["gateway_barge_in_mean_ms"] is not None
     # The thinker's drain histogram is scraped from its own metrics port (0 when no unit was running).
-    assert level["thinker_drain_mean_ms"] is not None and level["thinker_drain_mean_ms"] >= 0
+    assert turn["thinker_drain_mean_ms"] is not None and turn["thinker_drain_mean_ms"] >= 0
     # The thinker's unit split (queued / encode / engine) and step split (forward / sample) are scraped.
     for key in ("thinker_unit_encode_mean_ms", "thinker_unit_engine_mean_ms", "thinker_step_forward_mean_ms",
                 "thinker_step_sample_mean_ms"):
-        assert level[key] is not None and level[key] > 0, key
-    assert (out / "realtime.md").read_text().startswith("| sessions |")
+        assert turn[key] is not None and turn[key] > 0, key
+    assert turn["whisper_batch_mean"] == 1.0  # one session's unit per streaming-Whisper call today
+    for stage in ("thinker", "talker", "code2wav"):
+        assert turn[f"{stage}_batch_mean"] >= 1 and 0 < turn[f"{stage}_busy_share"] < 1, stage
+    # The native lane: every response the model opened completed (the final commit's silence clock).
+    assert native["failed"] == 0 and native["completed"] == native["responses"], native
+    md = (out / "realtime.md").read_text()
+    assert md.startswith("| sessions |") and "| 1 | native |" in md
     for pid in json.loads((out / "logs" / "pids.json").read_text()).values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

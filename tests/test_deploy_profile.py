@@ -44,13 +44,16 @@ def test_default_profile_is_single_gpu() -> None:
     # shares measured on one H200 (see the profile's comment); 12 % left for the three CUDA contexts
     fractions = [profile.stage(s).memory_fraction for s in ("thinker", "talker", "code2wav")]
     assert fractions == [0.40, 0.08, 0.40]
-    assert [profile.stage(s).max_num_seqs for s in ("thinker", "talker", "code2wav")] == [8, 8, 8]
+    # 16 realtime sessions (one thinker sequence each, one talker + code2wav stream while speaking) and
+    # chat requests beside them on the thinker
+    assert [profile.stage(s).max_num_seqs for s in ("thinker", "talker", "code2wav")] == [24, 16, 16]
     talker = profile.stage("talker")
     assert (talker.codec.window_frames, talker.codec.left_context_frames) == (25, 3)
     assert talker.codec.first_window_frames == 10  # TTFP c=1: 240 ms vs 307 ms with 25
     assert talker.sampling["top_k"] == 25 and talker.sampling["temperature"] == pytest.approx(0.8)
-    # one duplex session per thinker sequence; profiles that do not say keep the protocol default of 4
-    assert profile.gateway.max_realtime_sessions == 8
+    # one thinker sequence per duplex session, 8 left for chat; profiles that do not say keep the default of 4
+    assert profile.gateway.max_realtime_sessions == 16
+    assert profile.gateway.max_realtime_sessions < profile.stage("thinker").max_num_seqs
     assert load_profile("cpu").gateway.max_realtime_sessions == 4
 
 
@@ -102,6 +105,10 @@ def test_overrides_merge_and_revalidate() -> None:
         (lambda d: d.update(gateway={"prot": 1}), "unknown key"),
         (lambda d: d.update(gateway={"max_realtime_sessions": 0}), "max_realtime_sessions"),
         (lambda d: d["stages"]["thinker"].update(sampling={"temperature": -1}), "non-negative"),
+        (lambda d: d["stages"]["thinker"].update(duplex_window="context"), "'off' or 'basic'"),
+        (lambda d: d["stages"]["thinker"].update(duplex_window_low=8000), "duplex_window_low"),
+        (lambda d: d["stages"]["thinker"].update(max_model_len=4096), "exceeds max_model_len"),
+        (lambda d: d["stages"]["talker"].update(duplex_window="basic"), "thinker setting"),
     ],
 )
 def test_invalid_profiles_are_refused(mutate, message: str) -> None:
@@ -126,3 +133,26 @@ def test_stage_settings_env_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings is not None and settings["max_num_seqs"] == talker.max_num_seqs
     assert json.loads(talker.settings_json())["devices"] == ["cuda:1"]
     assert stage_settings_from_env("thinker") is None
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_every_bundled_profile_slides_the_duplex_window(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long calls trim instead of ending with context_length_exceeded, and the thinker CLI runs with the
+    profile's window when it only gets its section through the environment (containers)."""
+    from services.common.stage_settings import parse_stage_args
+    from services.thinker.__main__ import build_parser
+
+    thinker = load_profile(name).stage("thinker")
+    assert thinker.duplex_window == "basic"
+    assert 0 < thinker.duplex_window_low < thinker.duplex_window_high <= (thinker.max_model_len or 40960)
+    monkeypatch.setenv(STAGE_SETTINGS_ENV, thinker.settings_json())
+    args, _ = parse_stage_args(build_parser(), "thinker", ["--checkpoint", "/ckpt"])
+    assert (args.duplex_window, args.duplex_window_high, args.duplex_window_low) == (
+        "basic", thinker.duplex_window_high, thinker.duplex_window_low)
+    assert "duplex_window" not in load_profile(name).to_dict()["stages"]["talker"]
+
+
+def test_a_profile_can_turn_the_window_off() -> None:
+    raw = _minimal()
+    raw["stages"]["thinker"] = {"duplex_window": "off"}
+    assert parse_profile(raw).stage("thinker").duplex_window == "off"

@@ -64,16 +64,18 @@ def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
     profile = load_profile("minicpmo_4_5")
     children = {c.stage: c for c in plan_children(profile, "/ckpt", "/p.yaml", 8099, python="py") if c.stage}
     expected = {
-        "thinker": ["--dtype", "bfloat16", "--max-num-seqs", "8", "--max-context", "40960", "--memory-fraction", "0.4"],
-        "talker": ["--dtype", "bfloat16", "--max-streams", "8", "--memory-fraction", "0.08"],
-        "code2wav": ["--max-batch", "8", "--memory-fraction", "0.4"],
+        "thinker": ["--dtype", "bfloat16", "--max-num-seqs", "24", "--max-context", "40960", "--duplex-window", "basic",
+                    "--duplex-window-high", "8000", "--duplex-window-low", "6000", "--memory-fraction", "0.4"],
+        "talker": ["--dtype", "bfloat16", "--max-streams", "16", "--memory-fraction", "0.08"],
+        "code2wav": ["--max-batch", "16", "--memory-fraction", "0.4"],
     }
     for stage, flags in expected.items():
         child = children[stage]
         assert child.argv[-len(flags):] == flags
         settings = json.loads(child.env[STAGE_SETTINGS_ENV])
         assert settings["name"] == stage and settings["memory_fraction"] == float(flags[-1])
-        assert settings["max_num_seqs"] == 8
+        assert settings["max_num_seqs"] == int(flags[flags.index("--max-num-seqs" if stage == "thinker" else
+                                                     "--max-streams" if stage == "talker" else "--max-batch") + 1])
     assert json.loads(children["talker"].env[STAGE_SETTINGS_ENV])["codec"]["first_window_frames"] == 10
 
 

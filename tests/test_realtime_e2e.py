@@ -11,20 +11,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import subprocess
 import sys
 import time
 import warnings
 import wave
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from realtime_helpers import pcm16_b64, response_metadata, session_body, tone
+from realtime_helpers import load_vllm_omni_duplex_client, pcm16_b64, response_metadata, session_body, tone
 from realtime_invariants import check_response_invariants
 from realtime_stages import REPO, STAGES, Conn, realtime_gateway, stage_servers
 
@@ -192,39 +190,8 @@ def test_demo_client_end_to_end(gateway_url: str, tmp_path: Path) -> None:
         assert w.getframerate() == 24000 and w.getnframes() * 1000 // 24000 == result["reply_audio_ms"] > 0
 
 
-def _load_vllm_omni_duplex_client(tmp_path: Path) -> Any:
-    """Import ``vllm_omni/clients/duplex.py`` unmodified from the vllm-omni 0.30.0 wheel."""
-    wheel = os.environ.get("VLLM_OMNI_WHEEL")
-    if not wheel:
-        dl = tmp_path / "wheel"
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "vllm-omni==0.30.0", "--no-deps", "-d", str(dl)],
-            capture_output=True, text=True, timeout=600,
-        )
-        found = list(dl.glob("vllm_omni-0.30.0-*.whl"))
-        if proc.returncode != 0 or not found:
-            pytest.skip(f"vllm-omni 0.30.0 wheel not available: {proc.stderr[-300:]}")
-        wheel = str(found[0])
-    root = tmp_path / "pkgs"
-    with zipfile.ZipFile(wheel) as zf:
-        for name in ("vllm_omni/clients/duplex.py", "vllm_omni/clients/utils.py", "vllm_omni/clients/minicpmo_4_5.py"):
-            zf.extract(name, root)
-    for pkg in ("vllm_omni", "vllm_omni/clients"):
-        (root / pkg / "__init__.py").write_text("")  # only the client modules, none of the server code
-    try:
-        import pybase64  # noqa: F401
-    except ImportError:
-        # The client imports pybase64 (a faster drop-in of base64); the stdlib module has the same API.
-        (root / "pybase64.py").write_text("from base64 import b64decode, b64encode  # noqa: F401\n")
-    sys.path.insert(0, str(root))
-    import vllm_omni.clients.duplex as duplex
-    import vllm_omni.clients.minicpmo_4_5 as preset
-
-    return duplex, preset
-
-
 def test_vllm_omni_duplex_client(gateway_url: str, tmp_path: Path) -> None:
-    duplex, preset = _load_vllm_omni_duplex_client(tmp_path)
+    duplex, preset = load_vllm_omni_duplex_client(tmp_path)
     from realtime_helpers import wav_data_uri
 
     async def run() -> tuple[list[Any], list[str]]:

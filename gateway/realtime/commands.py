@@ -135,6 +135,7 @@ async def append(s: DuplexSession, event: dict[str, Any]) -> None:
             metadata={"response_id": active.id},
         )
 
+    s.input_resumed()
     s.input.note_append(samples.size)
     if s.server_vad is not None:
         s.server_vad.push(samples, frames)
@@ -151,6 +152,9 @@ async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
         create = True
     if create is not None and not isinstance(create, bool):
         raise RealtimeError("bad_event", "response_create must be a boolean", param="response_create")
+    final = event.get("final", True)
+    if not isinstance(final, bool):
+        raise RealtimeError("bad_event", "final must be a boolean", param="final")
     if not s.input.has_audio:
         raise RealtimeError("input_audio_buffer_empty", "input_audio_buffer.commit requires a non-empty input audio buffer")
     if not s.cfg.auto_response and s.pending_commits() >= s.settings.max_pending_commits:
@@ -162,7 +166,7 @@ async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
         item_id = s.server_vad.item_id
         s.server_vad.reset()
     speech = s.input.has_speech and event.get("is_speech") is not False
-    s.seal_input(create=bool(create), speech=speech, item_id=item_id)
+    s.seal_input(create=bool(create), speech=speech, item_id=item_id, final=final)
 
 
 async def clear(s: DuplexSession, event: dict[str, Any]) -> None:

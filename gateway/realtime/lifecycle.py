@@ -120,6 +120,7 @@ class ResponseLifecycle:
             self._on_unit(event)
         elif isinstance(event, AudioOut):
             self._on_audio(event)
+        s.tick_clock()  # native lane after a final commit: the model may need its next silent unit
 
     def _on_unit(self, out: UnitOutcome) -> None:
         s = self.s
@@ -164,9 +165,10 @@ class ResponseLifecycle:
             s.pipeline.end_speech(resp.epoch, resp.speech_turn)
             self.finish(resp, "completed", "model_listen")
             return
-        cap = s.cfg.max_response_units or s.settings.max_response_units
-        if not ended and resp.lane == "turn" and resp.units_seen >= cap:
+        if not ended and resp.lane == "turn" and resp.units_seen >= s.response_unit_cap:
             ended = True
+        if not ended and resp.lane == "native" and s.clock_exhausted and not s.units_in_flight:
+            ended = True  # the last silent unit after a final commit: the response may not run longer
         if ended:
             resp.thinker_turn_ended = True
             s.pipeline.end_speech(resp.epoch, resp.speech_turn)
@@ -366,8 +368,14 @@ class ResponseLifecycle:
                 self.start_turn_response()
 
     def supersede_all(self) -> None:
-        """A user turn was committed: playback acks of every earlier response come too late from now on."""
+        """A user turn was committed: playback acks of every earlier response come too late from now on.
+
+        In the native lane the response running at the commit is not earlier than it: the model keeps
+        talking over (and, after a final commit, past) the user's input, so its acks stay welcome.
+        """
         for resp in self.responses.values():
+            if resp is self.active and self.s.cfg.auto_response:
+                continue
             resp.superseded_by_user_turn = True
 
     def defer_create(self) -> None:

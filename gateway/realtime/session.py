@@ -72,7 +72,11 @@ class DuplexSession:
         self.conversation = Conversation()
         self._unit_seq = 0  # next unit index sent to the thinker
         self._interrupt_started: float | None = None  # monotonic time of the last hard interrupt
-        self._unit_sent_at: dict[int, float] = {}  # unit_seq -> when it went to the thinker (metrics)
+        # unit_seq -> when it went to the thinker, for the units of the current epoch it has not decided
+        # yet: the decision latency metric, the input backpressure (pending until consumed) and the clock.
+        self._unit_sent_at: dict[int, float] = {}
+        self._input_final = False  # native lane: a final commit ended the input; the silence clock runs
+        self._clock_units = 0  # silent units fed since that commit (at most the response unit cap)
         self.pipeline = pipeline_factory(self)
         self.lifecycle = ResponseLifecycle(self)
         self._on_finished = on_finished
@@ -134,6 +138,21 @@ class DuplexSession:
     @property
     def interrupt_started(self) -> float | None:
         return self._interrupt_started
+
+    @property
+    def units_in_flight(self) -> int:
+        """Units of the current epoch sent to the thinker and not yet decided (consumed) by it."""
+        return len(self._unit_sent_at)
+
+    @property
+    def response_unit_cap(self) -> int:
+        """The most units a response runs on the gateway's silence (session override, else the deployment's)."""
+        return self.cfg.max_response_units or self.settings.max_response_units
+
+    @property
+    def clock_exhausted(self) -> bool:
+        """Native lane after a final commit: the silence clock has fed all the units it may."""
+        return self._input_final and self._clock_units >= self.response_unit_cap
 
     # ---------------------------------------------------------------- plumbing
 
@@ -406,9 +425,16 @@ class DuplexSession:
     # ---------------------------------------------------------------- input and turns
 
     def buffered_input_bytes(self) -> int:
-        """Bytes (as float32) of input audio held by the session: uncommitted plus committed, unsent."""
+        """Bytes (as float32) of input audio still pending: uncommitted, committed but unsent, and sent to
+        the thinker but not yet consumed by it (wire-protocol §4.5 backpressure). A unit stops counting
+        when the thinker reports its decision, not when the gateway queues it, so a client that sends
+        faster than the model listens is refused instead of piling units up toward the thinker."""
         backlog = sum(len(item.units) for item in self._backlog)
-        return (self.input.pending_samples + UNIT_SAMPLES * backlog) * 4
+        return (self.input.pending_samples + UNIT_SAMPLES * (backlog + self.units_in_flight)) * 4
+
+    def input_resumed(self) -> None:
+        """The client appended audio: its input clocks the model again, the silence clock stops."""
+        self._input_final = False
 
     def accept_units(self, units: list[AudioUnit]) -> None:
         """Closed input units: straight to the model in the native lane, else held for the commit."""
@@ -424,11 +450,19 @@ class DuplexSession:
         if self._server_vad is not None:
             self._server_vad.reset()
 
-    def seal_input(self, *, create: bool, speech: bool, item_id: str | None = None) -> None:
-        """Turn the uncommitted input into a user item (and, with ``create``, answer it): commit or server VAD."""
+    def seal_input(self, *, create: bool, speech: bool, item_id: str | None = None, final: bool = False) -> None:
+        """Turn the uncommitted input into a user item (and, with ``create``, answer it): commit or server VAD.
+
+        ``final`` (native lane): the client's input ends here, so from now on the session clocks the model
+        itself with silent units while a response is active (:meth:`tick_clock`).
+        """
         audio_samples, residual = self.input.flush()
         if residual is not None:
             self.accept_units([residual])
+        if final and self.cfg.auto_response:
+            self._input_final = True
+            self._clock_units = 0
+            self.tick_clock()
         self._turn_id += 1
         item = UserItem(item_id or ev.new_user_item_id(), self._turn_id, audio_samples * 1000 // 16_000,
                         self.input.seal(), speech)
@@ -480,11 +514,29 @@ class DuplexSession:
     def forward_unit(self, unit: AudioUnit, *, request_response: bool = False) -> int:
         """Send one unit to the thinker under the current epoch; returns its session-wide unit index."""
         seq = self._unit_seq
+        # Pushed first: a full queue toward the thinker refuses the unit (input_backpressure) before any
+        # bookkeeping counts it.
+        self.pipeline.push_unit(unit.samples, unit.frames, seq, self._epoch, self._turn_id, request_response)
         self._unit_seq += 1
         metrics.UNITS.inc()
         self._unit_sent_at[seq] = time.monotonic()
-        self.pipeline.push_unit(unit.samples, unit.frames, seq, self._epoch, self._turn_id, request_response)
         return seq
+
+    def tick_clock(self) -> None:
+        """The native lane's silence clock: after a final commit, while a response is active and its model
+        turn goes on, feed one 1 s silent unit each time the thinker has decided every unit sent so far,
+        at most ``response_unit_cap`` of them (then the response ends, see ``ResponseLifecycle._on_unit``).
+
+        Without it a native response would stall after the client's last unit, since a unit only runs
+        when input arrives. Called after each pipeline event and at the final commit; any append stops it.
+        """
+        resp = self.lifecycle.active
+        if not (self.cfg.auto_response and self._input_final) or resp is None or resp.thinker_turn_ended:
+            return
+        if self._unit_sent_at or self._clock_units >= self.response_unit_cap:
+            return
+        self._clock_units += 1
+        self.forward_unit(self.silence_unit())
 
     def note_decision(self, unit_seq: int) -> None:
         """The thinker decided on ``unit_seq``: observe how long that took."""

@@ -20,7 +20,8 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     stages:
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
-                 first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16}
+                 first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16,
+                 duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
                  codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25}}
       code2wav: {devices, memory_fraction, max_num_seqs, dtype, port}
@@ -73,6 +74,7 @@ DEFAULT_PROFILE = "minicpmo_4_5"
 
 # Sampling keys each stage's Open message understands (thinker SamplingParams / TalkerSampling fields).
 THINKER_SAMPLING_KEYS = frozenset(ThinkerSamplingDoc.model_fields)
+THINKER_WINDOW_KEYS = ("duplex_window", "duplex_window_high", "duplex_window_low")
 TALKER_SAMPLING_KEYS = frozenset(TalkerSamplingDoc.model_fields)
 
 
@@ -101,6 +103,11 @@ class StageProfile:
     hidden_chunk_tokens: int = 10
     first_hidden_chunk_tokens: int = 11
     hidden_dtype: str = "bfloat16"
+    # thinker only: the duplex sliding context window, on unless a profile turns it off, so a long call
+    # trims its oldest units instead of ending with context_length_exceeded (model-spec §6.5)
+    duplex_window: str = "basic"
+    duplex_window_high: int = 8000
+    duplex_window_low: int = 6000
     # talker only
     codec: CodecWindows = field(default_factory=CodecWindows)
 
@@ -217,7 +224,7 @@ class DeployProfile:
             sp["devices"] = list(sp["devices"])
             sp["sampling"] = dict(sp["sampling"])
             if name != "thinker":
-                for key in ("hidden_chunk_tokens", "first_hidden_chunk_tokens", "hidden_dtype"):
+                for key in ("hidden_chunk_tokens", "first_hidden_chunk_tokens", "hidden_dtype", *THINKER_WINDOW_KEYS):
                     sp.pop(key)
             if name != "talker":
                 sp.pop("codec")

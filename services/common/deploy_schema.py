@@ -104,6 +104,8 @@ SamplingBool = Annotated[bool, _sampling("bool")]
 HiddenOnlyThinker = Annotated[None, _refuse("only the thinker exports hidden states")]
 CodecOnlyTalker = Annotated[None, _refuse("codec windows are a talker setting")]
 NoSampling = Annotated[None, _refuse("code2wav has no sampling parameters")]
+WindowOnlyThinker = Annotated[None, _refuse("the duplex context window is a thinker setting")]
+WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
 
 
 class _Doc(BaseModel):
@@ -189,7 +191,22 @@ class ThinkerDoc(_StageDoc):
     hidden_chunk_tokens: PositiveInt | None = None
     first_hidden_chunk_tokens: PositiveInt | None = None
     hidden_dtype: DType | None = None
+    # The duplex sliding context window (services/thinker/duplex_window.py, model-spec §6.5).
+    duplex_window: WindowMode | None = None
+    duplex_window_high: PositiveInt | None = None
+    duplex_window_low: PositiveInt | None = None
     codec: CodecOnlyTalker = None
+
+    @model_validator(mode="after")
+    def _window_marks(self) -> ThinkerDoc:
+        if self.duplex_window == "off":
+            return self
+        low, high = self.duplex_window_low or 6000, self.duplex_window_high or 8000
+        if not low < high:
+            raise ValueError(f"duplex window: need duplex_window_low ({low}) < duplex_window_high ({high})")
+        if self.max_model_len is not None and high > self.max_model_len:
+            raise ValueError(f"duplex_window_high ({high}) exceeds max_model_len ({self.max_model_len})")
+        return self
 
 
 class _NoHiddenDoc(_StageDoc):
@@ -198,6 +215,9 @@ class _NoHiddenDoc(_StageDoc):
     hidden_chunk_tokens: HiddenOnlyThinker = None
     first_hidden_chunk_tokens: HiddenOnlyThinker = None
     hidden_dtype: HiddenOnlyThinker = None
+    duplex_window: WindowOnlyThinker = None
+    duplex_window_high: WindowOnlyThinker = None
+    duplex_window_low: WindowOnlyThinker = None
 
 
 class TalkerDoc(_NoHiddenDoc):

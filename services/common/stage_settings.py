@@ -31,7 +31,9 @@ MEMORY_FRACTION_FLAG = "--memory-fraction"
 
 # Profile key -> argparse destination of the flag it provides a default for, per stage CLI.
 PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
-    "thinker": {"max_num_seqs": "max_num_seqs", "max_model_len": "max_context", "dtype": "dtype"},
+    "thinker": {"max_num_seqs": "max_num_seqs", "max_model_len": "max_context", "dtype": "dtype",
+                "duplex_window": "duplex_window", "duplex_window_high": "duplex_window_high",
+                "duplex_window_low": "duplex_window_low"},
     "talker": {"max_num_seqs": "max_streams", "dtype": "dtype"},
     "code2wav": {"max_num_seqs": "max_batch"},
 }

@@ -64,6 +64,13 @@ UNIT_PHASE_SECONDS = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
 
+WHISPER_BATCH = Histogram(
+    "minicpmo_thinker_whisper_batch_size",
+    "Units encoded per streaming-Whisper call (today one session's unit per call; bench.realtime_duplex "
+    "reports it per load level)",
+    buckets=(1, 2, 4, 8, 16, 32),
+)
+
 TTS_EOS = SPECIAL_TOKEN_IDS["<|tts_eos|>"]
 UNIT_OPEN = SPECIAL_TOKEN_IDS["<unit>"]
 UNIT_CLOSE = SPECIAL_TOKEN_IDS["</unit>"]
@@ -213,6 +220,7 @@ class DuplexSession:
         audio_rows = self.model.get_audio_embeds_streaming(
             chunk.core, self.audio_state, chunk.lookahead, chunk.lookbehind
         )
+        WHISPER_BATCH.observe(1)
         slices: list[torch.Tensor] = []
         counts: list[int] = []
         tgt = torch.zeros(0, 2, dtype=torch.long)

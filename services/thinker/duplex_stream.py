@@ -54,6 +54,9 @@ class RunningUnit:
     submitted: float  # perf_counter when it went to the engine
 
 
+UNIT_PERIOD_S = 1.0  # a unit is 1 s of audio: its decision is due before the next one arrives
+
+
 @dataclass
 class EncodedUnit:
     """A unit encoded and waiting for the engine (behind a window trim's prefill, when deferred)."""
@@ -161,6 +164,7 @@ class DuplexStream(StageStream[Response]):
         except Exception as exc:  # an encoder failure (e.g. out of memory) ends the stream typed
             log.exception("duplex unit encode failed")
             return self._fail(failure("duplex unit encode failed", exc), unit_seq)
+        work.deadline = arrived + UNIT_PERIOD_S  # the engine serves the unit closest to an underrun first
         encoded = EncodedUnit(unit_seq, work, started)
         if await self._trim_window(encoded):
             return ()

@@ -2,11 +2,17 @@
 
 Pure bookkeeping (no tensors): the engine asks for a :class:`StepPlan`, runs it, and reports back.
 
-Policy, in order, under a per-step token budget:
+Policy, in order, under a per-step token budget, always most urgent first (:func:`urgency`):
 
 1. every running sequence that has a sampled token to feed decodes (one token each);
-2. running sequences with prompt left get prefill chunks (oldest first) from the remaining budget;
-3. waiting sequences are admitted in FIFO order while their KV reservation fits in the block pool.
+2. running sequences with prompt left get prefill chunks from the remaining budget;
+3. waiting sequences are admitted while their KV reservation fits in the block pool.
+
+Urgency is earliest deadline first: a duplex unit carries the time by which its decision is due (its
+arrival plus the 1 s unit period: later, the session's audio underruns), so when the engine is
+saturated (more waiting sequences than free slots, or more prompt than the step budget) the unit closest
+to an underrun is served first. Work without a deadline (chat requests, session prefixes) follows the
+deadlined work, oldest first among itself.
 
 KV admission: a sequence reserves blocks for ``context + new input + max_new_tokens`` (capped at the
 context limit) when it is admitted, so a running sequence can never run out of cache mid-decode and
@@ -53,6 +59,9 @@ class WorkItem:
     # At a "length" finish, feed the last sampled token once more so its hidden row exists (span export).
     feed_last: bool = False
     tag: object = None  # opaque to the engine (duplex: unit seq / epoch), echoed in events
+    # time.perf_counter() by which the item's result is due (a duplex unit: arrival + the unit period);
+    # None: no deadline (best effort after deadlined work)
+    deadline: float | None = None
 
 
 _ids = itertools.count(1)
@@ -97,6 +106,12 @@ class Sequence:
             return len(self.tokens)
         new = len(self.prompt) + (self.work.sampler.max_new_tokens if self.work.sampler else 0)
         return min(len(self.tokens) + new, max_context)
+
+
+def urgency(seq: Sequence) -> tuple[bool, float, float]:
+    """Sort key, most urgent first: deadlined work by deadline, then the rest by submission time."""
+    deadline = seq.work.deadline if seq.work is not None else None
+    return (deadline is None, deadline if deadline is not None else 0.0, seq.submitted_at)
 
 
 @dataclass
@@ -179,13 +194,13 @@ class Scheduler:
     # ----------------------------------------------------------------------------------------- plan
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = min(self.waiting, key=urgency)
             need = self.layout.blocks_for(seq.reservation_tokens(self.max_context)) - len(seq.blocks)
             if need > self.pool.free_blocks:
-                return  # FIFO: later requests do not overtake a large one that waits for memory
+                return  # less urgent work does not overtake the most urgent one waiting for memory
             if need > 0:
                 seq.blocks.extend(self.pool.allocate(need))
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
 
@@ -193,11 +208,12 @@ class Scheduler:
         self._admit()
         plan = StepPlan()
         budget = self.max_step_tokens
-        for seq in self.running:
+        ordered = sorted(self.running, key=urgency)
+        for seq in ordered:
             if seq.wants_decode and budget > 0:
                 plan.decode.append(seq)
                 budget -= 1
-        for seq in self.running:
+        for seq in ordered:
             if budget <= 0:
                 break
             if seq.wants_prefill:

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from gateway.realtime import metrics
+from gateway.realtime.audio import UNIT_SAMPLES
+from gateway.realtime.errors import RealtimeError
 from gateway.realtime.pipeline.events import (
     PipelineFailure,
     PipelineHost,
@@ -40,6 +42,7 @@ from services.common.tensors import pcm_from_float
 log = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 2.0
+_CONTROL_ROOM = 64  # outbox places beyond the unit bound, for the open message and interrupts
 
 
 class GrpcDuplexPipeline:
@@ -50,7 +53,10 @@ class GrpcDuplexPipeline:
         self.stages = stages
         self.settings = settings
         self.thinker: StageStream | None = None
-        self._outbox: asyncio.Queue[thinker_pb2.ThinkerRequest] = asyncio.Queue()  # ordered writes to the thinker
+        # Ordered writes to the thinker, bounded: the session refuses input past max_pending_input_bytes
+        # (counted until the thinker decides a unit), so at most that many units wait here, plus controls.
+        self.max_queued_units = max(1, settings.max_pending_input_bytes // (UNIT_SAMPLES * 4))
+        self._outbox: asyncio.Queue[thinker_pb2.ThinkerRequest] = asyncio.Queue(self.max_queued_units + _CONTROL_ROOM)
         self._tasks: list[asyncio.Task[None]] = []
         self.turn: SpeechTurn | None = None
         self.speech_from_unit: int | None = None  # turn lane: speech only from the requested unit on
@@ -73,6 +79,8 @@ class GrpcDuplexPipeline:
     ) -> None:
         if self._closed:
             return
+        if self._outbox.qsize() >= self.max_queued_units:
+            raise RealtimeError("input_backpressure", "the queue toward the thinker is full")
         self._ensure_thinker()
         unit = thinker_pb2.ThinkerUnit(
             id=self._identity(epoch, turn_id, unit_seq),
