@@ -55,9 +55,12 @@ def gateway_url(stages: RunningStages) -> Iterator[str]:
 
 
 def _metric(url: str, name: str) -> float:
-    """Sum of the samples of ``name`` (a counter or a histogram's ``_count``) on a stage's /metrics."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)$", re.M)
+    """The sample ``name`` (with its labels, if any) on a stage's /metrics page, 0 when absent."""
+    pattern = re.compile(rf"^{re.escape(name)}\s+(\S+)$", re.M)
     return sum(float(v) for v in pattern.findall(httpx.get(url, timeout=10).text))
+
+
+DECIDED = 'minicpmo_thinker_duplex_unit_seconds_count{phase="engine"}'  # units the thinker has decided
 
 
 def _write_wav(path: Path, x: np.ndarray, rate: int) -> Path:
@@ -158,7 +161,9 @@ def test_vllm_omni_duplex_client_native_lane_every_response_completes(
     spoken = [h for h in handles if h.decision == "speak"]
     assert spoken, [h.decision for h in handles]
     assert all(h.done_event is not None for h in handles)
-    assert all(h.done_event["response"]["status"] == "completed" for h in spoken)
+    # The client's done_event wraps the terminal server event: response.done, completed, for a reply.
+    assert all(h.done_event.type == "response.done" for h in spoken)
+    assert all(h.done_event.raw["response"]["status"] == "completed" for h in spoken)
 
 
 def test_flood_gets_input_backpressure_and_loses_nothing_accepted(
@@ -167,7 +172,7 @@ def test_flood_gets_input_backpressure_and_loses_nothing_accepted(
     """20 MiB of PCM16 in well under a second: appends are refused once pending input (uncommitted plus
     sent to the thinker and not decided yet) would pass 16 MiB; every unit accepted before that is still
     decided by the model, and the session ends normally (no context_length_exceeded)."""
-    thinker_units = _metric(stages.metrics_urls["thinker"], "minicpmo_thinker_duplex_unit_seconds_count")
+    thinker_units = _metric(stages.metrics_urls["thinker"], DECIDED)
     conn = Conn(f"{gateway_url}/v1/realtime?duplex=1")
     try:
         conn.send(
@@ -192,7 +197,7 @@ def test_flood_gets_input_backpressure_and_loses_nothing_accepted(
         # Every accepted unit reaches the thinker and is decided there (none dropped, none queued forever).
         want = thinker_units + accepted * 8
         deadline = time.monotonic() + 600
-        while _metric(stages.metrics_urls["thinker"], "minicpmo_thinker_duplex_unit_seconds_count") < want:
+        while _metric(stages.metrics_urls["thinker"], DECIDED) < want:
             assert time.monotonic() < deadline, "accepted units were never decided"
             time.sleep(1.0)
         conn.send({"type": "session.close"})
@@ -202,7 +207,7 @@ def test_flood_gets_input_backpressure_and_loses_nothing_accepted(
         ]
     finally:
         conn.close()
-    assert _metric(stages.metrics_urls["thinker"], "minicpmo_thinker_duplex_unit_seconds_count") == want
+    assert _metric(stages.metrics_urls["thinker"], DECIDED) == want
 
 
 def test_an_input_clocked_session_trims_its_context_and_replies_keep_their_order(
