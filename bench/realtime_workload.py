@@ -122,6 +122,16 @@ class Client:
             await asyncio.sleep(max(0.0, start + (i + 1) * APPEND_S - time.monotonic()))
 
 
+def _session(ref_uri: str, extra_body: dict[str, Any]) -> dict[str, Any]:
+    """The opening ``session`` object of a benchmark session (spoken replies in the given lane)."""
+    return {
+        "modalities": ["audio", "text"],
+        "ref_audio": ref_uri,
+        "turn_detection": None,
+        "extra_body": extra_body,
+    }
+
+
 async def _open(url: str, session: dict[str, Any]) -> Any:
     import websockets
 
@@ -163,13 +173,7 @@ async def _response(
 async def turn_session(
     url: str, ref_uri: str, duration_s: float, units: int, timeout: float = 300.0
 ) -> SessionResult:
-    session = {
-        "modalities": ["audio", "text"],
-        "ref_audio": ref_uri,
-        "turn_detection": None,
-        "extra_body": {"max_response_units": units},
-    }
-    client = await _open(url, session)
+    client = await _open(url, _session(ref_uri, {"max_response_units": units}))
     result = SessionResult("turn")
     end = time.monotonic() + duration_s
     try:
@@ -190,13 +194,8 @@ async def turn_session(
 async def native_session(
     url: str, ref_uri: str, duration_s: float, units: int, timeout: float = 300.0
 ) -> SessionResult:
-    session = {
-        "modalities": ["audio", "text"],
-        "ref_audio": ref_uri,
-        "turn_detection": None,
-        "extra_body": {"auto_response": True, "force_listen_count": 0, "max_response_units": units},
-    }
-    client = await _open(url, session)
+    extra = {"auto_response": True, "force_listen_count": 0, "max_response_units": units}
+    client = await _open(url, _session(ref_uri, extra))
     result = SessionResult("native")
     active: dict[str, ResponseClock] = {}
     streaming = True
