@@ -4,6 +4,10 @@ Everything that changes session state runs on one asyncio task per session (the 
 commands, pipeline outputs and (re)attachments are processed strictly in arrival order, so outbound
 event order, epochs and the journal never race. Sockets only read frames into the mailbox and drain
 their outbound queue.
+
+The file is about 550 lines on purpose: it is the one owner of the session's state (epoch, attachment,
+unit clock, backlog), so every method that changes that state lives here; the parts with their own
+invariants are already their own modules (input_buffer, conversation, attachment, lifecycle, journal).
 """
 
 from __future__ import annotations

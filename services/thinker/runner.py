@@ -21,6 +21,10 @@ Such a step replays a graph captured per (row bucket, context bucket) (:mod:`ser
 padded rows write to the pool's scratch block and attend to one masked-in scratch slot, so they cannot
 touch real sequences. A step with prefill never waits for a capture (it runs eagerly when its bucket is
 missing); larger steps and long contexts run eagerly. CPU always runs eagerly.
+
+The per-layer arithmetic lives in :mod:`services.thinker.layer_ops`. This file stays a little over
+500 lines on purpose: the eager step, the row packing and the graph lookup share the attention plan and
+the rotary tables, and splitting them would make each step path read across modules.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.thinker.fused_forward import FusedForward
-from services.thinker.kernels import get_ops, rms_norm_ref, rotate_ref, select_backend
+from services.thinker.kernels import get_ops, select_backend
 from services.thinker.kv_cache import BlockPool, PagedKVCache
+from services.thinker.layer_ops import FusedLayer, fuse_rows, post_attention, pre_attention
 from services.thinker.row_graph import Capture, RowGraph, fill_rows
 
 log = logging.getLogger(__name__)
@@ -92,106 +97,6 @@ class _AttnPlan:
     # (row_start, n, gather [L], mask [G*n, L])
 
 
-@dataclass
-class _FusedLayer:
-    """One decoder layer's weights arranged for fewer kernels: QKV and gate|up as single GEMMs.
-
-    The module's own parameters are re-pointed at views of the fused tensors, so no weight is stored
-    twice and the transformers module (used by baselines and the fidelity dump) still works unchanged.
-    """
-
-    input_norm_weight: torch.Tensor
-    input_eps: float
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    qk_norm_weight: torch.Tensor  # [Hq + Hkv, D]: q_norm rows then k_norm rows
-    qk_eps: float
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
-    post_norm_weight: torch.Tensor
-    post_eps: float
-    gate_up_weight: torch.Tensor
-    down_weight: torch.Tensor
-
-
-def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate output rows of several Linear layers and re-point each layer at its slice.
-
-    Idempotent: a second runner over the same module finds the layers already pointing into one fused
-    tensor and reuses it (no second copy of the weights, however many engines share the model).
-    """
-    fused = getattr(linears[0], "_thinker_fused", None)
-    if fused is not None and all(getattr(lin, "_thinker_fused", None) is fused for lin in linears):
-        weight, bias = fused
-        start = 0
-        intact = True
-        for lin in linears:
-            n = lin.weight.shape[0]
-            intact &= lin.weight.data_ptr() == weight[start : start + n].data_ptr()
-            start += n
-        if intact:
-            return weight, bias
-    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
-    has_bias = all(lin.bias is not None for lin in linears)
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None  # type: ignore[union-attr]
-    start = 0
-    record = (weight, bias)
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
-        lin._thinker_fused = record  # type: ignore[assignment]
-        start += n
-    return weight, bias
-
-
-_rms_norm = rms_norm_ref
-_rotate = rotate_ref
-
-
-def _pre_attention(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    norm_eps: float,
-    qkv_weight: torch.Tensor,
-    qkv_bias: torch.Tensor | None,
-    qk_norm_weight: torch.Tensor,
-    qk_eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    hq: int,
-    hkv: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Input norm, fused QKV, q/k norms in one pass, rotary over q and k heads: ``(q, k, v)``.
-
-    Plain tensors in, tensors out (no module or dataclass), so one compiled graph serves every layer.
-    """
-    t = x.shape[0]
-    d = qk_norm_weight.shape[-1]
-    qkv = F.linear(_rms_norm(x, norm_weight, norm_eps), qkv_weight, qkv_bias)
-    qk = qkv[:, : (hq + hkv) * d].reshape(t, hq + hkv, d)
-    v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
-    qk = _rotate(_rms_norm(qk, qk_norm_weight, qk_eps), cos, sin)
-    return qk[:, :hq], qk[:, hq:], v
-
-
-def _post_attention(
-    x: torch.Tensor,
-    o: torch.Tensor,
-    o_weight: torch.Tensor,
-    o_bias: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    norm_eps: float,
-    gate_up_weight: torch.Tensor,
-    down_weight: torch.Tensor,
-) -> torch.Tensor:
-    """Output projection + residual, then the SwiGLU MLP (fused gate|up) + residual."""
-    x = x + F.linear(o, o_weight, o_bias)
-    gate, up = F.linear(_rms_norm(x, norm_weight, norm_eps), gate_up_weight).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_weight)
-
-
 def _next_pow2(n: int, floor: int) -> int:
     p = floor
     while p < n:
@@ -233,10 +138,10 @@ class ModelRunner:
         self.layers = [self._fuse(layer) for layer in self.model.layers]
         # Optional torch.compile of the two pure per-layer blocks (norms, rotary, SwiGLU fused into a few
         # kernels around the GEMMs). One compiled function serves every layer (same shapes, other weights).
-        self._pre, self._post = _pre_attention, _post_attention
+        self._pre, self._post = pre_attention, post_attention
         if compile_layers:
-            self._pre = torch.compile(_pre_attention, dynamic=True)
-            self._post = torch.compile(_post_attention, dynamic=True)
+            self._pre = torch.compile(pre_attention, dynamic=True)
+            self._post = torch.compile(post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
         self.set_kernels(kernels)
@@ -255,16 +160,16 @@ class ModelRunner:
             raise RuntimeError("set_kernels after a CUDA graph was captured")
         self.kernel_backend = select_backend(self.device, kernels)
         self.ops = get_ops(self.kernel_backend)
-        if self.kernel_backend != "torch" and self._pre is not _pre_attention:
+        if self.kernel_backend != "torch" and self._pre is not pre_attention:
             log.info(
                 "--compile has no effect with the %s kernels (they are fused already)", self.kernel_backend
             )
         log.info("thinker kernels: %s", self.kernel_backend)
 
-    def _fuse(self, layer: nn.Module) -> _FusedLayer:
+    def _fuse(self, layer: nn.Module) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_w, qkv_b = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up_w, _ = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        qkv_w, qkv_b = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up_w, _ = fuse_rows([mlp.gate_proj, mlp.up_proj])
         qk_norm = torch.cat(
             [
                 attn.q_norm.weight.detach().expand(self.num_heads, self.head_dim),
@@ -275,7 +180,7 @@ class ModelRunner:
             raise ValueError("q_norm and k_norm must share one epsilon to be fused")
         if getattr(layer.mlp.config, "hidden_act", "silu") != "silu":
             raise ValueError("the thinker runner implements the SwiGLU MLP of Qwen3 (hidden_act silu)")
-        return _FusedLayer(
+        return FusedLayer(
             input_norm_weight=layer.input_layernorm.weight,
             input_eps=float(layer.input_layernorm.variance_epsilon),
             qkv_weight=qkv_w,
