@@ -115,8 +115,9 @@ async def wait_idle(client: Any, eps: list[StageEndpoint], timeout: float) -> No
         await asyncio.sleep(0.05)
 
 
-async def cancel_once(client: Any, url: str, body: dict[str, Any], eps: list[StageEndpoint],
-                      args: argparse.Namespace) -> CancelResult:
+async def cancel_once(
+    client: Any, url: str, body: dict[str, Any], eps: list[StageEndpoint], args: argparse.Namespace
+) -> CancelResult:
     """One request: stream until the first audio chunk, close the connection, poll until released."""
     res = CancelResult(ok=False)
     await wait_idle(client, eps, args.release_timeout)
@@ -184,8 +185,13 @@ def httpx_client() -> Any:
     return httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0))
 
 
-async def drive(args: argparse.Namespace, url: str, bodies: list[dict[str, Any]], eps: list[StageEndpoint],
-                deadline: float) -> tuple[list[CancelResult], dict[str, float]]:
+async def drive(
+    args: argparse.Namespace,
+    url: str,
+    bodies: list[dict[str, Any]],
+    eps: list[StageEndpoint],
+    deadline: float,
+) -> tuple[list[CancelResult], dict[str, float]]:
     import httpx
 
     results: list[CancelResult] = []
@@ -198,8 +204,9 @@ async def drive(args: argparse.Namespace, url: str, bodies: list[dict[str, Any]]
             scrape_ms.append((time.perf_counter() - t0) * 1000)
         for i in range(args.warmup):
             r = await cancel_once(client, url, bodies[-1 - i], eps, args)
-            print(f"[cancel] warm-up {i + 1}/{args.warmup}: "
-                  f"{'ok' if r.ok else 'FAILED ' + r.error}", flush=True)
+            print(
+                f"[cancel] warm-up {i + 1}/{args.warmup}: {'ok' if r.ok else 'FAILED ' + r.error}", flush=True
+            )
         for i in range(args.requests):
             if time.monotonic() >= deadline:
                 print(f"[cancel] out of time after {i} request(s)", flush=True)
@@ -207,9 +214,14 @@ async def drive(args: argparse.Namespace, url: str, bodies: list[dict[str, Any]]
             r = await cancel_once(client, url, bodies[i], eps, args)
             results.append(r)
             if r.ok:
-                per = ", ".join(f"{n} {ms:.1f}{'' if r.busy[n] else ' (idle)'}" for n, ms in r.release_ms.items())
-                print(f"[cancel] {i + 1}/{args.requests}: TTFP {r.ttfp_ms:.0f} ms; released after "
-                      f"{r.overall_ms:.1f} ms ({per}; {r.polls} polls)", flush=True)
+                per = ", ".join(
+                    f"{n} {ms:.1f}{'' if r.busy[n] else ' (idle)'}" for n, ms in r.release_ms.items()
+                )
+                print(
+                    f"[cancel] {i + 1}/{args.requests}: TTFP {r.ttfp_ms:.0f} ms; released after "
+                    f"{r.overall_ms:.1f} ms ({per}; {r.polls} polls)",
+                    flush=True,
+                )
             else:
                 print(f"[cancel] {i + 1}/{args.requests}: FAILED {r.error}", flush=True)
     return results, percentiles(scrape_ms)
@@ -222,7 +234,10 @@ def summarize(results: list[CancelResult], eps: list[StageEndpoint]) -> dict[str
         vals = [r.release_ms[ep.name] for r in ok]
         busy = [r.release_ms[ep.name] for r in ok if r.busy.get(ep.name)]
         per_stage[ep.name] = {**percentiles(vals), "busy_count": len(busy), "busy": percentiles(busy)}
-    return {"per_stage_ms": per_stage, "overall_ms": percentiles([r.overall_ms for r in ok if r.overall_ms is not None])}
+    return {
+        "per_stage_ms": per_stage,
+        "overall_ms": percentiles([r.overall_ms for r in ok if r.overall_ms is not None]),
+    }
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -244,8 +259,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for name, m in s["per_stage_ms"].items():
         if m.get("p50") is not None:
-            lines.append(f"| {name} | {m['busy_count']}/{report['completed']} | {m['p50']:.1f} | {m['p90']:.1f} "
-                         f"| {m['max']:.1f} |")
+            lines.append(
+                f"| {name} | {m['busy_count']}/{report['completed']} | {m['p50']:.1f} | {m['p90']:.1f} "
+                f"| {m['max']:.1f} |"
+            )
     o = s["overall_ms"]
     if o:
         lines.append(f"| **all stages** | | {o['p50']:.1f} | {o['p90']:.1f} | {o['max']:.1f} |")
@@ -257,22 +274,41 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.cancel", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--deploy-config", default="minicpmo_4_5", help="profile file or bundled name")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device")
-    p.add_argument("--stage-overrides", default=None, help="JSON deep-merged into the profile (as minicpmo-serve)")
-    p.add_argument("--stage-args", action="append", default=[], metavar="STAGE=ARGS",
-                   help="extra CLI flags for a stage process (repeatable)")
-    p.add_argument("--thinker-kv-budget", default="16G", help="thinker --kv-budget on CUDA; 'auto' keeps the default")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device"
+    )
+    p.add_argument(
+        "--stage-overrides", default=None, help="JSON deep-merged into the profile (as minicpmo-serve)"
+    )
+    p.add_argument(
+        "--stage-args",
+        action="append",
+        default=[],
+        metavar="STAGE=ARGS",
+        help="extra CLI flags for a stage process (repeatable)",
+    )
+    p.add_argument(
+        "--thinker-kv-budget", default="16G", help="thinker --kv-budget on CUDA; 'auto' keeps the default"
+    )
     p.add_argument("--requests", type=int, default=20, help="timed disconnect cycles (sequential)")
     p.add_argument("--warmup", type=int, default=1, help="untimed disconnect cycles first")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--spoken-tokens", type=int, default=10, help="thinker tokens (min = max, EOS ignored)")
     p.add_argument("--first-chunk-tokens", type=int, default=10)
-    p.add_argument("--audio-frames", type=int, default=1500,
-                   help="forced talker frames (25 per second of audio); long so the work outlives the disconnect")
+    p.add_argument(
+        "--audio-frames",
+        type=int,
+        default=1500,
+        help="forced talker frames (25 per second of audio); long so the work outlives the disconnect",
+    )
     p.add_argument("--poll-ms", type=float, default=5.0)
-    p.add_argument("--release-timeout", type=float, default=30.0, help="seconds to wait for the gauges to reach 0")
+    p.add_argument(
+        "--release-timeout", type=float, default=30.0, help="seconds to wait for the gauges to reach 0"
+    )
     p.add_argument("--startup-timeout", type=float, default=420.0)
-    p.add_argument("--max-seconds", type=float, default=480.0, help="no new request after this (teardown follows)")
+    p.add_argument(
+        "--max-seconds", type=float, default=480.0, help="no new request after this (teardown follows)"
+    )
     p.add_argument("--out-dir", default=None, help="default: $OUT/cancel or ./bench-results/cancel")
     return p
 
@@ -321,12 +357,16 @@ def main(argv: list[str] | None = None) -> int:
         pipeline.start()
         budget = min(args.startup_timeout, max(1.0, deadline - time.monotonic()))
         report["startup_s"] = pipeline.wait_healthy(budget)
-        print(f"[cancel] pipeline healthy after {report['startup_s']:.1f} s; watching "
-              f"{', '.join(ep.metrics_url for ep in eps)}", flush=True)
+        print(
+            f"[cancel] pipeline healthy after {report['startup_s']:.1f} s; watching "
+            f"{', '.join(ep.metrics_url for ep in eps)}",
+            flush=True,
+        )
         results, report["scrape_ms"] = asyncio.run(drive(args, pipeline.url, bodies, eps, deadline))
         failed = [r for r in results if not r.ok]
-        report["status"] = "ok" if len(results) == args.requests and not failed else (
-            "failures" if failed else "incomplete")
+        report["status"] = (
+            "ok" if len(results) == args.requests and not failed else ("failures" if failed else "incomplete")
+        )
     rc = run.rc
     report.setdefault("scrape_ms", {})
     report["completed"] = sum(r.ok for r in results)
@@ -336,8 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     overall = report["summary"]["overall_ms"]
     if overall:
         ok = overall["max"] <= TARGET_MS
-        report["verdict"] = (f"all stages released within {overall['max']:.1f} ms max (p50 {overall['p50']:.1f}); "
-                             f"{'meets' if ok else 'misses'} the {TARGET_MS:.0f} ms target")
+        report["verdict"] = (
+            f"all stages released within {overall['max']:.1f} ms max (p50 {overall['p50']:.1f}); "
+            f"{'meets' if ok else 'misses'} the {TARGET_MS:.0f} ms target"
+        )
     else:
         report["verdict"] = "nothing measured"
     report["wall_s"] = time.monotonic() - t_start
@@ -345,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     md = render_markdown(report)
     (out_dir / "cancel.md").write_text(md)
     print(md, flush=True)
-    print(f"[cancel] status: {report['status']}; wrote {out_dir / 'cancel.json'} and {out_dir / 'cancel.md'}",
-          flush=True)
+    print(
+        f"[cancel] status: {report['status']}; wrote {out_dir / 'cancel.json'} and {out_dir / 'cancel.md'}",
+        flush=True,
+    )
     if rc == 0 and report["status"] != "ok":
         rc = 1
     return rc

@@ -31,7 +31,9 @@ from services.common.checkpoint import CODEC_SILENCE_ID
 CODES = [(i * 811) % 6561 for i in range(200)]
 
 
-def _timed(fn: Callable[..., Any], name: str, acc: dict[str, list[float]], sync: Callable[[], None]) -> Callable:
+def _timed(
+    fn: Callable[..., Any], name: str, acc: dict[str, list[float]], sync: Callable[[], None]
+) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         sync()
         t0 = time.perf_counter()
@@ -54,9 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler tables")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    eng_args = argparse.Namespace(checkpoint=args.checkpoint, device=args.device, max_batch=16, max_streams=64,
-                                  cfm_steps=10, cache_dtype="float32", nsf_noise="on",
-                                  cuda_graphs=args.cuda_graphs, voice_cache=4, tf32=args.tf32)
+    eng_args = argparse.Namespace(
+        checkpoint=args.checkpoint,
+        device=args.device,
+        max_batch=16,
+        max_streams=64,
+        cfm_steps=10,
+        cache_dtype="float32",
+        nsf_noise="on",
+        cuda_graphs=args.cuda_graphs,
+        voice_cache=4,
+        tf32=args.tf32,
+    )
     engine, _ = build_engine(eng_args)
     runner = engine.runner
     cuda = runner.device.type == "cuda"
@@ -75,8 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
     first = [CODEC_SILENCE_ID] * 3 + CODES[:10]
     steady_new = CODES[10:35]
-    report: dict[str, Any] = {"device": str(runner.device), "cuda_graphs": args.cuda_graphs, "tf32": args.tf32,
-                              "parts_ms": {}}
+    report: dict[str, Any] = {
+        "device": str(runner.device),
+        "cuda_graphs": args.cuda_graphs,
+        "tf32": args.tf32,
+        "parts_ms": {},
+    }
     for batch in [int(b) for b in args.batches.split(",")]:
         for kind in ("first", "steady"):
             totals: list[float] = []
@@ -102,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             parts["host"] = total - sum(parts.values())
             parts["total"] = total
             report["parts_ms"][f"{kind}_b{batch}"] = parts
-            print(f"[code2wav-profile] tf32 {args.tf32}, {kind} window, batch {batch}: "
-                  + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()), flush=True)
+            print(
+                f"[code2wav-profile] tf32 {args.tf32}, {kind} window, batch {batch}: "
+                + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()),
+                flush=True,
+            )
 
     if cuda and not args.no_profiler:
         from torch.profiler import ProfilerActivity, profile
@@ -118,11 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         report["top_device_ops"] = table
         table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
         print(table_cpu, flush=True)
-    lines = ["| window | batch | encoder ms | solve ms | vocoder ms | host ms | total ms |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| window | batch | encoder ms | solve ms | vocoder ms | host ms | total ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, parts in report["parts_ms"].items():
         kind, b = key.split("_b")
-        lines.append(f"| {kind} | {b} | {parts.get('encoder', 0):.1f} | {parts.get('solve', 0):.1f} | "
-                     f"{parts.get('vocoder', 0):.1f} | {parts['host']:.1f} | {parts['total']:.1f} |")
+        lines.append(
+            f"| {kind} | {b} | {parts.get('encoder', 0):.1f} | {parts.get('solve', 0):.1f} | "
+            f"{parts.get('vocoder', 0):.1f} | {parts['host']:.1f} | {parts['total']:.1f} |"
+        )
     print("\n".join(lines), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as fh:

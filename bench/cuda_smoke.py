@@ -63,9 +63,17 @@ class Run:
 Top2 = tuple[int, int, float]  # (best id, runner-up id, margin) of the eager logits that chose a token
 
 
-def compare(stage: str, batch: int, request: int, eager: Run, graph: Run, top2: list[Top2 | None],
-            tie_margin: float, rel_tol: float | None = None,
-            logits_at: Callable[[int], torch.Tensor] | None = None) -> Comparison:
+def compare(
+    stage: str,
+    batch: int,
+    request: int,
+    eager: Run,
+    graph: Run,
+    top2: list[Top2 | None],
+    tie_margin: float,
+    rel_tol: float | None = None,
+    logits_at: Callable[[int], torch.Tensor] | None = None,
+) -> Comparison:
     """Tokens decide; ``top2[k]`` describes the eager logits that chose token k (None when unknown).
 
     A first difference is a ``near-tie`` only when the graph picked the eager runner-up and the eager
@@ -86,7 +94,9 @@ def compare(stage: str, batch: int, request: int, eager: Run, graph: Run, top2: 
         d = (a.float() - b.float()).abs().max().item()
         scale = max(a.float().abs().max().item(), 1e-6)
         max_abs, max_rel = max(max_abs, d), max(max_rel, d / scale)
-    c = Comparison(stage, batch, request, len(eager.tokens), "identical", first, None, max_abs, max_rel, len(pairs))
+    c = Comparison(
+        stage, batch, request, len(eager.tokens), "identical", first, None, max_abs, max_rel, len(pairs)
+    )
     if first is not None:
         info = top2[first] if first < len(top2) else None
         near_tie = False
@@ -101,10 +111,12 @@ def compare(stage: str, batch: int, request: int, eager: Run, graph: Run, top2: 
             c.margin_at_diff = margin
             near_tie = graph.tokens[first] == runner_up and margin < tie_margin
         c.verdict = "near-tie" if near_tie else "MISMATCH"
-        c.detail = f"eager {eager.tokens[first:first + 3]} vs graph {graph.tokens[first:first + 3]} at step {first}"
+        c.detail = f"eager {eager.tokens[first : first + 3]} vs graph {graph.tokens[first : first + 3]} at step {first}"
     if rel_tol is not None and max_rel > rel_tol:
         c.verdict = "MISMATCH"
-        c.detail = (c.detail + "; " if c.detail else "") + f"max relative difference {max_rel:.3g} > {rel_tol}"
+        c.detail = (
+            c.detail + "; " if c.detail else ""
+        ) + f"max relative difference {max_rel:.3g} > {rel_tol}"
     return c
 
 
@@ -114,9 +126,16 @@ def _top2(logits: torch.Tensor) -> Top2:
 
 
 # ---- thinker -------------------------------------------------------------------------------------
-def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, prompts: list[list[int]],
-                 tokens: int, kv_bytes: int, late_after: int | None = None,
-                 kernels: str | None = None) -> list[Run]:
+def thinker_runs(
+    llm: torch.nn.Module,
+    device: torch.device,
+    graphs: bool,
+    prompts: list[list[int]],
+    tokens: int,
+    kv_bytes: int,
+    late_after: int | None = None,
+    kernels: str | None = None,
+) -> list[Run]:
     """Greedy runs of ``prompts``; with ``late_after`` the last prompt arrives after that many steps, so
     its prefill shares a step with the others' decode rows (a mixed step, replayed as a row graph when the
     step has at most 32 tokens)."""
@@ -124,8 +143,9 @@ def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, promp
     from services.thinker.sampling import Sampler, SamplingConfig
     from services.thinker.scheduler import WorkItem
 
-    engine = ThinkerEngine(llm, EngineConfig(max_num_seqs=8, kv_budget_bytes=kv_bytes, use_cuda_graphs=graphs),
-                           device)
+    engine = ThinkerEngine(
+        llm, EngineConfig(max_num_seqs=8, kv_budget_bytes=kv_bytes, use_cuda_graphs=graphs), device
+    )
     engine.runner.set_kernels(kernels)
     if graphs and late_after is not None:
         # The mixed step's row bucket must exist: a step with prefill never captures (as in the server,
@@ -136,6 +156,7 @@ def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, promp
         if late_after is not None and k == len(prompts) - 1:
             for _ in range(late_after):
                 engine.step()
+
         def sink(ev: Any, run: Run = run) -> None:
             if ev.error is not None:
                 raise RuntimeError(f"thinker engine error: {ev.error}")
@@ -150,8 +171,11 @@ def thinker_runs(llm: torch.nn.Module, device: torch.device, graphs: bool, promp
     engine.run_until_idle()
     active = engine.runner.use_cuda_graphs
     counts = dict(engine.runner.step_counts)
-    print(f"[cuda_smoke] thinker {'graph' if graphs else 'eager'} engine steps ({engine.runner.kernel_backend} "
-          f"kernels): {counts}", flush=True)
+    print(
+        f"[cuda_smoke] thinker {'graph' if graphs else 'eager'} engine steps ({engine.runner.kernel_backend} "
+        f"kernels): {counts}",
+        flush=True,
+    )
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -169,8 +193,12 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ckpt = Checkpoint(args.checkpoint)
     t0 = time.perf_counter()
-    llm = build_qwen3_llm(ckpt.config, ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=dtype,
-                                                          device=device), dtype, str(device))
+    llm = build_qwen3_llm(
+        ckpt.config,
+        ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=dtype, device=device),
+        dtype,
+        str(device),
+    )
     print(f"[cuda_smoke] thinker LLM loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(1)
     vocab = int(ckpt.config.get("vocab_size", 151_000))
@@ -179,14 +207,17 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
     # (22 tokens) run as one mixed row-graph step.
     for batch, lengths, late in ((1, [64], None), (3, [64, 97, 33], None), (3, [64, 97, 20], 5)):
         prompts = [torch.randint(1000, min(vocab, 100_000), (n,), generator=gen).tolist() for n in lengths]
-        eager = thinker_runs(llm, device, False, prompts, args.tokens, args.kv_bytes, late, args.eager_kernels)
+        eager = thinker_runs(
+            llm, device, False, prompts, args.tokens, args.kv_bytes, late, args.eager_kernels
+        )
         graph = thinker_runs(llm, device, True, prompts, args.tokens, args.kv_bytes, late, args.graph_kernels)
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
             # Row k is the hidden of token k fed back; it chose token k+1. Token 0 came from the prefill.
             # Token 0 came from the prompt's last row, which the engine does not export: its logits are
             # the transformers forward of the prompt (same weights, dtype and device).
-            def logits_at(k: int, e: Run = e, prompt: list[int] = prompts[i],
-                          model: torch.nn.Module = llm) -> torch.Tensor:
+            def logits_at(
+                k: int, e: Run = e, prompt: list[int] = prompts[i], model: torch.nn.Module = llm
+            ) -> torch.Tensor:
                 with torch.inference_mode():
                     if k == 0:
                         ids = torch.tensor([prompt], device=device)
@@ -195,8 +226,11 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
 
             c = compare("thinker", batch, i, e, g, [], args.tie_margin, args.rel_tol, logits_at)
             out.append(c)
-            print(f"[cuda_smoke] thinker batch {batch} request {i}: {c.verdict} ({c.tokens} tokens, "
-                  f"max rel diff {c.max_rel_diff_before:.2e} over {c.compared_rows} rows) {c.detail}", flush=True)
+            print(
+                f"[cuda_smoke] thinker batch {batch} request {i}: {c.verdict} ({c.tokens} tokens, "
+                f"max rel diff {c.max_rel_diff_before:.2e} over {c.compared_rows} rows) {c.detail}",
+                flush=True,
+            )
     del llm
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -204,8 +238,9 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
 
 
 # ---- talker --------------------------------------------------------------------------------------
-def talker_runs(model: Any, graphs: bool, conds: list[tuple[torch.Tensor, torch.Tensor]],
-                frames: int) -> list[Run]:
+def talker_runs(
+    model: Any, graphs: bool, conds: list[tuple[torch.Tensor, torch.Tensor]], frames: int
+) -> list[Run]:
     from services.talker.engine import TalkerEngine
     from services.talker.streams import ConditionInput, DoneOut, ErrorOut, WindowOut
 
@@ -220,15 +255,18 @@ def talker_runs(model: Any, graphs: bool, conds: list[tuple[torch.Tensor, torch.
 
     engine.logits_observer = observe
     for k, ((ids, hidden), run) in enumerate(zip(conds, runs, strict=True)):
+
         def emit(out: Any, run: Run = run, k: int = k) -> None:
             if isinstance(out, ErrorOut):
                 raise RuntimeError(f"talker engine error: {out.error}")
             if isinstance(out, WindowOut):
-                run.tokens.extend(out.window.codes[out.window.left_context:])
+                run.tokens.extend(out.window.codes[out.window.left_context :])
             if isinstance(out, DoneOut) and out.frames != frames:
                 raise RuntimeError(f"talker stream {k} finished with {out.frames} frames, wanted {frames}")
 
-        settings = engine.make_settings(sampling=engine.default_sampling(greedy=True, repetition_penalty=1.0), fixed_frames=frames)
+        settings = engine.make_settings(
+            sampling=engine.default_sampling(greedy=True, repetition_penalty=1.0), fixed_frames=frames
+        )
         st = engine.open(settings, emit)
         by_stream[id(st)] = run
         engine.chunk(st, ConditionInput(ids, hidden, True, False, 0, 0, 0))
@@ -246,15 +284,20 @@ def check_talker(args: argparse.Namespace, device: torch.device) -> list[Compari
     gen = torch.Generator().manual_seed(2)
     out: list[Comparison] = []
     for batch, lengths in ((1, [40]), (3, [40, 17, 64])):
-        conds = [(torch.randint(0, 151_000, (n,), generator=gen), torch.randn(n, model.cfg.llm_dim, generator=gen))
-                 for n in lengths]
+        conds = [
+            (torch.randint(0, 151_000, (n,), generator=gen), torch.randn(n, model.cfg.llm_dim, generator=gen))
+            for n in lengths
+        ]
         eager = talker_runs(model, False, conds, args.frames)
         graph = talker_runs(model, True, conds, args.frames)
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
             c = compare("talker", batch, i, e, g, [_top2(r) for r in e.rows], args.tie_margin, args.rel_tol)
             out.append(c)
-            print(f"[cuda_smoke] talker batch {batch} request {i}: {c.verdict} ({c.tokens} frames, "
-                  f"max rel diff {c.max_rel_diff_before:.2e} over {c.compared_rows} logit rows) {c.detail}", flush=True)
+            print(
+                f"[cuda_smoke] talker batch {batch} request {i}: {c.verdict} ({c.tokens} frames, "
+                f"max rel diff {c.max_rel_diff_before:.2e} over {c.compared_rows} logit rows) {c.detail}",
+                flush=True,
+            )
     return out
 
 
@@ -266,16 +309,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=48, help="thinker tokens per request")
     p.add_argument("--frames", type=int, default=60, help="talker frames per stream")
     p.add_argument("--kv-gb", type=float, default=2.0, help="thinker KV budget per engine")
-    p.add_argument("--tie-margin", type=float, default=0.25,
-                   help="eager top-2 logit margin below which picking the runner-up counts as a tie")
-    p.add_argument("--rel-tol", type=float, default=None,
-                   help="also fail when max |graph - eager| / max |eager| on the shared prefix exceeds this "
-                        "(default: report only; bf16 kernels of different shapes round differently)")
-    p.add_argument("--eager-kernels", default="torch",
-                   help="thinker kernel backend of the eager reference engine (torch: the pure-torch path)")
-    p.add_argument("--graph-kernels", default=None,
-                   help="thinker kernel backend of the graphed engine (default: auto, Triton on CUDA)")
-    p.add_argument("--allow-cpu", action="store_true", help="run on CPU (graphs inactive) to test the harness")
+    p.add_argument(
+        "--tie-margin",
+        type=float,
+        default=0.25,
+        help="eager top-2 logit margin below which picking the runner-up counts as a tie",
+    )
+    p.add_argument(
+        "--rel-tol",
+        type=float,
+        default=None,
+        help="also fail when max |graph - eager| / max |eager| on the shared prefix exceeds this "
+        "(default: report only; bf16 kernels of different shapes round differently)",
+    )
+    p.add_argument(
+        "--eager-kernels",
+        default="torch",
+        help="thinker kernel backend of the eager reference engine (torch: the pure-torch path)",
+    )
+    p.add_argument(
+        "--graph-kernels",
+        default=None,
+        help="thinker kernel backend of the graphed engine (default: auto, Triton on CUDA)",
+    )
+    p.add_argument(
+        "--allow-cpu", action="store_true", help="run on CPU (graphs inactive) to test the harness"
+    )
     p.add_argument("--out-dir", default=None, help="default: $OUT/cuda_smoke or ./bench-results/cuda_smoke")
     return p
 
@@ -311,19 +370,26 @@ def main(argv: list[str] | None = None) -> int:
         "comparisons": [asdict(c) for c in results],
     }
     (out_dir / "cuda_smoke.json").write_text(json.dumps(report, indent=2))
-    lines = ["| stage | batch | request | tokens | verdict | first diff | top-2 margin | gap to graph's pick "
-             "| max rel diff before |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| stage | batch | request | tokens | verdict | first diff | top-2 margin | gap to graph's pick "
+        "| max rel diff before |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in results:
         margin = "—" if c.margin_at_diff is None else f"{c.margin_at_diff:.3g}"
         gap = "—" if c.gap_at_diff is None else f"{c.gap_at_diff:.3g}"
-        lines.append(f"| {c.stage} | {c.batch} | {c.request} | {c.tokens} | {c.verdict} | "
-                     f"{'—' if c.first_diff is None else c.first_diff} | {margin} | {gap} "
-                     f"| {c.max_rel_diff_before:.2e} |")
+        lines.append(
+            f"| {c.stage} | {c.batch} | {c.request} | {c.tokens} | {c.verdict} | "
+            f"{'—' if c.first_diff is None else c.first_diff} | {margin} | {gap} "
+            f"| {c.max_rel_diff_before:.2e} |"
+        )
     (out_dir / "cuda_smoke.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
-    print(f"[cuda_smoke] {report['status']}: {len(results) - len(failed)}/{len(results)} requests agree "
-          f"(device {report['device_name']})", flush=True)
+    print(
+        f"[cuda_smoke] {report['status']}: {len(results) - len(failed)}/{len(results)} requests agree "
+        f"(device {report['device_name']})",
+        flush=True,
+    )
     return 1 if failed else 0
 
 

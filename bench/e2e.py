@@ -131,7 +131,12 @@ def request_body(prompt: str, w: Workload, model: str, stream: bool = True) -> d
         "modalities": ["text", "audio"],
         "stream": stream,
         "sampling_params_list": [
-            {"temperature": 0.0, "max_tokens": w.spoken_tokens, "min_tokens": w.spoken_tokens, "ignore_eos": True},
+            {
+                "temperature": 0.0,
+                "max_tokens": w.spoken_tokens,
+                "min_tokens": w.spoken_tokens,
+                "ignore_eos": True,
+            },
             {"fixed_frames": w.audio_frames, "seed": w.seed},
         ],
     }
@@ -239,16 +244,22 @@ class MpsDaemon:
         if not self.started:
             return
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True,
-                           env={**os.environ, **self.env}, timeout=30)
+            subprocess.run(
+                ["nvidia-cuda-mps-control"],
+                input="quit\n",
+                text=True,
+                env={**os.environ, **self.env},
+                timeout=30,
+            )
         self.started = False
 
 
 class Pipeline:
     """The launcher's children for one profile, on free ports, with logs under ``log_dir``."""
 
-    def __init__(self, profile: DeployProfile, checkpoint: Path, log_dir: Path,
-                 stage_args: dict[str, list[str]]) -> None:
+    def __init__(
+        self, profile: DeployProfile, checkpoint: Path, log_dir: Path, stage_args: dict[str, list[str]]
+    ) -> None:
         from gateway.launcher import Supervisor, pick_free_stage_ports, plan_children
 
         self.log_dir = log_dir
@@ -256,8 +267,9 @@ class Pipeline:
         profile_file = log_dir / "profile.yaml"
         profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
         self.port = free_port()
-        children = plan_children(profile, checkpoint.resolve(), profile_file, self.port,
-                                 stage_ports=pick_free_stage_ports(profile))
+        children = plan_children(
+            profile, checkpoint.resolve(), profile_file, self.port, stage_ports=pick_free_stage_ports(profile)
+        )
         for child in children:
             if child.stage is not None:
                 child.argv += stage_args.get(child.stage, [])
@@ -267,8 +279,10 @@ class Pipeline:
 
     def start(self) -> None:
         for child in self.children:
-            print(f"[e2e] start {child.name} on {child.device} port {child.port}: {' '.join(child.argv[2:])}",
-                  flush=True)
+            print(
+                f"[e2e] start {child.name} on {child.device} port {child.port}: {' '.join(child.argv[2:])}",
+                flush=True,
+            )
             self.supervisor.start(child)
         pids = {c.name: self.supervisor.procs[c.name].pid for c in self.children}
         (self.log_dir / "pids.json").write_text(json.dumps(pids))
@@ -305,8 +319,9 @@ class LevelResult:
     requests: list[RequestResult] = field(default_factory=list)
 
 
-async def timeline(url: str, bodies: list[dict[str, Any]], timeout: float, concurrency: int = 1
-                   ) -> list[dict[str, float]]:
+async def timeline(
+    url: str, bodies: list[dict[str, Any]], timeout: float, concurrency: int = 1
+) -> list[dict[str, float]]:
     """Gateway-side marks (seconds from request start) of non-streaming requests, ``concurrency`` at once.
 
     At c > 1 the marks show which stage the extra time queues in front of (profile of TTFP under load)."""
@@ -314,6 +329,7 @@ async def timeline(url: str, bodies: list[dict[str, Any]], timeout: float, concu
 
     out: list[dict[str, float]] = []
     async with httpx.AsyncClient() as client:
+
         async def one(body: dict[str, Any]) -> None:
             resp = await client.post(url + "/v1/chat/completions", json=body, timeout=timeout)
             if resp.status_code == 200 and resp.json().get("metrics"):
@@ -322,7 +338,7 @@ async def timeline(url: str, bodies: list[dict[str, Any]], timeout: float, concu
                 print(f"[e2e] timeline request failed: HTTP {resp.status_code} {resp.text[:200]}", flush=True)
 
         for start in range(0, len(bodies), concurrency):
-            await asyncio.gather(*(one(b) for b in bodies[start:start + concurrency]))
+            await asyncio.gather(*(one(b) for b in bodies[start : start + concurrency]))
     return out
 
 
@@ -343,7 +359,9 @@ def level_verdicts(levels: list[LevelSummary]) -> list[str]:
             notes.append(f"c={lv.concurrency}: TTFP p50 {ttfp:.0f} ms {ok} the {target:.0f} ms target")
             if lv.concurrency == 1:
                 floor = TARGETS["ttfp_p50_ms_floor_c1"]
-                notes.append(f"c=1: TTFP p50 {'within' if ttfp <= floor else 'above'} the {floor:.0f} ms floor")
+                notes.append(
+                    f"c=1: TTFP p50 {'within' if ttfp <= floor else 'above'} the {floor:.0f} ms floor"
+                )
         if lv.concurrency == 8 and rtf is not None:
             ok = "meets" if rtf <= TARGETS["rtf_mean_c8"] else "misses"
             notes.append(f"c=8: RTF mean {rtf:.3f} {ok} the {TARGETS['rtf_mean_c8']} target")
@@ -366,25 +384,38 @@ def render_markdown(report: dict[str, Any], levels: list[LevelSummary]) -> str:
         "",
     ]
     if any(lv.first_token_ms for lv in levels):
-        lines += ["Where the streaming TTFT goes (means over each level's requests, ms): the client's TTFT; the "
-                  "gateway's, from its pipeline start to the first text delta; the thinker's, from engine submit "
-                  "to the first sampled token.", "",
-                  "| c | client TTFT mean | gateway TTFT mean | thinker TTFT mean |", "|---|---|---|---|"]
+        lines += [
+            "Where the streaming TTFT goes (means over each level's requests, ms): the client's TTFT; the "
+            "gateway's, from its pipeline start to the first text delta; the thinker's, from engine submit "
+            "to the first sampled token.",
+            "",
+            "| c | client TTFT mean | gateway TTFT mean | thinker TTFT mean |",
+            "|---|---|---|---|",
+        ]
         for lv in levels:
             ft = lv.first_token_ms
             client = lv.metrics.get("ttft_ms", {}).get("mean")
             cells = [client, ft.get("gateway_ttft_mean_ms"), ft.get("thinker_ttft_mean_ms")]
-            lines.append(f"| {lv.concurrency} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells) + " |")
+            lines.append(
+                f"| {lv.concurrency} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells) + " |"
+            )
         lines.append("")
     by_c = report.get("timeline_ms_by_concurrency") or {}
     if by_c:
         cs = sorted(by_c, key=int)
-        lines += ["Gateway timeline (ms from request start, non-streaming requests; at c > 1 they are sent "
-                  "together): p50 / p90", ""]
-        lines += ["| mark | " + " | ".join(f"c={c} (n={by_c[c]['n']})" for c in cs) + " |",
-                  "|---|" + "---|" * len(cs)]
-        keys = sorted({k for c in cs for k in by_c[c]["marks"]},
-                      key=lambda k: by_c[cs[0]]["marks"].get(k, {}).get("p50", 0.0))
+        lines += [
+            "Gateway timeline (ms from request start, non-streaming requests; at c > 1 they are sent "
+            "together): p50 / p90",
+            "",
+        ]
+        lines += [
+            "| mark | " + " | ".join(f"c={c} (n={by_c[c]['n']})" for c in cs) + " |",
+            "|---|" + "---|" * len(cs),
+        ]
+        keys = sorted(
+            {k for c in cs for k in by_c[c]["marks"]},
+            key=lambda k: by_c[cs[0]]["marks"].get(k, {}).get("p50", 0.0),
+        )
         for key in keys:
             cells = []
             for c in cs:
@@ -424,23 +455,39 @@ def scrape_sums(urls: list[str]) -> dict[str, float]:
 def first_token_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Mean of each first-token histogram over the requests between two scrapes, in ms."""
     out: dict[str, float] = {}
-    for hist, key in zip(FIRST_TOKEN_HISTOGRAMS, ("gateway_ttft_mean_ms", "thinker_ttft_mean_ms"), strict=True):
+    for hist, key in zip(
+        FIRST_TOKEN_HISTOGRAMS, ("gateway_ttft_mean_ms", "thinker_ttft_mean_ms"), strict=True
+    ):
         n = after.get(f"{hist}_count", 0.0) - before.get(f"{hist}_count", 0.0)
         if n > 0:
             out[key] = 1000.0 * (after.get(f"{hist}_sum", 0.0) - before.get(f"{hist}_sum", 0.0)) / n
     return out
 
 
-async def drive(args: argparse.Namespace, url: str, w: Workload, model: str, prompts: list[str],
-                deadline: float, metrics_urls: list[str] | None = None
-                ) -> tuple[list[LevelResult], dict[int, list[dict[str, float]]]]:
+async def drive(
+    args: argparse.Namespace,
+    url: str,
+    w: Workload,
+    model: str,
+    prompts: list[str],
+    deadline: float,
+    metrics_urls: list[str] | None = None,
+) -> tuple[list[LevelResult], dict[int, list[dict[str, float]]]]:
     bodies = [request_body(p, w, model) for p in prompts]
     metrics_urls = metrics_urls if metrics_urls is not None else [url.rstrip("/") + "/metrics"]
     timeout = args.request_timeout
     if args.warmup:
         print(f"[e2e] warm-up: {args.warmup} request(s) at c=1", flush=True)
-        summary, _ = await run_level(url, {}, 1, args.warmup, timeout, bodies=bodies[-args.warmup:],
-                                     deadline=deadline, require_audio=True)
+        summary, _ = await run_level(
+            url,
+            {},
+            1,
+            args.warmup,
+            timeout,
+            bodies=bodies[-args.warmup :],
+            deadline=deadline,
+            require_audio=True,
+        )
         if summary.failed:
             raise RuntimeError("warm-up request failed; see the lines above and the stage logs")
     results: list[LevelResult] = []
@@ -454,15 +501,21 @@ async def drive(args: argparse.Namespace, url: str, w: Workload, model: str, pro
             await run_level(url, {}, c, n, timeout, progress=False, bodies=bodies[:n], deadline=deadline)
         print(f"[e2e] c={c}: {args.requests_per_level} request(s)", flush=True)
         before = await asyncio.to_thread(scrape_sums, metrics_urls)
-        summary, reqs = await run_level(url, {}, c, args.requests_per_level, timeout, bodies=bodies,
-                                        deadline=deadline, require_audio=True)
+        summary, reqs = await run_level(
+            url, {}, c, args.requests_per_level, timeout, bodies=bodies, deadline=deadline, require_audio=True
+        )
         # After the last response the gateway has observed every request's histograms (at finish).
-        summary.first_token_ms = first_token_means_ms(before, await asyncio.to_thread(scrape_sums, metrics_urls))
+        summary.first_token_ms = first_token_means_ms(
+            before, await asyncio.to_thread(scrape_sums, metrics_urls)
+        )
         results.append(LevelResult(summary, reqs))
         m = summary.metrics
-        print(f"[e2e] c={c} done: {summary.requests} req, {summary.failed} failed, {summary.req_per_s:.2f} req/s, "
-              f"TTFP p50 {m['ttfp_ms'].get('p50', float('nan')):.0f} ms, "
-              f"RTF mean {m['rtf'].get('mean', float('nan')):.3f}", flush=True)
+        print(
+            f"[e2e] c={c} done: {summary.requests} req, {summary.failed} failed, {summary.req_per_s:.2f} req/s, "
+            f"TTFP p50 {m['ttfp_ms'].get('p50', float('nan')):.0f} ms, "
+            f"RTF mean {m['rtf'].get('mean', float('nan')):.3f}",
+            flush=True,
+        )
     marks: dict[int, list[dict[str, float]]] = {}
     top = max(args.levels) if args.levels else 1
     for c in sorted({1, top}):
@@ -477,21 +530,39 @@ async def drive(args: argparse.Namespace, url: str, w: Workload, model: str, pro
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (full-size random for GPU numbers)")
+    p.add_argument(
+        "--checkpoint", required=True, help="checkpoint directory (full-size random for GPU numbers)"
+    )
     p.add_argument("--deploy-config", default="minicpmo_4_5", help="profile file or bundled name")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device")
-    p.add_argument("--stage-overrides", default=None, help="JSON deep-merged into the profile (as minicpmo-serve)")
-    p.add_argument("--stage-args", action="append", default=[], metavar="STAGE=ARGS",
-                   help="extra CLI flags for a stage process, e.g. thinker='--kv-budget 16G' (repeatable)")
-    p.add_argument("--thinker-kv-budget", default="16G",
-                   help="thinker --kv-budget on CUDA (its default takes most free memory, which starves "
-                        "colocated stages); 'auto' keeps the stage default")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device"
+    )
+    p.add_argument(
+        "--stage-overrides", default=None, help="JSON deep-merged into the profile (as minicpmo-serve)"
+    )
+    p.add_argument(
+        "--stage-args",
+        action="append",
+        default=[],
+        metavar="STAGE=ARGS",
+        help="extra CLI flags for a stage process, e.g. thinker='--kv-budget 16G' (repeatable)",
+    )
+    p.add_argument(
+        "--thinker-kv-budget",
+        default="16G",
+        help="thinker --kv-budget on CUDA (its default takes most free memory, which starves "
+        "colocated stages); 'auto' keeps the stage default",
+    )
     p.add_argument("--mps", action="store_true", help="run the stages as clients of a private MPS daemon")
-    p.add_argument("--url", default=None, help="benchmark an already running gateway instead of launching one")
+    p.add_argument(
+        "--url", default=None, help="benchmark an already running gateway instead of launching one"
+    )
     p.add_argument("--concurrency", default="1,4,8", help="comma-separated levels")
     p.add_argument("--requests-per-level", type=int, default=32)
     p.add_argument("--warmup", type=int, default=2, help="requests at c=1 before the first level")
-    p.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds of c requests before each level")
+    p.add_argument(
+        "--warmup-rounds", type=int, default=1, help="untimed rounds of c requests before each level"
+    )
     p.add_argument("--timeline-requests", type=int, default=5, help="non-streaming requests with stage marks")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--spoken-tokens", type=int, default=10, help="thinker tokens (min = max, EOS ignored)")
@@ -499,8 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audio-frames", type=int, default=200, help="talker frames (25 per second of audio)")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--startup-timeout", type=float, default=420.0)
-    p.add_argument("--max-seconds", type=float, default=480.0,
-                   help="overall budget; levels stop being started/sent after it (teardown follows)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=480.0,
+        help="overall budget; levels stop being started/sent after it (teardown follows)",
+    )
     p.add_argument("--out-dir", default=None, help="default: $OUT/e2e or ./bench-results/e2e")
     return p
 
@@ -568,14 +643,24 @@ def main(argv: list[str] | None = None) -> int:
     stage_args = stage_args_for(args, profile)
     on_cuda = any(d.startswith("cuda") for s in STAGES for d in profile.stage(s).devices)
     talker = profile.stage("talker")
-    n_prompts = max(args.requests_per_level, max(args.levels) * max(args.warmup_rounds, 1), args.warmup,
-                    args.timeline_requests, 1)
+    n_prompts = max(
+        args.requests_per_level,
+        max(args.levels) * max(args.warmup_rounds, 1),
+        args.warmup,
+        args.timeline_requests,
+        1,
+    )
     print(f"[e2e] building {n_prompts} prompts of {w.prompt_tokens} tokens", flush=True)
     prompts = make_prompts(Checkpoint(checkpoint).tokenizer(), n_prompts, w.prompt_tokens)
     devices = {s: list(profile.stage(s).devices) for s in STAGES}
-    shared_gpu = on_cuda and len({d for ds in devices.values() for d in ds}) < sum(len(ds) for ds in devices.values())
-    sharing = ("MPS" if args.mps else "separate processes time-slicing") + " on a shared GPU" if shared_gpu else (
-        "one device per stage" if on_cuda else "CPU")
+    shared_gpu = on_cuda and len({d for ds in devices.values() for d in ds}) < sum(
+        len(ds) for ds in devices.values()
+    )
+    sharing = (
+        ("MPS" if args.mps else "separate processes time-slicing") + " on a shared GPU"
+        if shared_gpu
+        else ("one device per stage" if on_cuda else "CPU")
+    )
     report: dict[str, Any] = {
         "bench": "e2e",
         "profile": profile.name,
@@ -649,7 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     md = render_markdown(report, summaries)
     (out_dir / "e2e.md").write_text(md)
     print(md, flush=True)
-    print(f"[e2e] status: {report['status']}; wrote {out_dir / 'e2e.json'} and {out_dir / 'e2e.md'}", flush=True)
+    print(
+        f"[e2e] status: {report['status']}; wrote {out_dir / 'e2e.json'} and {out_dir / 'e2e.md'}", flush=True
+    )
     if rc == 0 and report["status"] != "ok":
         rc = 1
     return rc

@@ -96,7 +96,9 @@ def percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float
+) -> RequestResult:
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
     first_audio = last_audio = None
@@ -205,7 +207,9 @@ async def run_level(
     return summarize_level(concurrency, results, wall, skipped), results
 
 
-def summarize_level(concurrency: int, results: list[RequestResult], wall: float, skipped: int) -> LevelSummary:
+def summarize_level(
+    concurrency: int, results: list[RequestResult], wall: float, skipped: int
+) -> LevelSummary:
     """One level's row: request counts, throughput and the percentiles of the successful requests."""
     ok = [r for r in results if r.ok]
     return LevelSummary(

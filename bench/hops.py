@@ -100,24 +100,37 @@ class Messages:
     def speech(self, seq: int) -> thinker_pb2.ThinkerResponse:
         """Thinker server: device rows -> Tensor proto (D2H on CUDA) in a SpeechChunk."""
         chunk = thinker_pb2.SpeechChunk(
-            id=self.ident(seq), token_ids=self.token_ids, hidden=tensor_to_proto(self.hidden, torch.bfloat16),
+            id=self.ident(seq),
+            token_ids=self.token_ids,
+            hidden=tensor_to_proto(self.hidden, torch.bfloat16),
             text="ten tokens of spoken text in this chunk",
         )
         return thinker_pb2.ThinkerResponse(speech=chunk)
 
-    def talker_chunk(self, seq: int, speech: thinker_pb2.SpeechChunk | None = None) -> talker_pb2.TalkerRequest:
+    def talker_chunk(
+        self, seq: int, speech: thinker_pb2.SpeechChunk | None = None
+    ) -> talker_pb2.TalkerRequest:
         """Gateway: copies ids + the hidden Tensor proto of a SpeechChunk into a TalkerChunk (no torch)."""
-        src = speech if speech is not None else thinker_pb2.SpeechChunk(token_ids=self.token_ids,
-                                                                        hidden=self.hidden_proto)
-        return talker_pb2.TalkerRequest(chunk=talker_pb2.TalkerChunk(
-            id=self.ident(seq), token_ids=src.token_ids, hidden=src.hidden, turn_end=False, is_last=False))
+        src = (
+            speech
+            if speech is not None
+            else thinker_pb2.SpeechChunk(token_ids=self.token_ids, hidden=self.hidden_proto)
+        )
+        return talker_pb2.TalkerRequest(
+            chunk=talker_pb2.TalkerChunk(
+                id=self.ident(seq), token_ids=src.token_ids, hidden=src.hidden, turn_end=False, is_last=False
+            )
+        )
 
     def window_out(self, seq: int) -> talker_pb2.TalkerResponse:
         """Talker server: codes of a finished window -> CodecWindow."""
-        return talker_pb2.TalkerResponse(window=common_pb2.CodecWindow(
-            id=self.ident(seq), codes=self.codes, left_context=3, is_last=False))
+        return talker_pb2.TalkerResponse(
+            window=common_pb2.CodecWindow(id=self.ident(seq), codes=self.codes, left_context=3, is_last=False)
+        )
 
-    def window_in(self, seq: int, window: common_pb2.CodecWindow | None = None) -> code2wav_pb2.Code2WavRequest:
+    def window_in(
+        self, seq: int, window: common_pb2.CodecWindow | None = None
+    ) -> code2wav_pb2.Code2WavRequest:
         """Gateway: copies the talker's window (re-stamped identity) into a Code2WavRequest."""
         out = common_pb2.CodecWindow()
         if window is not None:
@@ -130,8 +143,9 @@ class Messages:
 
     def audio(self, seq: int) -> code2wav_pb2.Code2WavResponse:
         """Code2wav server: float samples -> s16le PCM in an AudioChunk."""
-        return code2wav_pb2.Code2WavResponse(audio=code2wav_pb2.AudioChunk(
-            id=self.ident(seq), pcm=pcm_from_float(self.samples, SAMPLE_RATE)))
+        return code2wav_pb2.Code2WavResponse(
+            audio=code2wav_pb2.AudioChunk(id=self.ident(seq), pcm=pcm_from_float(self.samples, SAMPLE_RATE))
+        )
 
     # ---- consumers (what the receiving process does before it can use the message) ----
     def absorb_talker_chunk(self, msg: talker_pb2.TalkerRequest) -> int:
@@ -186,12 +200,19 @@ class HopStage:
         methods: dict[str, grpc.RpcMethodHandler] = {}
         for kind, typ in EMIT_TYPES.items():
             methods[f"Emit_{kind}"] = grpc.stream_stream_rpc_method_handler(
-                self._emitter(kind), request_deserializer=Go.FromString, response_serializer=typ.SerializeToString)
+                self._emitter(kind),
+                request_deserializer=Go.FromString,
+                response_serializer=typ.SerializeToString,
+            )
         for kind, typ in ABSORB_TYPES.items():
             methods[f"Absorb_{kind}"] = grpc.stream_stream_rpc_method_handler(
-                self._absorber(kind), request_deserializer=typ.FromString, response_serializer=Go.SerializeToString)
+                self._absorber(kind),
+                request_deserializer=typ.FromString,
+                response_serializer=Go.SerializeToString,
+            )
         methods["Stamps"] = grpc.unary_unary_rpc_method_handler(
-            self._stamps, request_deserializer=bytes, response_serializer=bytes)
+            self._stamps, request_deserializer=bytes, response_serializer=bytes
+        )
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
     def _emitter(self, kind: str) -> Callable[..., Any]:
@@ -225,8 +246,12 @@ class HopStage:
 
 async def serve(args: argparse.Namespace) -> None:
     stage = HopStage(Messages(Payload(args.hidden_size), args.device))
-    server = StageServer("hops", SERVICE, lambda s: s.add_generic_rpc_handlers((stage.handler(),)),
-                         ServeOptions(host="127.0.0.1", port=0, metrics_port=0, drain_timeout_s=1.0))
+    server = StageServer(
+        "hops",
+        SERVICE,
+        lambda s: s.add_generic_rpc_handlers((stage.handler(),)),
+        ServeOptions(host="127.0.0.1", port=0, metrics_port=0, drain_timeout_s=1.0),
+    )
     port = await server.start()
     print(f"PORT {port}", flush=True)
     # Serve until the parent closes our stdin (or dies): no orphan server can outlive the benchmark.
@@ -242,9 +267,21 @@ class StageProc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.hops", "serve", "--device", args.device, "--hidden-size",
-             str(args.hidden_size)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+            [
+                sys.executable,
+                "-m",
+                "bench.hops",
+                "serve",
+                "--device",
+                args.device,
+                "--hidden-size",
+                str(args.hidden_size),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.startswith("PORT "):
@@ -264,8 +301,9 @@ class StageProc:
 
 
 def _method(channel: grpc.aio.Channel, name: str, req: Any, resp: Any) -> Any:
-    return channel.stream_stream(f"/{SERVICE}/{name}", request_serializer=req.SerializeToString,
-                                 response_deserializer=resp.FromString)
+    return channel.stream_stream(
+        f"/{SERVICE}/{name}", request_serializer=req.SerializeToString, response_deserializer=resp.FromString
+    )
 
 
 async def _fetch_stamps(channel: grpc.aio.Channel) -> dict[str, dict[int, int]]:
@@ -278,8 +316,9 @@ def _latencies_ms(t0: dict[int, int], t1: dict[int, int], skip: int) -> list[flo
     return [(t1[s] - t0[s]) / 1e6 for s in sorted(t0) if s in t1 and s >= skip]
 
 
-async def grpc_emit(ch: grpc.aio.Channel, kind: str, consume: Callable[[Any], Any], n: int,
-                    skip: int) -> list[float]:
+async def grpc_emit(
+    ch: grpc.aio.Channel, kind: str, consume: Callable[[Any], Any], n: int, skip: int
+) -> list[float]:
     """Stage -> gateway: stage stamps before building, gateway stamps after decoding."""
     call = _method(ch, f"Emit_{kind}", Go, EMIT_TYPES[kind])()
     recv: dict[int, int] = {}
@@ -293,8 +332,9 @@ async def grpc_emit(ch: grpc.aio.Channel, kind: str, consume: Callable[[Any], An
     return _latencies_ms(sent, recv, skip)
 
 
-async def grpc_absorb(ch: grpc.aio.Channel, kind: str, build: Callable[[int], Any], n: int,
-                      skip: int) -> list[float]:
+async def grpc_absorb(
+    ch: grpc.aio.Channel, kind: str, build: Callable[[int], Any], n: int, skip: int
+) -> list[float]:
     """Gateway -> stage: gateway stamps before building, stage stamps after decoding."""
     call = _method(ch, f"Absorb_{kind}", ABSORB_TYPES[kind], Go)()
     sent: dict[int, int] = {}
@@ -307,8 +347,15 @@ async def grpc_absorb(ch: grpc.aio.Channel, kind: str, build: Callable[[int], An
     return _latencies_ms(sent, recv, skip)
 
 
-async def grpc_relay(src: grpc.aio.Channel, dst: grpc.aio.Channel, emit_kind: str, absorb_kind: str,
-                     relay: Callable[[int, Any], Any], n: int, skip: int) -> list[float]:
+async def grpc_relay(
+    src: grpc.aio.Channel,
+    dst: grpc.aio.Channel,
+    emit_kind: str,
+    absorb_kind: str,
+    relay: Callable[[int, Any], Any],
+    n: int,
+    skip: int,
+) -> list[float]:
     """Stage A -> gateway (copy, as pipeline.py) -> stage B: A's stamp to B's stamp."""
     a = _method(src, f"Emit_{emit_kind}", Go, EMIT_TYPES[emit_kind])()
     b = _method(dst, f"Absorb_{absorb_kind}", ABSORB_TYPES[absorb_kind], Go)()
@@ -359,12 +406,14 @@ class HopResult:
     meets_target: bool | None  # None for the two-hop relays (target is per hop)
 
 
-def _result(hop: str, message: str, size: int, grpc_lat: list[float], local: list[float],
-            per_hop: bool = True) -> HopResult:
+def _result(
+    hop: str, message: str, size: int, grpc_lat: list[float], local: list[float], per_hop: bool = True
+) -> HopResult:
     g, loc = percentiles(grpc_lat), percentiles(local)
     added50, added99 = g["p50"] - loc["p50"], g["p99"] - loc["p99"]
-    return HopResult(hop, message, size, g, loc, added50, added99,
-                     added50 <= TARGET_ADDED_P50_MS if per_hop else None)
+    return HopResult(
+        hop, message, size, g, loc, added50, added99, added50 <= TARGET_ADDED_P50_MS if per_hop else None
+    )
 
 
 async def run_all(args: argparse.Namespace, a: StageProc, b: StageProc, deadline: float) -> list[HopResult]:
@@ -372,27 +421,71 @@ async def run_all(args: argparse.Namespace, a: StageProc, b: StageProc, deadline
     n, skip = args.iters + args.warmup, args.warmup
     results: list[HopResult] = []
     hidden_obj = m.hidden
-    async with grpc.aio.insecure_channel(a.addr, options=GRPC_OPTIONS) as ca, \
-            grpc.aio.insecure_channel(b.addr, options=GRPC_OPTIONS) as cb:
+    async with (
+        grpc.aio.insecure_channel(a.addr, options=GRPC_OPTIONS) as ca,
+        grpc.aio.insecure_channel(b.addr, options=GRPC_OPTIONS) as cb,
+    ):
         plan: list[tuple[str, str, int, Callable[[], Any], Callable[[int], Any], bool]] = [
-            ("thinker -> gateway", "ThinkerResponse(SpeechChunk)", m.speech(0).ByteSize(),
-             lambda: grpc_emit(ca, "speech", lambda _msg: None, n, skip), lambda _i: hidden_obj, True),
-            ("gateway -> talker", "TalkerRequest(TalkerChunk)", m.talker_chunk(0).ByteSize(),
-             lambda: grpc_absorb(cb, "talker_chunk", m.talker_chunk, n, skip), lambda _i: hidden_obj, True),
-            ("talker -> gateway", "TalkerResponse(CodecWindow)", m.window_out(0).ByteSize(),
-             lambda: grpc_emit(ca, "window_out", m.consume_window, n, skip), lambda _i: m.codes, True),
-            ("gateway -> code2wav", "Code2WavRequest(CodecWindow)", m.window_in(0).ByteSize(),
-             lambda: grpc_absorb(cb, "window_in", m.window_in, n, skip), lambda _i: m.codes, True),
-            ("code2wav -> gateway", "Code2WavResponse(AudioChunk)", m.audio(0).ByteSize(),
-             lambda: grpc_emit(ca, "audio", m.consume_audio, n, skip), lambda _i: m.samples, True),
-            ("thinker -> gateway -> talker (relay)", "SpeechChunk -> TalkerChunk", m.speech(0).ByteSize(),
-             lambda: grpc_relay(ca, cb, "speech", "talker_chunk",
-                                lambda i, msg: m.talker_chunk(i, msg.speech), n, skip),
-             lambda _i: hidden_obj, False),
-            ("talker -> gateway -> code2wav (relay)", "CodecWindow -> CodecWindow", m.window_out(0).ByteSize(),
-             lambda: grpc_relay(ca, cb, "window_out", "window_in",
-                                lambda i, msg: m.window_in(i, msg.window), n, skip),
-             lambda _i: m.codes, False),
+            (
+                "thinker -> gateway",
+                "ThinkerResponse(SpeechChunk)",
+                m.speech(0).ByteSize(),
+                lambda: grpc_emit(ca, "speech", lambda _msg: None, n, skip),
+                lambda _i: hidden_obj,
+                True,
+            ),
+            (
+                "gateway -> talker",
+                "TalkerRequest(TalkerChunk)",
+                m.talker_chunk(0).ByteSize(),
+                lambda: grpc_absorb(cb, "talker_chunk", m.talker_chunk, n, skip),
+                lambda _i: hidden_obj,
+                True,
+            ),
+            (
+                "talker -> gateway",
+                "TalkerResponse(CodecWindow)",
+                m.window_out(0).ByteSize(),
+                lambda: grpc_emit(ca, "window_out", m.consume_window, n, skip),
+                lambda _i: m.codes,
+                True,
+            ),
+            (
+                "gateway -> code2wav",
+                "Code2WavRequest(CodecWindow)",
+                m.window_in(0).ByteSize(),
+                lambda: grpc_absorb(cb, "window_in", m.window_in, n, skip),
+                lambda _i: m.codes,
+                True,
+            ),
+            (
+                "code2wav -> gateway",
+                "Code2WavResponse(AudioChunk)",
+                m.audio(0).ByteSize(),
+                lambda: grpc_emit(ca, "audio", m.consume_audio, n, skip),
+                lambda _i: m.samples,
+                True,
+            ),
+            (
+                "thinker -> gateway -> talker (relay)",
+                "SpeechChunk -> TalkerChunk",
+                m.speech(0).ByteSize(),
+                lambda: grpc_relay(
+                    ca, cb, "speech", "talker_chunk", lambda i, msg: m.talker_chunk(i, msg.speech), n, skip
+                ),
+                lambda _i: hidden_obj,
+                False,
+            ),
+            (
+                "talker -> gateway -> code2wav (relay)",
+                "CodecWindow -> CodecWindow",
+                m.window_out(0).ByteSize(),
+                lambda: grpc_relay(
+                    ca, cb, "window_out", "window_in", lambda i, msg: m.window_in(i, msg.window), n, skip
+                ),
+                lambda _i: m.codes,
+                False,
+            ),
         ]
         for hop, message, size, grpc_fn, local_obj, per_hop in plan:
             if time.monotonic() >= deadline:
@@ -403,9 +496,12 @@ async def run_all(args: argparse.Namespace, a: StageProc, b: StageProc, deadline
             local = await in_process(local_obj, n, skip)
             r = _result(hop, message, size, grpc_lat, local, per_hop)
             results.append(r)
-            print(f"[hops] {hop:40s} {size / 1024:7.1f} KiB  gRPC p50 {r.grpc_ms['p50'] * 1000:7.1f} us "
-                  f"p99 {r.grpc_ms['p99'] * 1000:7.1f} us  in-process p50 {r.in_process_ms['p50'] * 1000:6.1f} us"
-                  f"  ({time.monotonic() - t0:.1f} s)", flush=True)
+            print(
+                f"[hops] {hop:40s} {size / 1024:7.1f} KiB  gRPC p50 {r.grpc_ms['p50'] * 1000:7.1f} us "
+                f"p99 {r.grpc_ms['p99'] * 1000:7.1f} us  in-process p50 {r.in_process_ms['p50'] * 1000:6.1f} us"
+                f"  ({time.monotonic() - t0:.1f} s)",
+                flush=True,
+            )
     return results
 
 
@@ -424,8 +520,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {r['hop']} | {r['message']} | {r['bytes']} | {g['p50']:.3f} / {g['p90']:.3f} / {g['p99']:.3f} | "
             f"{loc['p50']:.4f} / {loc['p99']:.4f} | {r['added_p50_ms']:.3f} / {r['added_p99_ms']:.3f} | {verdict} |"
         )
-    lines += ["", "Latency = producer stamp before building the message -> consumer stamp after decoding it "
-              "(CLOCK_MONOTONIC across processes); relays are two hops plus the gateway's copy."]
+    lines += [
+        "",
+        "Latency = producer stamp before building the message -> consumer stamp after decoding it "
+        "(CLOCK_MONOTONIC across processes); relays are two hops plus the gateway's copy.",
+    ]
     return "\n".join(lines) + "\n"
 
 

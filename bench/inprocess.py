@@ -55,16 +55,29 @@ class Engines:
         ckpt = Checkpoint(args.checkpoint)
         thinker_p, talker_p, c2w_p = (profile.stage(s) for s in ("thinker", "talker", "code2wav"))
         t0 = time.perf_counter()
-        llm = build_qwen3_llm(ckpt.config, ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=dtype,
-                                                              device=device), dtype, device)
+        llm = build_qwen3_llm(
+            ckpt.config,
+            ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=dtype, device=device),
+            dtype,
+            device,
+        )
         self.processor = ThinkerProcessor.from_checkpoint(ckpt)
         budget = int(args.thinker_kv_gb * 2**30) if device.startswith("cuda") else None
-        self.thinker = ThinkerEngine(llm, EngineConfig(max_num_seqs=thinker_p.max_num_seqs, kv_budget_bytes=budget,
-                                                       max_context=thinker_p.max_model_len or 40960), device)
-        self.talker = TalkerEngine(MiniCPMTTS.from_checkpoint(ckpt, dtype=dtype, device=device),
-                                   max_streams=talker_p.max_num_seqs)
-        c2w_args = c2w_parser().parse_args(["--checkpoint", str(args.checkpoint), "--device", device,
-                                            "--max-batch", str(c2w_p.max_num_seqs)])
+        self.thinker = ThinkerEngine(
+            llm,
+            EngineConfig(
+                max_num_seqs=thinker_p.max_num_seqs,
+                kv_budget_bytes=budget,
+                max_context=thinker_p.max_model_len or 40960,
+            ),
+            device,
+        )
+        self.talker = TalkerEngine(
+            MiniCPMTTS.from_checkpoint(ckpt, dtype=dtype, device=device), max_streams=talker_p.max_num_seqs
+        )
+        c2w_args = c2w_parser().parse_args(
+            ["--checkpoint", str(args.checkpoint), "--device", device, "--max-batch", str(c2w_p.max_num_seqs)]
+        )
         self.code2wav, _ = build_c2w(c2w_args)
         self.codec = talker_p.codec
         print(f"[inprocess] engines built in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -121,14 +134,19 @@ async def one_request(eng: Engines, ids: list[int], w: Workload, index: int) -> 
         res.completion_tokens = len(tokens)
         spoken = tokens[: len(rows)]
         settings = eng.talker.make_settings(
-            request_id=f"inproc-{index}", sampling=eng.talker.default_sampling(seed=w.seed),
-            fixed_frames=w.audio_frames, window_frames=eng.codec.window_frames,
-            left_context=eng.codec.left_context_frames, first_window_frames=eng.codec.first_window_frames)
+            request_id=f"inproc-{index}",
+            sampling=eng.talker.default_sampling(seed=w.seed),
+            fixed_frames=w.audio_frames,
+            window_frames=eng.codec.window_frames,
+            left_context=eng.codec.left_context_frames,
+            first_window_frames=eng.codec.first_window_frames,
+        )
         handle = await eng.code2wav.open_stream(f"inproc-{index}", None, w.seed)
         st = eng.talker.open(settings, lambda out: loop.call_soon_threadsafe(talker_q.put_nowait, out))
         # Fixed-frame mode decodes once the turn's last chunk is in; the span is one chunk here.
-        eng.talker.chunk(st, ConditionInput(torch.tensor(spoken, dtype=torch.long), torch.stack(rows), True, True,
-                                            0, 0, 0))
+        eng.talker.chunk(
+            st, ConditionInput(torch.tensor(spoken, dtype=torch.long), torch.stack(rows), True, True, 0, 0, 0)
+        )
         eng.talker.end(st)
         first_audio = last_audio = None
         talker_done = False
@@ -155,8 +173,13 @@ async def one_request(eng: Engines, ids: list[int], w: Workload, index: int) -> 
                         res.audio_s += result.samples.shape[0] / 24_000
                         res.audio_chunks += 1
                 elif isinstance(item, WindowOut):
-                    eng.code2wav.submit(handle, list(item.window.codes), item.window.left_context,
-                                        item.window.is_last, windows_sent)
+                    eng.code2wav.submit(
+                        handle,
+                        list(item.window.codes),
+                        item.window.left_context,
+                        item.window.is_last,
+                        windows_sent,
+                    )
                     windows_sent += 1
                 elif isinstance(item, ErrorOut):
                     res.error = f"talker: {item.error}"
@@ -179,8 +202,15 @@ async def one_request(eng: Engines, ids: list[int], w: Workload, index: int) -> 
             eng.code2wav.close(handle)
 
 
-async def run_level(eng: Engines, prompt_ids: list[list[int]], w: Workload, c: int, n: int,
-                    deadline: float, progress: bool = True) -> tuple[LevelSummary, list[RequestResult]]:
+async def run_level(
+    eng: Engines,
+    prompt_ids: list[list[int]],
+    w: Workload,
+    c: int,
+    n: int,
+    deadline: float,
+    progress: bool = True,
+) -> tuple[LevelSummary, list[RequestResult]]:
     sem = asyncio.Semaphore(c)
     results: list[RequestResult] = []
     skipped = 0
@@ -196,8 +226,11 @@ async def run_level(eng: Engines, prompt_ids: list[list[int]], w: Workload, c: i
             r.started_s = started
             results.append(r)
             if progress:
-                print(f"  c={c} [{len(results)}/{n}] ttfp={(r.ttfp_s or 0) * 1000:.0f}ms e2e={r.e2e_s * 1000:.0f}ms "
-                      f"audio={r.audio_s:.2f}s {'ok' if r.ok else 'FAILED ' + r.error}", flush=True)
+                print(
+                    f"  c={c} [{len(results)}/{n}] ttfp={(r.ttfp_s or 0) * 1000:.0f}ms e2e={r.e2e_s * 1000:.0f}ms "
+                    f"audio={r.audio_s:.2f}s {'ok' if r.ok else 'FAILED ' + r.error}",
+                    flush=True,
+                )
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(i) for i in range(n)))
@@ -205,7 +238,9 @@ async def run_level(eng: Engines, prompt_ids: list[list[int]], w: Workload, c: i
     return summarize_level(c, results, wall, skipped), results
 
 
-async def drive(args: argparse.Namespace, profile: DeployProfile, w: Workload, deadline: float) -> dict[str, Any]:
+async def drive(
+    args: argparse.Namespace, profile: DeployProfile, w: Workload, deadline: float
+) -> dict[str, Any]:
     from services.common.checkpoint import Checkpoint
 
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -219,7 +254,7 @@ async def drive(args: argparse.Namespace, profile: DeployProfile, w: Workload, d
         out["prompt_tokens_with_template"] = len(ids[0])
         if args.warmup:
             print(f"[inprocess] warm-up: {args.warmup} request(s) at c=1", flush=True)
-            s, _ = await run_level(eng, ids[-args.warmup:], w, 1, args.warmup, deadline)
+            s, _ = await run_level(eng, ids[-args.warmup :], w, 1, args.warmup, deadline)
             if s.failed:
                 raise RuntimeError("warm-up request failed")
         for c in levels:
@@ -241,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.inprocess", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--deploy-config", default="minicpmo_4_5", help="profile for max sequences and codec windows")
+    p.add_argument(
+        "--deploy-config", default="minicpmo_4_5", help="profile for max sequences and codec windows"
+    )
     p.add_argument("--stage-overrides", default=None, help="JSON deep-merged into the profile (as bench.e2e)")
     p.add_argument("--concurrency", default="1,4,8")
     p.add_argument("--requests-per-level", type=int, default=32)
@@ -273,9 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "inprocess",
         "device": args.device,
         "profile": profile.name,
-        "workload": {**asdict(w), "audio_seconds": w.audio_seconds, "first_window_frames": codec.first_window_frames,
-                     "window_frames": codec.window_frames, "left_context_frames": codec.left_context_frames,
-                     "prompt_tokens_with_template": result.get("prompt_tokens_with_template")},
+        "workload": {
+            **asdict(w),
+            "audio_seconds": w.audio_seconds,
+            "first_window_frames": codec.first_window_frames,
+            "window_frames": codec.window_frames,
+            "left_context_frames": codec.left_context_frames,
+            "prompt_tokens_with_template": result.get("prompt_tokens_with_template"),
+        },
         "environment": environment(),
         "levels": [asdict(s) for s in summaries],
         "requests": result["requests"],
@@ -283,8 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - t_start,
     }
     (out_dir / "inprocess.json").write_text(json.dumps(report, indent=2))
-    md = (f"## Same workload, the three engines in one process (device {args.device}, no gRPC/gateway/HTTP)\n\n"
-          + markdown_table(summaries) + "\n")
+    md = (
+        f"## Same workload, the three engines in one process (device {args.device}, no gRPC/gateway/HTTP)\n\n"
+        + markdown_table(summaries)
+        + "\n"
+    )
     (out_dir / "inprocess.md").write_text(md)
     print(md, flush=True)
     print(f"[inprocess] status {report['status']}; wrote {out_dir / 'inprocess.json'}", flush=True)

@@ -46,8 +46,10 @@ from bench.realtime_workload import SessionResult, native_session, turn_session
 # Stage histograms read per level: barge-in drain, engine step time and batch size of every stage; the
 # thinker's split of a duplex unit (queued / encode / engine) and of a step (forward / sample), and its
 # streaming-Whisper batch size.
-STAGE_PREFIXES = ("(?:minicpmo_stage_interrupt_drain_|minicpmo_stage_step_|minicpmo_stage_batch_|"
-                  "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_whisper_)")
+STAGE_PREFIXES = (
+    "(?:minicpmo_stage_interrupt_drain_|minicpmo_stage_step_|minicpmo_stage_batch_|"
+    "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_whisper_)"
+)
 STAGES = ("thinker", "talker", "code2wav")
 
 
@@ -66,8 +68,12 @@ def _pct(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     arr = np.asarray(values)
-    return {"p50": float(np.percentile(arr, 50)), "p90": float(np.percentile(arr, 90)),
-            "p99": float(np.percentile(arr, 99)), "n": len(values)}
+    return {
+        "p50": float(np.percentile(arr, 50)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+        "n": len(values),
+    }
 
 
 class NvmlSampler:
@@ -113,12 +119,19 @@ class NvmlSampler:
 
 async def _sessions(args: argparse.Namespace, lane: str, n: int, ref_uri: str) -> list[Any]:
     script = turn_session if lane == "turn" else native_session
-    return await asyncio.gather(*(script(args.url, ref_uri, args.duration, args.units) for _ in range(n)),
-                                return_exceptions=True)
+    return await asyncio.gather(
+        *(script(args.url, ref_uri, args.duration, args.units) for _ in range(n)), return_exceptions=True
+    )
 
 
-def run_level(args: argparse.Namespace, lane: str, n: int, ref_uri: str, stage_urls: list[str] | None = None,
-              pids: dict[str, int] | None = None) -> dict[str, Any]:
+def run_level(
+    args: argparse.Namespace,
+    lane: str,
+    n: int,
+    ref_uri: str,
+    stage_urls: list[str] | None = None,
+    pids: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """One lane at one concurrency level: run the sessions, then fold client timings and metric deltas."""
     before = _scrape(args.http_url, stage_urls)
     nvml = NvmlSampler(pids or {})
@@ -132,7 +145,9 @@ def run_level(args: argparse.Namespace, lane: str, n: int, ref_uri: str, stage_u
     ok = [r for r in results if isinstance(r, SessionResult)]
     per_session = [r.summary() for r in ok]
     level: dict[str, Any] = {
-        "lane": lane, "sessions": n, "wall_s": wall,
+        "lane": lane,
+        "sessions": n,
+        "wall_s": wall,
         "failed": len(results) - len(ok) + sum(bool(s["errors"]) for s in per_session),
         "errors": [repr(r)[:300] for r in results if not isinstance(r, SessionResult)]
         + [e for s in per_session for e in s["errors"]][:20],
@@ -166,13 +181,17 @@ def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
         "whisper_batch_mean": mean("minicpmo_thinker_whisper_batch_size", 1.0),
     }
     for stage in STAGES:
-        out[f"{stage}_interrupt_ack_mean_ms"] = mean(f'minicpmo_realtime_stage_interrupt_ack_seconds{{stage="{stage}"}}')
+        out[f"{stage}_interrupt_ack_mean_ms"] = mean(
+            f'minicpmo_realtime_stage_interrupt_ack_seconds{{stage="{stage}"}}'
+        )
         out[f"{stage}_drain_mean_ms"] = mean(f'minicpmo_stage_interrupt_drain_seconds{{stage="{stage}"}}')
         out[f"{stage}_batch_mean"] = mean(f'minicpmo_stage_batch_size{{stage="{stage}"}}', 1.0)
         busy = delta.get(f'minicpmo_stage_step_seconds_sum{{stage="{stage}"}}')
         out[f"{stage}_busy_share"] = busy / wall if busy is not None and wall > 0 else None
     for phase in ("queued", "encode", "engine"):
-        out[f"thinker_unit_{phase}_mean_ms"] = mean(f'minicpmo_thinker_duplex_unit_seconds{{phase="{phase}"}}')
+        out[f"thinker_unit_{phase}_mean_ms"] = mean(
+            f'minicpmo_thinker_duplex_unit_seconds{{phase="{phase}"}}'
+        )
     for phase in ("forward", "sample"):
         out[f"thinker_step_{phase}_mean_ms"] = mean(f'minicpmo_thinker_step_phase_seconds{{phase="{phase}"}}')
     return out
@@ -185,23 +204,33 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
     def p(d: dict[str, float] | None, key: str, scale: float = 1.0, digits: int = 3) -> str:
         return "-" if not d else f(d[key] * scale, digits)
 
-    lines = ["| sessions | lane | failed | unit RTF p50 / p90 / p99 | underruns per session p50 / max, ms | "
-             "first audio p50 / p90 ms | barge-in client p50 ms, stage drain ms thinker / talker / code2wav | "
-             "thinker step ms forward / host, batch | Whisper batch | busy share thinker / talker / code2wav |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| sessions | lane | failed | unit RTF p50 / p90 / p99 | underruns per session p50 / max, ms | "
+        "first audio p50 / p90 ms | barge-in client p50 ms, stage drain ms thinker / talker / code2wav | "
+        "thinker step ms forward / host, batch | Whisper batch | busy share thinker / talker / code2wav |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for lv in levels:
         rtf = " / ".join(p(lv["unit_rtf"], k) for k in ("p50", "p90", "p99"))
         under = lv["underruns_per_session"]
-        unders = "-" if not under else f"{under['p50']:.0f} / {lv['underruns_total']}, " + p(
-            lv["underrun_ms_per_session"], "p50", digits=0)
+        unders = (
+            "-"
+            if not under
+            else f"{under['p50']:.0f} / {lv['underruns_total']}, "
+            + p(lv["underrun_ms_per_session"], "p50", digits=0)
+        )
         first = " / ".join(p(lv["first_audio_s"], k, 1000, 0) for k in ("p50", "p90"))
         drains = " / ".join(f(lv.get(f"{s}_drain_mean_ms"), 2) for s in STAGES)
-        step = (f"{f(lv.get('thinker_step_forward_mean_ms'), 2)} / {f(lv.get('thinker_step_sample_mean_ms'), 2)}, "
-                f"{f(lv.get('thinker_batch_mean'), 1)}")
+        step = (
+            f"{f(lv.get('thinker_step_forward_mean_ms'), 2)} / {f(lv.get('thinker_step_sample_mean_ms'), 2)}, "
+            f"{f(lv.get('thinker_batch_mean'), 1)}"
+        )
         busy = " / ".join(f(lv.get(f"{s}_busy_share"), 2) for s in STAGES)
-        lines.append(f"| {lv['sessions']} | {lv['lane']} | {lv['failed']} | {rtf} | {unders} | {first} | "
-                     f"{p(lv['barge_in_ms'], 'p50', digits=0)}, {drains} | {step} | "
-                     f"{f(lv.get('whisper_batch_mean'), 1)} | {busy} |")
+        lines.append(
+            f"| {lv['sessions']} | {lv['lane']} | {lv['failed']} | {rtf} | {unders} | {first} | "
+            f"{p(lv['barge_in_ms'], 'p50', digits=0)}, {drains} | {step} | "
+            f"{f(lv.get('whisper_batch_mean'), 1)} | {busy} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -248,16 +277,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-overrides", default=None, help="JSON, as minicpmo-serve takes it")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8, 16])
-    p.add_argument("--lanes", nargs="+", choices=("turn", "native"), default=["turn", "native"],
-                   help="workloads to run at every level (reported separately)")
-    p.add_argument("--duration", type=float, default=60.0,
-                   help="seconds each session runs its workload (real-time paced; the last cycle finishes)")
+    p.add_argument(
+        "--lanes",
+        nargs="+",
+        choices=("turn", "native"),
+        default=["turn", "native"],
+        help="workloads to run at every level (reported separately)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        help="seconds each session runs its workload (real-time paced; the last cycle finishes)",
+    )
     p.add_argument("--units", type=int, default=12, help="max units per response (the issue asks >= 10)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="sessions run once (one short turn-lane cycle), unmeasured, before the first level")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="sessions run once (one short turn-lane cycle), unmeasured, before the first level",
+    )
     p.add_argument("--ref-audio", default=None, help="voice WAV (default: the checkpoint's, in launch mode)")
-    p.add_argument("--mps", action="store_true",
-                   help="launch mode: the stages run as clients of a private MPS daemon (default: time-slicing)")
+    p.add_argument(
+        "--mps",
+        action="store_true",
+        help="launch mode: the stages run as clients of a private MPS daemon (default: time-slicing)",
+    )
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--out-dir", default=None, help="directory for realtime.json, realtime.md and logs")
     return p
@@ -286,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[realtime] warm-up failures: {warm['errors']}", flush=True)
         for lane in args.lanes:
             for n in args.sessions:
-                print(f"[realtime] {lane} lane, {n} concurrent session(s), {args.duration:g} s each", flush=True)
+                print(
+                    f"[realtime] {lane} lane, {n} concurrent session(s), {args.duration:g} s each", flush=True
+                )
                 levels.append(run_level(args, lane, n, ref_uri, stage_urls, pids))
     finally:
         if pipeline is not None:

@@ -51,9 +51,16 @@ def start_pipeline(out: Path, overrides: dict[str, Any] | None = None) -> Any:
 
 # Everything a stage holds for a request: open streams, admitted requests, queued work, engine
 # sequences, KV cache bytes. All must read 0 once no client is connected.
-_IDLE_GAUGES = ("minicpmo_stage_in_flight", "minicpmo_stage_streams_active", "minicpmo_stage_queue_depth",
-                "minicpmo_thinker_running", "minicpmo_thinker_sequences", "minicpmo_thinker_kv_used_bytes",
-                "minicpmo_talker_engine_streams", "minicpmo_code2wav_cache_bytes")
+_IDLE_GAUGES = (
+    "minicpmo_stage_in_flight",
+    "minicpmo_stage_streams_active",
+    "minicpmo_stage_queue_depth",
+    "minicpmo_thinker_running",
+    "minicpmo_thinker_sequences",
+    "minicpmo_thinker_kv_used_bytes",
+    "minicpmo_talker_engine_streams",
+    "minicpmo_code2wav_cache_bytes",
+)
 
 
 def stage_gauges(pipe: Any) -> dict[str, float]:
@@ -125,9 +132,17 @@ def _wav_uri(seconds: float, rate: int = 16_000) -> str:
     return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-SESSION = {"model": MODEL, "modalities": ["audio", "text"], "input_audio_format": "pcm16",
-           "output_audio_format": "pcm16", "sample_rate_hz": 16000, "turn_detection": None,
-           "ref_audio": _wav_uri(1.0), "overlap_policy": "listen_only", "playback_commit_policy": "ack_only"}
+SESSION = {
+    "model": MODEL,
+    "modalities": ["audio", "text"],
+    "input_audio_format": "pcm16",
+    "output_audio_format": "pcm16",
+    "sample_rate_hz": 16000,
+    "turn_detection": None,
+    "ref_audio": _wav_uri(1.0),
+    "overlap_policy": "listen_only",
+    "playback_commit_policy": "ack_only",
+}
 
 
 async def _until(ws: Any, type_: str, timeout_s: float) -> dict[str, Any]:
@@ -150,8 +165,9 @@ async def realtime_turn(ws: Any, timeout_s: float = 120.0) -> dict[str, Any]:
 async def open_session(url: str) -> Any:
     import websockets
 
-    ws = await websockets.connect(url.replace("http", "ws") + "/v1/realtime?duplex=1", max_size=None,
-                                  open_timeout=60)
+    ws = await websockets.connect(
+        url.replace("http", "ws") + "/v1/realtime?duplex=1", max_size=None, open_timeout=60
+    )
     await ws.send(json.dumps({"type": "session.update", "session": SESSION}))
     await _until(ws, "session.updated", 60)
     return ws
@@ -162,10 +178,26 @@ def fuzz_http(pipe: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """schemathesis against /openapi.json, negative then positive data, checking for any 5xx."""
     results = {}
     for mode in ("negative", "positive"):
-        cmd = [str(Path(sys.executable).with_name("schemathesis")), "run", f"{pipe.url}/openapi.json",
-               "--checks", "not_a_server_error", "--mode", mode, "--max-examples", str(args.max_examples),
-               "--request-timeout", "120", "--seed", str(args.seed), "--continue-on-failure",
-               "--report", "junit", "--report-dir", str(out / f"schemathesis-{mode}")]
+        cmd = [
+            str(Path(sys.executable).with_name("schemathesis")),
+            "run",
+            f"{pipe.url}/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--mode",
+            mode,
+            "--max-examples",
+            str(args.max_examples),
+            "--request-timeout",
+            "120",
+            "--seed",
+            str(args.seed),
+            "--continue-on-failure",
+            "--report",
+            "junit",
+            "--report-dir",
+            str(out / f"schemathesis-{mode}"),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.max_seconds)
         (out / f"schemathesis-{mode}.txt").write_text(proc.stdout + proc.stderr)
         tail = proc.stdout.strip().splitlines()[-3:]
@@ -174,8 +206,18 @@ def fuzz_http(pipe: Any, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def _random_frame(rng: random.Random) -> str | bytes:
-    kinds = ["session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "response.create",
-             "response.cancel", "session.close", "conversation.item.create", "bogus.type", None, 7]
+    kinds = [
+        "session.update",
+        "input_audio_buffer.append",
+        "input_audio_buffer.commit",
+        "response.create",
+        "response.cancel",
+        "session.close",
+        "conversation.item.create",
+        "bogus.type",
+        None,
+        7,
+    ]
     choice = rng.randrange(8)
     if choice == 0:
         return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))  # binary frame
@@ -183,11 +225,15 @@ def _random_frame(rng: random.Random) -> str | bytes:
         return "{not json" * rng.randrange(1, 4)
     event: dict[str, Any] = {"type": rng.choice(kinds)}
     if choice == 2:
-        event["audio"] = rng.choice(["%%%", base64.b64encode(b"\x01" * rng.choice([1, 3, 7])).decode(), 5, None])
+        event["audio"] = rng.choice(
+            ["%%%", base64.b64encode(b"\x01" * rng.choice([1, 3, 7])).decode(), 5, None]
+        )
     elif choice == 3:
-        event["session"] = {"temperature": rng.choice(["NaN", float("inf"), -1, "hot", None]),
-                            "sample_rate_hz": rng.choice([0, -8000, 10**12, "x", 16000]),
-                            "modalities": rng.choice([[], ["smell"], "audio", None])}
+        event["session"] = {
+            "temperature": rng.choice(["NaN", float("inf"), -1, "hot", None]),
+            "sample_rate_hz": rng.choice([0, -8000, 10**12, "x", 16000]),
+            "modalities": rng.choice([[], ["smell"], "audio", None]),
+        }
     elif choice == 4:
         event["pad"] = "x" * rng.choice([10, 100_000, 2_000_000])
     elif choice == 5:
@@ -220,9 +266,14 @@ async def fuzz_ws(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
                                     leaks.append(event["error"]["message"])
             except websockets.ConnectionClosed:
                 continue  # session.close or a policy close: open a new socket and go on
-    return {"frames_sent": sent, "sockets": reconnects, "error_codes": codes, "internal_errors": codes.get(
-        "internal_error", 0), "repr_leaks": leaks[:5],
-            "passed": codes.get("internal_error", 0) == 0 and not leaks}
+    return {
+        "frames_sent": sent,
+        "sockets": reconnects,
+        "error_codes": codes,
+        "internal_errors": codes.get("internal_error", 0),
+        "repr_leaks": leaks[:5],
+        "passed": codes.get("internal_error", 0) == 0 and not leaks,
+    }
 
 
 async def storm(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -233,8 +284,12 @@ async def storm(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     async def chat(client: httpx.AsyncClient) -> None:
         async with sem:
-            body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}],
-                    "sampling_params_list": [{"max_tokens": 60, "ignore_eos": True}, {"max_tokens": 200}]}
+            body = {
+                "model": MODEL,
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+                "sampling_params_list": [{"max_tokens": 60, "ignore_eos": True}, {"max_tokens": 200}],
+            }
             cut_after = rng.randrange(0, 12)
             async with client.stream("POST", f"{pipe.url}/v1/chat/completions", json=body, timeout=120) as r:
                 if r.status_code >= 500:
@@ -291,7 +346,11 @@ async def soak(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
                 async for line in r.aiter_lines():
                     if line:
                         lines.append(line)
-            ok = r.status_code == 200 and lines[-1:] == ["data: [DONE]"] and '"error"' not in "".join(lines[-2:])
+            ok = (
+                r.status_code == 200
+                and lines[-1:] == ["data: [DONE]"]
+                and '"error"' not in "".join(lines[-2:])
+            )
             stats["chat_ok" if ok else "chat_errors"] += 1
 
     async def duplex_loop() -> None:
@@ -304,12 +363,20 @@ async def soak(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
             await ws.close()
 
     async with httpx.AsyncClient(timeout=300) as client:
-        await asyncio.gather(*[chat_loop(client) for _ in range(args.chat)], *[duplex_loop() for _ in range(args.duplex)])
+        await asyncio.gather(
+            *[chat_loop(client) for _ in range(args.chat)], *[duplex_loop() for _ in range(args.duplex)]
+        )
     metrics = httpx.get(f"{pipe.url}/metrics", timeout=10).text
-    responses = dict(re.findall(r'^minicpmo_realtime_responses_total\{status="(\w+)"\} ([0-9.]+)$', metrics, re.M))
-    return {**stats, "realtime_responses_total": responses,
-            "passed": stats["chat_errors"] == 0 and stats["turn_errors"] == 0
-            and float(responses.get("completed", 0)) >= stats["turns_ok"]}
+    responses = dict(
+        re.findall(r'^minicpmo_realtime_responses_total\{status="(\w+)"\} ([0-9.]+)$', metrics, re.M)
+    )
+    return {
+        **stats,
+        "realtime_responses_total": responses,
+        "passed": stats["chat_errors"] == 0
+        and stats["turn_errors"] == 0
+        and float(responses.get("completed", 0)) >= stats["turns_ok"],
+    }
 
 
 def warm_up(pipe: Any, rounds: int = 2) -> None:
@@ -341,12 +408,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", type=int, default=100, help="storm: chat streams to cut; soak: chat clients")
     p.add_argument("--realtime", type=int, default=20, help="storm: realtime sessions to drop")
     p.add_argument("--concurrency", type=int, default=8, help="storm: cuts in flight at once")
-    p.add_argument("--grace-s", type=float, default=35.0, help="storm: wait for the realtime disconnect grace")
+    p.add_argument(
+        "--grace-s", type=float, default=35.0, help="storm: wait for the realtime disconnect grace"
+    )
     p.add_argument("--session-limit", type=int, default=4, help="storm: the profile's max_realtime_sessions")
     p.add_argument("--duplex", type=int, default=8, help="soak: realtime clients")
     p.add_argument("--minutes", type=float, default=20.0, help="soak: duration")
-    p.add_argument("--profile-overrides", default=None,
-                   help='JSON merged into the cpu profile, e.g. {"gateway": {"max_realtime_sessions": 8}}')
+    p.add_argument(
+        "--profile-overrides",
+        default=None,
+        help='JSON merged into the cpu profile, e.g. {"gateway": {"max_realtime_sessions": 8}}',
+    )
     p.add_argument("--rss-bound-mib", type=float, default=200.0, help="allowed RSS growth per process")
     return p
 
@@ -371,8 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         report["seconds"] = round(time.monotonic() - started, 1)
         pipe.stop()
     after = report["after"]
-    report["passed"] = bool(report["result"]["passed"] and after["healthy"] and not any(
-        after["stage_gauges_after"].values()) and after["rss_within_bound"])
+    report["passed"] = bool(
+        report["result"]["passed"]
+        and after["healthy"]
+        and not any(after["stage_gauges_after"].values())
+        and after["rss_within_bound"]
+    )
     (args.out / f"{args.run}.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0 if report["passed"] else 1

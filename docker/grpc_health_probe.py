@@ -62,7 +62,9 @@ def check(host: str, port: int, service: str, timeout_s: float) -> tuple[bool, s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=None, help="default: $MINICPMO_GRPC_PORT or the stage default")
+    parser.add_argument(
+        "--port", type=int, default=None, help="default: $MINICPMO_GRPC_PORT or the stage default"
+    )
     parser.add_argument("--service", default="", help='health service name ("" = the whole server)')
     parser.add_argument("--timeout", type=float, default=3.0)
     args = parser.parse_args(argv)

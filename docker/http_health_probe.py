@@ -1,6 +1,6 @@
 """Container health check for the gateway: GET its liveness endpoint on loopback; exit 0 on HTTP 200.
 
-    python /opt/minicpmo/docker/http_health_probe.py [--port P] [--path /health] [--timeout S]
+python /opt/minicpmo/docker/http_health_probe.py [--port P] [--path /health] [--timeout S]
 """
 
 from __future__ import annotations

@@ -94,14 +94,24 @@ def build_content(args: argparse.Namespace) -> list[dict]:
     prompt = args.prompt or DEFAULT_PROMPTS[args.query_type]
     parts: list[dict] = []
     if args.query_type == "use_image":
-        parts.append({"type": "image_url", "image_url": {"url": _data_url(_read(args.image_path, sample_image_png),
-                                                                           "image/png")}})
+        parts.append(
+            {
+                "type": "image_url",
+                "image_url": {"url": _data_url(_read(args.image_path, sample_image_png), "image/png")},
+            }
+        )
     elif args.query_type == "use_audio":
         wav = _read(args.audio_path, sample_audio_wav)
-        parts.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}})
+        parts.append(
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+        )
     elif args.query_type == "use_video":
-        parts.append({"type": "video_url", "video_url": {"url": _data_url(_read(args.video_path, sample_video_mp4),
-                                                                           "video/mp4")}})
+        parts.append(
+            {
+                "type": "video_url",
+                "video_url": {"url": _data_url(_read(args.video_path, sample_video_mp4), "video/mp4")},
+            }
+        )
     parts.append({"type": "text", "text": prompt})
     return parts
 
@@ -125,8 +135,9 @@ def save_wav(path: str, pcm16: np.ndarray) -> None:
 def run(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"http://{args.host}:{args.port}/v1", api_key=args.api_key or "EMPTY",
-                    timeout=args.timeout)
+    client = OpenAI(
+        base_url=f"http://{args.host}:{args.port}/v1", api_key=args.api_key or "EMPTY", timeout=args.timeout
+    )
     modalities = [m.strip() for m in args.modalities.split(",") if m.strip()]
     want_audio = "audio" in modalities
     extra_body: dict = {"chat_template_kwargs": {"use_tts_template": want_audio, "enable_thinking": False}}
@@ -163,8 +174,10 @@ def run(args: argparse.Namespace) -> int:
             if choice.finish_reason:
                 finish_reasons.append(choice.finish_reason)
         print()
-        print(f"[client] finish_reason={finish_reasons} time_to_first_audio="
-              f"{f'{first_audio:.2f}s' if first_audio is not None else 'n/a'}")
+        print(
+            f"[client] finish_reason={finish_reasons} time_to_first_audio="
+            f"{f'{first_audio:.2f}s' if first_audio is not None else 'n/a'}"
+        )
     else:
         resp = client.chat.completions.create(**request)
         message = resp.choices[0].message

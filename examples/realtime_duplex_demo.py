@@ -96,7 +96,11 @@ def read_video(path: Path, fps: float, stack: int, max_side: int) -> tuple[np.nd
                 for out in resampler.resample(frame):
                     audio_parts.append(out.to_ndarray().reshape(-1))
     duration = max((t for t, _ in frames), default=0.0) + 1e-3
-    audio = np.concatenate(audio_parts).astype(np.float32) if audio_parts else np.zeros(int(duration * RATE), np.float32)
+    audio = (
+        np.concatenate(audio_parts).astype(np.float32)
+        if audio_parts
+        else np.zeros(int(duration * RATE), np.float32)
+    )
     del resample_poly
     units = max(1, math.ceil(audio.size / RATE))
     per_unit: list[list[bytes]] = []
@@ -203,7 +207,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.input_video:
-        audio, unit_frames = read_video(Path(args.input_video), args.video_fps, args.stack_frames, args.frame_max_side)
+        audio, unit_frames = read_video(
+            Path(args.input_video), args.video_fps, args.stack_frames, args.frame_max_side
+        )
     else:
         audio, unit_frames = read_audio_16k(Path(args.input_wav)), []
     session: dict[str, Any] = {
@@ -242,11 +248,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             closed.set()  # the session is over: nothing to ack, the server closes the socket
                             return
                         if isinstance(event.get("server_event_seq"), int):
-                            await send_quietly(ws, {"type": "session.event_ack", "server_event_seq": event["server_event_seq"]})
+                            await send_quietly(
+                                ws,
+                                {"type": "session.event_ack", "server_event_seq": event["server_event_seq"]},
+                            )
                         if kind == "response.output_audio.delta":
                             rid = event["response_id"]
                             played = event["metadata"]["audio_duration_ms"]
-                            await send_quietly(ws, {"type": "playback.ack", "response_id": rid, "played_ms": played})
+                            await send_quietly(
+                                ws, {"type": "playback.ack", "response_id": rid, "played_ms": played}
+                            )
                         if kind == "input_audio_buffer.committed":
                             commit_seen = True
                             committed.set()
@@ -267,7 +278,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     return
                 waiter = asyncio.create_task(flag.wait())
                 try:
-                    await asyncio.wait({waiter, read_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        {waiter, read_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                    )
                 finally:
                     waiter.cancel()
                 if flag.is_set():
@@ -285,7 +298,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     piece = audio[sent : sent + chunk]
                     event: dict[str, Any] = {
                         "type": "input_audio_buffer.append",
-                        "audio": base64.b64encode((np.clip(piece, -1, 1) * 32767).astype("<i2").tobytes()).decode(),
+                        "audio": base64.b64encode(
+                            (np.clip(piece, -1, 1) * 32767).astype("<i2").tobytes()
+                        ).decode(),
                         "format": "pcm16",
                         "sample_rate_hz": RATE,
                         "duration_ms": round(piece.size * 1000 / RATE),
@@ -335,9 +350,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(
         session_id=col.session_id,
         responses=[
-            {"response_id": r, "status": col.responses[r]["status"], "decision": col.responses[r]["decision"],
-             "transcript": col.responses[r]["transcript"], "audio_deltas": len(col.responses[r]["audio"]),
-             "audio_ms": sum(len(a) for a in col.responses[r]["audio"]) * 1000 // (2 * OUT_RATE)}
+            {
+                "response_id": r,
+                "status": col.responses[r]["status"],
+                "decision": col.responses[r]["decision"],
+                "transcript": col.responses[r]["transcript"],
+                "audio_deltas": len(col.responses[r]["audio"]),
+                "audio_ms": sum(len(a) for a in col.responses[r]["audio"]) * 1000 // (2 * OUT_RATE),
+            }
             for r in col.order
         ],
         listens=col.listens,
@@ -348,8 +368,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     decided = bool(col.order) or col.listens > 0
     result["ok"] = bool(
-        result["session_created"] and result["session_closed"] and not col.errors and decided
-        and not result.get("timeout") and not result.get("close_timeout") and "reader_error" not in result
+        result["session_created"]
+        and result["session_closed"]
+        and not col.errors
+        and decided
+        and not result.get("timeout")
+        and not result.get("close_timeout")
+        and "reader_error" not in result
         and (not args.require_audio or len(pcm) > 0)
     )
     (out_dir / "result.json").write_text(json.dumps(result, indent=2))
@@ -364,14 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input-wav")
     src.add_argument("--input-video", help="video file (PyAV): soundtrack plus frames per 1 s unit")
     p.add_argument("--video-fps", type=float, default=1.0)
-    p.add_argument("--stack-frames", type=int, default=1, help="N>1 adds a composite of N sub-frames per unit")
+    p.add_argument(
+        "--stack-frames", type=int, default=1, help="N>1 adds a composite of N sub-frames per unit"
+    )
     p.add_argument("--frame-max-side", type=int, default=960)
     p.add_argument("--ref-audio", required=True, help="WAV with the reply voice")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--instructions", default=None)
     p.add_argument("--chunk-ms", type=int, default=200)
     p.add_argument("--no-realtime", dest="realtime", action="store_false", help="send as fast as possible")
-    p.add_argument("--turn-lane", action="store_true", help="commit with response_create instead of model-owned turns")
+    p.add_argument(
+        "--turn-lane", action="store_true", help="commit with response_create instead of model-owned turns"
+    )
     p.add_argument("--require-audio", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0)
     return p

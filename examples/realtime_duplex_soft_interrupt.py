@@ -36,7 +36,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
-def summarize(events: list[dict[str, Any]], result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def summarize(
+    events: list[dict[str, Any]], result: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     types = [e["type"] for e in events]
     checks: dict[str, bool] = {}
     created = [i for i, t in enumerate(types) if t == "response.created"]
@@ -55,12 +57,16 @@ def summarize(events: list[dict[str, Any]], result: dict[str, Any], args: argpar
 
     checks["demo_ok"] = bool(result.get("ok"))
     checks["no_errors"] = "error" not in types
-    checks["no_cancelled_or_truncated_events"] = not any(t.endswith((".cancelled", ".truncated")) for t in types)
+    checks["no_cancelled_or_truncated_events"] = not any(
+        t.endswith((".cancelled", ".truncated")) for t in types
+    )
     checks["no_cancelled_response_done"] = not any(
         e["type"] == "response.done" and e["response"]["status"] == "cancelled" for e in events
     )
     checks["one_done_per_response"] = all(len(done_at[r]) == 1 for r in rids)
-    checks["min_audio_deltas_per_response"] = all(len(audio_at[r]) >= args.min_audio_deltas_per_response for r in rids)
+    checks["min_audio_deltas_per_response"] = all(
+        len(audio_at[r]) >= args.min_audio_deltas_per_response for r in rids
+    )
     checks["no_stale_audio"] = all(
         not done_at[r] or all(i < done_at[r][0] for i in audio_at[r]) for r in rids
     )
@@ -80,7 +86,9 @@ def summarize(events: list[dict[str, Any]], result: dict[str, Any], args: argpar
         checks["listen_between_last_done_and_commit"] = any(last_pre < i < final_commit for i in listens)
         checks["listen_after_commit"] = any(i > final_commit for i in listens)
         transcripts = [r["transcript"] for r in result.get("responses", [])]
-        checks["followup_transcript_nonempty"] = len(transcripts) >= 2 and any(t.strip() for t in transcripts[1:])
+        checks["followup_transcript_nonempty"] = len(transcripts) >= 2 and any(
+            t.strip() for t in transcripts[1:]
+        )
     summary: dict[str, Any] = {
         "ok": all(checks.values()),
         "validation_mode": args.validation_mode,
@@ -106,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-sha256", default=None)
     p.add_argument("--min-responses", type=int, default=2)
     p.add_argument("--min-audio-deltas-per-response", type=int, default=2)
-    p.add_argument("--expect-second-response-substring", "--expect-followup-response-substring",
-                   dest="expect_second_response_substring", default=None)
+    p.add_argument(
+        "--expect-second-response-substring",
+        "--expect-followup-response-substring",
+        dest="expect_second_response_substring",
+        default=None,
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="per-wait timeout passed to the demo")
     args = p.parse_args(argv)
     if args.validation_mode == "response-required" and not args.input_sha256:
@@ -115,14 +127,31 @@ def main(argv: list[str] | None = None) -> int:
     with wave.open(args.input_wav) as w:
         duration = w.getnframes() / w.getframerate()
     out = Path(args.output_dir)
-    cmd = [sys.executable, str(HERE / "realtime_duplex_demo.py"), "--url", args.url, "--model", args.model,
-           "--input-wav", args.input_wav, "--ref-audio", args.ref_audio, "--output-dir", str(out),
-           "--chunk-ms", "200", "--timeout", str(args.timeout)]
+    cmd = [
+        sys.executable,
+        str(HERE / "realtime_duplex_demo.py"),
+        "--url",
+        args.url,
+        "--model",
+        args.model,
+        "--input-wav",
+        args.input_wav,
+        "--ref-audio",
+        args.ref_audio,
+        "--output-dir",
+        str(out),
+        "--chunk-ms",
+        "200",
+        "--timeout",
+        str(args.timeout),
+    ]
     proc = subprocess.run(cmd, timeout=duration + 2 * args.timeout + 30, capture_output=True, text=True)
     result_path = out / "result.json"
     result = json.loads(result_path.read_text()) if result_path.exists() else {"ok": False}
     events_path = out / "events.jsonl"
-    events = [json.loads(line) for line in events_path.read_text().splitlines()] if events_path.exists() else []
+    events = (
+        [json.loads(line) for line in events_path.read_text().splitlines()] if events_path.exists() else []
+    )
     summary = summarize(events, result, args)
     summary["demo_returncode"] = proc.returncode
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

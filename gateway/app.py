@@ -79,7 +79,9 @@ class _AuthAndCountMiddleware:
                 await self.app(scope, receive, send_counting)
         finally:
             if path not in _PUBLIC_PATHS:
-                metrics.REQUESTS.labels(path if path.startswith("/v1/") else "other", str(status["code"])).inc()
+                metrics.REQUESTS.labels(
+                    path if path.startswith("/v1/") else "other", str(status["code"])
+                ).inc()
 
 
 def _mount_realtime(app: FastAPI) -> None:
@@ -93,7 +95,9 @@ def _mount_realtime(app: FastAPI) -> None:
         mount(app)
 
 
-def create_app(config: GatewayConfig, extra_routers: Sequence[APIRouter] = (), mount_realtime: bool = True) -> FastAPI:
+def create_app(
+    config: GatewayConfig, extra_routers: Sequence[APIRouter] = (), mount_realtime: bool = True
+) -> FastAPI:
     """Build the gateway app; stage channels are opened in the lifespan (inside the server's loop)."""
 
     @contextlib.asynccontextmanager
@@ -124,7 +128,9 @@ def create_app(config: GatewayConfig, extra_routers: Sequence[APIRouter] = (), m
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:
@@ -201,37 +207,66 @@ async def _fetch_info(runtime: GatewayRuntime) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gateway", description="MiniCPM-o 4.5 OpenAI-compatible gateway")
+    p = argparse.ArgumentParser(
+        prog="python -m gateway", description="MiniCPM-o 4.5 OpenAI-compatible gateway"
+    )
     p.add_argument("--thinker-addr", default="127.0.0.1:50051", help="host:port, dns:///name:port or ip list")
     p.add_argument("--talker-addr", default="127.0.0.1:50052")
     p.add_argument("--code2wav-addr", default="127.0.0.1:50053")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8099)
-    p.add_argument("--deploy-config", default=None, help="deploy profile file or bundled name (default minicpmo_4_5)")
-    p.add_argument("--served-model-name", default=None, help="model id clients must send (default openbmb/MiniCPM-o-4_5)")
+    p.add_argument(
+        "--deploy-config", default=None, help="deploy profile file or bundled name (default minicpmo_4_5)"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model id clients must send (default openbmb/MiniCPM-o-4_5)"
+    )
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
-    p.add_argument("--allowed-media-root", default=None, help="directory under which file:// media may be read")
+    p.add_argument(
+        "--allowed-media-root", default=None, help="directory under which file:// media may be read"
+    )
     p.add_argument("--enable-http-fetch", action="store_true", help="allow http(s) media URLs")
     p.add_argument("--max-concurrent-requests", type=int, default=None)
-    p.add_argument("--max-realtime-sessions", type=int, default=None,
-                   help="duplex WebSocket sessions admitted at once (default: the profile's, 4 if unset)")
+    p.add_argument(
+        "--max-realtime-sessions",
+        type=int,
+        default=None,
+        help="duplex WebSocket sessions admitted at once (default: the profile's, 4 if unset)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=None)
-    p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (stage deadlines)")
-    p.add_argument("--openai-audio-delta", action="store_true", help="also stream audio in delta.audio (OpenAI)")
+    p.add_argument(
+        "--request-timeout", type=float, default=None, help="seconds per request (stage deadlines)"
+    )
+    p.add_argument(
+        "--openai-audio-delta", action="store_true", help="also stream audio in delta.audio (OpenAI)"
+    )
     env = os.environ.get
-    p.add_argument("--stage-tls-ca", default=env("MINICPMO_STAGE_TLS_CA") or None,
-                   help="connect to the stages over TLS, verifying them against this CA (PEM; default: profile tls)")
-    p.add_argument("--stage-tls-cert", default=env("MINICPMO_STAGE_TLS_CERT") or None,
-                   help="mutual TLS: the gateway's client certificate (PEM)")
-    p.add_argument("--stage-tls-key", default=env("MINICPMO_STAGE_TLS_KEY") or None,
-                   help="mutual TLS: the key of --stage-tls-cert (PEM)")
+    p.add_argument(
+        "--stage-tls-ca",
+        default=env("MINICPMO_STAGE_TLS_CA") or None,
+        help="connect to the stages over TLS, verifying them against this CA (PEM; default: profile tls)",
+    )
+    p.add_argument(
+        "--stage-tls-cert",
+        default=env("MINICPMO_STAGE_TLS_CERT") or None,
+        help="mutual TLS: the gateway's client certificate (PEM)",
+    )
+    p.add_argument(
+        "--stage-tls-key",
+        default=env("MINICPMO_STAGE_TLS_KEY") or None,
+        help="mutual TLS: the key of --stage-tls-cert (PEM)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
-        stage_addrs={"thinker": args.thinker_addr, "talker": args.talker_addr, "code2wav": args.code2wav_addr},
+        stage_addrs={
+            "thinker": args.thinker_addr,
+            "talker": args.talker_addr,
+            "code2wav": args.code2wav_addr,
+        },
         profile=load_profile(args.deploy_config),
         served_model_name=args.served_model_name,
         api_key=args.api_key,
@@ -242,7 +277,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
         openai_audio_delta=args.openai_audio_delta,
-        stage_tls=ClientTLS(args.stage_tls_ca, args.stage_tls_cert, args.stage_tls_key) if args.stage_tls_ca else None,
+        stage_tls=ClientTLS(args.stage_tls_ca, args.stage_tls_cert, args.stage_tls_key)
+        if args.stage_tls_ca
+        else None,
     )
 
 
@@ -250,12 +287,22 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = config_from_args(args)
     except ProfileError as exc:
         raise SystemExit(f"error: {exc}") from exc
     app = create_app(config)
-    server = GatewayServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), app)
+    server = GatewayServer(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        ),
+        app,
+    )
     server.run()

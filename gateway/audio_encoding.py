@@ -21,7 +21,13 @@ _SOUNDFILE: dict[str, tuple[str, str]] = {
     "mp3": ("MP3", "MPEG_LAYER_III"),
     "opus": ("OGG", "OPUS"),
 }
-MIME_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg"}
+MIME_TYPES = {
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+}
 
 
 def normalize_format(value: object) -> str | None:

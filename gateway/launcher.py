@@ -102,7 +102,12 @@ def stage_flags(sp: StageProfile) -> list[str]:
             flags += ["--max-context", str(sp.max_model_len)]
         flags += ["--duplex-window", sp.duplex_window]
         if sp.duplex_window == "basic":
-            flags += ["--duplex-window-high", str(sp.duplex_window_high), "--duplex-window-low", str(sp.duplex_window_low)]
+            flags += [
+                "--duplex-window-high",
+                str(sp.duplex_window_high),
+                "--duplex-window-low",
+                str(sp.duplex_window_low),
+            ]
         return flags + memory
     if sp.name == "talker":
         return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *memory]
@@ -138,28 +143,50 @@ def plan_children(
             env[STAGE_SETTINGS_ENV] = sp.settings_json()
             env["PYTHONUNBUFFERED"] = "1"
             argv = [
-                python, "-m", f"services.{stage}",
-                "--checkpoint", str(checkpoint),
-                "--device", dev_arg,
-                "--host", host,
-                "--port", str(ports[index]),
+                python,
+                "-m",
+                f"services.{stage}",
+                "--checkpoint",
+                str(checkpoint),
+                "--device",
+                dev_arg,
+                "--host",
+                host,
+                "--port",
+                str(ports[index]),
                 *stage_flags(sp),
                 *tls_flags(profile.tls),
             ]
             children.append(ChildSpec(f"{stage}-{index}", stage, argv, env, ports[index], device))
             addrs.setdefault(stage, []).append(f"{host}:{ports[index]}")
     gw_argv = [
-        python, "-m", "gateway",
-        "--thinker-addr", ",".join(addrs["thinker"]),
-        "--talker-addr", ",".join(addrs["talker"]),
-        "--code2wav-addr", ",".join(addrs["code2wav"]),
-        "--deploy-config", str(profile_file),
-        "--host", host,
-        "--port", str(gateway_port),
+        python,
+        "-m",
+        "gateway",
+        "--thinker-addr",
+        ",".join(addrs["thinker"]),
+        "--talker-addr",
+        ",".join(addrs["talker"]),
+        "--code2wav-addr",
+        ",".join(addrs["code2wav"]),
+        "--deploy-config",
+        str(profile_file),
+        "--host",
+        host,
+        "--port",
+        str(gateway_port),
         *gateway_args,
     ]
-    children.append(ChildSpec("gateway", None, gw_argv, {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},
-                              gateway_port, "cpu"))
+    children.append(
+        ChildSpec(
+            "gateway",
+            None,
+            gw_argv,
+            {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},
+            gateway_port,
+            "cpu",
+        )
+    )
     return children
 
 
@@ -176,7 +203,15 @@ def ensure_tiny_checkpoint(log: Callable[..., None] = print) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="tiny-ckpt.", dir=target.parent))
     log(f"[minicpmo-serve] generating the tiny checkpoint in {target} (once, ~10-30 s)")
-    cmd = [sys.executable, "-m", "services.common.checkpoint_tool", "make", str(staging / "ckpt"), "--size", "tiny"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.common.checkpoint_tool",
+        "make",
+        str(staging / "ckpt"),
+        "--size",
+        "tiny",
+    ]
     try:
         subprocess.run(cmd, check=True, timeout=CHECKPOINT_MAKE_TIMEOUT_S, stdout=subprocess.DEVNULL)
         if (target / "config.json").is_file():  # another launcher won the race
@@ -209,7 +244,12 @@ def pick_free_stage_ports(profile: DeployProfile) -> dict[str, list[int]]:
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                     s.bind(("127.0.0.1", 0))
                     port = s.getsockname()[1]
-                if port < 64000 and port not in taken and port + 1000 not in taken and _port_free(port + 1000):
+                if (
+                    port < 64000
+                    and port not in taken
+                    and port + 1000 not in taken
+                    and _port_free(port + 1000)
+                ):
                     break
             else:
                 raise RuntimeError("could not find free ports for the stages")
@@ -265,8 +305,13 @@ def _die_with_parent() -> None:
 class Supervisor:
     """Starts, watches and stops the children."""
 
-    def __init__(self, children: list[ChildSpec], log_dir: Path | None, verbose: bool = False,
-                 tls: TLSProfile | None = None) -> None:
+    def __init__(
+        self,
+        children: list[ChildSpec],
+        log_dir: Path | None,
+        verbose: bool = False,
+        tls: TLSProfile | None = None,
+    ) -> None:
         self.children = children
         self.tls = tls  # for the start-up health probes of the stages
         self.log_dir = log_dir
@@ -320,18 +365,26 @@ class Supervisor:
                 quick = self.quick_deaths.get(child.name, 0) + 1 if ran < STABLE_S else 1
                 self.quick_deaths[child.name] = quick
                 if quick > MAX_QUICK_DEATHS:
-                    raise RuntimeError(f"{child.name} died {quick - 1} times in a row within {STABLE_S:.0f} s "
-                                       f"of starting; giving up\n{self.tail(child)}")
+                    raise RuntimeError(
+                        f"{child.name} died {quick - 1} times in a row within {STABLE_S:.0f} s "
+                        f"of starting; giving up\n{self.tail(child)}"
+                    )
                 delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (quick - 1))
                 self.restart_due[child.name] = now + delay
-                log(f"[minicpmo-serve] {child.name} exited with code {proc.returncode} after {ran:.0f} s; "
-                    f"restarting in {delay:g} s", flush=True)
+                log(
+                    f"[minicpmo-serve] {child.name} exited with code {proc.returncode} after {ran:.0f} s; "
+                    f"restarting in {delay:g} s",
+                    flush=True,
+                )
             elif now >= due:
                 del self.restart_due[child.name]
                 self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
                 self.start(child)
-                log(f"[minicpmo-serve] restarted {child.name} on port {child.port} "
-                    f"pid {self.procs[child.name].pid}", flush=True)
+                log(
+                    f"[minicpmo-serve] restarted {child.name} on port {child.port} "
+                    f"pid {self.procs[child.name].pid}",
+                    flush=True,
+                )
 
     def tail(self, child: ChildSpec, lines: int = 30) -> str:
         path = self.log_path(child)
@@ -382,7 +435,10 @@ class Supervisor:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"[minicpmo-serve] {child.name} did not stop within {timeout_s:g} s; killing it", flush=True)
+                print(
+                    f"[minicpmo-serve] {child.name} did not stop within {timeout_s:g} s; killing it",
+                    flush=True,
+                )
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: its pid is its group id
                 proc.wait(timeout=5)
@@ -402,15 +458,27 @@ def _default_profile_name(device: str | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="minicpmo-serve", description="Run the three MiniCPM-o stages and the gateway")
+    p = argparse.ArgumentParser(
+        prog="minicpmo-serve", description="Run the three MiniCPM-o stages and the gateway"
+    )
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: generate the tiny one)")
-    p.add_argument("--deploy-config", default=None, help="profile file or bundled name (default: 1 GPU, or cpu)")
-    p.add_argument("--stage-overrides", default=None, help='JSON, e.g. {"thinker": {"sampling": {"max_tokens": 64}}}')
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device")
+    p.add_argument(
+        "--deploy-config", default=None, help="profile file or bundled name (default: 1 GPU, or cpu)"
+    )
+    p.add_argument(
+        "--stage-overrides", default=None, help='JSON, e.g. {"thinker": {"sampling": {"max_tokens": 64}}}'
+    )
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device"
+    )
     p.add_argument("--port", type=int, default=None, help="gateway port (default: the profile's, 8099)")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway and stages bind")
-    p.add_argument("--stage-ports", choices=["profile", "auto"], default="profile",
-                   help="stage ports from the profile (50051..) or free ports picked at start")
+    p.add_argument(
+        "--stage-ports",
+        choices=["profile", "auto"],
+        default="profile",
+        help="stage ports from the profile (50051..) or free ports picked at start",
+    )
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every child")
     p.add_argument("--log-dir", default=None, help="child logs (default: a fresh temp dir)")
     p.add_argument("--verbose", action="store_true", help="children log to this terminal instead of files")
@@ -441,15 +509,25 @@ def main(argv: list[str] | None = None) -> int:
     profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
     port = args.port or profile.gateway.port
     gateway_args: list[str] = []
-    for flag, value in (("--served-model-name", args.served_model_name), ("--api-key", args.api_key),
-                        ("--allowed-media-root", args.allowed_media_root)):
+    for flag, value in (
+        ("--served-model-name", args.served_model_name),
+        ("--api-key", args.api_key),
+        ("--allowed-media-root", args.allowed_media_root),
+    ):
         if value:
             gateway_args += [flag, value]
     if args.enable_http_fetch:
         gateway_args.append("--enable-http-fetch")
     stage_ports = pick_free_stage_ports(profile) if args.stage_ports == "auto" else None
-    children = plan_children(profile, checkpoint.resolve(), profile_file, port, args.host,
-                             stage_ports=stage_ports, gateway_args=gateway_args)
+    children = plan_children(
+        profile,
+        checkpoint.resolve(),
+        profile_file,
+        port,
+        args.host,
+        stage_ports=stage_ports,
+        gateway_args=gateway_args,
+    )
     sup = Supervisor(children, None if args.verbose else log_dir, verbose=args.verbose, tls=profile.tls)
 
     stop_requested = False
@@ -462,14 +540,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     rc = 0
     try:
-        print(f"[minicpmo-serve] profile {profile.name}, checkpoint {checkpoint}, logs in {log_dir}", flush=True)
+        print(
+            f"[minicpmo-serve] profile {profile.name}, checkpoint {checkpoint}, logs in {log_dir}", flush=True
+        )
         for child in children:
             sup.start(child)
-            print(f"[minicpmo-serve] start {child.name} on {child.device} port {child.port} "
-                  f"pid {sup.procs[child.name].pid}", flush=True)
+            print(
+                f"[minicpmo-serve] start {child.name} on {child.device} port {child.port} "
+                f"pid {sup.procs[child.name].pid}",
+                flush=True,
+            )
         sup.wait_healthy(args.startup_timeout)
-        print(f"[minicpmo-serve] ready: http://{args.host}:{port}/v1/chat/completions "
-              f"(model {args.served_model_name or profile.served_model_name})", flush=True)
+        print(
+            f"[minicpmo-serve] ready: http://{args.host}:{port}/v1/chat/completions "
+            f"(model {args.served_model_name or profile.served_model_name})",
+            flush=True,
+        )
         while True:
             sup.supervise()
             time.sleep(0.2)

@@ -95,15 +95,23 @@ async def load_url(url: str, policy: MediaPolicy, param: str) -> bytes:
     elif scheme in ("http", "https"):
         if not policy.http_fetch:
             raise MediaError(
-                403, f"{param}: fetching http(s) media is disabled on this server (start with --enable-http-fetch)",
-                param, "media_fetch_disabled",
+                403,
+                f"{param}: fetching http(s) media is disabled on this server (start with --enable-http-fetch)",
+                param,
+                "media_fetch_disabled",
             )
         data = await _fetch_http(url, policy, param)
     else:
-        raise MediaError(400, f"{param}: unsupported URL scheme {scheme or url[:16]!r} (use data:, file:// or http(s))",
-                         param, "unsupported_url")
+        raise MediaError(
+            400,
+            f"{param}: unsupported URL scheme {scheme or url[:16]!r} (use data:, file:// or http(s))",
+            param,
+            "unsupported_url",
+        )
     if len(data) > limit:
-        raise MediaError(413, f"{param}: media is {len(data)} bytes, over the limit of {limit}", param, "media_too_large")
+        raise MediaError(
+            413, f"{param}: media is {len(data)} bytes, over the limit of {limit}", param, "media_too_large"
+        )
     if not data:
         raise MediaError(400, f"{param}: media is empty", param)
     return data
@@ -111,13 +119,19 @@ async def load_url(url: str, policy: MediaPolicy, param: str) -> bytes:
 
 def _read_local(url: str, policy: MediaPolicy, param: str) -> bytes:
     if policy.allowed_root is None:
-        raise MediaError(403, f"{param}: file:// media is disabled (start with --allowed-media-root)", param,
-                         "media_path_not_allowed")
+        raise MediaError(
+            403,
+            f"{param}: file:// media is disabled (start with --allowed-media-root)",
+            param,
+            "media_path_not_allowed",
+        )
     parsed = urllib.parse.urlparse(url)
     path = Path(urllib.parse.unquote(parsed.path)).resolve()
     root = policy.allowed_root.resolve()
     if not path.is_relative_to(root):
-        raise MediaError(403, f"{param}: {path} is outside the allowed media root", param, "media_path_not_allowed")
+        raise MediaError(
+            403, f"{param}: {path} is outside the allowed media root", param, "media_path_not_allowed"
+        )
     if not path.is_file():
         raise MediaError(400, f"{param}: no such file {path}", param, "media_not_found")
     if path.stat().st_size > policy.limits.max_media_bytes:
@@ -133,12 +147,19 @@ async def _fetch_http(url: str, policy: MediaPolicy, param: str) -> bytes:
         async with httpx.AsyncClient(timeout=policy.http_timeout_s, follow_redirects=True) as client:
             async with client.stream("GET", url) as resp:
                 if resp.status_code != 200:
-                    raise MediaError(400, f"{param}: fetching {url} gave HTTP {resp.status_code}", param, "media_fetch_failed")
+                    raise MediaError(
+                        400,
+                        f"{param}: fetching {url} gave HTTP {resp.status_code}",
+                        param,
+                        "media_fetch_failed",
+                    )
                 buf = bytearray()
                 async for piece in resp.aiter_bytes():
                     buf.extend(piece)
                     if len(buf) > limit:
-                        raise MediaError(413, f"{param}: remote media is over {limit} bytes", param, "media_too_large")
+                        raise MediaError(
+                            413, f"{param}: remote media is over {limit} bytes", param, "media_too_large"
+                        )
                 return bytes(buf)
     except httpx.HTTPError as exc:
         raise MediaError(400, f"{param}: fetching {url} failed: {exc}", param, "media_fetch_failed") from exc
@@ -158,8 +179,10 @@ def check_image(data: bytes, limits: MediaLimits, param: str) -> bytes:
         raise MediaError(400, f"{param}: not a decodable image ({exc})", param, "invalid_image") from exc
     if width * height > limits.max_image_pixels:
         raise MediaError(
-            413, f"{param}: image has {width}x{height} pixels, over the limit of {limits.max_image_pixels}",
-            param, "image_too_large",
+            413,
+            f"{param}: image has {width}x{height} pixels, over the limit of {limits.max_image_pixels}",
+            param,
+            "image_too_large",
         )
     try:
         with Image.open(io.BytesIO(data)) as img:
@@ -170,7 +193,9 @@ def check_image(data: bytes, limits: MediaLimits, param: str) -> bytes:
             img.convert("RGB").save(out, format="PNG")
             return out.getvalue()
     except (OSError, ValueError) as exc:
-        raise MediaError(400, f"{param}: image is truncated or corrupt ({exc})", param, "invalid_image") from exc
+        raise MediaError(
+            400, f"{param}: image is truncated or corrupt ({exc})", param, "invalid_image"
+        ) from exc
 
 
 # ---- audio ----------------------------------------------------------------------------------------
@@ -184,8 +209,10 @@ def decode_audio(data: bytes, limits: MediaLimits, param: str) -> DecodedAudio:
         raise MediaError(400, f"{param}: audio has no samples", param, "invalid_audio")
     if audio.seconds > limits.max_audio_seconds:
         raise MediaError(
-            413, f"{param}: audio lasts {audio.seconds:.1f} s, over the limit of {limits.max_audio_seconds:g} s",
-            param, "audio_too_long",
+            413,
+            f"{param}: audio lasts {audio.seconds:.1f} s, over the limit of {limits.max_audio_seconds:g} s",
+            param,
+            "audio_too_long",
         )
     return audio
 
@@ -242,8 +269,10 @@ def decode_video(data: bytes, limits: MediaLimits, param: str) -> DecodedVideo:
             duration = float(vstream.duration * vstream.time_base)
         if duration > limits.max_video_seconds:
             raise MediaError(
-                413, f"{param}: video lasts {duration:.1f} s, over the limit of {limits.max_video_seconds:g} s",
-                param, "video_too_long",
+                413,
+                f"{param}: video lasts {duration:.1f} s, over the limit of {limits.max_video_seconds:g} s",
+                param,
+                "video_too_long",
             )
         step = 1.0 / limits.video_fps
         frames: list[bytes] = []
@@ -278,7 +307,9 @@ def decode_video(data: bytes, limits: MediaLimits, param: str) -> DecodedVideo:
     if soundtrack is not None:
         seconds = max(seconds, soundtrack.seconds)
     if seconds > limits.max_video_seconds:
-        raise MediaError(413, f"{param}: video is over {limits.max_video_seconds:g} s", param, "video_too_long")
+        raise MediaError(
+            413, f"{param}: video is over {limits.max_video_seconds:g} s", param, "video_too_long"
+        )
     return DecodedVideo(frames=frames, soundtrack=soundtrack, seconds=seconds)
 
 
@@ -291,5 +322,7 @@ def _video_soundtrack(data: bytes, param: str) -> DecodedAudio | None:
                 return None
             audio = _read_audio_stream(container, container.streams.audio[0], THINKER_AUDIO_RATE)
     except Exception as exc:  # noqa: BLE001
-        raise MediaError(400, f"{param}: video soundtrack could not be decoded ({exc})", param, "invalid_video") from exc
+        raise MediaError(
+            400, f"{param}: video soundtrack could not be decoded ({exc})", param, "invalid_video"
+        ) from exc
     return audio if audio.samples.size else None

@@ -134,7 +134,9 @@ class PipelineRun:
     # ---- lifecycle -------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[PipelineEvent]:
         try:
-            self.tasks.append(asyncio.create_task(self._thinker_pump(), name=f"{self.job.request_id}:thinker"))
+            self.tasks.append(
+                asyncio.create_task(self._thinker_pump(), name=f"{self.job.request_id}:thinker")
+            )
             while True:
                 item = await self.queue.get()
                 if item is None:
@@ -252,7 +254,9 @@ class PipelineRun:
                 elif kind == "error":
                     raise StageFailure.from_stage_error("thinker", resp.error)
             if self.thinker_done is None:
-                raise StageFailure("thinker", 502, "thinker stream ended without Done", "stage_closed", "BadGatewayError")
+                raise StageFailure(
+                    "thinker", 502, "thinker stream ended without Done", "stage_closed", "BadGatewayError"
+                )
             self._mark("thinker_done")
             if not self.saw_text_delta and speech_text:
                 # A thinker that reports the spoken text only inside SpeechChunks still yields text.
@@ -318,7 +322,9 @@ class PipelineRun:
                 elif kind == "error":
                     raise StageFailure.from_stage_error("talker", resp.error)
             if not done:
-                raise StageFailure("talker", 502, "talker stream ended without Done", "stage_closed", "BadGatewayError")
+                raise StageFailure(
+                    "talker", 502, "talker stream ended without Done", "stage_closed", "BadGatewayError"
+                )
             if not last_sent:
                 end = common_pb2.Control(id=seq.next(), end=common_pb2.End())
                 await code2wav.write(code2wav_pb2.Code2WavRequest(control=end))

@@ -40,8 +40,14 @@ class GatewayRuntime:
             allowed_root=config.allowed_media_root,
             http_fetch=config.http_fetch,
         )
-        return cls(config=config, stages=stages, pipeline=ChatPipeline(stages), media_policy=policy, created=created,
-                   monitor=StageMonitor(stages))
+        return cls(
+            config=config,
+            stages=stages,
+            pipeline=ChatPipeline(stages),
+            media_policy=policy,
+            created=created,
+            monitor=StageMonitor(stages),
+        )
 
     def check_api_key(self, authorization: str | None) -> bool:
         """True when no API key is configured or ``authorization`` is ``Bearer <key>`` (for WebSocket routes)."""
@@ -51,7 +57,9 @@ class GatewayRuntime:
         """Take one concurrency slot; 429 when none is free, 503 while shutting down. Pair with :meth:`release`."""
         if self.draining:
             REJECTED.labels("shutting_down").inc()
-            raise APIError(503, "the server is shutting down; retry shortly", None, headers={"Retry-After": "3"})
+            raise APIError(
+                503, "the server is shutting down; retry shortly", None, headers={"Retry-After": "3"}
+            )
         if self.in_flight >= self.config.concurrency_limit:
             REJECTED.labels("concurrency").inc()
             raise APIError(

@@ -85,8 +85,16 @@ _GRPC_STATUS_HTTP: dict[grpc.StatusCode, tuple[int, str, str]] = {
 class StageFailure(Exception):
     """A stage could not do its part; carries what the HTTP layer needs to answer the client."""
 
-    def __init__(self, stage: str, status: int, message: str, code: str, err_type: str, param: str | None = None,
-                 retry_after_s: int | None = None):
+    def __init__(
+        self,
+        stage: str,
+        status: int,
+        message: str,
+        code: str,
+        err_type: str,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ):
         super().__init__(f"{stage}: {message}")
         self.stage = stage
         self.status = status
@@ -168,16 +176,21 @@ class StageTimeouts:
 class StageClient:
     """One channel to one stage (all its replicas)."""
 
-    def __init__(self, stage: str, addr: str, timeouts: StageTimeouts | None = None,
-                 tls: ClientTLS | None = None) -> None:
+    def __init__(
+        self, stage: str, addr: str, timeouts: StageTimeouts | None = None, tls: ClientTLS | None = None
+    ) -> None:
         if stage not in STAGE_SERVICES:
             raise ValueError(f"unknown stage {stage!r}")
         self.stage = stage
         self.addr = addr
         self.target = normalize_target(addr)
         self.timeouts = timeouts or StageTimeouts()
-        options = [*GRPC_OPTIONS, *RECONNECT_OPTIONS, ("grpc.service_config", _service_config(stage)),
-                   ("grpc.enable_retries", 0)]
+        options = [
+            *GRPC_OPTIONS,
+            *RECONNECT_OPTIONS,
+            ("grpc.service_config", _service_config(stage)),
+            ("grpc.enable_retries", 0),
+        ]
         self.tls = tls
         if tls is None:
             self.channel = grpc.aio.insecure_channel(self.target, options=options)
@@ -285,7 +298,9 @@ class StageStream:
             raise
         if not self._can_retry(failure):
             raise self._failure(failure) from failure
-        log.warning("%s stream unavailable before first output (%s); retrying once", self.stage, failure.details())
+        log.warning(
+            "%s stream unavailable before first output (%s); retrying once", self.stage, failure.details()
+        )
         STAGE_RETRIES.labels(self.stage).inc()
         try:
             await self._reopen()
@@ -379,8 +394,9 @@ class StageStream:
 class StageSet:
     """The three stage clients the gateway talks to (plus helpers routes and the realtime code share)."""
 
-    def __init__(self, addrs: dict[str, str], timeouts: StageTimeouts | None = None,
-                 tls: ClientTLS | None = None) -> None:
+    def __init__(
+        self, addrs: dict[str, str], timeouts: StageTimeouts | None = None, tls: ClientTLS | None = None
+    ) -> None:
         missing = [s for s in STAGE_SERVICES if s not in addrs]
         if missing:
             raise ValueError(f"stage addresses missing for {missing}")

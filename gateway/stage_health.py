@@ -122,6 +122,10 @@ class StageMonitor:
                 if self.states[stage].serving is not False:
                     reason = "no replica is reachable"
                 raise StageFailure(
-                    stage, 503, f"{stage} stage is unavailable at {client.target}: {reason}; retry shortly",
-                    "stage_unavailable", "ServiceUnavailableError", retry_after_s=RETRY_AFTER_S,
+                    stage,
+                    503,
+                    f"{stage} stage is unavailable at {client.target}: {reason}; retry shortly",
+                    "stage_unavailable",
+                    "ServiceUnavailableError",
+                    retry_after_s=RETRY_AFTER_S,
                 )

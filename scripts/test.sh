@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Install (scripts/setup.sh) and run the linter, the type checker and the full test suite. Extra args go to pytest.
+# Install (scripts/setup.sh) and run the linter, the formatter check, the type checker and the full test suite. Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OPENBLAS_NUM_THREADS=1
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 # Types over services/common and gateway ([tool.mypy] in pyproject.toml).
 .venv/bin/mypy
 set +e

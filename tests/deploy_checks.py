@@ -55,19 +55,43 @@ class Layout:
 
 
 LAYOUTS: dict[str, Layout] = {
-    "1gpu": Layout("1gpu", "minicpmo_4_5", CHART_DIR / "values-1gpu.yaml",
-                   (REPO / "docker-compose.yml", REPO / "docker-compose.override.yml")),
-    "2gpu": Layout("2gpu", "minicpmo_4_5_2gpu", CHART_DIR / "values-2gpu.yaml",
-                   (REPO / "docker-compose.yml", REPO / "compose" / "2gpu.yml")),
-    "3gpu": Layout("3gpu", "minicpmo_4_5_3gpu", CHART_DIR / "values-3gpu.yaml",
-                   (REPO / "docker-compose.yml", REPO / "compose" / "3gpu.yml")),
-    "8x4090": Layout("8x4090", "minicpmo_4_5_8x4090", CHART_DIR / "values-8x4090.yaml",
-                     (REPO / "docker-compose.yml", REPO / "compose" / "8x4090.yml")),
-    "cpu": Layout("cpu", "cpu", CHART_DIR / "values-cpu.yaml",
-                  (REPO / "docker-compose.yml", REPO / "compose" / "cpu.yml")),
+    "1gpu": Layout(
+        "1gpu",
+        "minicpmo_4_5",
+        CHART_DIR / "values-1gpu.yaml",
+        (REPO / "docker-compose.yml", REPO / "docker-compose.override.yml"),
+    ),
+    "2gpu": Layout(
+        "2gpu",
+        "minicpmo_4_5_2gpu",
+        CHART_DIR / "values-2gpu.yaml",
+        (REPO / "docker-compose.yml", REPO / "compose" / "2gpu.yml"),
+    ),
+    "3gpu": Layout(
+        "3gpu",
+        "minicpmo_4_5_3gpu",
+        CHART_DIR / "values-3gpu.yaml",
+        (REPO / "docker-compose.yml", REPO / "compose" / "3gpu.yml"),
+    ),
+    "8x4090": Layout(
+        "8x4090",
+        "minicpmo_4_5_8x4090",
+        CHART_DIR / "values-8x4090.yaml",
+        (REPO / "docker-compose.yml", REPO / "compose" / "8x4090.yml"),
+    ),
+    "cpu": Layout(
+        "cpu",
+        "cpu",
+        CHART_DIR / "values-cpu.yaml",
+        (REPO / "docker-compose.yml", REPO / "compose" / "cpu.yml"),
+    ),
     # the 1-GPU layout with the mutual-TLS add-on: every layout check must hold for it too
-    "1gpu-tls": Layout("1gpu-tls", "minicpmo_4_5", CHART_DIR / "values-1gpu.yaml",
-                       (REPO / "docker-compose.yml", REPO / "docker-compose.override.yml", REPO / "compose" / "tls.yml")),
+    "1gpu-tls": Layout(
+        "1gpu-tls",
+        "minicpmo_4_5",
+        CHART_DIR / "values-1gpu.yaml",
+        (REPO / "docker-compose.yml", REPO / "docker-compose.override.yml", REPO / "compose" / "tls.yml"),
+    ),
 }
 
 
@@ -122,7 +146,9 @@ def lint_chart(values: Mapping[str, Any] | None, chart_dir: Path = CHART_DIR) ->
     import helm_python as helm
 
     report = helm.lint(str(chart_dir), dict(values or {}), strict=True)
-    problems = [f"{m['path']}: {m['error'].strip()}" for m in report.get("messages", []) if m["severity"] >= 2]
+    problems = [
+        f"{m['path']}: {m['error'].strip()}" for m in report.get("messages", []) if m["severity"] >= 2
+    ]
     problems += [e.strip() for e in report.get("errors", []) if e.strip() not in "\n".join(problems)]
     return problems
 
@@ -156,7 +182,9 @@ def render_notes(values: Mapping[str, Any] | None, chart_dir: Path = CHART_DIR) 
     return next(text for path, text in rendered.items() if path.endswith("NOTES.txt"))
 
 
-def validate_kubernetes(docs: Iterable[Mapping[str, Any]], versions: Iterable[str] = KUBE_VERSIONS) -> list[str]:
+def validate_kubernetes(
+    docs: Iterable[Mapping[str, Any]], versions: Iterable[str] = KUBE_VERSIONS
+) -> list[str]:
     """Strict OpenAPI validation (unknown fields rejected) of every built-in kind; CRDs checked by hand."""
     import kubernetes_validate
 
@@ -173,7 +201,9 @@ def validate_kubernetes(docs: Iterable[Mapping[str, Any]], versions: Iterable[st
             except kubernetes_validate.ValidationError as exc:
                 problems.append(f"{where}: {exc.message} at {list(exc.absolute_path)}")
             except kubernetes_validate.SchemaNotFoundError:
-                problems.append(f"{where}: no Kubernetes schema for {doc.get('apiVersion')} {doc.get('kind')}")
+                problems.append(
+                    f"{where}: no Kubernetes schema for {doc.get('apiVersion')} {doc.get('kind')}"
+                )
     return problems
 
 
@@ -240,12 +270,16 @@ def check_selectors(docs: list[Mapping[str, Any]]) -> list[str]:
         target = hpa["spec"]["scaleTargetRef"]
         name = hpa["metadata"]["name"]
         if target.get("kind") != "Deployment" or target.get("name") not in pod_labels:
-            problems.append(f"HorizontalPodAutoscaler/{name}: targets {target}, which the chart does not create")
+            problems.append(
+                f"HorizontalPodAutoscaler/{name}: targets {target}, which the chart does not create"
+            )
         elif pod_labels[target["name"]].get(COMPONENT_LABEL) != component(hpa):
             problems.append(f"HorizontalPodAutoscaler/{name}: scales another component's Deployment")
         dep = next((d for d in deployments if d["metadata"]["name"] == target.get("name")), None)
         if dep is not None and "replicas" in dep["spec"]:
-            problems.append(f"HorizontalPodAutoscaler/{name}: Deployment also pins spec.replicas (they would fight)")
+            problems.append(
+                f"HorizontalPodAutoscaler/{name}: Deployment also pins spec.replicas (they would fight)"
+            )
     services = by_kind(docs, "Service")
     for sm in by_kind(docs, "ServiceMonitor"):
         selector = sm["spec"]["selector"]["matchLabels"]
@@ -255,7 +289,9 @@ def check_selectors(docs: list[Mapping[str, Any]]) -> list[str]:
             problems.append(f"ServiceMonitor/{sm['metadata']['name']}: selects {len(hits)} Services")
         for ep in sm["spec"]["endpoints"]:
             if ep["port"] not in ports:
-                problems.append(f"ServiceMonitor/{sm['metadata']['name']}: port {ep['port']} not on the Service")
+                problems.append(
+                    f"ServiceMonitor/{sm['metadata']['name']}: port {ep['port']} not on the Service"
+                )
     return problems
 
 
@@ -298,16 +334,22 @@ def check_stage_probes(docs: list[Mapping[str, Any]]) -> list[str]:
             problems.append(f"{name}: containerPort 'grpc' {named.get('grpc')} != --port {port_num}")
         metrics = cli_flag(argv, "--metrics-port")
         if metrics is None or named.get("metrics") != int(metrics):
-            problems.append(f"{name}: containerPort 'metrics' {named.get('metrics')} != --metrics-port {metrics}")
+            problems.append(
+                f"{name}: containerPort 'metrics' {named.get('metrics')} != --metrics-port {metrics}"
+            )
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             spec = c.get(probe)
             if not spec or "grpc" not in spec:
                 problems.append(f"{name}: {probe} is not a native gRPC probe")
                 continue
             if spec["grpc"].get("port") != port_num:
-                problems.append(f"{name}: {probe} probes port {spec['grpc'].get('port')}, stage binds {port_num}")
+                problems.append(
+                    f"{name}: {probe} probes port {spec['grpc'].get('port')}, stage binds {port_num}"
+                )
             if spec["grpc"].get("service", "") != "":
-                problems.append(f"{name}: {probe} checks service {spec['grpc']['service']!r}, not the overall ''")
+                problems.append(
+                    f"{name}: {probe} checks service {spec['grpc']['service']!r}, not the overall ''"
+                )
         svc = services.get(name)
         if svc is None:
             problems.append(f"{name}: no Service")
@@ -315,7 +357,11 @@ def check_stage_probes(docs: list[Mapping[str, Any]]) -> list[str]:
             if svc["spec"].get("clusterIP") != "None":
                 problems.append(f"{name}: Service is not headless (gRPC would pin every stream to one pod)")
             grpc_ports = [p for p in svc["spec"]["ports"] if p["name"] == "grpc"]
-            if not grpc_ports or grpc_ports[0]["port"] != port_num or grpc_ports[0]["targetPort"] not in ("grpc", port_num):
+            if (
+                not grpc_ports
+                or grpc_ports[0]["port"] != port_num
+                or grpc_ports[0]["targetPort"] not in ("grpc", port_num)
+            ):
                 problems.append(f"{name}: Service grpc port {grpc_ports} does not lead to {port_num}")
     return problems
 
@@ -350,7 +396,9 @@ def check_security(docs: list[Mapping[str, Any]]) -> list[str]:
             for mount in c.get("volumeMounts", []):
                 if mount["name"] == "model" and not mount.get("readOnly"):
                     problems.append(f"{name}: model volume mounted writable")
-        if component(dep) in STAGES and not any(m["name"] == "model" for m in _container(dep).get("volumeMounts", [])):
+        if component(dep) in STAGES and not any(
+            m["name"] == "model" for m in _container(dep).get("volumeMounts", [])
+        ):
             problems.append(f"{name}: no model volume")
     return problems
 
@@ -379,7 +427,9 @@ def check_gpu_requests(docs: list[Mapping[str, Any]], profile: DeployProfile) ->
             problems.append(f"{name}: {replicas} replicas, profile has {want.replicas}")
         argv = container_command(dep)
         if cli_flag(argv, "--device") != want.device:
-            problems.append(f"{name}: --device {cli_flag(argv, '--device')}, profile places it on {want.device}")
+            problems.append(
+                f"{name}: --device {cli_flag(argv, '--device')}, profile places it on {want.device}"
+            )
         if cli_flag(argv, "--port") != str(want.port):
             problems.append(f"{name}: --port {cli_flag(argv, '--port')}, profile port {want.port}")
         resources = _container(dep).get("resources", {})
@@ -401,8 +451,9 @@ def check_gpu_requests(docs: list[Mapping[str, Any]], profile: DeployProfile) ->
     return problems
 
 
-def _check_colocation(name: str, dep: Mapping[str, Any], profile: DeployProfile,
-                      deployments: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def _check_colocation(
+    name: str, dep: Mapping[str, Any], profile: DeployProfile, deployments: Mapping[str, Mapping[str, Any]]
+) -> list[str]:
     """A stage sharing a GPU with other stages must land on the same node as them: either it is the anchor
     the others follow, or it has required pod affinity to a stage on the same device."""
     devices = set(profile.stage(name).devices)
@@ -476,8 +527,16 @@ def compose_config(files: Iterable[Path], env: Mapping[str, str] | None = None) 
 
 def validate_compose_schema(paths: Iterable[Path]) -> list[str]:
     """check-jsonschema against the compose-spec schema it bundles (offline)."""
-    cmd = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
-           "--output-format", "json", *map(str, paths)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "check_jsonschema",
+        "--builtin-schema",
+        "vendor.compose-spec",
+        "--output-format",
+        "json",
+        *map(str, paths),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode == 0:
         return []
@@ -548,10 +607,14 @@ def check_compose_layout(config: Mapping[str, Any], profile: DeployProfile, prof
             if env.get("MINICPMO_STAGE") != stage:
                 problems.append(f"{name}: MINICPMO_STAGE={env.get('MINICPMO_STAGE')}")
             if Path(env.get("MINICPMO_DEPLOY_PROFILE", "")).name != profile_file:
-                problems.append(f"{name}: reads profile {env.get('MINICPMO_DEPLOY_PROFILE')}, layout is {profile_file}")
+                problems.append(
+                    f"{name}: reads profile {env.get('MINICPMO_DEPLOY_PROFILE')}, layout is {profile_file}"
+                )
             if not any(str(v).endswith(":/models/MiniCPM-o-4_5:ro") for v in svc.get("volumes") or []):
                 problems.append(f"{name}: checkpoint not mounted read-only at /models/MiniCPM-o-4_5")
-            devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices")
+            devices = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get(
+                "devices"
+            )
             for dev in devices or []:
                 if dev.get("driver") != "nvidia" or "gpu" not in (dev.get("capabilities") or []):
                     problems.append(f"{name}: device reservation {dev} is not an NVIDIA GPU")
@@ -561,13 +624,17 @@ def check_compose_layout(config: Mapping[str, Any], profile: DeployProfile, prof
             if want.device == "cuda" and len(devices or []) != 1:
                 problems.append(f"{name}: expected exactly one GPU reservation, found {devices}")
         if sorted(gpus) != sorted(want.gpu_indices):
-            problems.append(f"{stage}: GPUs {sorted(gpus)}, profile places replicas on {sorted(want.gpu_indices)}")
+            problems.append(
+                f"{stage}: GPUs {sorted(gpus)}, profile places replicas on {sorted(want.gpu_indices)}"
+            )
     gateway = config.get("services", {}).get("gateway")
     if gateway is None:
         return problems + ["no gateway service"]
     argv = [str(a) for a in gateway.get("command") or []]
     if Path(cli_flag(argv, "--deploy-config") or "").name != profile_file:
-        problems.append(f"gateway: --deploy-config {cli_flag(argv, '--deploy-config')}, layout is {profile_file}")
+        problems.append(
+            f"gateway: --deploy-config {cli_flag(argv, '--deploy-config')}, layout is {profile_file}"
+        )
     for stage, want in want_all.items():
         addr = cli_flag(argv, f"--{stage}-addr") or ""
         if not addr.endswith(f":{want.port}"):
@@ -626,15 +693,19 @@ def check_stage_cli_settings(
     want = profile.stage(stage)
     problems: list[str] = []
     if choice.fraction != want.memory_fraction:
-        problems.append(f"{name}: runs with memory fraction {choice.fraction} ({choice.source}), "
-                        f"profile says {want.memory_fraction}")
+        problems.append(
+            f"{name}: runs with memory fraction {choice.fraction} ({choice.source}), "
+            f"profile says {want.memory_fraction}"
+        )
     got_seqs = getattr(args, MAX_SEQS_DEST[stage])
     if got_seqs != want.max_num_seqs:
         problems.append(f"{name}: runs with max_num_seqs {got_seqs}, profile says {want.max_num_seqs}")
     if stage == "thinker":
         for key in ("duplex_window", "duplex_window_high", "duplex_window_low"):
             if getattr(args, key) != getattr(want, key):
-                problems.append(f"{name}: runs with {key} {getattr(args, key)}, profile says {getattr(want, key)}")
+                problems.append(
+                    f"{name}: runs with {key} {getattr(args, key)}, profile says {getattr(want, key)}"
+                )
     return problems
 
 

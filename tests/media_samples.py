@@ -12,7 +12,9 @@ def png_bytes(width: int = 64, height: int = 48) -> bytes:
     from PIL import Image
 
     y, x = np.mgrid[0:height, 0:width]
-    rgb = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), np.full_like(x, 128)], axis=-1)
+    rgb = np.stack(
+        [x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), np.full_like(x, 128)], axis=-1
+    )
     buf = io.BytesIO()
     Image.fromarray(rgb.astype(np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
@@ -23,11 +25,15 @@ def wav_bytes(seconds: float = 1.0, rate: int = 16000, freq: float = 330.0) -> b
 
     t = np.arange(int(seconds * rate)) / rate
     buf = io.BytesIO()
-    sf.write(buf, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    sf.write(
+        buf, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="WAV", subtype="PCM_16"
+    )
     return buf.getvalue()
 
 
-def mp4_bytes(seconds: float = 3.0, fps: int = 10, size: tuple[int, int] = (64, 48), audio_rate: int = 22050) -> bytes:
+def mp4_bytes(
+    seconds: float = 3.0, fps: int = 10, size: tuple[int, int] = (64, 48), audio_rate: int = 22050
+) -> bytes:
     """H.264/MPEG-4 video with a moving gradient and an AAC tone track."""
     import av
 

@@ -86,7 +86,9 @@ def load_vllm_omni_duplex_client(tmp_path: Path) -> Any:
         dl = tmp_path / "wheel"
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "vllm-omni==0.30.0", "--no-deps", "-d", str(dl)],
-            capture_output=True, text=True, timeout=600,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         found = list(dl.glob("vllm_omni-0.30.0-*.whl"))
         if proc.returncode != 0 or not found:
@@ -94,7 +96,11 @@ def load_vllm_omni_duplex_client(tmp_path: Path) -> Any:
         wheel = str(found[0])
     root = tmp_path / "pkgs"
     with zipfile.ZipFile(wheel) as zf:
-        for name in ("vllm_omni/clients/duplex.py", "vllm_omni/clients/utils.py", "vllm_omni/clients/minicpmo_4_5.py"):
+        for name in (
+            "vllm_omni/clients/duplex.py",
+            "vllm_omni/clients/utils.py",
+            "vllm_omni/clients/minicpmo_4_5.py",
+        ):
             zf.extract(name, root)
     for pkg in ("vllm_omni", "vllm_omni/clients"):
         (root / pkg / "__init__.py").write_text("")  # only the client modules, none of the server code

@@ -27,14 +27,16 @@ def _rid(event: dict[str, Any]) -> str | None:
     if event["type"] in ("conversation.item.added", "conversation.item.created", "conversation.item.done"):
         item_id = event.get("item", {}).get("id", "")
         if item_id.startswith("item_resp_"):
-            return item_id[len("item_"):]
+            return item_id[len("item_") :]
     return None
 
 
 def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Assert R1–R12 (and W10 for every event) over ``events`` in arrival order; returns a per-response summary."""
     for event in events:
-        assert isinstance(event.get("type"), str) and EVENT_ID_RE.match(event.get("event_id", "")), event  # W10
+        assert isinstance(event.get("type"), str) and EVENT_ID_RE.match(event.get("event_id", "")), (
+            event
+        )  # W10
     by_rid: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
     for i, event in enumerate(events):
         rid = _rid(event)
@@ -58,17 +60,21 @@ def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[st
         # R2: at most one speak, before the first audio delta
         if "response.speak" in types:
             assert types.count("response.speak") == 1
-            first_audio = types.index("response.output_audio.delta") if "response.output_audio.delta" in types else len(types)
+            first_audio = (
+                types.index("response.output_audio.delta")
+                if "response.output_audio.delta" in types
+                else len(types)
+            )
             assert types.index("response.speak") < first_audio
         # R3: each audio delta immediately followed (within the response) by one transcript delta
         audio_n = types.count("response.output_audio.delta")
         for k, t in enumerate(types):
             if t == "response.output_audio.delta":
                 assert types[k + 1] == "response.output_audio_transcript.delta", (rid, types[k : k + 3])
-        transcript_deltas = [e["delta"] for _, e in evs if e["type"] == "response.output_audio_transcript.delta"]
-        text_only_deltas = [
-            e for _, e in evs if e["type"] == "response.output_audio_transcript.delta"
+        transcript_deltas = [
+            e["delta"] for _, e in evs if e["type"] == "response.output_audio_transcript.delta"
         ]
+        text_only_deltas = [e for _, e in evs if e["type"] == "response.output_audio_transcript.delta"]
         assert len(text_only_deltas) >= audio_n
         if audio_n:
             assert len(transcript_deltas) == audio_n, (rid, audio_n, len(transcript_deltas))
@@ -104,7 +110,10 @@ def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[st
         if audio_deltas or transcript or status != "completed":
             assert "response.output_audio.done" in types
         done_idx = evs[-1][0]
-        assert events[done_idx + 1]["type"] == "rate_limits.updated" and events[done_idx + 1]["rate_limits"] == []
+        assert (
+            events[done_idx + 1]["type"] == "rate_limits.updated"
+            and events[done_idx + 1]["rate_limits"] == []
+        )
         # R9
         out = done["response"]["output"][0]
         assert out["id"] == "item_" + rid

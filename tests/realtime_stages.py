@@ -27,7 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 STAGES = ("thinker", "talker", "code2wav")
 
 
-_BUSY_GAUGE = re.compile(r"^(minicpmo_stage_in_flight|minicpmo_stage_streams_active)(?:\{[^}]*\})?\s+(\S+)", re.M)
+_BUSY_GAUGE = re.compile(
+    r"^(minicpmo_stage_in_flight|minicpmo_stage_streams_active)(?:\{[^}]*\})?\s+(\S+)", re.M
+)
 
 
 @dataclass
@@ -63,11 +65,28 @@ def stage_servers(ckpt: Path, log_dir: Path, thinker_args: Sequence[str] = ()) -
             metrics_urls[stage] = f"http://127.0.0.1:{metrics}/metrics"
             log = (log_dir / f"{stage}.log").open("wb")
             extra = list(thinker_args) if stage == "thinker" else []
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", f"services.{stage}", "--checkpoint", str(ckpt), "--device", "cpu",
-                 "--port", str(port), "--metrics-port", str(metrics), *extra],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        f"services.{stage}",
+                        "--checkpoint",
+                        str(ckpt),
+                        "--device",
+                        "cpu",
+                        "--port",
+                        str(port),
+                        "--metrics-port",
+                        str(metrics),
+                        *extra,
+                    ],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
 
         async def healthy() -> bool:
             stages = StageSet(addrs)

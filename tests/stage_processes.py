@@ -94,7 +94,9 @@ class StageProcess:
         deadline = time.monotonic() + timeout_s
         while not self.serving():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.stage} did not come back:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+                raise RuntimeError(
+                    f"{self.stage} did not come back:\n{self.log_path.read_text(errors='replace')[-2000:]}"
+                )
             time.sleep(0.1)
         return time.monotonic()
 
@@ -117,8 +119,22 @@ def start_stages(
         for i, (stage, extra) in enumerate(specs):
             port, metrics_port = free_port(), free_port()
             log_path = log_dir / f"{stage}-{i}.log"
-            cmd = [sys.executable, "-m", f"services.{stage}", "--checkpoint", str(checkpoint), "--device", "cpu",
-                   "--port", str(port), "--metrics-port", str(metrics_port), "--drain-timeout", "2", *extra]
+            cmd = [
+                sys.executable,
+                "-m",
+                f"services.{stage}",
+                "--checkpoint",
+                str(checkpoint),
+                "--device",
+                "cpu",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--drain-timeout",
+                "2",
+                *extra,
+            ]
             with log_path.open("wb") as log:
                 proc = subprocess.Popen(cmd, cwd=REPO, env=_ENV, stdout=log, stderr=subprocess.STDOUT)
             started.append(StageProcess(stage, port, metrics_port, proc, log_path, cmd))
@@ -128,8 +144,10 @@ def start_stages(
             waiting = [p for p in waiting if not p.serving()]
             dead = [p for p in started if p.proc.poll() is not None]
             if dead or time.monotonic() > deadline:
-                logs = "\n".join(f"--- {p.log_path.name}\n{p.log_path.read_text(errors='replace')[-2000:]}"
-                                 for p in dead or waiting)
+                logs = "\n".join(
+                    f"--- {p.log_path.name}\n{p.log_path.read_text(errors='replace')[-2000:]}"
+                    for p in dead or waiting
+                )
                 raise RuntimeError(f"stage servers did not become healthy:\n{logs}")
             if waiting:
                 time.sleep(0.5)

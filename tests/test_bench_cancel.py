@@ -32,9 +32,27 @@ def test_parse_gauges_sums_label_sets_and_ignores_other_metrics() -> None:
 def test_cancel_bench_runs_on_cpu_and_observes_every_release(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "cancel"
     cmd = [
-        sys.executable, "-m", "bench.cancel", "--checkpoint", str(tiny_ckpt), "--deploy-config", "cpu",
-        "--device", "cpu", "--requests", "2", "--warmup", "0", "--audio-frames", "500",
-        "--release-timeout", "60", "--max-seconds", "300", "--out-dir", str(out),
+        sys.executable,
+        "-m",
+        "bench.cancel",
+        "--checkpoint",
+        str(tiny_ckpt),
+        "--deploy-config",
+        "cpu",
+        "--device",
+        "cpu",
+        "--requests",
+        "2",
+        "--warmup",
+        "0",
+        "--audio-frames",
+        "500",
+        "--release-timeout",
+        "60",
+        "--max-seconds",
+        "300",
+        "--out-dir",
+        str(out),
     ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)

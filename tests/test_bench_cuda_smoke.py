@@ -33,7 +33,9 @@ def test_compare_identical_near_tie_and_mismatch() -> None:
     assert wrong.verdict == "MISMATCH" and wrong.first_diff == 1  # runner-up, but a clear margin
     drift = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4], scale=1.5), top2, 0.05)
     assert drift.verdict == "identical" and drift.max_rel_diff_before > 0.3  # reported only
-    strict = compare("talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4], scale=1.5), top2, 0.05, rel_tol=0.1)
+    strict = compare(
+        "talker", 1, 0, _run([1, 2, 3, 4]), _run([1, 2, 3, 4], scale=1.5), top2, 0.05, rel_tol=0.1
+    )
     assert strict.verdict == "MISMATCH"
     short = compare("thinker", 1, 0, _run([1, 2, 3]), _run([1, 2]), [None] * 3, 0.05)
     assert short.verdict == "MISMATCH" and short.first_diff == 2
@@ -52,16 +54,35 @@ def test_compare_with_eager_logits_counts_three_way_ties() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
 def test_skips_without_cuda(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "bench.cuda_smoke", "--checkpoint", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.cuda_smoke", "--checkpoint", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "skipped: no CUDA" in proc.stdout
 
 
 @pytest.mark.slow
 def test_cpu_dry_run_of_both_engines(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "smoke"
-    cmd = [sys.executable, "-m", "bench.cuda_smoke", "--checkpoint", str(tiny_ckpt), "--allow-cpu",
-           "--device", "cpu", "--tokens", "8", "--frames", "12", "--out-dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.cuda_smoke",
+        "--checkpoint",
+        str(tiny_ckpt),
+        "--allow-cpu",
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+        "--frames",
+        "12",
+        "--out-dir",
+        str(out),
+    ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

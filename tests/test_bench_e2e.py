@@ -62,9 +62,29 @@ def test_request_body_pins_the_workload() -> None:
 def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "e2e"
     cmd = [
-        sys.executable, "-m", "bench.e2e", "--checkpoint", str(tiny_ckpt), "--deploy-config", "cpu",
-        "--concurrency", "1,2", "--requests-per-level", "2", "--warmup", "1", "--warmup-rounds", "0",
-        "--timeline-requests", "1", "--audio-frames", "25", "--max-seconds", "500", "--out-dir", str(out),
+        sys.executable,
+        "-m",
+        "bench.e2e",
+        "--checkpoint",
+        str(tiny_ckpt),
+        "--deploy-config",
+        "cpu",
+        "--concurrency",
+        "1,2",
+        "--requests-per-level",
+        "2",
+        "--warmup",
+        "1",
+        "--warmup-rounds",
+        "0",
+        "--timeline-requests",
+        "1",
+        "--audio-frames",
+        "25",
+        "--max-seconds",
+        "500",
+        "--out-dir",
+        str(out),
     ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=700)
@@ -82,7 +102,9 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
         # Server-side first-token means (from the gateway's and the thinker's /metrics) nest inside the
         # client's TTFT: the thinker's span lies within the gateway's, which lies within the client's.
         ft = lv["first_token_ms"]
-        assert 0 < ft["thinker_ttft_mean_ms"] <= ft["gateway_ttft_mean_ms"] <= lv["metrics"]["ttft_ms"]["mean"]
+        assert (
+            0 < ft["thinker_ttft_mean_ms"] <= ft["gateway_ttft_mean_ms"] <= lv["metrics"]["ttft_ms"]["mean"]
+        )
     for reqs in report["requests"].values():
         assert all(r["ok"] and r["completion_tokens"] == 10 and r["prompt_tokens"] > 64 for r in reqs)
     assert "first_audio" in report["timeline_ms"]
@@ -100,9 +122,27 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
 def test_inprocess_pipeline_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "inproc"
     cmd = [
-        sys.executable, "-m", "bench.inprocess", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
-        "--deploy-config", "cpu", "--concurrency", "1,2", "--requests-per-level", "2", "--warmup", "1",
-        "--warmup-rounds", "0", "--audio-frames", "25", "--out-dir", str(out),
+        sys.executable,
+        "-m",
+        "bench.inprocess",
+        "--checkpoint",
+        str(tiny_ckpt),
+        "--device",
+        "cpu",
+        "--deploy-config",
+        "cpu",
+        "--concurrency",
+        "1,2",
+        "--requests-per-level",
+        "2",
+        "--warmup",
+        "1",
+        "--warmup-rounds",
+        "0",
+        "--audio-frames",
+        "25",
+        "--out-dir",
+        str(out),
     ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -111,7 +151,9 @@ def test_inprocess_pipeline_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None
     assert report["status"] == "ok" and [lv["concurrency"] for lv in report["levels"]] == [1, 2]
     for lv in report["levels"]:
         assert lv["failed"] == 0 and 1.0 <= lv["metrics"]["audio_s"]["mean"] < 1.5
-        assert lv["metrics"]["ttft_ms"]["p50"] < lv["metrics"]["ttfp_ms"]["p50"] < lv["metrics"]["e2e_ms"]["p50"]
+        assert (
+            lv["metrics"]["ttft_ms"]["p50"] < lv["metrics"]["ttfp_ms"]["p50"] < lv["metrics"]["e2e_ms"]["p50"]
+        )
     for reqs in report["requests"].values():
         assert all(r["completion_tokens"] == 10 for r in reqs)
     assert report["workload"]["prompt_tokens_with_template"] > 64

@@ -25,7 +25,9 @@ def test_messages_have_the_pipeline_sizes_and_round_trip() -> None:
     assert hidden.dtype == torch.bfloat16 and tuple(hidden.shape) == (10, 4096)
     assert torch.equal(hidden, m.hidden)
     relayed = m.talker_chunk(4, speech.speech)
-    assert m.absorb_talker_chunk(talker_msg := relayed) == 4 and talker_msg.chunk.hidden == speech.speech.hidden
+    assert (
+        m.absorb_talker_chunk(talker_msg := relayed) == 4 and talker_msg.chunk.hidden == speech.speech.hidden
+    )
     window = m.window_out(5).window
     assert len(window.codes) == 28 and window.left_context == 3
     assert m.absorb_window_in(m.window_in(6, window)) == 6
@@ -35,8 +37,19 @@ def test_messages_have_the_pipeline_sizes_and_round_trip() -> None:
 
 def test_hops_bench_runs_with_small_counts(tmp_path: Path) -> None:
     out = tmp_path / "hops"
-    cmd = [sys.executable, "-m", "bench.hops", "--iters", "30", "--warmup", "5", "--hidden-size", "1024",
-           "--out-dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.hops",
+        "--iters",
+        "30",
+        "--warmup",
+        "5",
+        "--hidden-size",
+        "1024",
+        "--out-dir",
+        str(out),
+    ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

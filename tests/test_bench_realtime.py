@@ -17,9 +17,25 @@ REPO = Path(__file__).resolve().parents[1]
 def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "realtime"
     cmd = [
-        sys.executable, "-m", "bench.realtime_duplex", "--checkpoint", str(tiny_ckpt), "--deploy-config", "cpu",
-        "--device", "cpu", "--sessions", "1", "--units", "3", "--duration", "1", "--warmup", "0",
-        "--out-dir", str(out),
+        sys.executable,
+        "-m",
+        "bench.realtime_duplex",
+        "--checkpoint",
+        str(tiny_ckpt),
+        "--deploy-config",
+        "cpu",
+        "--device",
+        "cpu",
+        "--sessions",
+        "1",
+        "--units",
+        "3",
+        "--duration",
+        "1",
+        "--warmup",
+        "0",
+        "--out-dir",
+        str(out),
     ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -36,8 +52,12 @@ def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: 
     # The thinker's drain histogram is scraped from its own metrics port (0 when no unit was running).
     assert turn["thinker_drain_mean_ms"] is not None and turn["thinker_drain_mean_ms"] >= 0
     # The thinker's unit split (queued / encode / engine) and step split (forward / sample) are scraped.
-    for key in ("thinker_unit_encode_mean_ms", "thinker_unit_engine_mean_ms", "thinker_step_forward_mean_ms",
-                "thinker_step_sample_mean_ms"):
+    for key in (
+        "thinker_unit_encode_mean_ms",
+        "thinker_unit_engine_mean_ms",
+        "thinker_step_forward_mean_ms",
+        "thinker_step_sample_mean_ms",
+    ):
         assert turn[key] is not None and turn[key] > 0, key
     assert turn["whisper_batch_mean"] == 1.0  # one session's unit per streaming-Whisper call today
     for stage in ("thinker", "talker", "code2wav"):

@@ -57,10 +57,16 @@ def test_thinker_loads_only_its_prefixes_with_config_dims(tiny_ckpt: Path) -> No
     Checkpoint.expect_shape(tensors, "llm.model.embed_tokens.weight", (cfg["vocab_size"], hidden))
     Checkpoint.expect_shape(tensors, "llm.lm_head.weight", (cfg["vocab_size"], hidden))
     Checkpoint.expect_shape(tensors, "resampler.query", (cfg["query_num"], hidden))
-    Checkpoint.expect_shape(tensors, "audio_projection_layer.linear1.weight",
-                            (hidden, cfg["audio_config"]["encoder_ffn_dim"] // 4))
-    Checkpoint.expect_shape(tensors, "vpm.embeddings.position_embedding.weight",
-                            ((980 // 14) ** 2, cfg["vision_config"]["hidden_size"]))
+    Checkpoint.expect_shape(
+        tensors,
+        "audio_projection_layer.linear1.weight",
+        (hidden, cfg["audio_config"]["encoder_ffn_dim"] // 4),
+    )
+    Checkpoint.expect_shape(
+        tensors,
+        "vpm.embeddings.position_embedding.weight",
+        ((980 // 14) ** 2, cfg["vision_config"]["hidden_size"]),
+    )
     llm_layers = {int(m.group(1)) for k in tensors if (m := re.match(r"llm\.model\.layers\.(\d+)\.", k))}
     assert llm_layers == set(range(cfg["num_hidden_layers"]))
     vpm_layers = {int(m.group(1)) for k in tensors if (m := re.match(r"vpm\.encoder\.layers\.(\d+)\.", k))}
@@ -78,7 +84,9 @@ def test_talker_loads_only_tts_with_real_vocabularies(tiny_ckpt: Path) -> None:
     Checkpoint.expect_shape(tensors, "tts.emb_code.0.weight", (6562, tts["hidden_size"]))
     Checkpoint.expect_shape(tensors, "tts.model.embed_tokens.weight", (32000, tts["hidden_size"]))
     Checkpoint.expect_shape(tensors, "tts.head_code.0.parametrizations.weight.original0", (6562, 1))
-    Checkpoint.expect_shape(tensors, "tts.head_code.0.parametrizations.weight.original1", (6562, tts["hidden_size"]))
+    Checkpoint.expect_shape(
+        tensors, "tts.head_code.0.parametrizations.weight.original1", (6562, tts["hidden_size"])
+    )
     assert all(t.dtype == torch.float32 for t in tensors.values())
 
 
@@ -91,7 +99,8 @@ def test_tokenizer_ids_and_assets(tiny_ckpt: Path) -> None:
     assert ckpt.generation_config["eos_token_id"] == [151645, 151643]
     assert ckpt.preprocessor_config["image_feature_size"] == ckpt.config["query_num"] == 64
     assert sorted(p.name for p in ckpt.token2wav_dir.iterdir()) == sorted(
-        ["flow.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2_25hz.onnx"])
+        ["flow.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2_25hz.onnx"]
+    )
     assert ckpt.ref_audio_path.is_file()
 
 
@@ -99,7 +108,9 @@ def test_tokenizer_ids_and_assets(tiny_ckpt: Path) -> None:
 def test_wrong_version_is_rejected(tiny_ckpt: Path, tmp_path: Path) -> None:
     bad = linked_copy(tiny_ckpt, tmp_path / "c", skip=["config.json"])
     _rewrite_json(tiny_ckpt, bad, "config.json", lambda c: c.update(version="2.6"))
-    with pytest.raises(CheckpointError, match=r"config\.json: key 'version' is '2\.6'.*supports only.*'4\.5'"):
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: key 'version' is '2\.6'.*supports only.*'4\.5'"
+    ):
         check_checkpoint(bad)
 
 
@@ -112,7 +123,9 @@ def test_missing_config_key_is_named(tiny_ckpt: Path, tmp_path: Path) -> None:
 
 def test_missing_shard_is_rejected(tiny_ckpt: Path, tmp_path: Path) -> None:
     bad = linked_copy(tiny_ckpt, tmp_path / "c", skip=[SHARD2])
-    with pytest.raises(CheckpointError, match=rf"{SHARD2}: shard listed in model\.safetensors\.index\.json is missing"):
+    with pytest.raises(
+        CheckpointError, match=rf"{SHARD2}: shard listed in model\.safetensors\.index\.json is missing"
+    ):
         check_checkpoint(bad)
 
 
@@ -143,7 +156,9 @@ def test_wrong_shape_is_named(tiny_ckpt: Path, tmp_path: Path) -> None:
     name = "tts.projector_semantic.linear1.weight"  # [tts hidden 64, llm_dim 128]
     bad = linked_copy(tiny_ckpt, tmp_path / "c", skip=[SHARD2])
     _rewrite_shard2(tiny_ckpt, bad, lambda t: t.update({name: torch.zeros(64, 96, dtype=torch.bfloat16)}))
-    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' has shape \[64, 96\], expected \[64, 128\]"):
+    with pytest.raises(
+        CheckpointError, match=rf"tensor '{re.escape(name)}' has shape \[64, 96\], expected \[64, 128\]"
+    ):
         check_checkpoint(bad)
 
 
@@ -176,8 +191,9 @@ def test_bad_special_id_is_named(tiny_ckpt: Path, tmp_path: Path) -> None:
 def test_flow_yaml_with_unknown_tag_is_rejected(tiny_ckpt: Path, tmp_path: Path) -> None:
     bad = linked_copy(tiny_ckpt, tmp_path / "c", skip=["assets/token2wav/flow.yaml"])
     text = (tiny_ckpt / "assets/token2wav/flow.yaml").read_text()
-    (bad / "assets/token2wav/flow.yaml").write_text(text.replace("!new:cosyvoice2.flow.decoder_dit.DiT",
-                                                                 "!!python/object/apply:os.system"))
+    (bad / "assets/token2wav/flow.yaml").write_text(
+        text.replace("!new:cosyvoice2.flow.decoder_dit.DiT", "!!python/object/apply:os.system")
+    )
     with pytest.raises(CheckpointError, match=r"flow\.yaml: does not parse with the safe flow loader"):
         check_checkpoint(bad)
 
@@ -193,9 +209,15 @@ def test_flow_weights_not_matching_yaml_are_named(tiny_ckpt: Path, tmp_path: Pat
 def test_stray_prefix_is_rejected(tiny_ckpt: Path, tmp_path: Path) -> None:
     bad = linked_copy(tiny_ckpt, tmp_path / "c", skip=[SHARD2, "model.safetensors.index.json"])
     _rewrite_shard2(tiny_ckpt, bad, lambda t: t.update({"code2wav.extra.weight": torch.zeros(2)}))
-    _rewrite_json(tiny_ckpt, bad, "model.safetensors.index.json",
-                  lambda i: i["weight_map"].update({"code2wav.extra.weight": SHARD2}))
-    with pytest.raises(CheckpointError, match=r"tensor 'code2wav\.extra\.weight' is outside the known prefixes"):
+    _rewrite_json(
+        tiny_ckpt,
+        bad,
+        "model.safetensors.index.json",
+        lambda i: i["weight_map"].update({"code2wav.extra.weight": SHARD2}),
+    )
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'code2wav\.extra\.weight' is outside the known prefixes"
+    ):
         check_checkpoint(bad)
 
 
@@ -203,8 +225,11 @@ def test_vocab_size_151936_is_accepted_by_the_shape_check(tiny_ckpt: Path, tmp_p
     """The real config may say 151,936 rows; shapes then follow the config, and a mismatch names the key."""
     bad = linked_copy(tiny_ckpt, tmp_path / "c", skip=["config.json"])
     _rewrite_json(tiny_ckpt, bad, "config.json", lambda c: c.update(vocab_size=151936))
-    with pytest.raises(CheckpointError, match=r"'llm\.(lm_head|model\.embed_tokens)\.weight' has shape \[151748, 128\], "
-                                              r"expected \[151936, 128\].*vocab_size"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'llm\.(lm_head|model\.embed_tokens)\.weight' has shape \[151748, 128\], "
+        r"expected \[151936, 128\].*vocab_size",
+    ):
         check_checkpoint(bad)
 
 
@@ -213,16 +238,21 @@ def test_hift_with_legacy_weight_norm_names_is_accepted(tiny_ckpt: Path, tmp_pat
     from services.common.checkpoint_tool.check import CheckReport, check_hift
 
     state = torch.load(str(tiny_ckpt / "assets/token2wav/hift.pt"), map_location="cpu", weights_only=True)
-    legacy = {k.replace(".parametrizations.weight.original0", ".weight_g")
-               .replace(".parametrizations.weight.original1", ".weight_v").removeprefix("generator."): v
-              for k, v in state.items()}
+    legacy = {
+        k.replace(".parametrizations.weight.original0", ".weight_g")
+        .replace(".parametrizations.weight.original1", ".weight_v")
+        .removeprefix("generator."): v
+        for k, v in state.items()
+    }
     torch.save(legacy, tmp_path / "hift.pt")
     report = CheckReport(tmp_path)
     check_hift(tmp_path, report)
     assert "legacy weight_g/weight_v" in report.lines[-1] and "generator." not in report.lines[-1]
     legacy.pop("conv_post.weight_v")
     torch.save(legacy, tmp_path / "hift.pt")
-    with pytest.raises(CheckpointError, match=r"hift\.pt: missing tensor 'conv_post\.parametrizations\.weight\.original1'"):
+    with pytest.raises(
+        CheckpointError, match=r"hift\.pt: missing tensor 'conv_post\.parametrizations\.weight\.original1'"
+    ):
         check_hift(tmp_path, report)
 
 

@@ -46,14 +46,20 @@ def test_check_accepts_generated_checkpoint(tiny_ckpt: Path, capsys: pytest.Capt
 def test_console_module_reports_failure_with_exit_1(tiny_ckpt: Path, tmp_path: Path) -> None:
     """``python -m services.common.checkpoint_tool check`` exits 1 and prints the reason."""
     (tmp_path / "config.json").write_text(json.dumps({"version": "4.5"}))
-    proc = subprocess.run([sys.executable, "-m", "services.common.checkpoint_tool", "check", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.common.checkpoint_tool", "check", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     assert "FAIL:" in proc.stderr and "generation_config.json: missing" in proc.stderr
 
 
-def test_make_refuses_to_overwrite_without_force(tiny_ckpt: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_make_refuses_to_overwrite_without_force(
+    tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "keep.txt").write_text("not a checkpoint")
     assert main(["make", "--size", "tiny", str(tmp_path)]) == 1
     assert main(["make", "--size", "tiny", "--force", str(tmp_path)]) == 1  # no config.json: never deleted
@@ -62,15 +68,28 @@ def test_make_refuses_to_overwrite_without_force(tiny_ckpt: Path, tmp_path: Path
 
 
 def test_layout_is_complete(tiny_ckpt: Path) -> None:
-    for name in ("config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "vocab.json", "merges.txt", "added_tokens.json",
-                 "special_tokens_map.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
-                 "model-00002-of-00002.safetensors", "assets/HT_ref_audio.wav"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "preprocessor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+        "merges.txt",
+        "added_tokens.json",
+        "special_tokens_map.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "assets/HT_ref_audio.wav",
+    ):
         assert (tiny_ckpt / name).is_file(), name
     cfg = json.loads((tiny_ckpt / "config.json").read_text())
     assert cfg["version"] == "4.5" and cfg["architectures"] == ["MiniCPMO"]
     index = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())
-    assert {v for k, v in index["weight_map"].items() if k.startswith("llm.")} == {"model-00001-of-00002.safetensors"}
+    assert {v for k, v in index["weight_map"].items() if k.startswith("llm.")} == {
+        "model-00001-of-00002.safetensors"
+    }
     specs = all_specs(cfg)
     assert index["metadata"]["total_size"] == 2 * sum(math.prod(s.shape) for s in specs)
     size = sum(p.stat().st_size for p in tiny_ckpt.rglob("*") if p.is_file())
@@ -152,15 +171,25 @@ def test_chat_template_renders_minicpmo_prompts(tiny_ckpt: Path) -> None:
     tok = load_tokenizer(tiny_ckpt)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-                    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    text = tok.apply_chat_template(msgs[1:], tokenize=False, add_generation_prompt=True, use_tts_template=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    text = tok.apply_chat_template(
+        msgs[1:], tokenize=False, add_generation_prompt=True, use_tts_template=True
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<|tts_bos|>"
-    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>\n\nb"},
-               {"role": "user", "content": "c"}, {"role": "assistant", "content": "<think>\ny\n</think>\n\nd"}]
+    history = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "<think>x</think>\n\nb"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "<think>\ny\n</think>\n\nd"},
+    ]
     text = tok.apply_chat_template(history, tokenize=False)
-    assert text == ("<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
-                    "<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n<think>\ny\n</think>\n\nd<|im_end|>\n")
+    assert text == (
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"
+        "<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n<think>\ny\n</think>\n\nd<|im_end|>\n"
+    )
 
 
 def test_bad_token_ids_are_non_text_tokens(tiny_ckpt: Path) -> None:
@@ -188,8 +217,9 @@ def test_speech_tokenizer_onnx_round_trips_through_s3tokenizer(tiny_ckpt: Path) 
 def test_campplus_runs_and_depends_on_input(tiny_ckpt: Path) -> None:
     import onnxruntime
 
-    sess = onnxruntime.InferenceSession(str(tiny_ckpt / "assets/token2wav/campplus.onnx"),
-                                        providers=["CPUExecutionProvider"])
+    sess = onnxruntime.InferenceSession(
+        str(tiny_ckpt / "assets/token2wav/campplus.onnx"), providers=["CPUExecutionProvider"]
+    )
     rng = np.random.default_rng(1)
     feed = sess.get_inputs()[0].name
     a = sess.run(None, {feed: rng.standard_normal((1, 50, 80)).astype(np.float32)})[0]
@@ -213,7 +243,10 @@ def test_full_size_plan_has_real_dimensions() -> None:
     assert specs["llm.model.layers.35.mlp.gate_proj.weight"] == (12288, 4096)
     assert specs["llm.model.layers.0.self_attn.k_proj.weight"] == (8 * 128, 4096)
     assert specs["vpm.embeddings.position_embedding.weight"] == (4900, 1152)
-    assert "vpm.encoder.layers.25.mlp.fc1.weight" in specs and "vpm.encoder.layers.26.mlp.fc1.weight" not in specs
+    assert (
+        "vpm.encoder.layers.25.mlp.fc1.weight" in specs
+        and "vpm.encoder.layers.26.mlp.fc1.weight" not in specs
+    )
     assert specs["resampler.attn.in_proj_weight"] == (3 * 4096, 4096)
     assert specs["apm.layers.23.fc1.weight"] == (4096, 1024)
     assert specs["tts.model.layers.19.mlp.down_proj.weight"] == (768, 3072)

@@ -427,14 +427,18 @@ def test_startup_warm_up_captures_every_batch_size_then_freezes(stack) -> None: 
     before = {name: (g.replays, g.eager_calls) for name, g in graphs.items()}
 
     windows = talker_windows(_codes(4, 53), 3)  # 25 + 25 new codes, then a last window of 3
-    graphed = _stream(runner, [runner.open_stream(f"live{i}", stack.prompt, i) for i in (1, 2)], [windows] * 2)
+    graphed = _stream(
+        runner, [runner.open_stream(f"live{i}", stack.prompt, i) for i in (1, 2)], [windows] * 2
+    )
     eager_runner = stack.runner
     eager = _stream(
         eager_runner, [eager_runner.open_stream(f"e{i}", stack.prompt, i) for i in (1, 2)], [windows] * 2
     )
     assert len(calls) == captures  # frozen: nothing captured under live traffic
     # Two warmed windows replay (10 CFM steps each for the DiT); the short last window runs eager.
-    delta = {name: (g.replays - before[name][0], g.eager_calls - before[name][1]) for name, g in graphs.items()}
+    delta = {
+        name: (g.replays - before[name][0], g.eager_calls - before[name][1]) for name, g in graphs.items()
+    }
     assert delta == {"dit": (20, 10), "hift_f0": (2, 1), "hift_decode": (2, 1)}
     for g, e in zip(graphed, eager, strict=True):
         assert np.array_equal(g["mel"], e["mel"]) and np.array_equal(g["wav"], e["wav"])

@@ -269,7 +269,9 @@ def _drain_count() -> float:
     from services.common.metrics import INTERRUPT_DRAIN
 
     return sum(
-        s.value for m in INTERRUPT_DRAIN.collect() for s in m.samples
+        s.value
+        for m in INTERRUPT_DRAIN.collect()
+        for s in m.samples
         if s.name.endswith("_count") and s.labels.get("stage") == "code2wav"
     )
 

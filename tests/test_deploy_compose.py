@@ -25,13 +25,19 @@ from tests.deploy_checks import (
     yamllint_problems,
 )
 
-pytest.importorskip("check_jsonschema", reason="check-jsonschema is a dev dependency (pip install -e '.[dev]')")
+pytest.importorskip(
+    "check_jsonschema", reason="check-jsonschema is a dev dependency (pip install -e '.[dev]')"
+)
 
 COMPOSE_FILES = sorted({p for layout in LAYOUTS.values() for p in layout.compose_files})
 
 
 def test_every_compose_file_belongs_to_a_layout() -> None:
-    shipped = {REPO / "docker-compose.yml", REPO / "docker-compose.override.yml", *(REPO / "compose").glob("*.yml")}
+    shipped = {
+        REPO / "docker-compose.yml",
+        REPO / "docker-compose.override.yml",
+        *(REPO / "compose").glob("*.yml"),
+    }
     assert shipped == set(COMPOSE_FILES)
 
 
@@ -61,8 +67,13 @@ def test_stages_run_with_the_profiles_memory_share_and_limits(layout: str) -> No
 def test_a_command_line_flag_overriding_the_profile_is_caught() -> None:
     spec = LAYOUTS["1gpu"]
     config = compose_config(spec.compose_files)
-    config["services"]["code2wav"]["command"] = [*config["services"]["code2wav"]["command"],
-                                                 "--memory-fraction", "0.9", "--max-batch", "4"]
+    config["services"]["code2wav"]["command"] = [
+        *config["services"]["code2wav"]["command"],
+        "--memory-fraction",
+        "0.9",
+        "--max-batch",
+        "4",
+    ]
     problems = check_compose_stage_settings(config, load_profile(spec.profile))
     assert len(problems) == 2
     assert "memory fraction 0.9 (--memory-fraction), profile says 0.4" in problems[0]
@@ -87,16 +98,26 @@ def test_cpu_layout_uses_host_networking_on_loopback_only() -> None:
 
 def test_cpu_layout_ports_move_together() -> None:
     """On a shared host the CPU layout's ports can be moved; the gateway and health checks follow."""
-    env = {"MINICPMO_THINKER_PORT": "41051", "MINICPMO_TALKER_PORT": "41052", "MINICPMO_CODE2WAV_PORT": "41053"}
+    env = {
+        "MINICPMO_THINKER_PORT": "41051",
+        "MINICPMO_TALKER_PORT": "41052",
+        "MINICPMO_CODE2WAV_PORT": "41053",
+    }
     config = compose_config(LAYOUTS["cpu"].compose_files, env)
-    profile = load_profile("cpu").with_overrides({s: {"port": int(p)} for s, p in
-                                                  zip(("thinker", "talker", "code2wav"), env.values(), strict=True)})
+    profile = load_profile("cpu").with_overrides(
+        {s: {"port": int(p)} for s, p in zip(("thinker", "talker", "code2wav"), env.values(), strict=True)}
+    )
     assert check_compose_layout(config, profile, "cpu.yaml") == []
 
 
 def test_replicas_share_the_stage_name_for_dns_balancing() -> None:
     config = compose_config(LAYOUTS["8x4090"].compose_files)
-    assert sorted(compose_stage_services(config, "thinker")) == ["thinker", "thinker-1", "thinker-2", "thinker-3"]
+    assert sorted(compose_stage_services(config, "thinker")) == [
+        "thinker",
+        "thinker-1",
+        "thinker-2",
+        "thinker-3",
+    ]
     assert sorted(compose_stage_services(config, "code2wav")) == ["code2wav", "code2wav-1"]
 
 
@@ -108,18 +129,23 @@ def test_stop_grace_outlasts_the_drain() -> None:
             argv = [str(a) for a in svc["command"]]
             drain = float(argv[argv.index("--drain-timeout") + 1])
             grace = svc.get("stop_grace_period", "10s")
-            assert grace.endswith("s") and float(grace[:-1]) > drain, f"{spec.name}/{name}: {grace} <= {drain}s"
+            assert grace.endswith("s") and float(grace[:-1]) > drain, (
+                f"{spec.name}/{name}: {grace} <= {drain}s"
+            )
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (Debian package) not installed")
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None, reason="docker-compose (Debian package) not installed"
+)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_docker_compose_merges_the_layout_like_the_checks_do(layout: str) -> None:
     """Cross-check the merge done by the tests against compose's own (`docker-compose config`, no daemon)."""
     spec = LAYOUTS[layout]
     args = [a for f in spec.compose_files for a in ("-f", str(f))]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINICPMO_", "COMPOSE_"))}
-    proc = subprocess.run(["docker-compose", *args, "config"], capture_output=True, text=True, timeout=60,
-                          cwd=REPO, env=env)
+    proc = subprocess.run(
+        ["docker-compose", *args, "config"], capture_output=True, text=True, timeout=60, cwd=REPO, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     merged = yaml.safe_load(proc.stdout)
     assert check_compose_layout(merged, load_profile(spec.profile), f"{spec.profile}.yaml") == []
@@ -136,7 +162,9 @@ def test_compose_typo_fails_the_schema(tmp_path: Path) -> None:
     problems = validate_compose_schema([typo])
     assert any("healthchek" in p for p in problems), problems
     wrong_type = tmp_path / "override.yml"
-    wrong_type.write_text((REPO / "compose" / "3gpu.yml").read_text().replace('device_ids: ["2"]', "device_ids: 2"))
+    wrong_type.write_text(
+        (REPO / "compose" / "3gpu.yml").read_text().replace('device_ids: ["2"]', "device_ids: 2")
+    )
     assert validate_compose_schema([wrong_type]) != []
 
 
@@ -157,7 +185,9 @@ def test_wrong_gpu_in_a_layout_is_caught() -> None:
     # The 1-GPU files checked against the 3-GPU profile disagree on every stage but the thinker.
     one = compose_config(LAYOUTS["1gpu"].compose_files)
     problems = check_compose_layout(one, load_profile("minicpmo_4_5_3gpu"), "minicpmo_4_5_3gpu.yaml")
-    assert any(p.startswith("talker: GPUs") for p in problems) and any(p.startswith("code2wav: GPUs") for p in problems)
+    assert any(p.startswith("talker: GPUs") for p in problems) and any(
+        p.startswith("code2wav: GPUs") for p in problems
+    )
 
 
 def test_health_check_on_the_wrong_port_is_caught() -> None:

@@ -58,7 +58,9 @@ ALL_FEATURES: dict[str, Any] = {
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
     return out
 
 
@@ -138,8 +140,10 @@ def test_stages_run_with_the_profiles_memory_share_and_limits(
 
 
 def test_extra_args_overriding_the_profile_are_caught(tmp_path: Path) -> None:
-    values = _merge(load_values(LAYOUTS["1gpu"].values_file),
-                    {"stages": {"thinker": {"extraArgs": ["--memory-fraction", "0.9", "--max-num-seqs", "64"]}}})
+    values = _merge(
+        load_values(LAYOUTS["1gpu"].values_file),
+        {"stages": {"thinker": {"extraArgs": ["--memory-fraction", "0.9", "--max-num-seqs", "64"]}}},
+    )
     docs = render_chart(values)
     problems = check_helm_stage_settings(docs, _write_configmap_profile(docs, tmp_path))
     assert len(problems) == 2 and all("thinker" in p for p in problems)
@@ -168,7 +172,9 @@ def test_pods_run_as_non_root_with_read_only_model(layout_render: tuple[str, dic
     assert check_security(docs) == []
 
 
-def test_gateway_dials_every_stage_through_its_headless_service(layout_render: tuple[str, dict, list]) -> None:
+def test_gateway_dials_every_stage_through_its_headless_service(
+    layout_render: tuple[str, dict, list],
+) -> None:
     _, _, docs = layout_render
     gateway = next(d for d in by_kind(docs, "Deployment") if component(d) == "gateway")
     argv = container_command(gateway)
@@ -178,7 +184,10 @@ def test_gateway_dials_every_stage_through_its_headless_service(layout_render: t
     for stage in STAGES:
         svc = services[stage]
         port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
-        assert cli_flag(argv, f"--{stage}-addr") == f"dns:///{svc['metadata']['name']}.ai.svc.cluster.local:{port}"
+        assert (
+            cli_flag(argv, f"--{stage}-addr")
+            == f"dns:///{svc['metadata']['name']}.ai.svc.cluster.local:{port}"
+        )
 
 
 def test_notes_name_every_stage() -> None:
@@ -296,7 +305,9 @@ def test_invalid_profile_content_fails_render_or_parse() -> None:
 def test_mutual_tls_renders_valid_objects_with_exec_probes() -> None:
     """tls.enabled: every stage serves its certificate and requires the gateway's (env the stage CLI and
     the probe script read), probes are exec probes, and the objects still match the Kubernetes schema."""
-    values = _merge(load_values(LAYOUTS["1gpu"].values_file), {"tls": {"enabled": True, "secretName": "mtls"}})
+    values = _merge(
+        load_values(LAYOUTS["1gpu"].values_file), {"tls": {"enabled": True, "secretName": "mtls"}}
+    )
     docs = render_chart(values)
     assert validate_kubernetes(docs) == []
     for name, dep in stage_deployments(docs).items():

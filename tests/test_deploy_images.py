@@ -93,7 +93,9 @@ def test_base_image_fits_the_variant(target: str) -> None:
 
 def test_no_weights_enter_an_image() -> None:
     text = DOCKERFILE.read_text()
-    runs = " ".join(line for line in re.sub(r"\\\n", " ", text).splitlines() if line.strip().startswith("RUN"))
+    runs = " ".join(
+        line for line in re.sub(r"\\\n", " ", text).splitlines() if line.strip().startswith("RUN")
+    )
     for forbidden in ("huggingface-cli", "hf download", "snapshot_download", "wget ", "curl ", "git lfs"):
         assert forbidden not in runs, forbidden
     copies = [line for line in text.splitlines() if line.startswith("COPY")]
@@ -122,7 +124,9 @@ def test_stage_command_uses_the_stage_cli_and_default_ports() -> None:
 def test_entrypoint_hands_the_stage_its_profile_section(tmp_path: Path) -> None:
     entry = _load_script("entrypoint")
     profile_file = REPO / "configs" / "deploy" / "minicpmo_4_5_2gpu.yaml"
-    env = entry.prepare_environment({"MINICPMO_DEPLOY_PROFILE": str(profile_file), "MINICPMO_STAGE": "talker"})
+    env = entry.prepare_environment(
+        {"MINICPMO_DEPLOY_PROFILE": str(profile_file), "MINICPMO_STAGE": "talker"}
+    )
     settings = json.loads(env[STAGE_SETTINGS_ENV])
     expected = load_profile(profile_file).stage("talker")
     assert settings == json.loads(expected.settings_json())
@@ -138,8 +142,9 @@ def test_entrypoint_leaves_explicit_settings_and_plain_runs_alone() -> None:
     assert entry.prepare_environment(gateway) == gateway
 
 
-def test_entrypoint_refuses_a_broken_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_entrypoint_refuses_a_broken_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     entry = _load_script("entrypoint")
     bad = tmp_path / "bad.yaml"
     bad.write_text("version: 1\nstages:\n  thinker: {devices: [gpu0]}\n  talker: {}\n  code2wav: {}\n")

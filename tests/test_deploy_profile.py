@@ -148,7 +148,10 @@ def test_every_bundled_profile_slides_the_duplex_window(name: str, monkeypatch: 
     monkeypatch.setenv(STAGE_SETTINGS_ENV, thinker.settings_json())
     args, _ = parse_stage_args(build_parser(), "thinker", ["--checkpoint", "/ckpt"])
     assert (args.duplex_window, args.duplex_window_high, args.duplex_window_low) == (
-        "basic", thinker.duplex_window_high, thinker.duplex_window_low)
+        "basic",
+        thinker.duplex_window_high,
+        thinker.duplex_window_low,
+    )
     assert "duplex_window" not in load_profile(name).to_dict()["stages"]["talker"]
 
 

@@ -260,8 +260,12 @@ def test_no_request_content_or_secrets_in_logs(caplog: pytest.LogCaptureFixture)
         body = json.dumps(_body(messages=[{"role": "user", "content": secret_text}])).encode()
         for key in (secret_key, "right-key"):
             for payload in (body, body.replace(b'"user"', b'"robot"'), body[:-3]):
-                c.request("POST", ROUTE, body=payload,
-                          headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+                c.request(
+                    "POST",
+                    ROUTE,
+                    body=payload,
+                    headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+                )
                 resp = c.getresponse()
                 resp.read()
                 assert resp.status in (400, 401, 503), resp.status

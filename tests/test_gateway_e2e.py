@@ -53,13 +53,16 @@ def _stage_gauges(served: Served) -> dict[str, float]:
             assert f"# TYPE {name} gauge" in text, f"{stage} does not declare {name}"
             m = re.search(rf'^{name}{{stage="{stage}"}} ([0-9.e+-]+)$', text, re.M)
             # a labelled gauge appears once first set; absent means no stream has touched it yet
-            out[f"{stage}.{name.rsplit('_', 2)[-2] + '_' + name.rsplit('_', 1)[-1]}"] = float(m.group(1)) if m else 0.0
+            out[f"{stage}.{name.rsplit('_', 2)[-2] + '_' + name.rsplit('_', 1)[-1]}"] = (
+                float(m.group(1)) if m else 0.0
+            )
     return out
 
 
 def test_text_only(client) -> None:
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello!"}],
-                                          modalities=["text"])
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello!"}], modalities=["text"]
+    )
     assert len(resp.choices) == 1
     msg = resp.choices[0].message
     assert msg.content and msg.audio is None
@@ -73,9 +76,12 @@ def test_text_and_audio_non_streaming(client) -> None:
         messages=[{"role": "user", "content": "Say hello."}],
         modalities=["text", "audio"],
         audio={"voice": "default", "format": "wav"},
-        extra_body={"chat_template_kwargs": {"use_tts_template": True, "enable_thinking": False},
-                    "ref_audio": data_url(wav_bytes(1.0, 16000), "audio/wav"), "return_stage_metrics": True,
-                    "sampling_params_list": [{"max_tokens": 40, "ignore_eos": True}]},
+        extra_body={
+            "chat_template_kwargs": {"use_tts_template": True, "enable_thinking": False},
+            "ref_audio": data_url(wav_bytes(1.0, 16000), "audio/wav"),
+            "return_stage_metrics": True,
+            "sampling_params_list": [{"max_tokens": 40, "ignore_eos": True}],
+        },
     )
     timings = resp.model_extra["metrics"]
     # The talker started on the thinker's first speech chunk (after ~11 of 40 tokens), not at the end of
@@ -96,8 +102,13 @@ def test_text_and_audio_non_streaming(client) -> None:
 
 
 def test_streaming_order_done_and_single_finish(served: Served) -> None:
-    payload = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
-               "messages": [{"role": "user", "content": "Hi"}], "audio": {"format": "wav"}}
+    payload = {
+        "model": MODEL,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "Hi"}],
+        "audio": {"format": "wav"},
+    }
     with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=payload, timeout=600) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]
@@ -125,25 +136,34 @@ def test_streaming_order_done_and_single_finish(served: Served) -> None:
 def test_image_and_audio_inputs(client) -> None:
     content = [
         {"type": "image_url", "image_url": {"url": data_url(png_bytes(96, 64), "image/png")}},
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav_bytes(1.0)).decode(), "format": "wav"}},
+        {
+            "type": "input_audio",
+            "input_audio": {"data": base64.b64encode(wav_bytes(1.0)).decode(), "format": "wav"},
+        },
         {"type": "text", "text": "What do you see and hear?"},
     ]
-    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What?"}],
-                                           modalities=["text"])
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                          modalities=["text"])
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What?"}], modalities=["text"]
+    )
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], modalities=["text"]
+    )
     assert resp.choices[0].message.content
     # the image (64 slice embeddings + framing) and 1 s of audio (10 embeddings) reached the prompt
     assert resp.usage.prompt_tokens >= plain.usage.prompt_tokens + 64 + 10
 
 
 def test_video_input(client) -> None:
-    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What?"}],
-                                           modalities=["text"])
-    content = [{"type": "video_url", "video_url": {"url": data_url(mp4_bytes(3.0), "video/mp4")}},
-               {"type": "text", "text": "What happens?"}]
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                          modalities=["text"])
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What?"}], modalities=["text"]
+    )
+    content = [
+        {"type": "video_url", "video_url": {"url": data_url(mp4_bytes(3.0), "video/mp4")}},
+        {"type": "text", "text": "What happens?"},
+    ]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], modalities=["text"]
+    )
     assert resp.choices[0].message.content
     # three frames at the profile's 1 fps (64 embeddings each) and a 3 s soundtrack (~30 embeddings)
     assert resp.usage.prompt_tokens >= plain.usage.prompt_tokens + 3 * 64 + 25
@@ -163,9 +183,13 @@ def test_client_disconnect_releases_all_stage_work(served: Served) -> None:
     assert not any(idle.values()), f"work left over from completed requests: {idle}"
     # Long enough that finishing naturally takes minutes on the CPU: only cancellation frees the stages
     # within the (generous) wait below.
-    payload = {"model": MODEL, "stream": True, "max_tokens": 3000,
-               "sampling_params_list": [{"max_tokens": 3000, "ignore_eos": True}, {"max_tokens": 2000}],
-               "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    payload = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": 3000,
+        "sampling_params_list": [{"max_tokens": 3000, "ignore_eos": True}, {"max_tokens": 2000}],
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    }
     with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=payload, timeout=600) as r:
         assert r.status_code == 200
         # Keep the line iterator referenced: a dropped httpx iterator is closed at once, which closes the
@@ -188,10 +212,40 @@ def test_client_disconnect_releases_all_stage_work(served: Served) -> None:
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400),
         ({"model": "not-this-model", "messages": [{"role": "user", "content": "hi"}]}, 404),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "audio": {"format": "aac"}}, 400),
-        ({"model": MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_url(png_bytes()[:40], "image/png")}}]}]}, 400),
-        ({"model": MODEL, "messages": [{"role": "user", "content": [
-            {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF\x00garbage").decode()}}]}]}, 400),
+        (
+            {
+                "model": MODEL,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": data_url(png_bytes()[:40], "image/png")},
+                            }
+                        ],
+                    }
+                ],
+            },
+            400,
+        ),
+        (
+            {
+                "model": MODEL,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "input_audio",
+                                "input_audio": {"data": base64.b64encode(b"RIFF\x00garbage").decode()},
+                            }
+                        ],
+                    }
+                ],
+            },
+            400,
+        ),
         (b'{"model": "openbmb/MiniCPM-o-4_5", "pad": "' + b"x" * (33 * 1024 * 1024) + b'"}', 413),
     ],
 )
@@ -212,5 +266,7 @@ def test_models_and_metrics(served: Served) -> None:
     models = httpx.get(f"{served.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     metrics = httpx.get(f"{served.url}/metrics").text
-    assert re.search(r'minicpmo_gateway_requests_total\{route="/v1/chat/completions",status="200"\} [1-9]', metrics)
+    assert re.search(
+        r'minicpmo_gateway_requests_total\{route="/v1/chat/completions",status="200"\} [1-9]', metrics
+    )
     assert re.search(r"minicpmo_gateway_time_to_first_audio_seconds_count [1-9]", metrics)

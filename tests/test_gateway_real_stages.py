@@ -45,8 +45,10 @@ PROFILE_OVERRIDES = {
 }
 # Long enough that finishing naturally takes far longer than the waits below: only cancellation
 # frees the stages in time.
-LONG_SPEECH = {"max_tokens": 400, "sampling_params_list": [{"max_tokens": 400, "ignore_eos": True},
-                                                           {"max_tokens": 2000}]}
+LONG_SPEECH = {
+    "max_tokens": 400,
+    "sampling_params_list": [{"max_tokens": 400, "ignore_eos": True}, {"max_tokens": 2000}],
+}
 
 
 CLIENT_PATIENCE_S = 8.0  # the non-streaming client gives up after this (the talker starts within ~1 s)
@@ -64,8 +66,11 @@ class Stages:
         return [self.thinker, self.talker, self.code2wav, self.code2wav_b, self.code2wav_victim]
 
     def addrs(self, **replace: str) -> dict[str, str]:
-        addrs = {"thinker": self.thinker.addr, "talker": self.talker.addr,
-                 "code2wav": f"{self.code2wav.addr},{self.code2wav_b.addr}"}
+        addrs = {
+            "thinker": self.thinker.addr,
+            "talker": self.talker.addr,
+            "code2wav": f"{self.code2wav.addr},{self.code2wav_b.addr}",
+        }
         return {**addrs, **replace}
 
 
@@ -74,8 +79,13 @@ def stages(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     procs = start_stages(
         tiny_ckpt,
         tmp_path_factory.mktemp("stage_logs"),
-        [("thinker", ["--max-context", str(THINKER_MAX_CONTEXT)]), ("talker", []),
-         ("code2wav", []), ("code2wav", []), ("code2wav", [])],
+        [
+            ("thinker", ["--max-context", str(THINKER_MAX_CONTEXT)]),
+            ("talker", []),
+            ("code2wav", []),
+            ("code2wav", []),
+            ("code2wav", []),
+        ],
     )
     try:
         yield Stages(*procs)
@@ -91,13 +101,17 @@ def media_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(addrs: dict[str, str], **kw) -> GatewayConfig:
-    return GatewayConfig(stage_addrs=addrs, profile=load_profile("cpu").with_overrides(PROFILE_OVERRIDES), **kw)
+    return GatewayConfig(
+        stage_addrs=addrs, profile=load_profile("cpu").with_overrides(PROFILE_OVERRIDES), **kw
+    )
 
 
 @pytest.fixture(scope="module")
 def gateway(stages: Stages, media_root: Path) -> Iterator[ThreadedGateway]:
     """The main gateway: every stage real, code2wav as a two-replica list, two concurrent requests."""
-    with ThreadedGateway(_config(stages.addrs(), allowed_media_root=media_root, max_concurrent_requests=2)) as gw:
+    with ThreadedGateway(
+        _config(stages.addrs(), allowed_media_root=media_root, max_concurrent_requests=2)
+    ) as gw:
         yield gw
 
 
@@ -190,24 +204,33 @@ def test_audio_only_flac_and_stage_metrics(gateway: ThreadedGateway) -> None:
 def test_file_url_media_and_sdk_stream(gateway: ThreadedGateway, media_root: Path) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=300, max_retries=0)
-    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What?"}],
-                                           modalities=["text"])
-    content = [{"type": "audio_url", "audio_url": {"url": "file://" + str(media_root / "tone.wav")}},
-               {"type": "text", "text": "What?"}]
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                          modalities=["text"])
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What?"}], modalities=["text"]
+    )
+    content = [
+        {"type": "audio_url", "audio_url": {"url": "file://" + str(media_root / "tone.wav")}},
+        {"type": "text", "text": "What?"},
+    ]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], modalities=["text"]
+    )
     # 1 s of audio read from the allowed root became ~10 audio embeddings in the thinker's prompt
     assert resp.usage.prompt_tokens >= plain.usage.prompt_tokens + 10
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                            modalities=["text"], stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], modalities=["text"], stream=True
+    )
     finish = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
     assert len(finish) == 1
 
 
 # ---- stream_options.continuous_usage_stats -------------------------------------------------------
 def test_continuous_usage_stats_on_every_chunk(gateway: ThreadedGateway) -> None:
-    payload = _chat("hi", stream=True, audio={"format": "pcm16"},
-                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    payload = _chat(
+        "hi",
+        stream=True,
+        audio={"format": "pcm16"},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     chunks = _chunks(_sse_lines(gateway.url, payload))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all("usage" in c for c in chunks), "continuous_usage_stats: every chunk carries usage"
@@ -218,15 +241,22 @@ def test_continuous_usage_stats_on_every_chunk(gateway: ThreadedGateway) -> None
     assert completions[0] == 0 and completions == sorted(completions)
     assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
     # each text delta already counts its own tokens: one more chunk, at least one more token
-    text_counts = [c["usage"]["completion_tokens"] for c in chunks
-                   if c["choices"] and c["modality"] == "text" and c["choices"][0]["delta"].get("content")]
+    text_counts = [
+        c["usage"]["completion_tokens"]
+        for c in chunks
+        if c["choices"] and c["modality"] == "text" and c["choices"][0]["delta"].get("content")
+    ]
     assert text_counts and text_counts[0] >= 1 and len(set(text_counts)) == len(text_counts)
     # the finishing chunk and the include_usage chunk both carry the thinker's final count
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == chunks[-2]["usage"]
     assert chunks[-2]["choices"][0]["finish_reason"]
     assert chunks[-1]["usage"]["completion_tokens"] >= text_counts[-1]
     # audio chunks in pcm16: raw 16-bit samples whose byte count matches the metadata
-    audio = [c for c in chunks if c["choices"] and c["modality"] == "audio" and c["choices"][0]["delta"].get("content")]
+    audio = [
+        c
+        for c in chunks
+        if c["choices"] and c["modality"] == "audio" and c["choices"][0]["delta"].get("content")
+    ]
     assert audio
     for c in audio:
         pcm = base64.b64decode(c["choices"][0]["delta"]["content"])
@@ -243,13 +273,16 @@ def test_usage_only_at_the_end_without_continuous_stats(gateway: ThreadedGateway
 def test_thinker_rejection_maps_to_400_with_param(gateway: ThreadedGateway) -> None:
     # top_p = 0 passes the gateway's range check [0, 1]; the thinker's sampler needs (0, 1]
     for stream in (False, True):
-        r = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat("hi", top_p=0.0, stream=stream), timeout=120)
+        r = httpx.post(
+            f"{gateway.url}/v1/chat/completions", json=_chat("hi", top_p=0.0, stream=stream), timeout=120
+        )
         assert r.status_code == 400, r.text  # streaming too: nothing had been sent yet
         err = r.json()["error"]
         assert err["code"] == 400 and err["param"] == "sampling.top_p" and "thinker" in err["message"]
     # a prompt longer than the thinker's context: context_length_exceeded, param "messages"
-    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat("hello " * 600, modalities=["text"]),
-                   timeout=120)
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions", json=_chat("hello " * 600, modalities=["text"]), timeout=120
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages"
 
@@ -259,14 +292,18 @@ def test_silent_ref_audio_reaches_thinker_and_is_refused_by_code2wav(gateway: Th
     silent = io.BytesIO()
     sf.write(silent, np.zeros(32000, dtype=np.float32), 16000, format="WAV", subtype="PCM_16")
     ref = data_url(silent.getvalue(), "audio/wav")
-    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat("hi", extra_body={"ref_audio": ref}), timeout=300)
+    r = httpx.post(
+        f"{gateway.url}/v1/chat/completions", json=_chat("hi", extra_body={"ref_audio": ref}), timeout=300
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "open.ref_audio" and "code2wav" in err["message"] and "silent" in err["message"]
     # streaming: text was already out, so the refusal is an SSE error event, then [DONE]; the running
     # usage shows the reference voice made the thinker's prompt longer
     opts = {"include_usage": True, "continuous_usage_stats": True}
-    plain = _chunks(_sse_lines(gateway.url, _chat("hi", stream=True, modalities=["text"], stream_options=opts)))
+    plain = _chunks(
+        _sse_lines(gateway.url, _chat("hi", stream=True, modalities=["text"], stream_options=opts))
+    )
     lines = _sse_lines(gateway.url, _chat("hi", stream=True, ref_audio=ref, stream_options=opts))
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
@@ -282,11 +319,15 @@ def test_concurrency_limit_429_then_slots_and_stages_free(gateway: ThreadedGatew
     streams = []
     try:
         for _ in range(2):
-            s = client.stream("POST", f"{gateway.url}/v1/chat/completions", json=_chat("hi", stream=True, **LONG_SPEECH))
+            s = client.stream(
+                "POST", f"{gateway.url}/v1/chat/completions", json=_chat("hi", stream=True, **LONG_SPEECH)
+            )
             resp = s.__enter__()
             streams.append(s)
             assert resp.status_code == 200
-        r = httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat("hi", modalities=["text"]), timeout=60)
+        r = httpx.post(
+            f"{gateway.url}/v1/chat/completions", json=_chat("hi", modalities=["text"]), timeout=60
+        )
         assert r.status_code == 429 and r.json()["error"]["code"] == 429
         assert stages.thinker.metric("minicpmo_stage_streams_active") == 2
     finally:
@@ -306,7 +347,11 @@ def test_non_streaming_disconnect_cancels_every_stage(gateway: ThreadedGateway, 
 
     def post() -> None:
         try:
-            httpx.post(f"{gateway.url}/v1/chat/completions", json=_chat("hi", **LONG_SPEECH), timeout=CLIENT_PATIENCE_S)
+            httpx.post(
+                f"{gateway.url}/v1/chat/completions",
+                json=_chat("hi", **LONG_SPEECH),
+                timeout=CLIENT_PATIENCE_S,
+            )
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             outcome.append(exc)
 
@@ -336,8 +381,9 @@ def test_stage_down_is_503_with_retry_hint_before_any_stream(stages: Stages) -> 
         assert _gateway_counter(gw.url, "minicpmo_gateway_stage_up", stage="thinker") == 0
         assert _gateway_counter(gw.url, "minicpmo_gateway_stage_up", stage="talker") == 1
         retries = _gateway_counter(gw.url, "minicpmo_gateway_stage_retries_total", stage="thinker")
-        errors = _gateway_counter(gw.url, "minicpmo_gateway_stage_errors_total", code="stage_unavailable",
-                                  stage="thinker")
+        errors = _gateway_counter(
+            gw.url, "minicpmo_gateway_stage_errors_total", code="stage_unavailable", stage="thinker"
+        )
         for stream in (False, True):
             r = httpx.post(f"{gw.url}/v1/chat/completions", json=_chat("hi", stream=stream), timeout=60)
             assert r.status_code == 503, r.text  # streaming too: refused before any 200
@@ -347,8 +393,12 @@ def test_stage_down_is_503_with_retry_hint_before_any_stream(stages: Stages) -> 
             assert "thinker" in err["message"] and dead in err["message"]
         # the health monitor already knew: no stage stream was opened (so none was retried)
         assert _gateway_counter(gw.url, "minicpmo_gateway_stage_retries_total", stage="thinker") == retries
-        assert _gateway_counter(gw.url, "minicpmo_gateway_stage_errors_total", code="stage_unavailable",
-                                stage="thinker") == errors + 2
+        assert (
+            _gateway_counter(
+                gw.url, "minicpmo_gateway_stage_errors_total", code="stage_unavailable", stage="thinker"
+            )
+            == errors + 2
+        )
 
 
 def test_dead_replica_in_list_is_skipped(stages: Stages) -> None:
@@ -356,7 +406,9 @@ def test_dead_replica_in_list_is_skipped(stages: Stages) -> None:
     with ThreadedGateway(_config(stages.addrs(thinker=f"{dead_address()},{stages.thinker.addr}"))) as gw:
         before = stages.thinker.streams_opened()
         for _ in range(3):
-            r = httpx.post(f"{gw.url}/v1/chat/completions", json=_chat("hi", modalities=["text"]), timeout=120)
+            r = httpx.post(
+                f"{gw.url}/v1/chat/completions", json=_chat("hi", modalities=["text"]), timeout=120
+            )
             assert r.status_code == 200, r.text
         assert stages.thinker.streams_opened() == before + 3
 
@@ -369,17 +421,25 @@ def test_api_key_served_name_and_openai_audio_delta(stages: Stages) -> None:
         auth = {"Authorization": "Bearer sekret"}
         body = {**_chat("hi", stream=True), "model": "minicpmo"}
         assert httpx.post(url, json=body, timeout=30).status_code == 401
-        assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+        assert (
+            httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code
+            == 401
+        )
         assert httpx.get(f"{gw.url}/health", timeout=10).status_code == 200  # open without a key
         models = httpx.get(f"{gw.url}/v1/models", headers=auth, timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["minicpmo"]
-        assert httpx.post(url, json=_chat("hi"), headers=auth, timeout=30).status_code == 404  # the default name
+        assert (
+            httpx.post(url, json=_chat("hi"), headers=auth, timeout=30).status_code == 404
+        )  # the default name
         with httpx.stream("POST", url, json=body, headers=auth, timeout=300) as r:
             assert r.status_code == 200
             chunks = _chunks([line for line in r.iter_lines() if line])
         assert {c["model"] for c in chunks} == {"minicpmo"}
-        deltas = [c["choices"][0]["delta"] for c in chunks
-                  if c["choices"] and c["modality"] == "audio" and c["choices"][0]["delta"].get("content")]
+        deltas = [
+            c["choices"][0]["delta"]
+            for c in chunks
+            if c["choices"] and c["modality"] == "audio" and c["choices"][0]["delta"].get("content")
+        ]
         assert deltas and all(d["audio"]["data"] == d["content"] for d in deltas)
         assert len({d["audio"]["id"] for d in deltas}) == 1
 
@@ -393,18 +453,32 @@ def test_api_key_served_name_and_openai_audio_delta(stages: Stages) -> None:
         (_chat("hi", ref_audio=5), 400, "ref_audio"),
         (_chat("hi", ref_audio=data_url(b"not audio", "audio/wav")), 400, "ref_audio"),
         ({"model": MODEL, "messages": "hi"}, 400, "messages"),
-        (_chat([{"type": "video_url", "video_url": {"url": data_url(b"\x00" * 64, "video/mp4")}}]), 400,
-         "messages[0].content[0]"),
-        (_chat([{"type": "input_audio", "input_audio": {"data": "%%%not-base64"}}]), 400,
-         "messages[0].content[0].input_audio.data"),
-        (_chat([{"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}}]), 403,
-         "messages[0].content[0].audio_url.url"),
-        (_chat([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]), 403,
-         "messages[0].content[0].image_url.url"),
+        (
+            _chat([{"type": "video_url", "video_url": {"url": data_url(b"\x00" * 64, "video/mp4")}}]),
+            400,
+            "messages[0].content[0]",
+        ),
+        (
+            _chat([{"type": "input_audio", "input_audio": {"data": "%%%not-base64"}}]),
+            400,
+            "messages[0].content[0].input_audio.data",
+        ),
+        (
+            _chat([{"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}}]),
+            403,
+            "messages[0].content[0].audio_url.url",
+        ),
+        (
+            _chat([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]),
+            403,
+            "messages[0].content[0].image_url.url",
+        ),
         (_chat("hi", sampling_params_list=[{"temprature": 1}]), 400, "sampling_params_list[0].temprature"),
     ],
 )
-def test_bad_inputs_get_the_envelope(gateway: ThreadedGateway, stages: Stages, payload, status: int, param) -> None:
+def test_bad_inputs_get_the_envelope(
+    gateway: ThreadedGateway, stages: Stages, payload, status: int, param
+) -> None:
     """Refused in the gateway before any stage is asked: no stream opens anywhere."""
     before = stages.thinker.streams_opened()
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json=payload, timeout=60)
@@ -418,11 +492,19 @@ def test_bad_inputs_get_the_envelope(gateway: ThreadedGateway, stages: Stages, p
 def test_health_and_metric_names(gateway: ThreadedGateway) -> None:
     health = httpx.get(f"{gateway.url}/health", timeout=10)
     assert health.status_code == 200
-    assert health.json() == {"status": "healthy", "stages": {"thinker": "ok", "talker": "ok", "code2wav": "ok"}}
+    assert health.json() == {
+        "status": "healthy",
+        "stages": {"thinker": "ok", "talker": "ok", "code2wav": "ok"},
+    }
     text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
-    for name in ("minicpmo_gateway_time_to_first_token_seconds_bucket", "minicpmo_gateway_real_time_factor_bucket",
-                 "minicpmo_gateway_stage_errors_total", "minicpmo_gateway_stage_retries_total",
-                 "minicpmo_gateway_client_disconnects_total", "minicpmo_gateway_audio_seconds_total"):
+    for name in (
+        "minicpmo_gateway_time_to_first_token_seconds_bucket",
+        "minicpmo_gateway_real_time_factor_bucket",
+        "minicpmo_gateway_stage_errors_total",
+        "minicpmo_gateway_stage_retries_total",
+        "minicpmo_gateway_client_disconnects_total",
+        "minicpmo_gateway_audio_seconds_total",
+    ):
         assert name in text
 
 

@@ -35,15 +35,19 @@ pytestmark = pytest.mark.slow
 MODEL = "openbmb/MiniCPM-o-4_5"
 OVERRIDES = {"thinker": {"sampling": {"max_tokens": 8}}, "talker": {"sampling": {"max_new_frames": 25}}}
 # Long enough that only the fault ends it within the waits below.
-LONG = {"max_tokens": 400, "sampling_params_list": [{"max_tokens": 400, "ignore_eos": True}, {"max_tokens": 2000}]}
+LONG = {
+    "max_tokens": 400,
+    "sampling_params_list": [{"max_tokens": 400, "ignore_eos": True}, {"max_tokens": 2000}],
+}
 ERROR_BOUND_S = 2.0
 RECOVERY_BOUND_S = 10.0
 
 
 @pytest.fixture(scope="module")
 def stages(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, StageProcess]]:
-    procs = start_stages(tiny_ckpt, tmp_path_factory.mktemp("fault_logs"),
-                         [("thinker", []), ("talker", []), ("code2wav", [])])
+    procs = start_stages(
+        tiny_ckpt, tmp_path_factory.mktemp("fault_logs"), [("thinker", []), ("talker", []), ("code2wav", [])]
+    )
     try:
         yield {p.stage: p for p in procs}
     finally:
@@ -147,13 +151,16 @@ def test_stage_killed_mid_stream_fails_fast_then_recovers(
     assert httpx.get(f"{gateway.url}/health", timeout=5).status_code == 200
 
 
-def test_stopped_thinker_cannot_hang_a_client(gateway: ThreadedGateway, stages: dict[str, StageProcess]) -> None:
+def test_stopped_thinker_cannot_hang_a_client(
+    gateway: ThreadedGateway, stages: dict[str, StageProcess]
+) -> None:
     """SIGSTOP keeps the TCP connection open, so gRPC alone would wait for the request deadline (300 s);
     the health probes notice within two missed probes and fail the open streams."""
     thinker = stages["thinker"]
     try:
         events, error_s = _stream_until_fault(
-            gateway.url, _chat(stream=True, modalities=["text"], **LONG),
+            gateway.url,
+            _chat(stream=True, modalities=["text"], **LONG),
             lambda: thinker.proc.send_signal(signal.SIGSTOP),
         )
         assert events and "error" in events[-1], events[-3:]

@@ -22,7 +22,9 @@ MODEL = "openbmb/MiniCPM-o-4_5"
 
 
 def _req(**extra):
-    return parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}, MODEL)
+    return parse_chat_request(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}, MODEL
+    )
 
 
 def test_defaults_follow_wire_protocol() -> None:
@@ -35,17 +37,30 @@ def test_defaults_follow_wire_protocol() -> None:
 
 
 def test_sampling_precedence_and_aliases() -> None:
-    req = _req(max_tokens=50, temperature=0.5, top_k=-1,
-               sampling_params_list=[{"temperature": 0.1, "stop_token_ids": [1, 2], "detokenize": False},
-                                     {"max_tokens": 300, "min_tokens": 10, "top_k": 20}])
-    assert req.thinker_sampling == {"max_tokens": 50, "temperature": 0.1, "top_k": 0, "stop_token_ids": [1, 2]}
+    req = _req(
+        max_tokens=50,
+        temperature=0.5,
+        top_k=-1,
+        sampling_params_list=[
+            {"temperature": 0.1, "stop_token_ids": [1, 2], "detokenize": False},
+            {"max_tokens": 300, "min_tokens": 10, "top_k": 20},
+        ],
+    )
+    assert req.thinker_sampling == {
+        "max_tokens": 50,
+        "temperature": 0.1,
+        "top_k": 0,
+        "stop_token_ids": [1, 2],
+    }
     assert req.talker_sampling == {"max_new_frames": 300, "min_new_frames": 10, "top_k": 20}
     assert _req(max_completion_tokens=9, max_tokens=50).thinker_sampling["max_tokens"] == 9
 
 
 def test_pcm16_is_normalised() -> None:
     assert _req(audio={"format": "pcm16"}).audio_format == "pcm"
-    assert normalize_format("WAV") == "wav" and normalize_format("aac") is None and normalize_format(3) is None
+    assert (
+        normalize_format("WAV") == "wav" and normalize_format("aac") is None and normalize_format(3) is None
+    )
 
 
 def test_ref_audio_from_extra_body() -> None:
@@ -60,23 +75,46 @@ def test_ref_audio_from_extra_body() -> None:
         ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
         ({"messages": [{"role": "system", "content": "only a system prompt"}]}, 400, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "file"}]}]}, 400, "messages[0].content[0].type"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
-         "messages[0].content[0].image_url.url"),
-        ({"messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": "data:x"}]},
-                       {"role": "user", "content": "hi"}]}, 400, "messages[0].content[0]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            400,
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "image_url", "image_url": "data:x"}]},
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+            400,
+            "messages[0].content[0]",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": "no"}, 400, "logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400, "top_p"),
         ({"messages": [{"role": "user", "content": "hi"}], "modalities": []}, 400, "modalities"),
-        ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"use_tts_template": 1}}, 400,
-         "chat_template_kwargs.use_tts_template"),
-        ({"messages": [{"role": "user", "content": "hi"}], "sampling_params_list": {"temperature": 1}}, 400,
-         "sampling_params_list"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"use_tts_template": 1},
+            },
+            400,
+            "chat_template_kwargs.use_tts_template",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "sampling_params_list": {"temperature": 1}},
+            400,
+            "sampling_params_list",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\n"]}, 400, "stop"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
-        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
-         "response_format"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
     ],
 )
 def test_invalid_requests(body: dict, status: int, param: str) -> None:

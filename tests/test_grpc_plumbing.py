@@ -83,7 +83,9 @@ def test_proto_round_trip_through_loopback_server() -> None:
                         win = common_pb2.CodecWindow(id=ident, codes=[4218, 1, 2, seq], left_context=3)
                         win.is_last = seq == 2
                         yield code2wav_pb2.Code2WavRequest(window=win)
-                    yield code2wav_pb2.Code2WavRequest(control=common_pb2.Control(id=ident, end=common_pb2.End()))
+                    yield code2wav_pb2.Code2WavRequest(
+                        control=common_pb2.Control(id=ident, end=common_pb2.End())
+                    )
 
                 got = [r async for r in stub.Generate(requests(), timeout=10)]
                 kinds = [r.WhichOneof("kind") for r in got]

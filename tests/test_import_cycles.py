@@ -139,8 +139,14 @@ def test_the_realtime_pipeline_does_not_know_the_session() -> None:
     graph = import_graph(ROOT, ("gateway",), type_checking=True)
     pipeline = [m for m in graph if m.startswith("gateway.realtime.pipeline")]
     assert len(pipeline) >= 4
-    owners = {"gateway.realtime.session", "gateway.realtime.commands", "gateway.realtime.lifecycle",
-              "gateway.realtime.server_vad", "gateway.realtime.registry", "gateway.realtime.routes"}
+    owners = {
+        "gateway.realtime.session",
+        "gateway.realtime.commands",
+        "gateway.realtime.lifecycle",
+        "gateway.realtime.server_vad",
+        "gateway.realtime.registry",
+        "gateway.realtime.routes",
+    }
     assert {m: sorted(graph[m] & owners) for m in pipeline} == {m: [] for m in pipeline}
 
 
@@ -175,7 +181,10 @@ def test_a_deliberate_cycle_is_found(tmp_path: Path) -> None:
 
 
 def test_an_acyclic_tree_passes(tmp_path: Path) -> None:
-    _write(tmp_path, {"pkg/__init__.py": "from pkg import a\n", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "import os\n"})
+    _write(
+        tmp_path,
+        {"pkg/__init__.py": "from pkg import a\n", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "import os\n"},
+    )
     graph = import_graph(tmp_path, ("pkg",))
     assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": set()}
     assert cycles(graph) == []

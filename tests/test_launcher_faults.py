@@ -62,17 +62,37 @@ def _chat(**extra: object) -> dict[str, object]:
 def test_launcher_restarts_a_dead_stage_and_stops_in_order(tiny_ckpt: Path, tmp_path: Path) -> None:
     port = free_port()
     out_path = tmp_path / "launcher.out"
-    cmd = [sys.executable, "-m", "gateway.launcher", "--checkpoint", str(tiny_ckpt), "--deploy-config", "cpu",
-           "--device", "cpu", "--stage-ports", "auto", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-           "--stage-overrides", json.dumps(OVERRIDES)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.launcher",
+        "--checkpoint",
+        str(tiny_ckpt),
+        "--deploy-config",
+        "cpu",
+        "--device",
+        "cpu",
+        "--stage-ports",
+        "auto",
+        "--port",
+        str(port),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--stage-overrides",
+        json.dumps(OVERRIDES),
+    ]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     with out_path.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     pids: dict[str, int] = {}
     try:
-        _wait_for(lambda: "[minicpmo-serve] ready" in out_path.read_text() or proc.poll() is not None, 900,
-                  "launcher ready", 1.0)
+        _wait_for(
+            lambda: "[minicpmo-serve] ready" in out_path.read_text() or proc.poll() is not None,
+            900,
+            "launcher ready",
+            1.0,
+        )
         text = out_path.read_text()
         assert proc.poll() is None, text
         starts = re.findall(r"start (\S+) on \S+ port (\d+) pid (\d+)", text)
@@ -81,8 +101,11 @@ def test_launcher_restarts_a_dead_stage_and_stops_in_order(tiny_ckpt: Path, tmp_
 
         # ---- 1. SIGKILL code2wav: the launcher restarts it, the gateway recovers by itself
         os.kill(pids["code2wav-0"], signal.SIGKILL)
-        health_s = _wait_for(lambda: httpx.get(f"{url}/health", timeout=5).json()["stages"]["code2wav"] != "ok",
-                             2.0, "/health naming code2wav")
+        health_s = _wait_for(
+            lambda: httpx.get(f"{url}/health", timeout=5).json()["stages"]["code2wav"] != "ok",
+            2.0,
+            "/health naming code2wav",
+        )
         print(f"FIGURE launcher_kill_health_s={health_s:.2f}")
         r = httpx.post(f"{url}/v1/chat/completions", json=_chat(stream=True), timeout=60)
         if r.status_code == 503:  # unless the restart already won the race
@@ -91,7 +114,9 @@ def test_launcher_restarts_a_dead_stage_and_stops_in_order(tiny_ckpt: Path, tmp_
         _wait_for(lambda: "restarted code2wav-0" in out_path.read_text(), 30, "launcher restart")
         _wait_for(c2w.serving, 300, "restarted code2wav SERVING")
         serving_at = time.monotonic()
-        pids["code2wav-0"] = int(re.findall(r"restarted code2wav-0 on port \d+ pid (\d+)", out_path.read_text())[-1])
+        pids["code2wav-0"] = int(
+            re.findall(r"restarted code2wav-0 on port \d+ pid (\d+)", out_path.read_text())[-1]
+        )
         while True:
             sent_at = time.monotonic()
             assert sent_at - serving_at < 10, "no recovery within 10 s of SERVING"
@@ -111,8 +136,12 @@ def test_launcher_restarts_a_dead_stage_and_stops_in_order(tiny_ckpt: Path, tmp_
         first_delta = threading.Event()
 
         def stream_chat() -> None:
-            body = _chat(stream=True, modalities=["text"], max_tokens=60,
-                         sampling_params_list=[{"max_tokens": 60, "ignore_eos": True}])
+            body = _chat(
+                stream=True,
+                modalities=["text"],
+                max_tokens=60,
+                sampling_params_list=[{"max_tokens": 60, "ignore_eos": True}],
+            )
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
                 for line in resp.iter_lines():
                     if line:

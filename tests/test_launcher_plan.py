@@ -64,18 +64,42 @@ def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
     profile = load_profile("minicpmo_4_5")
     children = {c.stage: c for c in plan_children(profile, "/ckpt", "/p.yaml", 8099, python="py") if c.stage}
     expected = {
-        "thinker": ["--dtype", "bfloat16", "--max-num-seqs", "24", "--max-context", "40960", "--duplex-window", "basic",
-                    "--duplex-window-high", "8000", "--duplex-window-low", "6000", "--memory-fraction", "0.4"],
+        "thinker": [
+            "--dtype",
+            "bfloat16",
+            "--max-num-seqs",
+            "24",
+            "--max-context",
+            "40960",
+            "--duplex-window",
+            "basic",
+            "--duplex-window-high",
+            "8000",
+            "--duplex-window-low",
+            "6000",
+            "--memory-fraction",
+            "0.4",
+        ],
         "talker": ["--dtype", "bfloat16", "--max-streams", "16", "--memory-fraction", "0.08"],
         "code2wav": ["--max-batch", "16", "--memory-fraction", "0.4"],
     }
     for stage, flags in expected.items():
         child = children[stage]
-        assert child.argv[-len(flags):] == flags
+        assert child.argv[-len(flags) :] == flags
         settings = json.loads(child.env[STAGE_SETTINGS_ENV])
         assert settings["name"] == stage and settings["memory_fraction"] == float(flags[-1])
-        assert settings["max_num_seqs"] == int(flags[flags.index("--max-num-seqs" if stage == "thinker" else
-                                                     "--max-streams" if stage == "talker" else "--max-batch") + 1])
+        assert settings["max_num_seqs"] == int(
+            flags[
+                flags.index(
+                    "--max-num-seqs"
+                    if stage == "thinker"
+                    else "--max-streams"
+                    if stage == "talker"
+                    else "--max-batch"
+                )
+                + 1
+            ]
+        )
     assert json.loads(children["talker"].env[STAGE_SETTINGS_ENV])["codec"]["first_window_frames"] == 10
 
 
@@ -117,7 +141,9 @@ def test_planned_flags_exist_in_every_stage_cli() -> None:
 
     children = plan_children(load_profile("minicpmo_4_5"), "/ckpt", "/p.yaml", 8099, python=sys.executable)
     for child in children:
-        helptext = subprocess.run(child.argv[:3] + ["--help"], capture_output=True, text=True, timeout=120).stdout
+        helptext = subprocess.run(
+            child.argv[:3] + ["--help"], capture_output=True, text=True, timeout=120
+        ).stdout
         flags = [a for a in child.argv[3:] if a.startswith("--")]
         missing = [f for f in flags if f not in helptext]
         assert not missing, f"{child.name}: flags {missing} not in `{' '.join(child.argv[1:3])} --help`"

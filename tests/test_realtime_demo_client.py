@@ -37,12 +37,21 @@ class ScriptedGateway:
 
     def frame(self, type_: str, **fields: Any) -> str:
         self.seq += 1
-        return json.dumps({"type": type_, "event_id": f"event_{self.seq:032x}", "server_event_seq": self.seq, **fields})
+        return json.dumps(
+            {"type": type_, "event_id": f"event_{self.seq:032x}", "server_event_seq": self.seq, **fields}
+        )
 
     async def handler(self, conn: ServerConnection) -> None:
         await conn.recv()  # session.update
-        await conn.send(json.dumps({"type": "session.created", "event_id": "event_" + "0" * 32,
-                                    "session": {"id": "duplex-" + "0" * 32}}))
+        await conn.send(
+            json.dumps(
+                {
+                    "type": "session.created",
+                    "event_id": "event_" + "0" * 32,
+                    "session": {"id": "duplex-" + "0" * 32},
+                }
+            )
+        )
         async for raw in conn:
             kind = json.loads(raw)["type"]
             if kind == "input_audio_buffer.commit":
@@ -54,15 +63,27 @@ class ScriptedGateway:
     async def _respond(self, conn: ServerConnection) -> None:
         rid = "resp_" + "1" * 24
         await conn.send(self.frame("input_audio_buffer.committed", item_id="item_u", event={"turn_id": 1}))
-        await conn.send(self.frame("response.created", response_id=rid, response={"id": rid, "status": "in_progress"}))
-        await conn.send(self.frame("response.output_audio.delta", response_id=rid, delta=pcm16_b64(tone(0.5)),
-                                   metadata={"audio_duration_ms": 500}))
+        await conn.send(
+            self.frame("response.created", response_id=rid, response={"id": rid, "status": "in_progress"})
+        )
+        await conn.send(
+            self.frame(
+                "response.output_audio.delta",
+                response_id=rid,
+                delta=pcm16_b64(tone(0.5)),
+                metadata={"audio_duration_ms": 500},
+            )
+        )
         await conn.send(self.frame("response.output_audio_transcript.delta", response_id=rid, delta=""))
-        await conn.send(self.frame("response.done", response_id=rid, response={"id": rid, "status": "completed"}))
+        await conn.send(
+            self.frame("response.done", response_id=rid, response={"id": rid, "status": "completed"})
+        )
         await conn.send(self.frame("rate_limits.updated", rate_limits=[]))
 
 
-def _in_one_write(conn: ServerConnection, *texts: str, close_code: int | None = None, reason: str = "") -> None:
+def _in_one_write(
+    conn: ServerConnection, *texts: str, close_code: int | None = None, reason: str = ""
+) -> None:
     """Queue text frames (and a close frame) and hand them to the socket as ONE write, so the client
     receives them in one read, as a busy client does after a scheduling delay."""
     for text in texts:
@@ -80,7 +101,9 @@ async def _closed_after_an_ackable_event(gw: ScriptedGateway, conn: ServerConnec
 
 
 async def _dropped_without_session_closed(gw: ScriptedGateway, conn: ServerConnection) -> None:
-    _in_one_write(conn, gw.frame("playback.acknowledged", event={"played_ms": 500}), close_code=1011, reason="boom")
+    _in_one_write(
+        conn, gw.frame("playback.acknowledged", event={"played_ms": 500}), close_code=1011, reason="boom"
+    )
     await conn.wait_closed()
 
 
@@ -89,7 +112,9 @@ async def _garbage_then_nothing(gw: ScriptedGateway, conn: ServerConnection) -> 
     await conn.wait_closed()  # the socket stays open until the client ends it
 
 
-def _demo(tmp_path: Path, on_close: Callable[[ScriptedGateway, ServerConnection], Awaitable[None]]) -> tuple[dict[str, Any], float]:
+def _demo(
+    tmp_path: Path, on_close: Callable[[ScriptedGateway, ServerConnection], Awaitable[None]]
+) -> tuple[dict[str, Any], float]:
     wav, ref = tmp_path / "in.wav", tmp_path / "ref.wav"
     for path, x in ((wav, tone(1.2)), (ref, tone(1.0, freq=180.0))):
         with wave.open(str(path), "wb") as w:
@@ -102,10 +127,22 @@ def _demo(tmp_path: Path, on_close: Callable[[ScriptedGateway, ServerConnection]
         gateway = ScriptedGateway(on_close)
         async with serve(gateway.handler, "127.0.0.1", 0) as server:
             port = server.sockets[0].getsockname()[1]
-            args = build_parser().parse_args([
-                "--url", f"ws://127.0.0.1:{port}/v1/realtime", "--input-wav", str(wav), "--ref-audio", str(ref),
-                "--output-dir", str(tmp_path / "out"), "--turn-lane", "--no-realtime", "--timeout", str(TIMEOUT_S),
-            ])
+            args = build_parser().parse_args(
+                [
+                    "--url",
+                    f"ws://127.0.0.1:{port}/v1/realtime",
+                    "--input-wav",
+                    str(wav),
+                    "--ref-audio",
+                    str(ref),
+                    "--output-dir",
+                    str(tmp_path / "out"),
+                    "--turn-lane",
+                    "--no-realtime",
+                    "--timeout",
+                    str(TIMEOUT_S),
+                ]
+            )
             start = time.monotonic()
             result = await run(args)
             return result, time.monotonic() - start

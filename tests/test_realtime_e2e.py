@@ -66,7 +66,7 @@ def test_turn_lane_spoken_response(gateway_url: str) -> None:
         conn.send({"type": "response.create"})
         conn.until("rate_limits.updated")
         summary = check_response_invariants(conn.events)
-        (rid, info), = summary.items()
+        ((rid, info),) = summary.items()
         assert info["status"] == "completed"
         assert info["audio_deltas"] >= 1 and info["audio_bytes"] > 0
         # playback truth and history
@@ -102,7 +102,9 @@ def test_barge_in_across_stages(gateway_url: str) -> None:
             event = conn.recv(max(0.1, end - time.time()))
             if event["type"] == "response.done" and event["response_id"] == rid and not done_seen:
                 done_seen = True
-                print(f"barge-in: client-observed barge_in -> cancelled response.done {1000 * (time.time() - sent_at):.1f} ms")
+                print(
+                    f"barge-in: client-observed barge_in -> cancelled response.done {1000 * (time.time() - sent_at):.1f} ms"
+                )
             if event["type"] == "duplex.stage_interrupt_ack":
                 stages_acked[event["event"]["stage"]] = event["event"]
         assert done_seen
@@ -175,10 +177,27 @@ def test_demo_client_end_to_end(gateway_url: str, tmp_path: Path) -> None:
             w.writeframes((x * 32767).astype("<i2").tobytes())
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "realtime_duplex_demo.py"), "--url", f"{gateway_url}/v1/realtime",
-         "--input-wav", str(wav), "--ref-audio", str(ref), "--output-dir", str(out), "--turn-lane",
-         "--no-realtime", "--require-audio", "--timeout", "300"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            str(REPO / "examples" / "realtime_duplex_demo.py"),
+            "--url",
+            f"{gateway_url}/v1/realtime",
+            "--input-wav",
+            str(wav),
+            "--ref-audio",
+            str(ref),
+            "--output-dir",
+            str(out),
+            "--turn-lane",
+            "--no-realtime",
+            "--require-audio",
+            "--timeout",
+            "300",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((out / "result.json").read_text())
@@ -226,11 +245,17 @@ def _stock_sdk_turn(gateway_url: str, modalities: list[str]) -> list[Any]:
     openai = pytest.importorskip("openai")
     from realtime_helpers import wav_data_uri
 
-    client = openai.OpenAI(api_key="unused", base_url=gateway_url.replace("ws://", "http://") + "/v1",
-                           websocket_base_url=gateway_url + "/v1")
-    session = {"type": "realtime", "output_modalities": modalities,
-               "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}},
-               "ref_audio": wav_data_uri(tone(1.0, freq=180.0))}
+    client = openai.OpenAI(
+        api_key="unused",
+        base_url=gateway_url.replace("ws://", "http://") + "/v1",
+        websocket_base_url=gateway_url + "/v1",
+    )
+    session = {
+        "type": "realtime",
+        "output_modalities": modalities,
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}},
+        "ref_audio": wav_data_uri(tone(1.0, freq=180.0)),
+    }
     seen: list[Any] = []
     # The SDK's own websockets call warns (DeprecationWarning, websockets 17): not ours, so warnings turn
     # into errors only where our events meet the SDK's models.
@@ -259,8 +284,14 @@ def test_stock_openai_realtime_client_turn_lane(gateway_url: str) -> None:
     types = [e.type for e in seen]
     created = seen[0]
     assert created.type == "session.created"
-    assert created.session.audio.input.format.type == "audio/pcm" and created.session.audio.input.format.rate == 24000
-    assert created.session.audio.output.format.type == "audio/pcm" and created.session.audio.output.format.rate == 24000
+    assert (
+        created.session.audio.input.format.type == "audio/pcm"
+        and created.session.audio.input.format.rate == 24000
+    )
+    assert (
+        created.session.audio.output.format.type == "audio/pcm"
+        and created.session.audio.output.format.rate == 24000
+    )
     committed = next(e for e in seen if e.type == "conversation.item.done" and e.item.role == "user")
     assert committed.item.content[0].model_dump()["audio_ms"] == 1200  # 28 800 samples at 24 kHz = 1.2 s
     assert types.count("response.output_audio.delta") >= 1
@@ -296,8 +327,7 @@ def test_server_vad_speech_over_an_answer_without_barge_in_support(stage_addrs: 
     with realtime_gateway(stage_addrs, seed=0, max_response_units=2, supports_barge_in=False) as url:
         conn = Conn(f"{url}/v1/realtime")
         try:
-            _open(conn, turn_detection=TONE_VAD,
-                  overlap_policy="barge_in_on_speech")
+            _open(conn, turn_detection=TONE_VAD, overlap_policy="barge_in_on_speech")
             silence = np.zeros(int(0.4 * 16000), dtype=np.float32)
             _stream(conn, np.concatenate([silence, tone(1.2), silence, silence]))
             rid = conn.until("response.created", 60)["response_id"]
@@ -320,8 +350,12 @@ def test_server_vad_turns_and_barge_in(gateway_url: str) -> None:
     speech during that answer cancels it with reason ``turn_detected``; the next silence ends the new turn."""
     conn = Conn(f"{gateway_url}/v1/realtime")
     try:
-        created = _open(conn, turn_detection=TONE_VAD,
-                        overlap_policy="barge_in_on_speech", extra_body={"max_response_units": 40})
+        created = _open(
+            conn,
+            turn_detection=TONE_VAD,
+            overlap_policy="barge_in_on_speech",
+            extra_body={"max_response_units": 40},
+        )
         assert created["session"]["turn_detection"]["silence_duration_ms"] == 400
         silence = np.zeros(int(0.4 * 16000), dtype=np.float32)
         _stream(conn, np.concatenate([silence, tone(1.2), silence, silence]))

@@ -87,9 +87,13 @@ def _settle(conn: Conn) -> None:
 
 def _stage_acks(conn: Conn, epoch: int, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
     """Every stage's ``duplex.stage_interrupt_ack`` for ``epoch`` (from the record, then the socket)."""
+
     def acked() -> dict[str, dict[str, Any]]:
-        return {e["event"]["stage"]: e["event"] for e in conn.events
-                if e["type"] == "duplex.stage_interrupt_ack" and e["event"]["epoch"] == epoch}
+        return {
+            e["event"]["stage"]: e["event"]
+            for e in conn.events
+            if e["type"] == "duplex.stage_interrupt_ack" and e["event"]["epoch"] == epoch
+        }
 
     end = time.time() + timeout
     while len(acked()) < len(STAGES) and time.time() < end:
@@ -119,7 +123,7 @@ def test_turn_lane_response_order_then_finished_response_commands(conn: Conn) ->
         "response.content_part.added",
     ]
     assert "response.speak" not in types  # speak is a native-lane event
-    (rid, info), = check_response_invariants(conn.events).items()
+    ((rid, info),) = check_response_invariants(conn.events).items()
     assert info["status"] == "completed" and info["reason"] == "stop"
     assert info["audio_deltas"] >= 1 and info["audio_bytes"] > 0 and info["epoch"] == 0
 
@@ -134,12 +138,17 @@ def test_turn_lane_response_order_then_finished_response_commands(conn: Conn) ->
     _settle(conn)
     assert not any(e["type"] in ("response.done", "response.created") for e in conn.events[before:])  # B3
     # the acknowledgement of a clear after completion names the finished response; it is not one of its events
-    check_response_invariants([e for e in conn.events if e["type"] not in ("error", "output_audio_buffer.cleared")])
+    check_response_invariants(
+        [e for e in conn.events if e["type"] not in ("error", "output_audio_buffer.cleared")]
+    )
 
 
 @pytest.mark.parametrize(
     ("command", "reason"),
-    [({"type": "response.cancel"}, "client_cancelled"), ({"type": "output_audio_buffer.clear"}, "output_audio_buffer_clear")],
+    [
+        ({"type": "response.cancel"}, "client_cancelled"),
+        ({"type": "output_audio_buffer.clear"}, "output_audio_buffer_clear"),
+    ],
     ids=["response.cancel", "output_audio_buffer.clear"],
 )
 def test_client_interrupt_of_a_speaking_response(conn: Conn, command: dict[str, Any], reason: str) -> None:
@@ -218,19 +227,36 @@ def test_playback_ack_barge_in_history_and_truncate(conn: Conn) -> None:
     conn.send({"type": "conversation.item.retrieve", "item_id": "item_" + rid})
     item = conn.until("conversation.item.retrieved", 30)["item"]
     heard = item["content"][0]["transcript"]
-    at_played = max((m["text_chars"] for m in item["metadata"]["audio_text_marks"] if m["audio_end_ms"] <= played),
-                    default=0)
+    at_played = max(
+        (m["text_chars"] for m in item["metadata"]["audio_text_marks"] if m["audio_end_ms"] <= played),
+        default=0,
+    )
     assert item["metadata"]["audio_text_marks"][: len(marks)] == marks
     assert heard == sent[:at_played] == sent[: marks[0]["text_chars"]]
     assert 0 < len(heard) < len(sent)
 
     audio_ms = item["metadata"]["audio_ms"]
-    conn.send({"type": "conversation.item.truncate", "item_id": "item_" + rid, "audio_end_ms": audio_ms + 1,
-               "content_index": 0})
+    conn.send(
+        {
+            "type": "conversation.item.truncate",
+            "item_id": "item_" + rid,
+            "audio_end_ms": audio_ms + 1,
+            "content_index": 0,
+        }
+    )
     assert conn.until("error", 30)["error"]["code"] == "invalid_audio_end_ms"
-    conn.send({"type": "conversation.item.truncate", "item_id": user_item, "audio_end_ms": 0, "content_index": 0})
+    conn.send(
+        {"type": "conversation.item.truncate", "item_id": user_item, "audio_end_ms": 0, "content_index": 0}
+    )
     assert conn.until("error", 30)["error"]["code"] == "invalid_item_type"
-    conn.send({"type": "conversation.item.truncate", "item_id": "item_" + rid, "audio_end_ms": 0, "content_index": 0})
+    conn.send(
+        {
+            "type": "conversation.item.truncate",
+            "item_id": "item_" + rid,
+            "audio_end_ms": 0,
+            "content_index": 0,
+        }
+    )
     truncated = conn.until("conversation.item.truncated", 30)
     assert truncated["audio_end_ms"] == 0 and truncated["event"]["transcript"] == ""
 
@@ -275,7 +301,9 @@ def test_response_create_while_active_and_back_to_back_turns(conn: Conn) -> None
     conn.until("rate_limits.updated")
     summary = check_response_invariants([e for e in conn.events if e["type"] != "error"])
     assert list(summary) == [first, second]
-    assert all(v["status"] == "completed" and v["audio_bytes"] > 0 and v["epoch"] == 0 for v in summary.values())
+    assert all(
+        v["status"] == "completed" and v["audio_bytes"] > 0 and v["epoch"] == 0 for v in summary.values()
+    )
     assert _index(conn, "response.done", first) < _index(conn, "response.created", second)
 
 

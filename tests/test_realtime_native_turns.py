@@ -65,15 +65,24 @@ def test_b1_user_talks_over_model_owned_back_to_back_turns(gateway_url: str) -> 
     """
     conn = Conn(f"{gateway_url}/v1/duplex")
     try:
-        conn.send({"type": "session.update",
-                   "session": session_body(temperature=0.0, extra_body={"auto_response": True})})
+        conn.send(
+            {
+                "type": "session.update",
+                "session": session_body(temperature=0.0, extra_body={"auto_response": True}),
+            }
+        )
         conn.until("session.updated", 60)
         conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.0))})
         while (first := conn.recv(300))["type"] not in ("response.created", "response.listen"):
             pass
         assert first["type"] == "response.created", "the model listened to the first unit; it should speak"
         for k in range(5):  # the user keeps talking over the assistant
-            conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.0, freq=220.0 + 20 * (k + 1)))})
+            conn.send(
+                {
+                    "type": "input_audio_buffer.append",
+                    "audio": pcm16_b64(tone(1.0, freq=220.0 + 20 * (k + 1))),
+                }
+            )
         end = time.time() + 300
         while time.time() < end and sum(e["type"] == "response.done" for e in conn.events) < 3:
             conn.recv(max(0.1, end - time.time()))
@@ -111,8 +120,14 @@ def test_b1_user_talks_over_model_owned_back_to_back_turns(gateway_url: str) -> 
     # The session was closed mid-turn at most once (the last response); every finished one obeys R1–R12.
     assert all(rid in done_at for rid in ids[:-1])
     unfinished = set(ids) - set(done_at)
-    finished = [e for e in events if not (e.get("response_id") in unfinished
-                                          or e.get("item", {}).get("id", "")[len("item_"):] in unfinished)]
+    finished = [
+        e
+        for e in events
+        if not (
+            e.get("response_id") in unfinished
+            or e.get("item", {}).get("id", "")[len("item_") :] in unfinished
+        )
+    ]
     summary = check_response_invariants(finished)
     assert len(summary) == len(done_at)
     assert all(info["audio_bytes"] > 0 for info in summary.values())

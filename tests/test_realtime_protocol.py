@@ -33,7 +33,11 @@ from gateway.realtime.errors import error_type_for
 
 @pytest.fixture()
 def app() -> Any:
-    app = create_app(GatewayConfig(stage_addrs={"thinker": "127.0.0.1:1", "talker": "127.0.0.1:1", "code2wav": "127.0.0.1:1"}))
+    app = create_app(
+        GatewayConfig(
+            stage_addrs={"thinker": "127.0.0.1:1", "talker": "127.0.0.1:1", "code2wav": "127.0.0.1:1"}
+        )
+    )
     settings = app.state.realtime_settings
     settings.config_timeout_s = 0.5
     settings.disconnect_grace_s = 0.5
@@ -67,7 +71,9 @@ def check_error(event: dict[str, Any], code: str, event_id: str | None = None) -
 # ------------------------------------------------------------------------------------ handshake (W*)
 
 
-@pytest.mark.parametrize("path", ["/v1/realtime", "/v1/realtime?duplex=1", "/v1/realtime?duplex=true", "/v1/duplex"])
+@pytest.mark.parametrize(
+    "path", ["/v1/realtime", "/v1/realtime?duplex=1", "/v1/realtime?duplex=true", "/v1/duplex"]
+)
 def test_w1_routes_reach_duplex_handler_and_w4_w5_w10_created(client: TestClient, path: str) -> None:
     with client.websocket_connect(path) as ws:
         ws.send_json({"type": "session.update", "session": session_body(id="duplex-" + "0" * 32)})
@@ -131,11 +137,19 @@ def test_w6_ref_audio_required(client: TestClient) -> None:
 
 def test_w7_semantic_vad(client: TestClient) -> None:
     with client.websocket_connect("/v1/duplex") as ws:
-        ws.send_json({"type": "session.update", "session": session_body(turn_detection={"type": "semantic_vad"})})
+        ws.send_json(
+            {"type": "session.update", "session": session_body(turn_detection={"type": "semantic_vad"})}
+        )
         check_error(ws.receive_json(), "invalid_session_config")
     with client.websocket_connect("/v1/duplex") as ws:
         open_session(ws)
-        ws.send_json({"type": "session.update", "event_id": "e7", "session": {"turn_detection": {"type": "semantic_vad"}}})
+        ws.send_json(
+            {
+                "type": "session.update",
+                "event_id": "e7",
+                "session": {"turn_detection": {"type": "semantic_vad"}},
+            }
+        )
         err = ws.receive_json()
         check_error(err, "unsupported_turn_detection", "e7")
         assert err["error"]["param"] == "turn_detection"
@@ -190,7 +204,14 @@ def test_w11_w13_rejections_echo_event_id(app: Any, client: TestClient) -> None:
         check_error(ws.receive_json(), "item_not_found", "x6")
         ws.send_json({"type": "session.update", "event_id": "x7", "session": {"model": "other"}})
         check_error(ws.receive_json(), "model_update_unsupported", "x7")
-        ws.send_json({"type": "input_audio_buffer.append", "event_id": "x8", "audio": "AAAA", "video_frames": ["a", "b", "c"]})
+        ws.send_json(
+            {
+                "type": "input_audio_buffer.append",
+                "event_id": "x8",
+                "audio": "AAAA",
+                "video_frames": ["a", "b", "c"],
+            }
+        )
         check_error(ws.receive_json(), "invalid_video_frames", "x8")
         ws.send_text(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 70_000}))
         check_error(ws.receive_json(), "event_too_large")
@@ -212,10 +233,14 @@ def test_w14_heartbeat(client: TestClient) -> None:
 def test_i1_audio_validation(client: TestClient) -> None:
     with client.websocket_connect("/v1/duplex") as ws:
         open_session(ws)
-        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x00\x01\x02").decode()})
+        ws.send_json(
+            {"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x00\x01\x02").decode()}
+        )
         check_error(ws.receive_json(), "bad_audio")
         for rate in (7999, 192001, 16000.5, "16000"):
-            ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.1)), "sample_rate_hz": rate})
+            ws.send_json(
+                {"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.1)), "sample_rate_hz": rate}
+            )
             check_error(ws.receive_json(), "bad_event")
         ws.send_json({"type": "input_audio_buffer.append", "audio": "QUJD*"})
         check_error(ws.receive_json(), "bad_audio")
@@ -248,7 +273,13 @@ def test_i2_video_frames(client: TestClient) -> None:
             check_error(ws.receive_json(), "invalid_video_frames")
         ws.send_json({"type": "input_audio_buffer.append", "audio": "", "video_frames": [frame]})
         check_error(ws.receive_json(), "invalid_input_modality")
-        ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(0.2)), "video_frames": [frame, frame]})
+        ws.send_json(
+            {
+                "type": "input_audio_buffer.append",
+                "audio": pcm16_b64(tone(0.2)),
+                "video_frames": [frame, frame],
+            }
+        )
         ws.send_json({"type": "session.heartbeat"})
         assert ws.receive_json()["type"] == "session.heartbeat_ack"  # two valid frames are accepted silently
 
@@ -319,9 +350,19 @@ def test_input_formats_accepted(client: TestClient) -> None:
     x8 = tone(2.0, rate=8000)
     appends = [
         {"audio": pcm16_b64(x24), "sample_rate_hz": 24000},
-        {"audio": base64.b64encode(x24.astype("<f4").tobytes()).decode(), "format": "pcm_f32le", "sample_rate_hz": 24000},
-        {"audio": base64.b64encode(g711_encode((x8 * 32767).astype(np.int16), "ulaw")).decode(), "format": "g711_ulaw"},
-        {"audio": base64.b64encode(g711_encode((x8 * 32767).astype(np.int16), "alaw")).decode(), "format": "g711_alaw"},
+        {
+            "audio": base64.b64encode(x24.astype("<f4").tobytes()).decode(),
+            "format": "pcm_f32le",
+            "sample_rate_hz": 24000,
+        },
+        {
+            "audio": base64.b64encode(g711_encode((x8 * 32767).astype(np.int16), "ulaw")).decode(),
+            "format": "g711_ulaw",
+        },
+        {
+            "audio": base64.b64encode(g711_encode((x8 * 32767).astype(np.int16), "alaw")).decode(),
+            "format": "g711_alaw",
+        },
     ]
     with client.websocket_connect("/v1/duplex") as ws:
         open_session(ws)
@@ -355,7 +396,9 @@ def test_ga_session_shapes(client: TestClient, extra: dict[str, Any], rate: int)
         audio = created["session"]["audio"]
         assert audio["input"]["format"] == {"type": "audio/pcm", "rate": rate}
         assert audio["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
-        assert audio["input"]["turn_detection"] is None and created["session"]["input_audio_format"] == "pcm16"
+        assert (
+            audio["input"]["turn_detection"] is None and created["session"]["input_audio_format"] == "pcm16"
+        )
         ws.receive_json()
         ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(2.0, rate=rate))})
         ws.send_json({"type": "input_audio_buffer.commit"})
@@ -428,8 +471,14 @@ def test_s2_s4_resume_replays_and_replaces(client: TestClient) -> None:
             first.send_json({"type": "session.heartbeat"})
         acks = [first.receive_json() for _ in range(3)]  # seq 2, 3, 4
         with client.websocket_connect("/v1/duplex?autostart=0") as second:
-            second.send_json({"type": "session.resume", "session_id": sid, "resume_token": token,
-                              "last_received_server_event_seq": 2})
+            second.send_json(
+                {
+                    "type": "session.resume",
+                    "session_id": sid,
+                    "resume_token": token,
+                    "last_received_server_event_seq": 2,
+                }
+            )
             resumed = second.receive_json()
             assert resumed["type"] == "session.resumed" and "server_event_seq" not in resumed
             assert resumed["attachment_generation"] == 2 and resumed["resume_token"] != token
@@ -444,8 +493,14 @@ def test_s2_s4_resume_replays_and_replaces(client: TestClient) -> None:
             assert second.receive_json()["server_event_seq"] == 5  # the sequence continues
             new_token = resumed["resume_token"]
             with client.websocket_connect("/v1/duplex?autostart=0") as third:
-                third.send_json({"type": "session.resume", "session_id": sid, "resume_token": token,
-                                 "last_received_server_event_seq": 0})
+                third.send_json(
+                    {
+                        "type": "session.resume",
+                        "session_id": sid,
+                        "resume_token": token,
+                        "last_received_server_event_seq": 0,
+                    }
+                )
                 check_error(third.receive_json(), "invalid_resume_token")
             assert new_token
 
@@ -460,8 +515,14 @@ def test_s3_journal_gap(client: TestClient) -> None:
         first.send_json({"type": "session.event_ack", "server_event_seq": 99})
         check_error(first.receive_json(), "invalid_event_ack")  # S7
     with client.websocket_connect("/v1/duplex?resume=1") as second:
-        second.send_json({"type": "session.resume", "session_id": sid, "resume_token": token,
-                          "last_received_server_event_seq": 0})
+        second.send_json(
+            {
+                "type": "session.resume",
+                "session_id": sid,
+                "resume_token": token,
+                "last_received_server_event_seq": 0,
+            }
+        )
         assert second.receive_json()["type"] == "session.resumed"
         resync = second.receive_json()
         assert resync["type"] == "session.resync_required" and resync["reason"] == "journal_gap"
@@ -472,8 +533,14 @@ def test_s5_grace_expiry(client: TestClient) -> None:
         created = open_session(first)
     time.sleep(1.2)
     with client.websocket_connect("/v1/duplex?autostart=0") as second:
-        second.send_json({"type": "session.resume", "session_id": created["session"]["id"],
-                          "resume_token": created["resume_token"], "last_received_server_event_seq": 1})
+        second.send_json(
+            {
+                "type": "session.resume",
+                "session_id": created["session"]["id"],
+                "resume_token": created["resume_token"],
+                "last_received_server_event_seq": 1,
+            }
+        )
         check_error(second.receive_json(), "session_resume_expired")
 
 
@@ -505,7 +572,13 @@ def test_i8_declared_rates_give_equivalent_units(client: TestClient) -> None:
     with client.websocket_connect("/v1/duplex") as ws:
         open_session(ws)
         for rate in (16000, 24000):
-            ws.send_json({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(2.0, rate=rate)), "sample_rate_hz": rate})
+            ws.send_json(
+                {
+                    "type": "input_audio_buffer.append",
+                    "audio": pcm16_b64(tone(2.0, rate=rate)),
+                    "sample_rate_hz": rate,
+                }
+            )
             ws.send_json({"type": "input_audio_buffer.commit"})
             receive_until(ws, "conversation.item.done")
         first, second = app_session(ws, client).committed_backlog
@@ -517,8 +590,12 @@ def test_i8_declared_rates_give_equivalent_units(client: TestClient) -> None:
 
 
 def test_api_key_guards_the_socket() -> None:
-    app = create_app(GatewayConfig(stage_addrs={"thinker": "127.0.0.1:1", "talker": "127.0.0.1:1", "code2wav": "127.0.0.1:1"},
-                                   api_key="sekret"))
+    app = create_app(
+        GatewayConfig(
+            stage_addrs={"thinker": "127.0.0.1:1", "talker": "127.0.0.1:1", "code2wav": "127.0.0.1:1"},
+            api_key="sekret",
+        )
+    )
     with TestClient(app) as client:
         with client.websocket_connect("/v1/duplex") as ws:
             check_error(ws.receive_json(), "invalid_api_key")
@@ -533,8 +610,14 @@ def test_idle_timeout_detaches_and_session_is_resumable(client: TestClient) -> N
         created = open_session(ws, idle_timeout_s=0.3)
         assert ws.receive()["type"] == "websocket.close"  # no frame for 0.3 s: treated as a disconnect
     with client.websocket_connect("/v1/duplex?autostart=0") as ws:
-        ws.send_json({"type": "session.resume", "session_id": created["session"]["id"],
-                      "resume_token": created["resume_token"], "last_received_server_event_seq": 1})
+        ws.send_json(
+            {
+                "type": "session.resume",
+                "session_id": created["session"]["id"],
+                "resume_token": created["resume_token"],
+                "last_received_server_event_seq": 1,
+            }
+        )
         assert ws.receive_json()["type"] == "session.resumed"
 
 
@@ -567,8 +650,13 @@ def test_s9_pending_input_bytes(app: Any, client: TestClient) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"idle_timeout_s": "soon"}, {"temperature": "hot"}, {"extra_body": {"force_listen_count": "x"}},
-     {"max_response_output_tokens": [1]}, {"sample_rate_hz": "fast"}],
+    [
+        {"idle_timeout_s": "soon"},
+        {"temperature": "hot"},
+        {"extra_body": {"force_listen_count": "x"}},
+        {"max_response_output_tokens": [1]},
+        {"sample_rate_hz": "fast"},
+    ],
 )
 def test_malformed_session_fields_are_typed_errors(client: TestClient, bad: dict[str, Any]) -> None:
     with client.websocket_connect("/v1/duplex") as ws:
@@ -589,9 +677,25 @@ def test_wrongly_typed_fields_never_derail_the_session(client: TestClient) -> No
     """Every command with every field of the wrong type: a typed client error, never internal_error."""
     from gateway.realtime.commands import HANDLERS
 
-    junk = {"audio": 5, "delta": [], "session": 7, "item": 3, "item_id": 4, "played_ms": "x", "committed_ms": {},
-            "event": 9, "payload": 1, "server_event_seq": "x", "response": 2, "video_frames": 5,
-            "audio_end_ms": "x", "response_id": 3, "response_create": "yes", "sample_rate_hz": "fast", "format": 1}
+    junk = {
+        "audio": 5,
+        "delta": [],
+        "session": 7,
+        "item": 3,
+        "item_id": 4,
+        "played_ms": "x",
+        "committed_ms": {},
+        "event": 9,
+        "payload": 1,
+        "server_event_seq": "x",
+        "response": 2,
+        "video_frames": 5,
+        "audio_end_ms": "x",
+        "response_id": 3,
+        "response_create": "yes",
+        "sample_rate_hz": "fast",
+        "format": 1,
+    }
     skip = {"session.close", "close", "close_session"}
     with client.websocket_connect("/v1/duplex") as ws:
         open_session(ws)

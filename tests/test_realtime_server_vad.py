@@ -29,14 +29,22 @@ ITEM_ID_RE = re.compile(r"^item_[0-9a-f]{24}$")
 
 @pytest.fixture()
 def client() -> Iterator[TestClient]:
-    app = create_app(GatewayConfig(stage_addrs={"thinker": "127.0.0.1:1", "talker": "127.0.0.1:1", "code2wav": "127.0.0.1:1"}))
+    app = create_app(
+        GatewayConfig(
+            stage_addrs={"thinker": "127.0.0.1:1", "talker": "127.0.0.1:1", "code2wav": "127.0.0.1:1"}
+        )
+    )
     with TestClient(app) as c:
         yield c
 
 
 def open_vad(ws: Any, **td: Any) -> dict[str, Any]:
-    ws.send_json({"type": "session.update", "session": session_body(
-        turn_detection={**VAD, **td}, overlap_policy="barge_in_on_speech")})
+    ws.send_json(
+        {
+            "type": "session.update",
+            "session": session_body(turn_detection={**VAD, **td}, overlap_policy="barge_in_on_speech"),
+        }
+    )
     created = ws.receive_json()
     assert created["type"] == "session.created", created
     assert ws.receive_json()["type"] == "session.updated"
@@ -73,7 +81,12 @@ def test_open_with_server_vad_echoes_normalised_config(client: TestClient) -> No
     with client.websocket_connect("/v1/duplex") as ws:
         created = open_vad(ws, silence_duration_ms=700, create_response=False)
         session = created["session"]
-        assert session["turn_detection"] == {**DEFAULTS, **VAD, "silence_duration_ms": 700, "create_response": False}
+        assert session["turn_detection"] == {
+            **DEFAULTS,
+            **VAD,
+            "silence_duration_ms": 700,
+            "create_response": False,
+        }
         assert session["overlap_policy"] == "barge_in_on_speech"
         assert session["capabilities"]["supports_server_vad"] is True
 
@@ -116,16 +129,27 @@ def test_updates_switch_modes_and_reject_with_the_specific_code(client: TestClie
         for i, update in enumerate(rejected):
             ws.send_json({"type": "session.update", "event_id": f"u{i}", "session": update})
             expect_error(ws, "unsupported_turn_detection", f"u{i}")
-        ws.send_json({"type": "session.update", "session": {"turn_detection": {**VAD, "threshold": 0.7},
-                                                             "overlap_policy": "barge_in_on_speech"}})
+        ws.send_json(
+            {
+                "type": "session.update",
+                "session": {
+                    "turn_detection": {**VAD, "threshold": 0.7},
+                    "overlap_policy": "barge_in_on_speech",
+                },
+            }
+        )
         updated = ws.receive_json()
         assert updated["type"] == "session.updated"
         assert updated["session"]["turn_detection"] == {**DEFAULTS, **VAD, "threshold": 0.7}
         ws.send_json({"type": "session.update", "event_id": "u9", "session": {"turn_detection": None}})
         expect_error(ws, "unsupported_turn_detection", "u9")  # null needs listen_only
-        ws.send_json({"type": "session.update", "event_id": "u10", "session": {"extra_body": {"auto_response": True}}})
+        ws.send_json(
+            {"type": "session.update", "event_id": "u10", "session": {"extra_body": {"auto_response": True}}}
+        )
         expect_error(ws, "unsupported_turn_detection", "u10")  # the native lane owns turn taking
-        ws.send_json({"type": "session.update", "session": {"turn_detection": None, "overlap_policy": "listen_only"}})
+        ws.send_json(
+            {"type": "session.update", "session": {"turn_detection": None, "overlap_policy": "listen_only"}}
+        )
         back = ws.receive_json()
         assert back["type"] == "session.updated" and back["session"]["turn_detection"] is None
 

@@ -114,5 +114,12 @@ def test_talker_killed_mid_response_fails_only_the_response(conn: Conn, stages: 
     assert conn.until("session.closed", 30)["reason"] == "client_close"
     summary = check_response_invariants(conn.events)
     assert summary[rid]["status"] == "failed"
-    assert not any(e.get("response_id") == rid for e in conn.events[conn.events.index(
-        next(e for e in conn.events if e["type"] == "response.done" and e["response_id"] == rid)) + 1:])
+    assert not any(
+        e.get("response_id") == rid
+        for e in conn.events[
+            conn.events.index(
+                next(e for e in conn.events if e["type"] == "response.done" and e["response_id"] == rid)
+            )
+            + 1 :
+        ]
+    )

@@ -42,8 +42,15 @@ class ScriptedPipeline:
         self.close_mode = close_mode
         self.closed = False
 
-    def push_unit(self, samples: np.ndarray, frames: list[bytes], unit_seq: int, epoch: int, turn_id: int,
-                  request_response: bool) -> None:
+    def push_unit(
+        self,
+        samples: np.ndarray,
+        frames: list[bytes],
+        unit_seq: int,
+        epoch: int,
+        turn_id: int,
+        request_response: bool,
+    ) -> None:
         self.session.post_pipeline(UnitOutcome(epoch, np.int64(unit_seq), "listen", "", False, np.int32(13)))
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
@@ -73,7 +80,9 @@ def gateway(request: pytest.FixtureRequest) -> Iterator[str]:
         yield f"ws://127.0.0.1:{port}/v1/realtime"
 
 
-def _until(ws: ClientConnection, type_: str, timeout: float = 10.0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _until(
+    ws: ClientConnection, type_: str, timeout: float = 10.0
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     seen: list[dict[str, Any]] = []
     end = time.monotonic() + timeout
     while True:
@@ -105,7 +114,11 @@ def test_numpy_values_in_pipeline_outputs_reach_the_client(gateway: str) -> None
     """A numpy scalar in an event once made the journal's JSON encoding fail (an internal_error in its
     place); in the socket writer it would have detached the socket and dropped every later event."""
     with connect(gateway, open_timeout=10) as ws:
-        ws.send(json.dumps({"type": "session.update", "session": session_body(extra_body={"auto_response": True})}))
+        ws.send(
+            json.dumps(
+                {"type": "session.update", "session": session_body(extra_body={"auto_response": True})}
+            )
+        )
         _until(ws, "session.updated")
         ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.0))}))
         listen, seen = _until(ws, "response.listen")
@@ -142,7 +155,9 @@ def test_writer_survives_an_event_it_cannot_encode() -> None:
     ws = _RecordingSocket()
     attachment = Attachment(1)
     attachment.send({"type": "response.output_audio.delta", "event_id": "event_1", "delta": object()})
-    attachment.send({"type": "response.output_audio.delta", "event_id": "event_2", "sample_rate_hz": np.int64(24000)})
+    attachment.send(
+        {"type": "response.output_audio.delta", "event_id": "event_2", "sample_rate_hz": np.int64(24000)}
+    )
     attachment.send({"type": "session.closed", "event_id": "event_3", "reason": "client_close"})
     attachment.close(1000)
     assert attachment.queue.qsize() == 4 and CLOSE in list(attachment.queue._queue)  # type: ignore[attr-defined]

@@ -40,8 +40,12 @@ def run(audio: np.ndarray, chunk: int | None = None, **overrides: object) -> lis
 def test_probability_maps_dbfs_linearly() -> None:
     assert speech_probability(silence(0.02)) == 0.0
     assert speech_probability(tone(0.02, amp=0.3)) == 1.0
-    assert speech_probability(np.full(FRAME_SAMPLES, 0.01, dtype=np.float32)) == pytest.approx(0.5)  # -40 dBFS
-    assert speech_probability(np.full(FRAME_SAMPLES, 0.001, dtype=np.float32)) == pytest.approx(0.0, abs=1e-6)  # -60 dBFS
+    assert speech_probability(np.full(FRAME_SAMPLES, 0.01, dtype=np.float32)) == pytest.approx(
+        0.5
+    )  # -40 dBFS
+    assert speech_probability(np.full(FRAME_SAMPLES, 0.001, dtype=np.float32)) == pytest.approx(
+        0.0, abs=1e-6
+    )  # -60 dBFS
     assert speech_probability(np.full(FRAME_SAMPLES, 0.1, dtype=np.float32)) == pytest.approx(1.0)  # -20 dBFS
 
 
@@ -127,9 +131,20 @@ def test_normalize_fills_defaults_and_rejects_bad_objects() -> None:
     assert normalize_server_vad({"type": "server_vad"}) == DEFAULTS
     assert DEFAULTS["detector"] == "silero"
     assert normalize_server_vad({"type": "server_vad", "detector": "energy"})["detector"] == "energy"
-    custom = normalize_server_vad({"type": "server_vad", "threshold": 1, "prefix_padding_ms": 0.0,
-                                   "silence_duration_ms": 800, "create_response": False})
-    assert custom["threshold"] == 1.0 and custom["prefix_padding_ms"] == 0 and custom["silence_duration_ms"] == 800
+    custom = normalize_server_vad(
+        {
+            "type": "server_vad",
+            "threshold": 1,
+            "prefix_padding_ms": 0.0,
+            "silence_duration_ms": 800,
+            "create_response": False,
+        }
+    )
+    assert (
+        custom["threshold"] == 1.0
+        and custom["prefix_padding_ms"] == 0
+        and custom["silence_duration_ms"] == 800
+    )
     assert custom["create_response"] is False and custom["interrupt_response"] is True
     bad = [
         {"idle_timeout_ms": 1000},

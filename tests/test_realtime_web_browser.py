@@ -30,7 +30,9 @@ from gateway_server import serve_in_thread
 from realtime_helpers import response_metadata, tone
 from test_realtime_e2e import gateway_url, stage_addrs  # noqa: F401 - module-scoped real-stage fixtures
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras (scripts/setup.sh)")
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is in the dev extras (scripts/setup.sh)"
+)
 
 OUT_RATE = 24_000
 BROWSER_ARGS = [
@@ -44,8 +46,11 @@ CHROMIUM = find_chromium()
 # Decided at collection, so a machine without a browser does not start the stage servers for nothing.
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium executable: scripts/setup.sh installs Debian's "
-                       "'chromium' only where apt-get is available and it runs as root (or set MINICPMO_CHROMIUM)"),
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no Chromium executable: scripts/setup.sh installs Debian's "
+        "'chromium' only where apt-get is available and it runs as root (or set MINICPMO_CHROMIUM)",
+    ),
 ]
 
 
@@ -103,8 +108,10 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
         end = time.time() + timeout
         while not done():
             if time.time() > end or frames("error"):
-                pytest.fail(f"gave up waiting for {what}; received {[e['type'] for e in received][-30:]}; "
-                            f"errors {frames('error')}")
+                pytest.fail(
+                    f"gave up waiting for {what}; received {[e['type'] for e in received][-30:]}; "
+                    f"errors {frames('error')}"
+                )
             page.wait_for_timeout(100)
 
     def close_session() -> None:
@@ -146,8 +153,10 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
             # The page plays every received sample to the end and acknowledges what it played.
             page.wait_for_function(f"window.realtimeStats.playedSamples >= {wire_samples}", timeout=60_000)
             audio_ms = wire_samples * 1000 // OUT_RATE
-            pump_until(lambda: any(e["event"]["played_ms"] == audio_ms for e in frames("playback.acknowledged")),
-                       "the final playback.acknowledged")
+            pump_until(
+                lambda: any(e["event"]["played_ms"] == audio_ms for e in frames("playback.acknowledged")),
+                "the final playback.acknowledged",
+            )
             stats = page.evaluate("({...window.realtimeStats})")
             assert stats["receivedSamples"] == stats["playedSamples"] == wire_samples, stats
             assert stats["droppedSamples"] == 0 and stats["audioDeltas"] == len(deltas), stats
@@ -160,9 +169,11 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
             assert transcript.strip(), "the thinker produced no text"
             lines = page.locator("#transcript > div").all_text_contents()
             assert lines == ["you: (spoke)", "model: " + transcript], lines
-            print(f"browser: played {stats['playedSamples']} samples ({audio_ms} ms) in {len(deltas)} deltas; "
-                  f"gateway sent {gateway_samples}; appends {stats['appendsSent']}; transcript {transcript!r}; "
-                  f"answer {t_done - t_ask:.1f} s, played and acked {time.time() - t_done:.1f} s later")
+            print(
+                f"browser: played {stats['playedSamples']} samples ({audio_ms} ms) in {len(deltas)} deltas; "
+                f"gateway sent {gateway_samples}; appends {stats['appendsSent']}; transcript {transcript!r}; "
+                f"answer {t_done - t_ask:.1f} s, played and acked {time.time() - t_done:.1f} s later"
+            )
 
             page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
 
@@ -196,19 +207,25 @@ def test_page_turn_lane_reply_plays_in_chromium(web_url: str, tmp_path: Path) ->
             pump_until(lambda: len(frames("response.done")) >= 2, "the second response.done")
             page.wait_for_timeout(500)
             second = frames("response.done")[1]
-            all_wire = sum(len(base64.b64decode(d["delta"])) // 2 for d in frames("response.output_audio.delta"))
+            all_wire = sum(
+                len(base64.b64decode(d["delta"])) // 2 for d in frames("response.output_audio.delta")
+            )
             stats = page.evaluate("({...window.realtimeStats})")
             assert stats["receivedSamples"] == all_wire > wire_samples, stats
             # nothing played after the interrupt; whatever was scheduled or still arrived is dropped
             assert stats["playedSamples"] == before["playedSamples"], (before, stats)
-            assert stats["playedSamples"] + stats["droppedSamples"] == all_wire and stats["droppedSamples"] > 0, stats
+            assert (
+                stats["playedSamples"] + stats["droppedSamples"] == all_wire and stats["droppedSamples"] > 0
+            ), stats
             second_played_ms = (stats["playedSamples"] - wire_samples) * 1000 // OUT_RATE
             if second["response"]["status"] == "cancelled":  # the usual case: it was still being generated
                 assert second["response"]["status_details"]["reason"] == "barge_in"
                 assert response_metadata(second)["playback"]["played_ms"] == second_played_ms
                 assert page.locator("#transcript > div").last.text_content().endswith(" [cancelled]")
-            print(f"browser: second response {second['response']['status']}, received {all_wire - wire_samples}, "
-                  f"played {stats['playedSamples'] - wire_samples}, dropped {stats['droppedSamples']} samples")
+            print(
+                f"browser: second response {second['response']['status']}, received {all_wire - wire_samples}, "
+                f"played {stats['playedSamples'] - wire_samples}, dropped {stats['droppedSamples']} samples"
+            )
             page.screenshot(path=str(tmp_path / "page-interrupted.png"), full_page=True)
             close_session()
             assert not frames("error"), frames("error")

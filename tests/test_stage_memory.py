@@ -58,8 +58,15 @@ def test_kv_budget_error_names_the_numbers_and_the_setting() -> None:
     with pytest.raises(KVBudgetError) as info:
         kv_budget_for_memory_fraction(0.70, RTX4090_BYTES, THINKER_WEIGHTS)
     message = str(info.value)
-    for text in ("stages.thinker.memory_fraction = 0.7", "16.55 GiB", "23.65 GiB", "16.40 GiB", "2.00 GiB",
-                 "at least 0.779", "--kv-budget"):
+    for text in (
+        "stages.thinker.memory_fraction = 0.7",
+        "16.55 GiB",
+        "23.65 GiB",
+        "16.40 GiB",
+        "2.00 GiB",
+        "at least 0.779",
+        "--kv-budget",
+    ):
         assert text in message, (text, message)
     with pytest.raises(KVBudgetError, match="--memory-fraction = 0.1"):
         kv_budget_for_memory_fraction(0.1, RTX4090_BYTES, THINKER_WEIGHTS, key="--memory-fraction")
@@ -83,7 +90,9 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, total: int, reserved: int, free:
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
 
-def test_default_budget_on_cuda_follows_the_fraction_else_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_budget_on_cuda_follows_the_fraction_else_free_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     _fake_cuda(monkeypatch, total=H200_BYTES, reserved=THINKER_WEIGHTS, free=40 * GIB)
     cuda = torch.device("cuda:0")
     with_fraction = default_kv_budget(_layout(), cuda, 4096, 8, memory_fraction=0.40)
@@ -91,7 +100,9 @@ def test_default_budget_on_cuda_follows_the_fraction_else_free_memory(monkeypatc
     # without a fraction: today's behaviour, 90 % of free memory beyond the headroom
     assert default_kv_budget(_layout(), cuda, 4096, 8) == int((40 - 2) * GIB * 0.9)
     with pytest.raises(KVBudgetError, match="--memory-fraction = 0.05"):
-        default_kv_budget(_layout(), cuda, 4096, 8, memory_fraction=0.05, memory_fraction_key="--memory-fraction")
+        default_kv_budget(
+            _layout(), cuda, 4096, 8, memory_fraction=0.05, memory_fraction_key="--memory-fraction"
+        )
 
 
 def test_default_budget_on_cpu_ignores_the_fraction() -> None:
@@ -110,8 +121,12 @@ def test_kv_budget_flag_wins_over_the_fraction(monkeypatch: pytest.MonkeyPatch, 
         raise AssertionError("default_kv_budget must not run when kv_budget_bytes is given")
 
     ckpt = Checkpoint(tiny_ckpt)
-    llm = build_qwen3_llm(ckpt.config, ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=torch.float32),
-                          torch.float32, "cpu")
+    llm = build_qwen3_llm(
+        ckpt.config,
+        ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=torch.float32),
+        torch.float32,
+        "cpu",
+    )
     monkeypatch.setattr(engine_mod, "default_kv_budget", refuse)
     cfg = engine_mod.EngineConfig(kv_budget_bytes=1 << 20, memory_fraction=0.01, use_cuda_graphs=False)
     engine = engine_mod.ThinkerEngine(llm, cfg, "cpu")
@@ -162,7 +177,9 @@ def test_flag_wins_over_profile_and_neither_means_no_cap() -> None:
     assert from_profile == MemoryFractionChoice(0.08, "stages.talker.memory_fraction")
     assert STAGE_SETTINGS_ENV in from_profile.source
     assert resolve_memory_fraction("talker", None, None).fraction is None
-    assert resolve_memory_fraction("talker", None, {"name": "talker", "memory_fraction": None}).fraction is None
+    assert (
+        resolve_memory_fraction("talker", None, {"name": "talker", "memory_fraction": None}).fraction is None
+    )
 
 
 STAGE_ARGV = ["--checkpoint", "/ckpt", "--device", "cuda:0"]
@@ -172,8 +189,9 @@ MAX_SEQS_DEST = {"thinker": "max_num_seqs", "talker": "max_streams", "code2wav":
 
 @pytest.mark.parametrize("stage", ["thinker", "talker", "code2wav"])
 @pytest.mark.parametrize("value", ["0", "-0.5", "1.5", "abc", "nan"])
-def test_every_stage_refuses_a_bad_memory_fraction(stage: str, value: str, capsys: pytest.CaptureFixture[str],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_stage_refuses_a_bad_memory_fraction(
+    stage: str, value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(STAGE_SETTINGS_ENV, raising=False)
     with pytest.raises(SystemExit) as info:
         parse_stage_args(_parsers()[stage](), stage, [*STAGE_ARGV, "--memory-fraction", value])
@@ -183,16 +201,22 @@ def test_every_stage_refuses_a_bad_memory_fraction(stage: str, value: str, capsy
 
 
 @pytest.mark.parametrize("stage", ["thinker", "talker", "code2wav"])
-def test_bad_memory_fraction_in_the_profile_section(stage: str, capsys: pytest.CaptureFixture[str],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_memory_fraction_in_the_profile_section(
+    stage: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(STAGE_SETTINGS_ENV, json.dumps({"name": stage, "memory_fraction": 0}))
     with pytest.raises(SystemExit):
         parse_stage_args(_parsers()[stage](), stage, STAGE_ARGV)
-    assert f"{STAGE_SETTINGS_ENV}: stages.{stage}.memory_fraction: must be in (0, 1], got 0" in capsys.readouterr().err
+    assert (
+        f"{STAGE_SETTINGS_ENV}: stages.{stage}.memory_fraction: must be in (0, 1], got 0"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("stage", ["thinker", "talker", "code2wav"])
-def test_every_stage_takes_its_profile_section_and_flags_win(stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_stage_takes_its_profile_section_and_flags_win(
+    stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     section = load_profile("minicpmo_4_5").stage(stage)
     monkeypatch.setenv(STAGE_SETTINGS_ENV, section.settings_json())
     args, choice = parse_stage_args(_parsers()[stage](), stage, STAGE_ARGV)
@@ -214,8 +238,9 @@ def test_every_stage_takes_its_profile_section_and_flags_win(stage: str, monkeyp
     assert getattr(args, MAX_SEQS_DEST[stage]) == _parsers()[stage]().get_default(MAX_SEQS_DEST[stage])
 
 
-def test_settings_that_are_not_json_are_a_usage_error(monkeypatch: pytest.MonkeyPatch,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_settings_that_are_not_json_are_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv(STAGE_SETTINGS_ENV, "{thinker")
     with pytest.raises(SystemExit):
         parse_stage_args(_parsers()["thinker"](), "thinker", STAGE_ARGV)
@@ -223,10 +248,14 @@ def test_settings_that_are_not_json_are_a_usage_error(monkeypatch: pytest.Monkey
 
 
 # ---- applying the cap ----------------------------------------------------------------------------
-def test_cap_is_applied_on_cuda_and_logged(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_cap_is_applied_on_cuda_and_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     calls: list[tuple[float, int]] = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i=None: calls.append((f, i)))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(total_memory=H200_BYTES))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(total_memory=H200_BYTES)
+    )
     log = logging.getLogger("test.stage_memory")
     choice = MemoryFractionChoice(0.4, "stages.thinker.memory_fraction")
     with caplog.at_level(logging.INFO, logger="test.stage_memory"):
@@ -236,8 +265,9 @@ def test_cap_is_applied_on_cuda_and_logged(monkeypatch: pytest.MonkeyPatch, capl
     assert "stages.thinker.memory_fraction via MINICPMO_STAGE_SETTINGS" in caplog.text
 
 
-def test_cap_is_a_no_op_on_cpu_and_without_a_fraction(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_cap_is_a_no_op_on_cpu_and_without_a_fraction(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def refuse(*_a: Any) -> None:
         raise AssertionError("no CUDA call on CPU or without a fraction")
 
@@ -259,7 +289,9 @@ def test_thinker_cli_passes_the_cap_to_the_kv_budget(monkeypatch: pytest.MonkeyP
 
     applied: list[float] = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i=None: applied.append(f))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(total_memory=H200_BYTES))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(total_memory=H200_BYTES)
+    )
     seen: dict[str, Any] = {}
 
     def fake_build(checkpoint: str, device: str, dtype: str | None, cfg: Any) -> Any:
@@ -273,7 +305,10 @@ def test_thinker_cli_passes_the_cap_to_the_kv_budget(monkeypatch: pytest.MonkeyP
     cfg = seen["cfg"]
     assert seen["applied_before_load"] == [0.4]
     assert (cfg.memory_fraction, cfg.memory_fraction_key, cfg.max_num_seqs) == (
-        0.4, "stages.thinker.memory_fraction", 8)
+        0.4,
+        "stages.thinker.memory_fraction",
+        8,
+    )
     assert cfg.kv_budget_bytes is None
 
     with pytest.raises(_Stop):
@@ -294,7 +329,9 @@ def test_talker_and_code2wav_clis_cap_before_loading(monkeypatch: pytest.MonkeyP
 
     applied: list[float] = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i=None: applied.append(f))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(total_memory=H200_BYTES))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(total_memory=H200_BYTES)
+    )
     loaded: list[tuple[str, list[float], int]] = []
 
     def fake_talker(checkpoint: str, device: str, dtype: str | None, max_streams: int, graphs: Any) -> Any:

@@ -38,29 +38,45 @@ def _name(cn: str) -> x509.Name:
 
 
 def _write(path: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> tuple[str, str]:
-    path.with_suffix(".key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return str(path.with_suffix(".pem")), str(path.with_suffix(".key"))
 
 
-def _cert(subject: str, issuer: tuple[ec.EllipticCurvePrivateKey, x509.Certificate] | None, *, ca: bool = False,
-          server: bool = False) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+def _cert(
+    subject: str,
+    issuer: tuple[ec.EllipticCurvePrivateKey, x509.Certificate] | None,
+    *,
+    ca: bool = False,
+    server: bool = False,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     issuer_key, issuer_name = (issuer[0], issuer[1].subject) if issuer else (key, _name(subject))
     builder = (
-        x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(hours=1))
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if not ca:
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
     return key, builder.sign(issuer_key, hashes.SHA256())
 
 
@@ -80,8 +96,12 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _server(stage: str, tls: ServerTLS | None) -> StageServer:
     """The real stage front with no stage servicer: health (what the gateway probes) is all we need."""
-    return StageServer(stage, STAGE_SERVICES[stage], lambda _server: None,
-                       ServeOptions(host="127.0.0.1", port=0, metrics_port=0, tls=tls))
+    return StageServer(
+        stage,
+        STAGE_SERVICES[stage],
+        lambda _server: None,
+        ServeOptions(host="127.0.0.1", port=0, metrics_port=0, tls=tls),
+    )
 
 
 async def _serving(port: int, tls: ClientTLS | None) -> tuple[bool, str]:
@@ -117,23 +137,37 @@ def test_mutual_tls_refuses_clients_without_a_good_certificate(certs: dict[str, 
             assert (await _serving(port, good)) == (True, "serving")
             for who, tls in (
                 ("no client certificate", ClientTLS(certs["ca"])),
-                ("a certificate from another CA", ClientTLS(certs["ca"], certs["rogue_cert"], certs["rogue_key"])),
+                (
+                    "a certificate from another CA",
+                    ClientTLS(certs["ca"], certs["rogue_cert"], certs["rogue_key"]),
+                ),
                 ("plaintext", None),
             ):
                 ok, reason = await _serving(port, tls)
                 assert not ok, f"a client with {who} was let in"
                 assert reason.startswith("UNAVAILABLE"), (who, reason)
             # the container health probe (docker/grpc_health_probe.py) speaks mTLS from its environment
-            probe_env = {"MINICPMO_TLS_CERT": certs["stage_cert"], "MINICPMO_TLS_KEY": certs["stage_key"],
-                         "MINICPMO_TLS_CA": certs["ca"], "MINICPMO_TLS_PROBE_CERT": certs["gw_cert"],
-                         "MINICPMO_TLS_PROBE_KEY": certs["gw_key"]}
+            probe_env = {
+                "MINICPMO_TLS_CERT": certs["stage_cert"],
+                "MINICPMO_TLS_KEY": certs["stage_key"],
+                "MINICPMO_TLS_CA": certs["ca"],
+                "MINICPMO_TLS_PROBE_CERT": certs["gw_cert"],
+                "MINICPMO_TLS_PROBE_KEY": certs["gw_key"],
+            }
             probe = [sys.executable, str(REPO / "docker" / "grpc_health_probe.py"), "--port", str(port)]
-            done = await asyncio.to_thread(subprocess.run, probe, env={**os.environ, **probe_env},
-                                           capture_output=True, text=True, timeout=60)
+            done = await asyncio.to_thread(
+                subprocess.run,
+                probe,
+                env={**os.environ, **probe_env},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert done.returncode == 0 and "SERVING" in done.stdout, done.stdout + done.stderr
             plain = {k: v for k, v in os.environ.items() if not k.startswith("MINICPMO_TLS")}
-            done = await asyncio.to_thread(subprocess.run, probe, env=plain, capture_output=True, text=True,
-                                           timeout=60)
+            done = await asyncio.to_thread(
+                subprocess.run, probe, env=plain, capture_output=True, text=True, timeout=60
+            )
             assert done.returncode == 1, done.stdout
         finally:
             await server.stop(grace=0)
@@ -143,8 +177,14 @@ def test_mutual_tls_refuses_clients_without_a_good_certificate(certs: dict[str, 
 
 def test_gateway_reaches_mtls_stages_through_the_profile(certs: dict[str, str]) -> None:
     """The deploy profile's tls section is all the gateway needs; without it the same stages refuse it."""
-    tls = {"ca_file": certs["ca"], "cert_file": certs["stage_cert"], "key_file": certs["stage_key"],
-           "client_cert_file": certs["gw_cert"], "client_key_file": certs["gw_key"], "require_client_cert": True}
+    tls = {
+        "ca_file": certs["ca"],
+        "cert_file": certs["stage_cert"],
+        "key_file": certs["stage_key"],
+        "client_cert_file": certs["gw_cert"],
+        "client_key_file": certs["gw_key"],
+        "require_client_cert": True,
+    }
     profile = load_profile("cpu").with_overrides({"tls": tls})
     assert profile.tls is not None and profile.tls.require_client_cert
 
@@ -153,8 +193,10 @@ def test_gateway_reaches_mtls_stages_through_the_profile(certs: dict[str, str]) 
         servers = {stage: _server(stage, server_tls) for stage in STAGE_SERVICES}
         addrs = {stage: f"127.0.0.1:{await s.start()}" for stage, s in servers.items()}
         try:
-            for config, want in ((GatewayConfig(stage_addrs=addrs, profile=profile), 200),
-                                 (GatewayConfig(stage_addrs=addrs, profile=load_profile("cpu")), 503)):
+            for config, want in (
+                (GatewayConfig(stage_addrs=addrs, profile=profile), 200),
+                (GatewayConfig(stage_addrs=addrs, profile=load_profile("cpu")), 503),
+            ):
                 with ThreadedGateway(config) as gw:
                     r = await asyncio.to_thread(httpx.get, f"{gw.url}/health", timeout=10)
                     assert r.status_code == want, r.text
@@ -177,6 +219,7 @@ def test_tls_flags_and_profile_are_checked() -> None:
 
     with pytest.raises(ProfileError, match="require_client_cert"):
         load_profile("cpu").with_overrides(
-            {"tls": {"ca_file": "a", "cert_file": "b", "key_file": "c", "require_client_cert": True}})
+            {"tls": {"ca_file": "a", "cert_file": "b", "key_file": "c", "require_client_cert": True}}
+        )
     with pytest.raises(ProfileError, match="required"):
         load_profile("cpu").with_overrides({"tls": {"ca_file": "a"}})

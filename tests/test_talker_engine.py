@@ -169,6 +169,7 @@ def test_a_failed_batched_prefill_falls_back_to_one_prefill_per_stream(model: Mi
     def run(break_batches: bool) -> list[list[int]]:
         engine = TalkerEngine(model, max_streams=4)
         if break_batches:
+
             def failing(items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
                 raise RuntimeError("batched prefill broke")
 
@@ -177,8 +178,10 @@ def test_a_failed_batched_prefill_falls_back_to_one_prefill_per_stream(model: Mi
         sinks = []
         for i, n in enumerate((4, 9, 6)):
             sink = Sink()
-            engine.chunk(engine.open(engine.make_settings(sampling=greedy, fixed_frames=12), sink),
-                         cond_input(model, n, 300 + i))
+            engine.chunk(
+                engine.open(engine.make_settings(sampling=greedy, fixed_frames=12), sink),
+                cond_input(model, n, 300 + i),
+            )
             sinks.append(sink)
         engine.run_until_idle()
         assert all(len(sink.done) == 1 for sink in sinks)

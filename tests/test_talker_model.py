@@ -153,8 +153,12 @@ def test_batched_prefill_equals_one_prefill_per_slot(model: MiniCPMTTS) -> None:
     assert batched.cache.lengths == single.cache.lengths
     for s in slots:
         n = batched.cache.lengths[s]
-        torch.testing.assert_close(batched.cache.k[:, s, :, :n], single.cache.k[:, s, :, :n], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(batched.decode(slots, [5, 6, 7]), single.decode(slots, [5, 6, 7]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            batched.cache.k[:, s, :, :n], single.cache.k[:, s, :, :n], rtol=1e-4, atol=1e-5
+        )
+    torch.testing.assert_close(
+        batched.decode(slots, [5, 6, 7]), single.decode(slots, [5, 6, 7]), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_runner_decode_with_in_step_sampling_equals_decode_then_sample(model: MiniCPMTTS) -> None:

@@ -210,14 +210,20 @@ def test_sliding_window_keeps_a_long_session_going(backend) -> None:  # noqa: AN
     newest whole units (their audio rows re-fed exactly) and carries on; without it the session ends."""
     from services.thinker.duplex_window import DuplexWindow
 
-    small = ThinkerEngine(backend.engine.runner.llm, EngineConfig(max_context=120, kv_budget_bytes=4 << 20), "cpu")
+    small = ThinkerEngine(
+        backend.engine.runner.llm, EngineConfig(max_context=120, kv_budget_bytes=4 << 20), "cpu"
+    )
     small.start()
     submitted: list = []
     plain_submit = small.submit
     small.submit = lambda seq, work: (submitted.append(work), plain_submit(seq, work))[1]  # type: ignore[method-assign]
     try:
-        b = dataclasses.replace(backend, engine=small, duplex_window=DuplexWindow(high=110, low=70).validate(120))
-        got = asyncio.run(_session(b, [duplex_open(force_listen_units=100)] + [unit(i) for i in range(14)] + [END]))
+        b = dataclasses.replace(
+            backend, engine=small, duplex_window=DuplexWindow(high=110, low=70).validate(120)
+        )
+        got = asyncio.run(
+            _session(b, [duplex_open(force_listen_units=100)] + [unit(i) for i in range(14)] + [END])
+        )
         assert not [r.error.message for r in got if r.HasField("error")]
         units = [r.unit for r in got if r.HasField("unit")]
         assert [u.id.unit_seq for u in units] == list(range(14))
@@ -256,7 +262,9 @@ def test_interrupt_while_a_window_trim_prefills(backend) -> None:  # noqa: ANN00
     epoch's units on the trimmed sequence; nothing of the old epoch is answered after the ack."""
     from services.thinker.duplex_window import DuplexWindow
 
-    small = ThinkerEngine(backend.engine.runner.llm, EngineConfig(max_context=120, kv_budget_bytes=4 << 20), "cpu")
+    small = ThinkerEngine(
+        backend.engine.runner.llm, EngineConfig(max_context=120, kv_budget_bytes=4 << 20), "cpu"
+    )
     small.start()
     submitted: list = []
     held: list = []  # the trim's submit, released only after the interrupt went in

@@ -72,7 +72,9 @@ def test_batched_greedy_rows_match_the_row_at_a_time_rule() -> None:
     for trial in range(6):
         logits = torch.randn(8, VOCAB, generator=gen)
         # Make the special decisions competitive so every branch is taken somewhere.
-        logits[:, [LISTEN, TURN_EOS, CHUNK_EOS, CHUNK_TTS_EOS, 500]] += torch.randn(8, 5, generator=gen) * 3 + 3
+        logits[:, [LISTEN, TURN_EOS, CHUNK_EOS, CHUNK_TTS_EOS, 500]] += (
+            torch.randn(8, 5, generator=gen) * 3 + 3
+        )
         logits[0, CHUNK_EOS] = 50.0  # the model's own stop
         logits[1, CHUNK_EOS] = 50.0  # ... ignored on a forced speak's first token
         logits[2, 500] = 60.0  # a forbidden id never comes out
@@ -82,9 +84,13 @@ def test_batched_greedy_rows_match_the_row_at_a_time_rule() -> None:
         top = int(torch.argmax(logits[5, :1000]))
         logits[5, top] += 0.1
         specs = [
-            ({}, PolicyState(), 3), ({"force_speak": True}, PolicyState(), 0), ({}, PolicyState(), 1),
-            ({}, PolicyState(turn_ended=False), 2), ({}, PolicyState(), 4),
-            ({}, PolicyState(history=hist + [top]), 5), ({"force_listen": True}, PolicyState(), 0),
+            ({}, PolicyState(), 3),
+            ({"force_speak": True}, PolicyState(), 0),
+            ({}, PolicyState(), 1),
+            ({}, PolicyState(turn_ended=False), 2),
+            ({}, PolicyState(), 4),
+            ({}, PolicyState(history=hist + [top]), 5),
+            ({"force_listen": True}, PolicyState(), 0),
             ({"force_speak": True}, PolicyState(history=hist), 0),
         ]
         batched = [_greedy(PolicyState(st.turn_ended, list(st.history)), **kw) for kw, st, _ in specs]
@@ -106,12 +112,15 @@ def test_sampled_rows_follow_temperature_top_k_top_p() -> None:
     cand = [11, 12, 13, 14, 15]
     logits[cand] = probs.log()
     sampling = DuplexSampling(temperature=1.0, top_k=4, top_p=0.8, repetition_penalty=1.0, seed=1234)
-    policy = DuplexPolicy(sampling, PolicyState(), torch.zeros(VOCAB, dtype=torch.bool), force_listen=False,
-                          force_speak=False)
+    policy = DuplexPolicy(
+        sampling, PolicyState(), torch.zeros(VOCAB, dtype=torch.bool), force_listen=False, force_speak=False
+    )
     n = 4000
     draws: Counter[int] = Counter()
     for _ in range(n // 50):
-        draws.update(DuplexPolicy.choose_rows([policy] * 50, logits.expand(50, VOCAB).clone(), [[]] * 50, [1] * 50))
+        draws.update(
+            DuplexPolicy.choose_rows([policy] * 50, logits.expand(50, VOCAB).clone(), [[]] * 50, [1] * 50)
+        )
     assert set(draws) <= {11, 12, 13}
     kept = probs[:3] / probs[:3].sum()
     for tok, p in zip((11, 12, 13), kept.tolist(), strict=True):
@@ -123,15 +132,21 @@ def test_seeded_session_draws_do_not_depend_on_the_batch() -> None:
     steps = [torch.randn(3, VOCAB, generator=gen) * 4 for _ in range(12)]
 
     def run(batch: bool) -> list[int]:
-        seeded = DuplexPolicy(DuplexSampling(seed=99), PolicyState(), _forbidden(), force_listen=False,
-                              force_speak=False)
-        others = [DuplexPolicy(DuplexSampling(), PolicyState(), _forbidden(), force_listen=False, force_speak=False)
-                  for _ in range(2)]
+        seeded = DuplexPolicy(
+            DuplexSampling(seed=99), PolicyState(), _forbidden(), force_listen=False, force_speak=False
+        )
+        others = [
+            DuplexPolicy(DuplexSampling(), PolicyState(), _forbidden(), force_listen=False, force_speak=False)
+            for _ in range(2)
+        ]
         out = []
         for k, logits in enumerate(steps):
             if batch:
-                out.append(DuplexPolicy.choose_rows([others[0], seeded, others[1]], logits.clone(), [[]] * 3,
-                                                    [k + 1] * 3)[1])
+                out.append(
+                    DuplexPolicy.choose_rows(
+                        [others[0], seeded, others[1]], logits.clone(), [[]] * 3, [k + 1] * 3
+                    )[1]
+                )
             else:
                 out.append(seeded.choose(logits[1].clone(), [], k + 1))
         return out
@@ -150,7 +165,9 @@ def test_choose_tokens_groups_rows_by_sampler_class() -> None:
     penalised = Sampler(SamplingConfig(repetition_penalty=1e6))
     duplex = [_greedy(PolicyState()) for _ in range(2)]
     best2 = int(torch.argmax(logits[2]))
-    tokens = choose_tokens([duplex[0], plain, penalised, duplex[1]], logits, [[], [], [best2], []], [1, 1, 1, 1])
+    tokens = choose_tokens(
+        [duplex[0], plain, penalised, duplex[1]], logits, [[], [], [best2], []], [1, 1, 1, 1]
+    )
     assert tokens[0] == CHUNK_EOS
     assert tokens[1] == int(torch.argmax(logits[1]))
     assert tokens[2] != best2

@@ -339,7 +339,9 @@ def test_packed_row_step_matches_the_eager_step(llm: torch.nn.Module) -> None:
     assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(k_packed, runner.cache.k, strict=True))
     # The embedding rows were used: the same chunk without them gives other logits.
     plain = StepInput(prefill=[PrefillChunk(list(range(4100, 4106)), 20, seqs[1], want_logits=True)])
-    assert not torch.allclose(runner.packed_step_eager(plain).prefill_logits[0], packed.prefill_logits[0], atol=1e-3)
+    assert not torch.allclose(
+        runner.packed_step_eager(plain).prefill_logits[0], packed.prefill_logits[0], atol=1e-3
+    )
     too_big = StepInput(prefill=[PrefillChunk(list(range(40)), 0, runner.cache.pool.allocate(3))])
     assert runner.pack_rows(too_big) is None
 
@@ -442,8 +444,13 @@ def test_row_graph_path_matches_eager_engine_on_cpu(llm: torch.nn.Module) -> Non
     gen = torch.Generator().manual_seed(11)
     # The last prompt lands in the same row bucket as the embedding prompt before it, so stale embedding
     # rows of that graph would show.
-    prompts = [list(range(1000, 1012)), list(range(1100, 1120)), PROMPTS[1], list(range(1300, 1309)),
-               list(range(1400, 1409))]
+    prompts = [
+        list(range(1000, 1012)),
+        list(range(1100, 1120)),
+        PROMPTS[1],
+        list(range(1300, 1309)),
+        list(range(1400, 1409)),
+    ]
     embeds = torch.randn(len(prompts[3]), llm.config.hidden_size, generator=gen) * 0.02
 
     def run(graphed: bool) -> list[Collector]:

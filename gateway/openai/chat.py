@@ -52,8 +52,12 @@ def _runtime(request: Request) -> GatewayRuntime:
     return request.app.state.runtime
 
 
-def _build_job(runtime: GatewayRuntime, req: ChatRequest, messages: list[thinker_pb2.ChatMessage],
-               ref_audio: common_pb2.Pcm | None) -> ChatJob:
+def _build_job(
+    runtime: GatewayRuntime,
+    req: ChatRequest,
+    messages: list[thinker_pb2.ChatMessage],
+    ref_audio: common_pb2.Pcm | None,
+) -> ChatJob:
     profile = runtime.config.profile
     thinker_p = profile.stage("thinker")
     talker_p = profile.stage("talker")
@@ -144,7 +148,9 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 # ---- non-streaming --------------------------------------------------------------------------------
-async def _collect(req: ChatRequest, run: PipelineRun) -> tuple[list[str], list[np.ndarray], FinishEvent | None]:
+async def _collect(
+    req: ChatRequest, run: PipelineRun
+) -> tuple[list[str], list[np.ndarray], FinishEvent | None]:
     texts: list[str] = []
     audio: list[np.ndarray] = []
     finish: FinishEvent | None = None
@@ -179,7 +185,11 @@ async def _complete(request: Request, req: ChatRequest, job: ChatJob, run: Pipel
             task.cancel()
     created = int(time.time())
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if req.want_text else None}
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish.finish_reason if finish else "stop"}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "finish_reason": finish.finish_reason if finish else "stop",
+    }
     if req.want_audio:
         if not audio:
             raise APIError(400, "Audio generation completed but no audio was produced.", None)
@@ -247,18 +257,28 @@ async def _stream_body(
     finished_normally = False
     # stream_options.continuous_usage_stats (vLLM extension): every chunk carries the usage so far.
     # The thinker repeats the prompt length on each TextDelta, so it is known from the first chunk on.
-    running = {"prompt_tokens": first.prompt_tokens if isinstance(first, TextEvent) else 0, "completion_tokens": 0}
+    running = {
+        "prompt_tokens": first.prompt_tokens if isinstance(first, TextEvent) else 0,
+        "completion_tokens": 0,
+    }
 
     def chunk(modality: str, delta: dict[str, Any], **extra: Any) -> str:
         nonlocal role_sent
         if not role_sent:
             delta = {"role": "assistant", **delta}
             role_sent = True
-        body: dict[str, Any] = {**base, "modality": modality, "choices": [{"index": 0, "delta": delta, **extra}]}
+        body: dict[str, Any] = {
+            **base,
+            "modality": modality,
+            "choices": [{"index": 0, "delta": delta, **extra}],
+        }
         if req.continuous_usage_stats:
             prompt, completion = running["prompt_tokens"], running["completion_tokens"]
-            body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                             "total_tokens": prompt + completion}
+            body["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
         return _sse(body)
 
     async def all_events() -> AsyncIterator[Any]:
@@ -277,12 +297,16 @@ async def _stream_body(
                     yield chunk("text", {"content": event.text})
             elif isinstance(event, AudioEvent):
                 samples = _resample_to_output(event)
-                payload = base64.b64encode(encode_audio(samples, OUTPUT_SAMPLE_RATE, req.audio_format)).decode()
+                payload = base64.b64encode(
+                    encode_audio(samples, OUTPUT_SAMPLE_RATE, req.audio_format)
+                ).decode()
                 delta: dict[str, Any] = {"content": payload}
                 if openai_audio:
                     delta["audio"] = {"id": audio_id, "data": payload, "transcript": ""}
                 produced_audio = True
-                yield chunk("audio", delta, audio_metadata=_audio_metadata(req.audio_format, int(samples.size)))
+                yield chunk(
+                    "audio", delta, audio_metadata=_audio_metadata(req.audio_format, int(samples.size))
+                )
             elif isinstance(event, FinishEvent):
                 if req.want_audio and not produced_audio:
                     yield _sse(error_body(400, "Audio generation completed but no audio was produced."))

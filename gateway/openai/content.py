@@ -30,7 +30,9 @@ async def _part_bytes(part: ContentPart, policy: MediaPolicy) -> bytes:
         try:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as exc:
-            raise MediaError(400, f"{part.param}.input_audio.data: invalid base64", f"{part.param}.input_audio.data") from exc
+            raise MediaError(
+                400, f"{part.param}.input_audio.data: invalid base64", f"{part.param}.input_audio.data"
+            ) from exc
         if len(raw) > policy.limits.max_media_bytes:
             raise MediaError(413, f"{part.param}: audio is over the media size limit", part.param)
         return raw
@@ -48,7 +50,9 @@ async def _convert_part(part: ContentPart, policy: MediaPolicy) -> thinker_pb2.C
         return thinker_pb2.ContentPart(image=thinker_pb2.ImagePart(data=image))
     if part.type in ("input_audio", "audio_url"):
         audio = await asyncio.to_thread(decode_audio, data, limits, part.param)
-        return thinker_pb2.ContentPart(audio=thinker_pb2.AudioPart(pcm=pcm_from_float(audio.samples, audio.sample_rate)))
+        return thinker_pb2.ContentPart(
+            audio=thinker_pb2.AudioPart(pcm=pcm_from_float(audio.samples, audio.sample_rate))
+        )
     video = await asyncio.to_thread(decode_video, data, limits, part.param)
     vpart = thinker_pb2.VideoPart(frames=video.frames)
     if video.soundtrack is not None:
@@ -70,10 +74,14 @@ def _check_counts(messages: list[Message], policy: MediaPolicy) -> None:
     caps = {"image": limits.max_images, "audio": limits.max_audios, "video": limits.max_videos}
     for kind, n in counts.items():
         if n > caps[kind]:
-            raise APIError(400, f"at most {caps[kind]} {kind} part(s) per request are accepted, got {n}", "messages")
+            raise APIError(
+                400, f"at most {caps[kind]} {kind} part(s) per request are accepted, got {n}", "messages"
+            )
 
 
-async def build_thinker_messages(messages: list[Message], policy: MediaPolicy) -> list[thinker_pb2.ChatMessage]:
+async def build_thinker_messages(
+    messages: list[Message], policy: MediaPolicy
+) -> list[thinker_pb2.ChatMessage]:
     """Decode every part (media in parallel threads); raises :class:`APIError` on the first bad part."""
     _check_counts(messages, policy)
     try:

@@ -37,8 +37,14 @@ def strip_object_reprs(text: str) -> str:
 class APIError(Exception):
     """Raised anywhere in request handling; the app renders it as the envelope with ``status``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        err_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -47,7 +53,9 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def error_body(status: int, message: str, param: str | None = None, err_type: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, param: str | None = None, err_type: str | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": strip_object_reprs(message),
@@ -60,4 +68,6 @@ def error_body(status: int, message: str, param: str | None = None, err_type: st
 
 def error_response(exc: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer", **exc.headers} if exc.status == 401 else exc.headers or None
-    return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.err_type), exc.status, headers=headers)
+    return JSONResponse(
+        error_body(exc.status, exc.message, exc.param, exc.err_type), exc.status, headers=headers
+    )

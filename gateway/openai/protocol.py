@@ -25,8 +25,19 @@ PART_TYPES = ("text", "image_url", "input_audio", "audio_url", "video_url")
 # vLLM SamplingParams keys that have no meaning for this model's stages; accepted and ignored so
 # vLLM-Omni clients that send them keep working.
 _IGNORED_SAMPLING_KEYS = frozenset(
-    {"detokenize", "skip_special_tokens", "spaces_between_special_tokens", "output_kind", "n", "logprobs",
-     "prompt_logprobs", "include_stop_str_in_output", "frequency_penalty", "presence_penalty", "stop"}
+    {
+        "detokenize",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "output_kind",
+        "n",
+        "logprobs",
+        "prompt_logprobs",
+        "include_stop_str_in_output",
+        "frequency_penalty",
+        "presence_penalty",
+        "stop",
+    }
 )
 # vLLM names for the talker's budget keys.
 _TALKER_ALIASES = {"max_tokens": "max_new_frames", "min_tokens": "min_new_frames"}
@@ -116,7 +127,9 @@ def _int_in_range(value: Any, param: str, name: str, lo: int) -> int:
     return v
 
 
-def _opt_number(body: dict[str, Any], key: str, lo: float | None = None, hi: float | None = None) -> float | None:
+def _opt_number(
+    body: dict[str, Any], key: str, lo: float | None = None, hi: float | None = None
+) -> float | None:
     if body.get(key) is None:
         return None
     value = _number(body[key], key)
@@ -206,8 +219,10 @@ def _parse_stage_sampling(raw: Any, stage: str, param: str) -> dict[str, Any]:
         if name in _IGNORED_SAMPLING_KEYS and name not in allowed:
             continue
         if name not in allowed:
-            raise _bad(f"'{param}.{key}' is not a {stage} sampling parameter (allowed: {sorted(allowed)})",
-                       f"{param}.{key}")
+            raise _bad(
+                f"'{param}.{key}' is not a {stage} sampling parameter (allowed: {sorted(allowed)})",
+                f"{param}.{key}",
+            )
         if value is None:
             continue
         if name == "ignore_eos":
@@ -215,7 +230,15 @@ def _parse_stage_sampling(raw: Any, stage: str, param: str) -> dict[str, Any]:
         elif name == "stop_token_ids":
             _expect(value, list, f"{param}.{key}", "a list of integers")
             out[name] = [_int_in_range(v, f"{param}.{key}[{i}]", name, 0) for i, v in enumerate(value)]
-        elif name in ("top_k", "seed", "max_tokens", "min_tokens", "min_new_frames", "max_new_frames", "fixed_frames"):
+        elif name in (
+            "top_k",
+            "seed",
+            "max_tokens",
+            "min_tokens",
+            "min_new_frames",
+            "max_new_frames",
+            "fixed_frames",
+        ):
             v = _int_in_range(value, f"{param}.{key}", name, -1 if name == "top_k" else 0)
             out[name] = 0 if (name == "top_k" and v == -1) else v  # -1: vLLM's "disabled" spelling
         else:
@@ -237,8 +260,10 @@ def _check_context(thinker: dict[str, Any], max_model_len: int | None) -> None:
     for key in ("max_tokens", "min_tokens"):
         value = thinker.get(key)
         if value is not None and value > max_model_len:
-            raise _bad(f"'{key}' is too large: {value}. This model's context holds at most {max_model_len} tokens",
-                       key)
+            raise _bad(
+                f"'{key}' is too large: {value}. This model's context holds at most {max_model_len} tokens",
+                key,
+            )
 
 
 def parse_chat_request(body: object, served_model_name: str, max_model_len: int | None = None) -> ChatRequest:
@@ -251,8 +276,12 @@ def parse_chat_request(body: object, served_model_name: str, max_model_len: int 
     model = body.get("model", served_model_name)
     _expect(model, str, "model", "a string")
     if model != served_model_name:
-        raise APIError(404, f"The model `{model}` does not exist. This server serves `{served_model_name}`.", "model",
-                       "NotFoundError")
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. This server serves `{served_model_name}`.",
+            "model",
+            "NotFoundError",
+        )
     messages = _parse_messages(body.get("messages"))
 
     modalities, audio_format = _parse_output(body)
@@ -295,16 +324,19 @@ def parse_chat_request(body: object, served_model_name: str, max_model_len: int 
         return_stage_metrics=_opt_bool(body, "return_stage_metrics", False),
     )
 
+
 def _parse_output(body: dict[str, Any]) -> tuple[list[str], str]:
     """``modalities`` and ``audio.format``: what the response carries."""
     modalities = body.get("modalities")
     if modalities is None:
         modalities = list(OUTPUT_MODALITIES)
     if not isinstance(modalities, list):
-        raise _bad("'modalities' must be a list such as [\"text\", \"audio\"]", "modalities")
+        raise _bad('\'modalities\' must be a list such as ["text", "audio"]', "modalities")
     if not modalities or any(m not in OUTPUT_MODALITIES for m in modalities):
-        raise _bad(f"Unsupported output modalities {modalities!r}; this model outputs {list(OUTPUT_MODALITIES)}",
-                   "modalities")
+        raise _bad(
+            f"Unsupported output modalities {modalities!r}; this model outputs {list(OUTPUT_MODALITIES)}",
+            "modalities",
+        )
 
     audio_format = "wav"
     audio = body.get("audio")
@@ -313,8 +345,11 @@ def _parse_output(body: dict[str, Any]) -> tuple[list[str], str]:
         if audio.get("format") is not None:
             fmt = normalize_format(audio["format"])
             if fmt is None:
-                raise _bad(f"Unsupported audio format {audio['format']!r}; supported: "
-                           f"{list(SUPPORTED_FORMATS) + ['pcm16']}", "audio.format")
+                raise _bad(
+                    f"Unsupported audio format {audio['format']!r}; supported: "
+                    f"{list(SUPPORTED_FORMATS) + ['pcm16']}",
+                    "audio.format",
+                )
             audio_format = fmt
     return modalities, audio_format
 
@@ -336,7 +371,7 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise _bad(f"'{key}' (tool calling) is not supported by this server", key)
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
-        raise _bad("only response_format {\"type\": \"text\"} is supported", "response_format")
+        raise _bad('only response_format {"type": "text"} is supported', "response_format")
 
 
 def _parse_sampling(body: dict[str, Any], max_model_len: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -361,7 +396,10 @@ def _parse_sampling(body: dict[str, Any], max_model_len: int | None) -> tuple[di
     if spl is not None:
         _expect(spl, list, "sampling_params_list", "a list of per-stage objects [thinker, talker]")
         if len(spl) > 3:
-            raise _bad("'sampling_params_list' has at most 3 entries (thinker, talker, code2wav)", "sampling_params_list")
+            raise _bad(
+                "'sampling_params_list' has at most 3 entries (thinker, talker, code2wav)",
+                "sampling_params_list",
+            )
         if spl:
             thinker.update(_parse_stage_sampling(spl[0], "thinker", "sampling_params_list[0]"))
         if len(spl) > 1:

@@ -42,7 +42,9 @@ def canonical_input_format(name: str) -> str:
         return "g711_ulaw"
     if key in _ALAW_NAMES:
         return "g711_alaw"
-    raise RealtimeError("unsupported_audio_format", f"unsupported input audio format {name!r}", param="format")
+    raise RealtimeError(
+        "unsupported_audio_format", f"unsupported input audio format {name!r}", param="format"
+    )
 
 
 def default_rate_for(fmt: str) -> int:
@@ -51,7 +53,11 @@ def default_rate_for(fmt: str) -> int:
 
 def validate_rate(rate: object, param: str = "sample_rate_hz") -> int:
     """Declared rates must be integers in [8 kHz, 192 kHz] (invariant I1)."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or (isinstance(rate, float) and not rate.is_integer()):
+    if (
+        isinstance(rate, bool)
+        or not isinstance(rate, (int, float))
+        or (isinstance(rate, float) and not rate.is_integer())
+    ):
         raise RealtimeError("bad_event", f"{param} must be an integer number of Hz", param=param)
     value = int(rate)
     if not MIN_RATE <= value <= MAX_RATE:
@@ -73,6 +79,7 @@ def strict_b64decode(data: object, param: str = "audio") -> bytes:
 
 # --- G.711 (ITU-T) --------------------------------------------------------------------------------
 
+
 def _ulaw_table() -> np.ndarray:
     codes = ~np.arange(256, dtype=np.int32) & 0xFF
     sign = codes & 0x80
@@ -87,7 +94,9 @@ def _alaw_table() -> np.ndarray:
     sign = codes & 0x80
     exponent = (codes >> 4) & 0x07
     mantissa = codes & 0x0F
-    magnitude = np.where(exponent == 0, (mantissa << 4) + 8, ((mantissa << 4) + 0x108) << np.maximum(exponent - 1, 0))
+    magnitude = np.where(
+        exponent == 0, (mantissa << 4) + 8, ((mantissa << 4) + 0x108) << np.maximum(exponent - 1, 0)
+    )
     return np.where(sign != 0, magnitude, -magnitude).astype(np.int16)
 
 
@@ -125,6 +134,7 @@ def g711_encode(samples_i16: np.ndarray, law: str) -> bytes:
 
 # --- input decoding -------------------------------------------------------------------------------
 
+
 def decode_input_audio(raw: bytes, fmt: str, rate: int) -> np.ndarray:
     """Bytes of one append → mono float32 at 16 kHz."""
     if fmt == "pcm16":
@@ -133,7 +143,9 @@ def decode_input_audio(raw: bytes, fmt: str, rate: int) -> np.ndarray:
         x = pcm16_to_float(raw)
     elif fmt == "pcm_f32le":
         if len(raw) % 4:
-            raise RealtimeError("bad_audio", "pcm_f32le audio is not a whole number of samples", param="audio")
+            raise RealtimeError(
+                "bad_audio", "pcm_f32le audio is not a whole number of samples", param="audio"
+            )
         x = np.frombuffer(raw, dtype="<f4").astype(np.float32)
         if not np.all(np.isfinite(x)):
             raise RealtimeError("bad_audio", "pcm_f32le audio contains non-finite samples", param="audio")
@@ -219,6 +231,7 @@ class UnitAssembler:
 
 
 # --- output ---------------------------------------------------------------------------------------
+
 
 def encode_output_audio(samples_24k: np.ndarray, fmt: str) -> tuple[bytes, int]:
     """Render a chunk of 24 kHz float audio for the client; returns (payload, sample_rate)."""

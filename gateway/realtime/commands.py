@@ -101,7 +101,9 @@ async def append(s: DuplexSession, event: dict[str, Any]) -> None:
     frames = decode_video_frames(event.get("video_frames"), event.get("max_slice_nums"))
     if audio_b64 is None or audio_b64 == "":
         if frames:
-            raise RealtimeError("invalid_input_modality", "MiniCPM-o needs audio on every append", param="audio")
+            raise RealtimeError(
+                "invalid_input_modality", "MiniCPM-o needs audio on every append", param="audio"
+            )
         raise RealtimeError("bad_event", "input_audio_buffer.append needs base64 audio", param="audio")
     raw = strict_b64decode(audio_b64)
     samples = decode_input_audio(raw, fmt, rate)
@@ -156,9 +158,13 @@ async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
     if not isinstance(final, bool):
         raise RealtimeError("bad_event", "final must be a boolean", param="final")
     if not s.input.has_audio:
-        raise RealtimeError("input_audio_buffer_empty", "input_audio_buffer.commit requires a non-empty input audio buffer")
+        raise RealtimeError(
+            "input_audio_buffer_empty", "input_audio_buffer.commit requires a non-empty input audio buffer"
+        )
     if not s.cfg.auto_response and s.pending_commits() >= s.settings.max_pending_commits:
-        raise RealtimeError("input_backpressure", f"more than {s.settings.max_pending_commits} pending commits")
+        raise RealtimeError(
+            "input_backpressure", f"more than {s.settings.max_pending_commits} pending commits"
+        )
     item_id = None
     if s.server_vad is not None:
         # The client took the turn boundary into its own hands: the item announced by speech_started (if
@@ -199,7 +205,11 @@ async def response_cancel(s: DuplexSession, event: dict[str, Any]) -> None:
     rid = event.get("response_id")
     active = s.lifecycle.active
     if active is None or (rid is not None and rid != active.id):
-        raise RealtimeError("response_not_active", f"response {rid or ''} is not active".replace("  ", " "), param="response_id")
+        raise RealtimeError(
+            "response_not_active",
+            f"response {rid or ''} is not active".replace("  ", " "),
+            param="response_id",
+        )
     s.interrupt("client_cancelled")
 
 
@@ -231,7 +241,9 @@ async def response_create(s: DuplexSession, event: dict[str, Any]) -> None:
     bad = [k for k in UNSUPPORTED_RESPONSE_OPTIONS if k in options]
     if bad:
         raise RealtimeError(
-            "unsupported_native_response_options", f"per-response options are not supported: {bad}", param=f"response.{bad[0]}"
+            "unsupported_native_response_options",
+            f"per-response options are not supported: {bad}",
+            param=f"response.{bad[0]}",
         )
     if s.lifecycle.active is not None:
         raise RealtimeError("response_already_active", "a response is already in progress")
@@ -247,7 +259,9 @@ def _ack_target(s: DuplexSession, event: dict[str, Any]) -> ev.ResponseState:
     rid = event.get("response_id")
     item_id = event.get("item_id")
     if rid is not None and item_id is not None and item_id != ev.assistant_item_id(rid):
-        raise RealtimeError("playback_item_mismatch", "item_id does not belong to response_id", param="item_id")
+        raise RealtimeError(
+            "playback_item_mismatch", "item_id does not belong to response_id", param="item_id"
+        )
     if rid is not None:
         resp = s.lifecycle.responses.get(rid)
         if resp is None:
@@ -259,7 +273,9 @@ def _ack_target(s: DuplexSession, event: dict[str, Any]) -> ev.ResponseState:
     if item_id is not None and item_id != last.item_id:
         known = s.conversation.get(item_id)
         if known is None and not str(item_id).startswith("item_resp_"):
-            raise RealtimeError("playback_item_mismatch", "item_id is not the current assistant item", param="item_id")
+            raise RealtimeError(
+                "playback_item_mismatch", "item_id is not the current assistant item", param="item_id"
+            )
         if not isinstance(known, ev.ResponseState):
             raise RealtimeError("playback_item_mismatch", "item_id is not an assistant item", param="item_id")
         return known
@@ -308,12 +324,17 @@ def _item_json(entry: Item) -> dict[str, Any]:
     if isinstance(entry, UserItem):
         return entry.to_json()
     resp = entry
-    status = {"in_progress": "in_progress", "completed": "completed", "cancelled": "cancelled"}.get(resp.status, "incomplete")
+    status = {"in_progress": "in_progress", "completed": "completed", "cancelled": "cancelled"}.get(
+        resp.status, "incomplete"
+    )
     item = resp.item(status)
     transcript = resp.history_transcript if resp.history_transcript is not None else resp.transcript
     item["content"] = [resp.item_content(transcript)]
-    item["metadata"] = {"audio_ms": resp.audio_ms, "committed_ms": resp.committed_ms,
-                        "audio_text_marks": [m.to_json() for m in resp.marks]}
+    item["metadata"] = {
+        "audio_ms": resp.audio_ms,
+        "committed_ms": resp.committed_ms,
+        "audio_text_marks": [m.to_json() for m in resp.marks],
+    }
     return item
 
 
@@ -325,7 +346,9 @@ async def item_retrieve(s: DuplexSession, event: dict[str, Any]) -> None:
 async def item_delete(s: DuplexSession, event: dict[str, Any]) -> None:
     item_id, entry = _lookup_item(s, event)
     if isinstance(entry, ev.ResponseState) and entry.status == "in_progress":
-        raise RealtimeError("item_in_progress", "cancel the response before deleting its item", param="item_id")
+        raise RealtimeError(
+            "item_in_progress", "cancel the response before deleting its item", param="item_id"
+        )
     s.conversation.delete(item_id)
     s.emit("conversation.item.deleted", item_id=item_id, event={"item_id": item_id})
 
@@ -333,7 +356,9 @@ async def item_delete(s: DuplexSession, event: dict[str, Any]) -> None:
 async def item_truncate(s: DuplexSession, event: dict[str, Any]) -> None:
     item_id, resp = _lookup_item(s, event)
     if not isinstance(resp, ev.ResponseState) or not resp.wants_audio:
-        raise RealtimeError("invalid_item_type", "only assistant audio items can be truncated", param="item_id")
+        raise RealtimeError(
+            "invalid_item_type", "only assistant audio items can be truncated", param="item_id"
+        )
     end_ms = event.get("audio_end_ms")
     if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
         raise RealtimeError("bad_event", "audio_end_ms must be a non-negative integer", param="audio_end_ms")
@@ -341,7 +366,9 @@ async def item_truncate(s: DuplexSession, event: dict[str, Any]) -> None:
         raise RealtimeError("bad_event", "content_index must be 0", param="content_index")
     if end_ms > resp.audio_ms:
         raise RealtimeError(
-            "invalid_audio_end_ms", f"audio_end_ms {end_ms} exceeds the item's {resp.audio_ms} ms of audio", param="audio_end_ms"
+            "invalid_audio_end_ms",
+            f"audio_end_ms {end_ms} exceeds the item's {resp.audio_ms} ms of audio",
+            param="audio_end_ms",
         )
     if resp.status == "in_progress":
         s.interrupt("client_cancelled")
@@ -366,9 +393,15 @@ async def item_create(s: DuplexSession, event: dict[str, Any]) -> None:
         raise RealtimeError("bad_event", "only user items with content are accepted", param="item")
     audio_parts = [p for p in content if isinstance(p, dict) and p.get("type") == "input_audio"]
     if len(audio_parts) != len(content):
-        raise RealtimeError("text_only_turn_unsupported", "only input_audio content is accepted; seed text via initial_user_text", param="item.content")
+        raise RealtimeError(
+            "text_only_turn_unsupported",
+            "only input_audio content is accepted; seed text via initial_user_text",
+            param="item.content",
+        )
     for part in audio_parts:
-        await append(s, {"type": "input_audio_buffer.append", "audio": part.get("audio"), "format": part.get("format")})
+        await append(
+            s, {"type": "input_audio_buffer.append", "audio": part.get("audio"), "format": part.get("format")}
+        )
     await commit(s, {"type": "input_audio_buffer.commit", "response_create": False})
 
 

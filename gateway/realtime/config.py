@@ -33,7 +33,9 @@ DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
 OVERLAP_POLICIES = ("listen_only", "barge_in_on_speech")
 PLAYBACK_POLICIES = ("ack_only", "commit_all_on_done")
 # Keys of extra_body that the server owns at runtime; a client may not set them.
-SERVER_OWNED_EXTRA_KEYS = frozenset({"session_id", "request_id", "epoch", "unit_seq", "turn_id", "stream_mode"})
+SERVER_OWNED_EXTRA_KEYS = frozenset(
+    {"session_id", "request_id", "epoch", "unit_seq", "turn_id", "stream_mode"}
+)
 _MAX_REF_AUDIO_S = 30.0
 
 
@@ -102,12 +104,18 @@ def _output_format(spec: Any) -> str | None:
         return None
     name = spec.get("type") if isinstance(spec, dict) else spec
     key = str(name).lower()
-    key = {"audio/pcm": "pcm16", "pcm": "pcm16", "audio/wav": "wav", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}.get(
-        key, key
-    )
+    key = {
+        "audio/pcm": "pcm16",
+        "pcm": "pcm16",
+        "audio/wav": "wav",
+        "audio/pcmu": "g711_ulaw",
+        "audio/pcma": "g711_alaw",
+    }.get(key, key)
     if key not in OUTPUT_FORMATS:
         raise RealtimeError(
-            "unsupported_audio_format", f"unsupported output audio format {name!r}", param="output_audio_format"
+            "unsupported_audio_format",
+            f"unsupported output audio format {name!r}",
+            param="output_audio_format",
         )
     return key
 
@@ -118,20 +126,28 @@ _REF_AUDIO_ERRORS: tuple[type[Exception], ...] = (binascii.Error, *AUDIO_DECODE_
 def decode_ref_audio(uri: object) -> np.ndarray:
     """A ``data:audio/...;base64`` URI (or bare base64 WAV) → 16 kHz mono float32 trimmed to 100 ms."""
     if not isinstance(uri, str) or not uri:
-        raise RealtimeError("bad_ref_audio", "ref_audio must be a data: URI with base64 audio", param="ref_audio")
+        raise RealtimeError(
+            "bad_ref_audio", "ref_audio must be a data: URI with base64 audio", param="ref_audio"
+        )
     payload = uri
     if uri.startswith("data:"):
         if ";base64," not in uri:
             raise RealtimeError("bad_ref_audio", "ref_audio data URI must be base64", param="ref_audio")
         payload = uri.split(";base64,", 1)[1]
     elif uri.startswith(("http://", "https://", "file:", "/")):
-        raise RealtimeError("unsupported_ref_audio_path", "ref_audio must be inline (data: URI)", param="ref_audio")
+        raise RealtimeError(
+            "unsupported_ref_audio_path", "ref_audio must be inline (data: URI)", param="ref_audio"
+        )
     try:
         mono, rate = read_audio(base64.b64decode(payload, validate=True))
     except _REF_AUDIO_ERRORS as exc:
-        raise RealtimeError("bad_ref_audio", f"ref_audio could not be decoded: {exc}", param="ref_audio") from exc
+        raise RealtimeError(
+            "bad_ref_audio", f"ref_audio could not be decoded: {exc}", param="ref_audio"
+        ) from exc
     if mono.size == 0 or mono.size / rate > _MAX_REF_AUDIO_S:
-        raise RealtimeError("bad_ref_audio", f"ref_audio must be 0.1–{_MAX_REF_AUDIO_S:.0f} s", param="ref_audio")
+        raise RealtimeError(
+            "bad_ref_audio", f"ref_audio must be 0.1–{_MAX_REF_AUDIO_S:.0f} s", param="ref_audio"
+        )
     x = resample(mono, rate, UNIT_RATE)
     keep = (x.size // (UNIT_RATE // 10)) * (UNIT_RATE // 10)
     if keep == 0:
@@ -148,7 +164,9 @@ def _validate_turn_detection(td: Any, overlap_policy: str, opening: bool) -> dic
     code = "invalid_session_config" if opening else "unsupported_turn_detection"
     if td is None:
         if overlap_policy != "listen_only":
-            raise RealtimeError(code, "turn_detection null requires overlap_policy listen_only", param="turn_detection")
+            raise RealtimeError(
+                code, "turn_detection null requires overlap_policy listen_only", param="turn_detection"
+            )
         return None
     kind = td.get("type") if isinstance(td, dict) else td
     if not isinstance(td, dict) or kind != "server_vad":
@@ -161,7 +179,9 @@ def _validate_turn_detection(td: Any, overlap_policy: str, opening: bool) -> dic
         raise RealtimeError(code, str(exc), param="turn_detection") from None
     if overlap_policy != "barge_in_on_speech":
         raise RealtimeError(
-            code, "turn_detection server_vad requires overlap_policy barge_in_on_speech", param="turn_detection"
+            code,
+            "turn_detection server_vad requires overlap_policy barge_in_on_speech",
+            param="turn_detection",
         )
     if normalized["detector"] == "silero" and not silero_available():
         raise RealtimeError(
@@ -237,7 +257,9 @@ def _apply_audio_formats(cfg: SessionConfig, obj: dict[str, Any], opening: bool)
 def _apply_turn_taking(cfg: SessionConfig, obj: dict[str, Any], opening: bool) -> None:
     """2. Overlap policy, turn detection (server VAD), playback commit policy."""
     if "overlap_policy" in obj:
-        cfg.overlap_policy = obj["overlap_policy"] if obj["overlap_policy"] in OVERLAP_POLICIES else "listen_only"
+        cfg.overlap_policy = (
+            obj["overlap_policy"] if obj["overlap_policy"] in OVERLAP_POLICIES else "listen_only"
+        )
     audio_input = _get(obj, "audio", "input")
     if "turn_detection" not in obj and isinstance(audio_input, dict) and "turn_detection" in audio_input:
         obj = {**obj, "turn_detection": audio_input["turn_detection"]}  # GA's place for the same object
@@ -257,24 +279,34 @@ def _apply_fixed_at_open(
     model = obj.get("model")
     if model is not None:
         if not opening and model != cfg.model:
-            raise RealtimeError("model_update_unsupported", "the model cannot change within a session", param="model")
+            raise RealtimeError(
+                "model_update_unsupported", "the model cannot change within a session", param="model"
+            )
         cfg.model = str(model)
     owned = sorted(SERVER_OWNED_EXTRA_KEYS & extra.keys())
     if owned:
-        raise RealtimeError("invalid_session_config", f"extra_body keys are server-owned: {owned}", param="extra_body")
+        raise RealtimeError(
+            "invalid_session_config", f"extra_body keys are server-owned: {owned}", param="extra_body"
+        )
     if "ref_audio_path" in extra or "tts_ref_audio_path" in extra or "ref_audio_path" in obj:
-        raise RealtimeError("unsupported_ref_audio_path", "ref audio must be inline, not a path", param="ref_audio")
+        raise RealtimeError(
+            "unsupported_ref_audio_path", "ref audio must be inline, not a path", param="ref_audio"
+        )
     ref_uri = obj.get("ref_audio") or extra.get("ref_audio") or extra.get("tts_ref_audio")
     if ref_uri is not None:
         if not opening:
-            raise RealtimeError("ref_audio_update_unsupported", "ref_audio is fixed at open", param="ref_audio")
+            raise RealtimeError(
+                "ref_audio_update_unsupported", "ref_audio is fixed at open", param="ref_audio"
+            )
         cfg.ref_audio = decode_ref_audio(ref_uri)
         cfg.ref_audio_uri = ref_uri
     voice = obj.get("voice", _get(obj, "audio", "output", "voice"))
     if voice is not None:
         if not opening and audio_started and voice != cfg.voice:
             raise RealtimeError(
-                "voice_update_after_audio_unsupported", "voice cannot change after audio started", param="voice"
+                "voice_update_after_audio_unsupported",
+                "voice cannot change after audio started",
+                param="voice",
             )
         cfg.voice = str(voice)
     if "instructions" in obj and obj["instructions"] is not None:
@@ -284,8 +316,13 @@ def _apply_fixed_at_open(
                 "instructions_update_unsupported", "instructions are fixed at open", param="instructions"
             )
         cfg.instructions = text
-    for knob in ("sliding_window_mode", "basic_window_high_tokens", "basic_window_low_tokens",
-                 "context_previous_max_tokens", "context_max_units"):
+    for knob in (
+        "sliding_window_mode",
+        "basic_window_high_tokens",
+        "basic_window_low_tokens",
+        "context_previous_max_tokens",
+        "context_max_units",
+    ):
         if knob in extra and not opening and extra[knob] != cfg.extra_body.get(knob):
             raise RealtimeError("sliding_window_update_unsupported", f"{knob} is fixed at open", param=knob)
 
@@ -295,7 +332,9 @@ def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any],
     mods = obj.get("output_modalities", obj.get("modalities"))
     if mods is not None:
         if not isinstance(mods, list) or not mods or any(m not in ("text", "audio") for m in mods):
-            raise RealtimeError("invalid_session_config", "modalities must be a subset of [text, audio]", param="modalities")
+            raise RealtimeError(
+                "invalid_session_config", "modalities must be a subset of [text, audio]", param="modalities"
+            )
         cfg.modalities = list(mods)
     if obj.get("temperature") is not None:
         cfg.temperature = float(obj["temperature"])
@@ -305,7 +344,9 @@ def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any],
     if obj.get("idle_timeout_s") is not None:
         value = float(obj["idle_timeout_s"])
         if value <= 0:
-            raise RealtimeError("invalid_session_config", "idle_timeout_s must be positive", param="idle_timeout_s")
+            raise RealtimeError(
+                "invalid_session_config", "idle_timeout_s must be positive", param="idle_timeout_s"
+            )
         cfg.idle_timeout_s = value
     if "metadata" in obj:
         cfg.metadata = obj["metadata"]
@@ -353,11 +394,17 @@ def render_session(cfg: SessionConfig) -> dict[str, Any]:
                 "sample_rate_hz": cfg.input_rate,
                 "turn_detection": cfg.turn_detection,
             },
-            "output": {"format": ga_format(cfg.output_format, 8_000 if cfg.output_format.startswith("g711") else 24_000)},
+            "output": {
+                "format": ga_format(
+                    cfg.output_format, 8_000 if cfg.output_format.startswith("g711") else 24_000
+                )
+            },
         },
         "turn_detection": cfg.turn_detection,
         "temperature": cfg.temperature,
-        "max_response_output_tokens": "inf" if cfg.max_response_output_tokens is None else cfg.max_response_output_tokens,
+        "max_response_output_tokens": "inf"
+        if cfg.max_response_output_tokens is None
+        else cfg.max_response_output_tokens,
         "idle_timeout_s": cfg.idle_timeout_s,
         "overlap_policy": cfg.overlap_policy,
         "playback_commit_policy": cfg.playback_commit_policy,

@@ -68,7 +68,9 @@ class ResponseLifecycle:
                 "status": "in_progress",
                 "output": [],
                 "modalities": resp.modalities,
-                "metadata": ev.string_metadata({"epoch": resp.epoch, "duplex_event": {"epoch": resp.epoch, "lane": lane}}),
+                "metadata": ev.string_metadata(
+                    {"epoch": resp.epoch, "duplex_event": {"epoch": resp.epoch, "lane": lane}}
+                ),
             },
         )
         item = resp.item("in_progress")
@@ -195,7 +197,9 @@ class ResponseLifecycle:
         resp = self.active
         if out.speech_turn and (resp is None or (resp.speech_turn and out.speech_turn != resp.speech_turn)):
             if resp is not None and out.speech_turn > resp.speech_turn:
-                self.early_audio.setdefault(out.speech_turn, []).append(out)  # next turn, held until its response
+                self.early_audio.setdefault(out.speech_turn, []).append(
+                    out
+                )  # next turn, held until its response
             return
         if resp is None or resp.epoch != out.epoch or not resp.wants_audio:
             return
@@ -312,7 +316,12 @@ class ResponseLifecycle:
         if status != "completed":
             resp.pending_text = ""
             resp.history_transcript = resp.transcript_at(resp.committed_ms)
-        common: dict[str, Any] = {"response_id": resp.id, "item_id": resp.item_id, "output_index": 0, "content_index": 0}
+        common: dict[str, Any] = {
+            "response_id": resp.id,
+            "item_id": resp.item_id,
+            "output_index": 0,
+            "content_index": 0,
+        }
         if cleared:
             s.emit("output_audio_buffer.cleared", response_id=resp.id)
         if resp.wants_audio:
@@ -332,7 +341,11 @@ class ResponseLifecycle:
             details = {"type": "completed", "reason": reason}
         else:
             details = {"type": status, "reason": reason}
-        metadata: dict[str, Any] = {"epoch": s.epoch, "playback": resp.playback(), "committed_ms": resp.committed_ms}
+        metadata: dict[str, Any] = {
+            "epoch": s.epoch,
+            "playback": resp.playback(),
+            "committed_ms": resp.committed_ms,
+        }
         if status == "cancelled":
             metadata["cancelled_epoch"] = resp.epoch
         s.emit(

@@ -56,7 +56,8 @@ class SessionRegistry:
             raise RealtimeError("invalid_session_resume", "session_id and resume_token are required")
         if isinstance(last, bool) or not isinstance(last, int) or last < 0:
             raise RealtimeError(
-                "invalid_session_resume", "last_received_server_event_seq must be an integer >= 0",
+                "invalid_session_resume",
+                "last_received_server_event_seq must be an integer >= 0",
                 param="last_received_server_event_seq",
             )
         session = self.sessions.get(session_id)
@@ -64,11 +65,14 @@ class SessionRegistry:
             if session_id in self._ended or session is not None:
                 raise RealtimeError("session_resume_expired", f"session {session_id} has ended")
             raise RealtimeError("invalid_session_resume", f"unknown session {session_id}")
-        if session.resume_token_hash is None or not hmac.compare_digest(session.resume_token_hash, hash_token(token)):
+        if session.resume_token_hash is None or not hmac.compare_digest(
+            session.resume_token_hash, hash_token(token)
+        ):
             raise RealtimeError("invalid_resume_token", "resume_token does not match")
         if last > session.journal.head:
             raise RealtimeError(
-                "invalid_session_resume", "last_received_server_event_seq is ahead of the server",
+                "invalid_session_resume",
+                "last_received_server_event_seq is ahead of the server",
                 param="last_received_server_event_seq",
             )
         return session, last

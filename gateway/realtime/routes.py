@@ -46,7 +46,9 @@ def _parse_frame(text: str, max_bytes: int) -> dict[str, Any]:
     if not isinstance(event, dict):
         raise RealtimeError("bad_event", "frame must be a JSON object")
     if not isinstance(event.get("type"), str):
-        raise RealtimeError("bad_event", "event needs a string type", param="type", event_id=_client_id(event))
+        raise RealtimeError(
+            "bad_event", "event needs a string type", param="type", event_id=_client_id(event)
+        )
     return event
 
 
@@ -99,7 +101,9 @@ class RealtimeEndpoint:
                 try:
                     text = await self._receive_text(ws, self.settings.config_timeout_s)
                 except TimeoutError:
-                    raise RealtimeError("config_timeout", "no session.update within the configuration timeout") from None
+                    raise RealtimeError(
+                        "config_timeout", "no session.update within the configuration timeout"
+                    ) from None
                 if text is None:
                     return
                 if text == "":
@@ -152,7 +156,11 @@ class RealtimeEndpoint:
             # the session still counts as attached is detached: the session waits for a resume.
             if not attachment.detached:
                 ended_by = "writer" if writer.done() else "reader"
-                log.info("realtime session %s: socket ended (%s side) without session end; detaching", session.id, ended_by)
+                log.info(
+                    "realtime session %s: socket ended (%s side) without session end; detaching",
+                    session.id,
+                    ended_by,
+                )
                 session.post("detach", attachment)
                 attachment.detached = True
                 attachment.queue.put_nowait(CLOSE)
@@ -161,7 +169,10 @@ class RealtimeEndpoint:
                 await asyncio.wait_for(writer, 5.0)
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
-            if ws.application_state == WebSocketState.CONNECTED and ws.client_state == WebSocketState.CONNECTED:
+            if (
+                ws.application_state == WebSocketState.CONNECTED
+                and ws.client_state == WebSocketState.CONNECTED
+            ):
                 with contextlib.suppress(Exception):
                     await ws.close(1000)  # idle timeout: end the socket; the session waits for a resume
 
@@ -184,12 +195,19 @@ class RealtimeEndpoint:
                 text = ev.encode_event(item)
             except (TypeError, ValueError, RecursionError):
                 log.exception("realtime session %s: cannot encode a %s event", session.id, item.get("type"))
-                text = ev.encode_event(_error_frame(RealtimeError("internal_error", f"could not encode {item.get('type')}")))
+                text = ev.encode_event(
+                    _error_frame(RealtimeError("internal_error", f"could not encode {item.get('type')}"))
+                )
             try:
                 await ws.send_text(text)
             except Exception as exc:  # noqa: BLE001 - the socket is gone, however it failed
-                log.info("realtime session %s: socket send failed at %s (%s: %s); detaching",
-                         session.id, item.get("type"), type(exc).__name__, exc)
+                log.info(
+                    "realtime session %s: socket send failed at %s (%s: %s); detaching",
+                    session.id,
+                    item.get("type"),
+                    type(exc).__name__,
+                    exc,
+                )
                 return
 
     async def _read(self, ws: WebSocket, session: DuplexSession, attachment: Attachment) -> None:
@@ -197,7 +215,9 @@ class RealtimeEndpoint:
             try:
                 text = await self._receive_text(ws, session.cfg.idle_timeout_s)
             except TimeoutError:
-                log.info("realtime session %s idle for %.0f s: detaching", session.id, session.cfg.idle_timeout_s)
+                log.info(
+                    "realtime session %s idle for %.0f s: detaching", session.id, session.cfg.idle_timeout_s
+                )
                 return
             except (WebSocketDisconnect, RuntimeError):
                 return
@@ -211,7 +231,9 @@ class RealtimeEndpoint:
                 if event["type"] in ("input_audio_buffer.append", "conversation.item.create"):
                     if not session.reserve_input_bytes(size):
                         raise RealtimeError(
-                            "input_backpressure", "pending input exceeds the session limit", event_id=_client_id(event)
+                            "input_backpressure",
+                            "pending input exceeds the session limit",
+                            event_id=_client_id(event),
                         )
                 else:
                     size = 0
@@ -239,7 +261,9 @@ def create_realtime_router(
         duplex = ws.query_params.get("duplex")
         if duplex is not None and duplex.lower() not in _DUPLEX_ON:
             await ws.accept()
-            await ws.send_json({"type": "error", "error": "Realtime API is not available", "code": "unsupported"})
+            await ws.send_json(
+                {"type": "error", "error": "Realtime API is not available", "code": "unsupported"}
+            )
             await ws.close(POLICY_VIOLATION)
             return
         await endpoint.serve(ws)

@@ -33,8 +33,15 @@ if TYPE_CHECKING:
 
 
 class ServerVadTurns:
-    def __init__(self, s: DuplexSession, params: dict[str, Any], *, clock: int, in_speech: bool = False,
-                 item_id: str | None = None) -> None:
+    def __init__(
+        self,
+        s: DuplexSession,
+        params: dict[str, Any],
+        *,
+        clock: int,
+        in_speech: bool = False,
+        item_id: str | None = None,
+    ) -> None:
         self.s = s
         self.params = dict(params)
         self.detector = make_detector(self.params, clock=clock, speaking=in_speech)
@@ -72,7 +79,9 @@ class ServerVadTurns:
         self._route(samples[pos - chunk_start :])
         if overlapped is not None and not barged and s.lifecycle.active is overlapped:
             # One decision per overlapping append (§4.9): no speech start in it means nothing to act on.
-            action, reason = ("listen", "accumulating_overlap_speech") if self.in_speech else ("drop", "silence_or_noise")
+            action, reason = (
+                ("listen", "accumulating_overlap_speech") if self.in_speech else ("drop", "silence_or_noise")
+            )
             self._decision(action, reason, overlapped.id)
 
     # ---------------------------------------------------------------- routing
@@ -119,7 +128,9 @@ class ServerVadTurns:
         self._drop_preroll(event.at_sample)
         self.in_speech = True
         self.item_id = ev.new_user_item_id()
-        s.emit("input_audio_buffer.speech_started", audio_start_ms=start * 1000 // 16_000, item_id=self.item_id)
+        s.emit(
+            "input_audio_buffer.speech_started", audio_start_ms=start * 1000 // 16_000, item_id=self.item_id
+        )
         barged = False
         active = s.lifecycle.active
         if active is not None:
@@ -141,7 +152,11 @@ class ServerVadTurns:
         if not s.input.has_audio:
             return
         if s.pending_commits() >= s.settings.max_pending_commits:
-            s.emit_error(RealtimeError("input_backpressure", f"more than {s.settings.max_pending_commits} pending commits"))
+            s.emit_error(
+                RealtimeError(
+                    "input_backpressure", f"more than {s.settings.max_pending_commits} pending commits"
+                )
+            )
             s.input.clear()
             return
         s.seal_input(create=True, speech=True, item_id=item_id)
@@ -173,4 +188,6 @@ def sync_server_vad(s: DuplexSession) -> ServerVadTurns | None:
         return current
     if current is None:
         return ServerVadTurns(s, params, clock=s.input.clock)
-    return ServerVadTurns(s, params, clock=current.detector.clock, in_speech=current.in_speech, item_id=current.item_id)
+    return ServerVadTurns(
+        s, params, clock=current.detector.clock, in_speech=current.in_speech, item_id=current.item_id
+    )

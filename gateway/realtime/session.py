@@ -213,7 +213,9 @@ class DuplexSession:
         }
         active = self.lifecycle.active
         last = self.lifecycle.last
-        playback = last.playback() if last else {"generated_ms": 0, "sent_ms": 0, "played_ms": 0, "committed_ms": 0}
+        playback = (
+            last.playback() if last else {"generated_ms": 0, "sent_ms": 0, "played_ms": 0, "committed_ms": 0}
+        )
         return {
             "object": "realtime.session",
             "type": "realtime",
@@ -292,8 +294,11 @@ class DuplexSession:
             async with asyncio.timeout(self.settings.pipeline_close_timeout_s):
                 await self.pipeline.close()
         except TimeoutError:
-            log.warning("realtime session %s: pipeline close took over %.1f s; closing the session anyway",
-                        self.id, self.settings.pipeline_close_timeout_s)
+            log.warning(
+                "realtime session %s: pipeline close took over %.1f s; closing the session anyway",
+                self.id,
+                self.settings.pipeline_close_timeout_s,
+            )
         except Exception:
             log.exception("realtime session %s: pipeline close failed; closing the session anyway", self.id)
 
@@ -340,12 +345,16 @@ class DuplexSession:
         self.emit("session.expired", session_id=self.id, reason="disconnect_grace_expired")
         self._state = "expired"
 
-    def _do_resume(self, attachment: Attachment, last_seq: int, token_hash: str, done: asyncio.Future[None]) -> None:
+    def _do_resume(
+        self, attachment: Attachment, last_seq: int, token_hash: str, done: asyncio.Future[None]
+    ) -> None:
         """Activate a new socket: replace the old one, announce, replay the journal (all atomically)."""
         if token_hash != self.resume_token_hash:
             # Another socket resumed with the same token first and rotated it.
             if not done.done():
-                done.set_exception(RealtimeError("session_resume_conflict", "the session was resumed concurrently"))
+                done.set_exception(
+                    RealtimeError("session_resume_conflict", "the session was resumed concurrently")
+                )
             return
         if self._grace_task is not None:
             self._grace_task.cancel()
@@ -375,7 +384,9 @@ class DuplexSession:
         )
         plan = self.journal.plan_replay(last_seq)
         if plan.resync_reason is not None:
-            self.emit("session.resync_required", journaled=False, session_id=self.id, reason=plan.resync_reason)
+            self.emit(
+                "session.resync_required", journaled=False, session_id=self.id, reason=plan.resync_reason
+            )
         else:
             for event in plan.events:
                 attachment.send(event)
@@ -454,7 +465,9 @@ class DuplexSession:
         if self._server_vad is not None:
             self._server_vad.reset()
 
-    def seal_input(self, *, create: bool, speech: bool, item_id: str | None = None, final: bool = False) -> None:
+    def seal_input(
+        self, *, create: bool, speech: bool, item_id: str | None = None, final: bool = False
+    ) -> None:
         """Turn the uncommitted input into a user item (and, with ``create``, answer it): commit or server VAD.
 
         ``final`` (native lane): the client's input ends here, so from now on the session clocks the model
@@ -468,11 +481,18 @@ class DuplexSession:
             self._clock_units = 0
             self.tick_clock()
         self._turn_id += 1
-        item = UserItem(item_id or ev.new_user_item_id(), self._turn_id, audio_samples * 1000 // 16_000,
-                        self.input.seal(), speech)
+        item = UserItem(
+            item_id or ev.new_user_item_id(),
+            self._turn_id,
+            audio_samples * 1000 // 16_000,
+            self.input.seal(),
+            speech,
+        )
         previous = self.conversation.add(item)
         self.lifecycle.supersede_all()
-        deferred = bool(create and speech and self.lifecycle.active is not None and not self.cfg.auto_response)
+        deferred = bool(
+            create and speech and self.lifecycle.active is not None and not self.cfg.auto_response
+        )
         self.emit("conversation.item.added", previous_item_id=previous, item=item.to_json())
         self.emit("conversation.item.created", previous_item_id=previous, item=item.to_json())
         committed_event: dict[str, Any] = {
@@ -484,7 +504,9 @@ class DuplexSession:
         }
         if deferred:
             committed_event["response_create_deferred"] = True
-        self.emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id, event=committed_event)
+        self.emit(
+            "input_audio_buffer.committed", previous_item_id=previous, item_id=item.id, event=committed_event
+        )
         self.emit("conversation.item.done", item=item.to_json())
         if not speech:
             self.emit_listen("silence_or_noise")
@@ -504,7 +526,9 @@ class DuplexSession:
         self._backlog.clear()
         return units
 
-    def emit_listen(self, reason: str, *, unit_seq: int | None = None, response_id: str | None = None) -> None:
+    def emit_listen(
+        self, reason: str, *, unit_seq: int | None = None, response_id: str | None = None
+    ) -> None:
         """``response.listen``: the model (or the input) gives nothing to answer."""
         metadata: dict[str, Any] = {"reason": reason}
         if unit_seq is not None:

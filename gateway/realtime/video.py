@@ -16,7 +16,9 @@ _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def decode_video_frames(frames: object, max_slice_nums: object = None) -> list[bytes]:
     """Validate and decode ``video_frames``; every violation is ``invalid_video_frames`` (invariant I2)."""
     if max_slice_nums not in (None, 1):
-        raise RealtimeError("invalid_video_frames", "max_slice_nums must be null or 1", param="max_slice_nums")
+        raise RealtimeError(
+            "invalid_video_frames", "max_slice_nums must be null or 1", param="max_slice_nums"
+        )
     if frames is None:
         return []
     if not isinstance(frames, list):
@@ -31,7 +33,9 @@ def decode_video_frames(frames: object, max_slice_nums: object = None) -> list[b
         if not isinstance(frame, str) or not frame:
             raise RealtimeError("invalid_video_frames", "each frame must be a base64 string", param=param)
         if frame.startswith("data:"):
-            raise RealtimeError("invalid_video_frames", "frames must be bare base64, not data: URLs", param=param)
+            raise RealtimeError(
+                "invalid_video_frames", "frames must be bare base64, not data: URLs", param=param
+            )
         if len(frame) > MAX_FRAME_B64_CHARS:
             raise RealtimeError(
                 "invalid_video_frames", f"frame exceeds {MAX_FRAME_B64_CHARS} base64 characters", param=param

@@ -260,7 +260,9 @@ class Checkpoint:
                 raise CheckpointError(f"{index_path}: 'weight_map' missing or empty")
             for shard in sorted(set(weight_map.values())):
                 if not (self.root / shard).is_file():
-                    raise CheckpointError(f"{self.root / shard}: shard listed in {index_path.name} is missing")
+                    raise CheckpointError(
+                        f"{self.root / shard}: shard listed in {index_path.name} is missing"
+                    )
             return {str(k): str(v) for k, v in weight_map.items()}
         single = self.root / "model.safetensors"
         if single.is_file():
@@ -330,7 +332,9 @@ class Checkpoint:
                     t = f.get_tensor(name)
                     if dtype is not None and t.is_floating_point():
                         t = t.to(dtype)
-                    key = name[len(strip_prefix) :] if strip_prefix and name.startswith(strip_prefix) else name
+                    key = (
+                        name[len(strip_prefix) :] if strip_prefix and name.startswith(strip_prefix) else name
+                    )
                     out[key] = t.to(device)
         return out
 
@@ -346,7 +350,9 @@ class Checkpoint:
     def expect_shape(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Fetch ``name`` from a loaded dict and check its shape, with a contract error if wrong."""
         if name not in tensors:
-            raise CheckpointError(f"tensor {name!r} missing from the checkpoint (expected shape {list(shape)})")
+            raise CheckpointError(
+                f"tensor {name!r} missing from the checkpoint (expected shape {list(shape)})"
+            )
         t = tensors[name]
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")

@@ -208,9 +208,13 @@ class DeployProfile:
                 raw["stages"][key] = _deep_merge(raw["stages"][key], value, f"overrides.{key}")
             elif key in ("gateway", "served_model_name", "description", "tls"):
                 current = raw.get(key)
-                raw[key] = _deep_merge(current, value, f"overrides.{key}") if isinstance(current, dict) else value
+                raw[key] = (
+                    _deep_merge(current, value, f"overrides.{key}") if isinstance(current, dict) else value
+                )
             else:
-                raise ProfileError(f"stage overrides: unknown key {key!r} (expected one of {list(STAGES)} or gateway)")
+                raise ProfileError(
+                    f"stage overrides: unknown key {key!r} (expected one of {list(STAGES)} or gateway)"
+                )
         return parse_profile(raw, source=self.source + " + overrides")
 
     def to_dict(self) -> dict[str, Any]:
@@ -224,7 +228,12 @@ class DeployProfile:
             sp["devices"] = list(sp["devices"])
             sp["sampling"] = dict(sp["sampling"])
             if name != "thinker":
-                for key in ("hidden_chunk_tokens", "first_hidden_chunk_tokens", "hidden_dtype", *THINKER_WINDOW_KEYS):
+                for key in (
+                    "hidden_chunk_tokens",
+                    "first_hidden_chunk_tokens",
+                    "hidden_dtype",
+                    *THINKER_WINDOW_KEYS,
+                ):
                     sp.pop(key)
             if name != "talker":
                 sp.pop("codec")
@@ -240,7 +249,11 @@ def _deep_merge(base: Any, update: Any, where: str) -> Any:
         raise ProfileError(f"{where}: cannot merge a mapping into {type(base).__name__}")
     merged = dict(base)
     for k, v in update.items():
-        merged[k] = _deep_merge(merged[k], v, f"{where}.{k}") if isinstance(merged.get(k), Mapping) else copy.deepcopy(v)
+        merged[k] = (
+            _deep_merge(merged[k], v, f"{where}.{k}")
+            if isinstance(merged.get(k), Mapping)
+            else copy.deepcopy(v)
+        )
     return merged
 
 
@@ -265,7 +278,9 @@ def parse_profile(raw: object, source: str = "<dict>") -> DeployProfile:
     if doc.gateway is not None:
         gw = doc.gateway.given()
         media = gw.pop("media", None)
-        gateway = GatewayProfile(**gw, media=MediaLimits(**media.given()) if media is not None else MediaLimits())
+        gateway = GatewayProfile(
+            **gw, media=MediaLimits(**media.given()) if media is not None else MediaLimits()
+        )
     stages = {name: _stage_profile(name, getattr(doc.stages, name)) for name in STAGES}
     return DeployProfile(
         name=doc.name or Path(source).stem,
@@ -337,7 +352,9 @@ def apply_memory_fraction(settings: Mapping[str, Any] | None, device: str) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.common.deploy_profile", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m services.common.deploy_profile", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     show = sub.add_parser("show", help="validate a profile and print it resolved, as JSON")
     show.add_argument("profile", help="file path or bundled profile name")

@@ -94,7 +94,9 @@ PositiveNumber = Annotated[float, _rule(lambda v: v > 0, "must be positive, got 
 Count = Annotated[int, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
 Device = Annotated[str, BeforeValidator(_device)]
 DType = Annotated[str, _rule(lambda v: v in DTYPES, f"expected one of {sorted(DTYPES)}, got {{v!r}}")]
-Port = Annotated[int, _rule(lambda v: 0 < v < 65536 - 1000, "{v} is not a usable port (metrics use port + 1000)")]
+Port = Annotated[
+    int, _rule(lambda v: 0 < v < 65536 - 1000, "{v} is not a usable port (metrics use port + 1000)")
+]
 Fraction = Annotated[float, _rule(lambda v: 0 < v <= 1, "must be in (0, 1], got {v}")]
 Frames = Annotated[int, _rule(lambda v: v >= 1, "out of range ({v})")]
 ContextFrames = Annotated[int, _rule(lambda v: v >= 0, "out of range ({v})")]
@@ -174,8 +176,10 @@ class _StageDoc(_Doc):
     @model_validator(mode="before")
     @classmethod
     def _one_placement(cls, data: object) -> object:
-        if isinstance(data, Mapping) and data.get("devices") is not None and (
-            data.get("device") is not None or data.get("replicas") is not None
+        if (
+            isinstance(data, Mapping)
+            and data.get("devices") is not None
+            and (data.get("device") is not None or data.get("replicas") is not None)
         ):
             raise ValueError("give either 'devices' (one per replica) or 'device' + 'replicas', not both")
         return data

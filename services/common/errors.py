@@ -55,7 +55,9 @@ class StageError(Exception):
 
     def to_proto(self, identity: common_pb2.Identity | None = None) -> common_pb2.Error:
         # The proto enum is a plain int at run time; the cast only tells the stubs so.
-        err = common_pb2.Error(code=cast(common_pb2.ErrorCode, self.code), message=self.message, param=self.param)
+        err = common_pb2.Error(
+            code=cast(common_pb2.ErrorCode, self.code), message=self.message, param=self.param
+        )
         if identity is not None:
             err.id.CopyFrom(identity)
         return err

@@ -31,9 +31,14 @@ MEMORY_FRACTION_FLAG = "--memory-fraction"
 
 # Profile key -> argparse destination of the flag it provides a default for, per stage CLI.
 PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
-    "thinker": {"max_num_seqs": "max_num_seqs", "max_model_len": "max_context", "dtype": "dtype",
-                "duplex_window": "duplex_window", "duplex_window_high": "duplex_window_high",
-                "duplex_window_low": "duplex_window_low"},
+    "thinker": {
+        "max_num_seqs": "max_num_seqs",
+        "max_model_len": "max_context",
+        "dtype": "dtype",
+        "duplex_window": "duplex_window",
+        "duplex_window_high": "duplex_window_high",
+        "duplex_window_low": "duplex_window_low",
+    },
     "talker": {"max_num_seqs": "max_streams", "dtype": "dtype"},
     "code2wav": {"max_num_seqs": "max_batch"},
 }
@@ -89,7 +94,9 @@ def resolve_memory_fraction(
 ) -> MemoryFractionChoice:
     """``--memory-fraction`` wins over the profile section; neither means no cap."""
     if cli_value is not None:
-        return MemoryFractionChoice(check_memory_fraction(cli_value, MEMORY_FRACTION_FLAG), MEMORY_FRACTION_FLAG)
+        return MemoryFractionChoice(
+            check_memory_fraction(cli_value, MEMORY_FRACTION_FLAG), MEMORY_FRACTION_FLAG
+        )
     key = f"stages.{stage}.memory_fraction"
     if settings and settings.get("memory_fraction") is not None:
         where = f"{STAGE_SETTINGS_ENV}: {key}"
@@ -133,10 +140,16 @@ def apply_memory_cap(
     """
     if choice.fraction is None:
         if device.startswith("cuda"):
-            log.info("%s: no GPU memory cap (no %s, no memory_fraction in the profile)", stage, MEMORY_FRACTION_FLAG)
+            log.info(
+                "%s: no GPU memory cap (no %s, no memory_fraction in the profile)",
+                stage,
+                MEMORY_FRACTION_FLAG,
+            )
         return None
     if not device.startswith("cuda"):
-        log.info("%s: memory fraction %.3g from %s ignored on %s", stage, choice.fraction, choice.source, device)
+        log.info(
+            "%s: memory fraction %.3g from %s ignored on %s", stage, choice.fraction, choice.source, device
+        )
         return None
     import torch
 

@@ -439,7 +439,9 @@ class TalkerEngine:
             logits = self.runner.prefill_batch([(st.slot, rows) for st, rows in items])  # type: ignore[misc]
         except Exception:
             for st, rows in items:
-                self._guarded(st, lambda s, r=rows: self._after_logits(s, self.runner.prefill(s.slot, r)[None]))
+                self._guarded(
+                    st, lambda s, r=rows: self._after_logits(s, self.runner.prefill(s.slot, r)[None])
+                )
             return
         PREFILL_BATCH.observe(len(batch))
         self._after_logits_batch(batch, logits)

@@ -249,7 +249,9 @@ class TalkerRunner:
         sizes = [int(rows.shape[0]) for _, rows in items]
         for start, size in zip(starts, sizes, strict=True):
             if start + size > self.context:
-                raise ValueError(f"prefill of {size} rows at {start} exceeds the Talker context {self.context}")
+                raise ValueError(
+                    f"prefill of {size} rows at {start} exceeds the Talker context {self.context}"
+                )
         bsz, width = len(items), max(sizes)
         read_len = max(start + size for start, size in zip(starts, sizes, strict=True))
         dev = self.device
@@ -433,7 +435,10 @@ class _DecodeGraph:
                 runner._step_eager(self.ints, self.floats, read_len)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with (
+            torch.inference_mode(),
+            torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"),
+        ):
             self.logits, self.ids = runner._step_eager(self.ints, self.floats, read_len)
 
     def run(self, ints: torch.Tensor, floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

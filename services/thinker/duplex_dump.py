@@ -70,6 +70,7 @@ def build_backend_for_dump(checkpoint: str, device: str, dtype: str, cuda_graphs
     """The stage's own backend (model, processor, engine) with a small KV pool for one session."""
     from services.thinker.backend import build_backend
     from services.thinker.engine import EngineConfig
+
     cfg = EngineConfig(max_context=8192, max_num_seqs=2, use_cuda_graphs=cuda_graphs)
     cfg.kv_budget_bytes = 256 << 20  # one session of a few hundred rows (the tiny LLM: 1 KiB a row)
     backend = build_backend(checkpoint, device, dtype, cfg)

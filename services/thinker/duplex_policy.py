@@ -139,7 +139,9 @@ class DuplexPolicy(Sampler):
         live = [i for i, p in enumerate(policies) if not p.force_listen]
         if not live:
             return out
-        tokens = _policy_tokens([policies[i] for i in live], logits[live].float(), [num_generated[i] for i in live])
+        tokens = _policy_tokens(
+            [policies[i] for i in live], logits[live].float(), [num_generated[i] for i in live]
+        )
         for i, token in zip(live, tokens, strict=True):
             out[i] = policies[i]._after_draw(token)
         return out
@@ -185,7 +187,9 @@ def _gumbel_argmax(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.argmax(scores - torch.log(-torch.log(u)), dim=-1)
 
 
-def _penalty_index(policies: Sequence[DuplexPolicy], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _penalty_index(
+    policies: Sequence[DuplexPolicy], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(row, id) pairs of every row's penalty window, copied to the device without a stream sync."""
     rows: list[int] = []
     ids: list[int] = []
@@ -226,7 +230,9 @@ def _per_row(values: Sequence[float], device: torch.device) -> torch.Tensor:
     return t.unsqueeze(1)
 
 
-def _policy_tokens(policies: Sequence[DuplexPolicy], logits: torch.Tensor, num_generated: Sequence[int]) -> list[int]:
+def _policy_tokens(
+    policies: Sequence[DuplexPolicy], logits: torch.Tensor, num_generated: Sequence[int]
+) -> list[int]:
     """The §6.3 draw for every row of fp32 ``logits [n, V]`` (none forced to listen); returns raw tokens."""
     device = logits.device
     n, vocab = logits.shape
@@ -282,7 +288,9 @@ def policy_logits(
     return masked
 
 
-def _sample_top_k_top_p(policies: Sequence[DuplexPolicy], masked: torch.Tensor, sampled: Sequence[bool]) -> torch.Tensor:
+def _sample_top_k_top_p(
+    policies: Sequence[DuplexPolicy], masked: torch.Tensor, sampled: Sequence[bool]
+) -> torch.Tensor:
     """Sampled tokens for every row (rows that are greedy get a throwaway draw)."""
     device = masked.device
     vocab = masked.shape[1]

@@ -34,10 +34,13 @@ class DuplexWindow:
 
     def validate(self, max_context: int) -> DuplexWindow:
         if not 0 < self.low < self.high:
-            raise StageError(INVALID_ARGUMENT, f"duplex window: need 0 < low ({self.low}) < high ({self.high})")
+            raise StageError(
+                INVALID_ARGUMENT, f"duplex window: need 0 < low ({self.low}) < high ({self.high})"
+            )
         if self.high > max_context:
             raise StageError(
-                INVALID_ARGUMENT, f"duplex window: high ({self.high}) exceeds the thinker context ({max_context})"
+                INVALID_ARGUMENT,
+                f"duplex window: high ({self.high}) exceeds the thinker context ({max_context})",
             )
         return self
 

@@ -56,7 +56,9 @@ class GrpcDuplexPipeline:
         # Ordered writes to the thinker, bounded: the session refuses input past max_pending_input_bytes
         # (counted until the thinker decides a unit), so at most that many units wait here, plus controls.
         self.max_queued_units = max(1, settings.max_pending_input_bytes // (UNIT_SAMPLES * 4))
-        self._outbox: asyncio.Queue[thinker_pb2.ThinkerRequest] = asyncio.Queue(self.max_queued_units + _CONTROL_ROOM)
+        self._outbox: asyncio.Queue[thinker_pb2.ThinkerRequest] = asyncio.Queue(
+            self.max_queued_units + _CONTROL_ROOM
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self.turn: SpeechTurn | None = None
         self.speech_from_unit: int | None = None  # turn lane: speech only from the requested unit on
@@ -75,7 +77,13 @@ class GrpcDuplexPipeline:
     # ---------------------------------------------------------------- session-facing API
 
     def push_unit(
-        self, samples: np.ndarray, frames: list[bytes], unit_seq: int, epoch: int, turn_id: int, request_response: bool
+        self,
+        samples: np.ndarray,
+        frames: list[bytes],
+        unit_seq: int,
+        epoch: int,
+        turn_id: int,
+        request_response: bool,
     ) -> None:
         if self._closed:
             return
@@ -152,8 +160,12 @@ class GrpcDuplexPipeline:
 
     def _identity(self, epoch: int, turn_id: int, unit_seq: int) -> common_pb2.Identity:
         ident = common_pb2.Identity(
-            request_id=self.host.id, session_id=self.host.id, epoch=epoch, turn_id=turn_id,
-            unit_seq=unit_seq, chunk_seq=self._in_seq,
+            request_id=self.host.id,
+            session_id=self.host.id,
+            epoch=epoch,
+            turn_id=turn_id,
+            unit_seq=unit_seq,
+            chunk_seq=self._in_seq,
         )
         self._in_seq += 1
         return ident
@@ -175,13 +187,17 @@ class GrpcDuplexPipeline:
             want_speech="audio" in cfg.modalities,
             instructions=cfg.instructions,
             force_listen_units=cfg.force_listen_count,
-            hidden_dtype=common_pb2.DTYPE_BFLOAT16 if self.settings.hidden_dtype == "bf16" else common_pb2.DTYPE_FLOAT32,
+            hidden_dtype=common_pb2.DTYPE_BFLOAT16
+            if self.settings.hidden_dtype == "bf16"
+            else common_pb2.DTYPE_FLOAT32,
         )
         if self.ref_pcm is not None:
             open_msg.ref_audio.CopyFrom(self.ref_pcm)
         if cfg.initial_user_text:
             open_msg.messages.append(
-                thinker_pb2.ChatMessage(role="user", content=[thinker_pb2.ContentPart(text=cfg.initial_user_text)])
+                thinker_pb2.ChatMessage(
+                    role="user", content=[thinker_pb2.ContentPart(text=cfg.initial_user_text)]
+                )
             )
         self._outbox.put_nowait(thinker_pb2.ThinkerRequest(open=open_msg))
         self._tasks.append(asyncio.create_task(self._thinker_writer(self.thinker)))
@@ -229,8 +245,15 @@ class GrpcDuplexPipeline:
             return  # fence: an interrupted epoch
         decision = "speak" if unit.decision == thinker_pb2.UNIT_DECISION_SPEAK else "listen"
         self.host.post_pipeline(
-            UnitOutcome(epoch, int(unit.id.unit_seq), decision, unit.transcript, bool(unit.turn_end),
-                        int(unit.context_tokens), self._unit_turn.pop(int(unit.id.unit_seq), 0))
+            UnitOutcome(
+                epoch,
+                int(unit.id.unit_seq),
+                decision,
+                unit.transcript,
+                bool(unit.turn_end),
+                int(unit.context_tokens),
+                self._unit_turn.pop(int(unit.id.unit_seq), 0),
+            )
         )
 
     async def _on_speech(self, chunk: thinker_pb2.SpeechChunk) -> None:
@@ -260,8 +283,14 @@ class GrpcDuplexPipeline:
     def _new_turn(self, epoch: int, turn_id: int) -> SpeechTurn:
         """Open the talker + code2wav streams of a speaking turn; it is live (interruptible) at once."""
         turn = SpeechTurn(
-            session_id=self.host.id, epoch=epoch, turn_id=turn_id, stages=self.stages, settings=self.settings,
-            ref_pcm=self.ref_pcm, report=self.host.post_pipeline, on_failure=self._turn_failed,
+            session_id=self.host.id,
+            epoch=epoch,
+            turn_id=turn_id,
+            stages=self.stages,
+            settings=self.settings,
+            ref_pcm=self.ref_pcm,
+            report=self.host.post_pipeline,
+            on_failure=self._turn_failed,
             on_finished=self._turn_finished,
         )
         self.turn = turn
@@ -279,8 +308,14 @@ class GrpcDuplexPipeline:
         if self._closed:
             return
         self._voice_failed_epoch = max(self._voice_failed_epoch, turn.epoch)
-        log.warning("duplex session %s: %s failed in speaking turn %d (%s): %s",
-                    self.host.id, stage, turn.turn_id, code, message)
+        log.warning(
+            "duplex session %s: %s failed in speaking turn %d (%s): %s",
+            self.host.id,
+            stage,
+            turn.turn_id,
+            code,
+            message,
+        )
         self.host.post_pipeline(PipelineFailure(code, message, stage, turn.epoch))
 
     def _fail_thinker(self, code: str, message: str) -> None:
@@ -301,8 +336,11 @@ def grpc_pipeline_factory(
         resolved = stages or holder.get("stages")
         if resolved is None:
             resolved = StageSet(
-                {"thinker": settings.thinker_target, "talker": settings.talker_target,
-                 "code2wav": settings.code2wav_target}
+                {
+                    "thinker": settings.thinker_target,
+                    "talker": settings.talker_target,
+                    "code2wav": settings.code2wav_target,
+                }
             )
             holder["stages"] = resolved
         return GrpcDuplexPipeline(host, resolved, settings)

@@ -94,7 +94,13 @@ class SessionPipeline(Protocol):
     """What a session asks of its stage plumbing (the gRPC pipeline, or a scripted one in tests)."""
 
     def push_unit(
-        self, samples: np.ndarray, frames: list[bytes], unit_seq: int, epoch: int, turn_id: int, request_response: bool
+        self,
+        samples: np.ndarray,
+        frames: list[bytes],
+        unit_seq: int,
+        epoch: int,
+        turn_id: int,
+        request_response: bool,
     ) -> None: ...
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None: ...

@@ -101,7 +101,9 @@ class SpeechTurn:
             c2w_open.seed = self.settings.seed
         if self.ref_pcm is not None:
             c2w_open.ref_audio.CopyFrom(self.ref_pcm)
-        talker_open = talker_pb2.TalkerOpen(id=open_id, mode=thinker_pb2.STREAM_MODE_DUPLEX, sampling=tsampling)
+        talker_open = talker_pb2.TalkerOpen(
+            id=open_id, mode=thinker_pb2.STREAM_MODE_DUPLEX, sampling=tsampling
+        )
         stage = "talker"
         try:
             await self.talker.write(talker_pb2.TalkerRequest(open=talker_open))
@@ -121,8 +123,12 @@ class SpeechTurn:
         """Forward one thinker speech chunk (hidden states + tokens) to the talker."""
         talker_chunk = talker_pb2.TalkerChunk(
             id=common_pb2.Identity(
-                request_id=self.session_id, session_id=self.session_id, epoch=chunk.id.epoch,
-                turn_id=self.turn_id, unit_seq=chunk.id.unit_seq, chunk_seq=self.talker_chunk_seq,
+                request_id=self.session_id,
+                session_id=self.session_id,
+                epoch=chunk.id.epoch,
+                turn_id=self.turn_id,
+                unit_seq=chunk.id.unit_seq,
+                chunk_seq=self.talker_chunk_seq,
             ),
             token_ids=chunk.token_ids,
             hidden=chunk.hidden,
@@ -147,7 +153,9 @@ class SpeechTurn:
     async def _end_talker_input(self) -> None:
         """End the talker, which closes the turn and answers Done."""
         try:
-            end = common_pb2.Control(id=common_pb2.Identity(epoch=self.epoch, turn_id=self.turn_id), end=common_pb2.End())
+            end = common_pb2.Control(
+                id=common_pb2.Identity(epoch=self.epoch, turn_id=self.turn_id), end=common_pb2.End()
+            )
             await self.talker.write(talker_pb2.TalkerRequest(control=end))
             await self.talker.done_writing()
         except BaseException as exc:  # noqa: BLE001
@@ -156,7 +164,9 @@ class SpeechTurn:
 
     # ---------------------------------------------------------------- pumps
 
-    def _control(self, stage: str, kind: str | None, resp: talker_pb2.TalkerResponse | code2wav_pb2.Code2WavResponse) -> str:
+    def _control(
+        self, stage: str, kind: str | None, resp: talker_pb2.TalkerResponse | code2wav_pb2.Code2WavResponse
+    ) -> str:
         """The replies both streams of a turn share: an ack is noted (``"next"``), an error reported
         unless the turn is being fenced (``"error"``: the pump ends), Done ends the input (``"done"``)."""
         if kind == "interrupt_ack":

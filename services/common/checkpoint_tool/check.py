@@ -114,15 +114,29 @@ def check_config(ckpt: Checkpoint, report: CheckReport) -> None:
         if int(got) != want:
             _fail(f"{path}: {key} is {got}, expected {want} (a contract value that does not shrink)")
     if int(tts["num_text_tokens"]) < MIN_VOCAB_SIZE:
-        _fail(f"{path}: tts_config.num_text_tokens {tts['num_text_tokens']} < {MIN_VOCAB_SIZE} "
-              "(the Talker indexes LLM token ids)")
-    report.add("config", f"version {cfg['version']}, model_type {cfg.get('model_type')}, vocab_size {cfg['vocab_size']}")
-    report.add("thinker LLM", f"{cfg['num_hidden_layers']} L x {cfg['hidden_size']} (FFN {cfg['intermediate_size']}, "
-               f"{heads}q/{kv}kv heads x {cfg.get('head_dim', int(cfg['hidden_size']) // heads)})")
-    report.add("vision / audio", f"SigLIP {vc['num_hidden_layers']} L x {vc['hidden_size']}, "
-               f"Whisper {ac['encoder_layers']} L x {ac['d_model']}, query_num {cfg['query_num']}")
-    report.add("talker", f"{tts['num_hidden_layers']} L x {tts['hidden_size']}, codec {tts['num_audio_tokens']}, "
-               f"text table {tts['num_text_tokens']}")
+        _fail(
+            f"{path}: tts_config.num_text_tokens {tts['num_text_tokens']} < {MIN_VOCAB_SIZE} "
+            "(the Talker indexes LLM token ids)"
+        )
+    report.add(
+        "config",
+        f"version {cfg['version']}, model_type {cfg.get('model_type')}, vocab_size {cfg['vocab_size']}",
+    )
+    report.add(
+        "thinker LLM",
+        f"{cfg['num_hidden_layers']} L x {cfg['hidden_size']} (FFN {cfg['intermediate_size']}, "
+        f"{heads}q/{kv}kv heads x {cfg.get('head_dim', int(cfg['hidden_size']) // heads)})",
+    )
+    report.add(
+        "vision / audio",
+        f"SigLIP {vc['num_hidden_layers']} L x {vc['hidden_size']}, "
+        f"Whisper {ac['encoder_layers']} L x {ac['d_model']}, query_num {cfg['query_num']}",
+    )
+    report.add(
+        "talker",
+        f"{tts['num_hidden_layers']} L x {tts['hidden_size']}, codec {tts['num_audio_tokens']}, "
+        f"text table {tts['num_text_tokens']}",
+    )
 
 
 # ------------------------------------------------------------------------------------------- weights
@@ -133,22 +147,31 @@ def _hint(name: str) -> str:
 def check_weights(ckpt: Checkpoint, report: CheckReport) -> None:
     """Prefix census, the SigLIP layer rule, and every tensor's shape against the config."""
     cfg = ckpt.config
-    index_name = "model.safetensors.index.json" if (ckpt.root / "model.safetensors.index.json").is_file() \
+    index_name = (
+        "model.safetensors.index.json"
+        if (ckpt.root / "model.safetensors.index.json").is_file()
         else "model.safetensors"
+    )
     stray = sorted(n for n in ckpt.weight_map if not n.startswith(ALL_PREFIXES))
     if stray:
-        _fail(f"{ckpt.root / index_name}: tensor {stray[0]!r} is outside the known prefixes {list(ALL_PREFIXES)} "
-              f"({len(stray)} such tensors)")
+        _fail(
+            f"{ckpt.root / index_name}: tensor {stray[0]!r} is outside the known prefixes {list(ALL_PREFIXES)} "
+            f"({len(stray)} such tensors)"
+        )
     for prefix in ALL_PREFIXES:
         if not any(n.startswith(prefix) for n in ckpt.weight_map):
             _fail(f"{ckpt.root / index_name}: no tensor with prefix {prefix!r}")
 
     vision_layers = int(cfg["vision_config"]["num_hidden_layers"])
-    stored = {int(m.group(1)) for n in ckpt.weight_map if (m := re.match(r"vpm\.encoder\.layers\.(\d+)\.", n))}
+    stored = {
+        int(m.group(1)) for n in ckpt.weight_map if (m := re.match(r"vpm\.encoder\.layers\.(\d+)\.", n))
+    }
     if stored != set(range(vision_layers - 1)) and stored != set(range(vision_layers)):
-        _fail(f"{ckpt.root / index_name}: vpm.encoder.layers stores indices {sorted(stored)[:3]}..{max(stored, default=-1)}"
-              f" ({len(stored)} layers); expected {vision_layers - 1} (last of {vision_layers} dropped) "
-              f"or all {vision_layers}")
+        _fail(
+            f"{ckpt.root / index_name}: vpm.encoder.layers stores indices {sorted(stored)[:3]}..{max(stored, default=-1)}"
+            f" ({len(stored)} layers); expected {vision_layers - 1} (last of {vision_layers} dropped) "
+            f"or all {vision_layers}"
+        )
     drop_note = "last dropped" if len(stored) == vision_layers - 1 else "all stored, last unused"
 
     expected = {s.name: s for s in all_specs(cfg)}
@@ -159,18 +182,24 @@ def check_weights(ckpt: Checkpoint, report: CheckReport) -> None:
             expected[name] = TensorSpec(name, spec.shape)
     for name in sorted(expected):
         if name not in ckpt.weight_map:
-            _fail(f"{ckpt.root / index_name}: missing tensor {name!r} (expected shape {list(expected[name].shape)} "
-                  f"from {_hint(name)})")
+            _fail(
+                f"{ckpt.root / index_name}: missing tensor {name!r} (expected shape {list(expected[name].shape)} "
+                f"from {_hint(name)})"
+            )
     infos = ckpt.tensor_infos()
     for name, spec in expected.items():
         got = infos[name].shape
         if tuple(got) != tuple(spec.shape):
-            _fail(f"{ckpt.root / infos[name].shard}: tensor {name!r} has shape {list(got)}, expected "
-                  f"{list(spec.shape)} (from {_hint(name)})")
+            _fail(
+                f"{ckpt.root / infos[name].shard}: tensor {name!r} has shape {list(got)}, expected "
+                f"{list(spec.shape)} (from {_hint(name)})"
+            )
     extras = sorted(set(ckpt.weight_map) - set(expected))
     if extras:
-        report.notes.append(f"{len(extras)} extra tensor(s) inside known prefixes, ignored by the loaders: "
-                            f"{', '.join(extras[:3])}{' ...' if len(extras) > 3 else ''}")
+        report.notes.append(
+            f"{len(extras)} extra tensor(s) inside known prefixes, ignored by the loaders: "
+            f"{', '.join(extras[:3])}{' ...' if len(extras) > 3 else ''}"
+        )
 
     census: Counter[str] = Counter()
     params: Counter[str] = Counter()
@@ -195,22 +224,33 @@ def check_tokenizer(ckpt: Checkpoint, report: CheckReport) -> None:
     where = ckpt.root / "tokenizer.json"
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)
     if ids[0] != SPECIAL_TOKEN_IDS["<|im_start|>"] or ids[-1] != SPECIAL_TOKEN_IDS["<|im_end|>"]:
-        _fail(f"{where}: '<|im_start|>user\\nhi<|im_end|>' encodes to {ids}; control tokens are not split out")
+        _fail(
+            f"{where}: '<|im_start|>user\\nhi<|im_end|>' encodes to {ids}; control tokens are not split out"
+        )
     ids = tok.encode("(<image>./</image>)", add_special_tokens=False)
     if len(ids) != 5 or ids[1] != SPECIAL_TOKEN_IDS["<image>"] or ids[3] != SPECIAL_TOKEN_IDS["</image>"]:
         _fail(f"{where}: '(<image>./</image>)' encodes to {ids}, expected [?, 151669, ?, 151670, ?]")
     vocab_rows = int(ckpt.config["vocab_size"])
     if len(tok) > vocab_rows:
-        _fail(f"{where}: {len(tok)} tokenizer entries but config.json vocab_size is {vocab_rows} "
-              "(ids beyond the embedding table)")
+        _fail(
+            f"{where}: {len(tok)} tokenizer entries but config.json vocab_size is {vocab_rows} "
+            "(ids beyond the embedding table)"
+        )
     tok_cfg = json.loads((ckpt.root / "tokenizer_config.json").read_text())
     bad = tok_cfg.get("bad_token_ids")
-    if bad is not None and not (isinstance(bad, list) and all(isinstance(i, int) and 0 <= i < len(tok) for i in bad)):
-        _fail(f"{ckpt.root / 'tokenizer_config.json'}: bad_token_ids must be a list of token ids < {len(tok)}")
+    if bad is not None and not (
+        isinstance(bad, list) and all(isinstance(i, int) and 0 <= i < len(tok) for i in bad)
+    ):
+        _fail(
+            f"{ckpt.root / 'tokenizer_config.json'}: bad_token_ids must be a list of token ids < {len(tok)}"
+        )
     if not tok_cfg.get("chat_template"):
         report.notes.append("tokenizer_config.json has no chat_template")
-    report.add("tokenizer", f"{len(tok)} entries, {len(SPECIAL_TOKEN_IDS)} special ids OK, "
-               f"bad_token_ids {len(bad) if bad is not None else 'absent'}")
+    report.add(
+        "tokenizer",
+        f"{len(tok)} entries, {len(SPECIAL_TOKEN_IDS)} special ids OK, "
+        f"bad_token_ids {len(bad) if bad is not None else 'absent'}",
+    )
     gen = ckpt.generation_config
     eos = gen.get("eos_token_id")
     eos_list = eos if isinstance(eos, list) else [eos]
@@ -221,8 +261,10 @@ def check_tokenizer(ckpt: Checkpoint, report: CheckReport) -> None:
         if key not in pre:
             _fail(f"{ckpt.root / 'preprocessor_config.json'}: missing key {key!r}")
     if int(pre["image_feature_size"]) != int(ckpt.config["query_num"]):
-        _fail(f"{ckpt.root / 'preprocessor_config.json'}: image_feature_size {pre['image_feature_size']} != "
-              f"config.json query_num {ckpt.config['query_num']}")
+        _fail(
+            f"{ckpt.root / 'preprocessor_config.json'}: image_feature_size {pre['image_feature_size']} != "
+            f"config.json query_num {ckpt.config['query_num']}"
+        )
 
 
 # -------------------------------------------------------------------------------------------- assets
@@ -252,25 +294,40 @@ def check_flow(d: Path, report: CheckReport) -> None:
     try:
         spec = load_flow_yaml(yaml_path, build=False)["flow"]
     except Exception as exc:  # yaml errors, unknown tags
-        raise CheckpointError(f"{yaml_path}: does not parse with the safe flow loader "
-                              f"(known tags {sorted(FLOW_TAGS)}): {exc}") from exc
-    if not isinstance(spec, dict) or spec.get("__class__") != "!new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec":
+        raise CheckpointError(
+            f"{yaml_path}: does not parse with the safe flow loader (known tags {sorted(FLOW_TAGS)}): {exc}"
+        ) from exc
+    if (
+        not isinstance(spec, dict)
+        or spec.get("__class__") != "!new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec"
+    ):
         _fail(f"{yaml_path}: 'flow' must be a !new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec")
     dit = spec.get("decoder", {}).get("estimator", {})
     for key, want in DIT_FIXED.items():
         if dit.get(key) != want:
-            _fail(f"{yaml_path}: flow.decoder.estimator.{key} is {dit.get(key)}, expected {want} "
-                  "(the streaming CFM scratch buffers are sized for it)")
-    if spec.get("vocab_size") != CODEC_EOS_ID or spec.get("output_size") != 80 or spec.get("spk_embed_dim") != 192:
-        _fail(f"{yaml_path}: flow vocab_size/output_size/spk_embed_dim must be {CODEC_EOS_ID}/80/192, got "
-              f"{spec.get('vocab_size')}/{spec.get('output_size')}/{spec.get('spk_embed_dim')}")
+            _fail(
+                f"{yaml_path}: flow.decoder.estimator.{key} is {dit.get(key)}, expected {want} "
+                "(the streaming CFM scratch buffers are sized for it)"
+            )
+    if (
+        spec.get("vocab_size") != CODEC_EOS_ID
+        or spec.get("output_size") != 80
+        or spec.get("spk_embed_dim") != 192
+    ):
+        _fail(
+            f"{yaml_path}: flow vocab_size/output_size/spk_embed_dim must be {CODEC_EOS_ID}/80/192, got "
+            f"{spec.get('vocab_size')}/{spec.get('output_size')}/{spec.get('spk_embed_dim')}"
+        )
     with torch.device("meta"):
         flow = load_flow_yaml(yaml_path, build=True)["flow"]
     want = flow.state_dict()
     _compare_state(d / "flow.pt", _torch_load(d / "flow.pt"), want)
     enc = spec.get("encoder", {})
-    report.add("flow", f"{sum(t.numel() for t in want.values()) / 1e6:.1f} M params; encoder {enc.get('output_size')}-d "
-               f"{enc.get('num_blocks')}+{enc.get('num_up_blocks')} blocks; DiT depth {dit.get('depth')}")
+    report.add(
+        "flow",
+        f"{sum(t.numel() for t in want.values()) / 1e6:.1f} M params; encoder {enc.get('output_size')}-d "
+        f"{enc.get('num_blocks')}+{enc.get('num_up_blocks')} blocks; DiT depth {dit.get('depth')}",
+    )
 
 
 def _parametrized_weight_norm_names(state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -279,8 +336,10 @@ def _parametrized_weight_norm_names(state: dict[str, Any]) -> tuple[dict[str, An
     renamed = {}
     legacy = False
     for key, value in state.items():
-        for old, new in ((".weight_g", ".parametrizations.weight.original0"),
-                         (".weight_v", ".parametrizations.weight.original1")):
+        for old, new in (
+            (".weight_g", ".parametrizations.weight.original0"),
+            (".weight_v", ".parametrizations.weight.original1"),
+        ):
             if key.endswith(old):
                 key, legacy = key[: -len(old)] + new, True
         renamed[key] = value
@@ -292,12 +351,17 @@ def check_hift(d: Path, report: CheckReport) -> None:
 
     state = _torch_load(d / "hift.pt")
     prefixed = any(k.startswith("generator.") for k in state)
-    state, legacy = _parametrized_weight_norm_names({k.removeprefix("generator."): v for k, v in state.items()})
+    state, legacy = _parametrized_weight_norm_names(
+        {k.removeprefix("generator."): v for k, v in state.items()}
+    )
     with torch.device("meta"):
         want = HiFTGenerator().state_dict()
     _compare_state(d / "hift.pt", state, want)
-    report.add("hift", f"{sum(t.numel() for t in want.values()) / 1e6:.1f} M params"
-               f"{', generator.-prefixed' if prefixed else ''}{', legacy weight_g/weight_v' if legacy else ''}")
+    report.add(
+        "hift",
+        f"{sum(t.numel() for t in want.values()) / 1e6:.1f} M params"
+        f"{', generator.-prefixed' if prefixed else ''}{', legacy weight_g/weight_v' if legacy else ''}",
+    )
 
 
 def check_campplus(d: Path, report: CheckReport) -> None:
@@ -313,7 +377,9 @@ def check_campplus(d: Path, report: CheckReport) -> None:
     except Exception as exc:
         raise CheckpointError(f"{path}: does not run in onnxruntime on a [1, T, 80] input ({exc})") from exc
     if tuple(out.shape) != (1, 192) or not np.isfinite(out).all():
-        _fail(f"{path}: output shape {list(out.shape)} (finite={bool(np.isfinite(out).all())}), expected [1, 192]")
+        _fail(
+            f"{path}: output shape {list(out.shape)} (finite={bool(np.isfinite(out).all())}), expected [1, 192]"
+        )
     report.add("campplus.onnx", "runs: [1, T, 80] -> [1, 192]")
 
 
@@ -326,22 +392,30 @@ def check_speech_tokenizer(d: Path, report: CheckReport) -> None:
     try:
         state = onnx2torch(str(path), None, False)
     except Exception as exc:
-        raise CheckpointError(f"{path}: initializers cannot be read by s3tokenizer's onnx2torch ({exc})") from exc
+        raise CheckpointError(
+            f"{path}: initializers cannot be read by s3tokenizer's onnx2torch ({exc})"
+        ) from exc
     conv1 = state.get("encoder.conv1.weight")
     if conv1 is None or conv1.dim() != 3:
         _fail(f"{path}: no conv1 weight (initializer onnx::Conv_2216) with shape [n_state, n_mels, 3]")
     n_state, n_mels = int(conv1.shape[0]), int(conv1.shape[1])
     blocks = len({m.group(1) for k in state if (m := re.match(r"encoder\.blocks\.(\d+)\.", k))})
     if n_mels != 128 or n_state % S3_HEAD_DIM:
-        _fail(f"{path}: conv1 implies n_mels {n_mels} / width {n_state}; expected 128 mels and a width that is "
-              f"a multiple of the fixed head_dim {S3_HEAD_DIM}")
-    cfg = ModelConfig(n_mels=n_mels, n_audio_state=n_state, n_audio_head=n_state // S3_HEAD_DIM, n_audio_layer=blocks)
+        _fail(
+            f"{path}: conv1 implies n_mels {n_mels} / width {n_state}; expected 128 mels and a width that is "
+            f"a multiple of the fixed head_dim {S3_HEAD_DIM}"
+        )
+    cfg = ModelConfig(
+        n_mels=n_mels, n_audio_state=n_state, n_audio_head=n_state // S3_HEAD_DIM, n_audio_layer=blocks
+    )
     with torch.device("meta"):
         want = S3TokenizerV2("speech_tokenizer_v2_25hz", cfg).state_dict()
     _compare_state(path, state, want)
     size = "full size" if (n_state, blocks) == (1280, 6) else "reduced"
-    report.add("speech tokenizer", f"S3TokenizerV2 {n_state}-d, {n_state // S3_HEAD_DIM} heads, {blocks} blocks, "
-               f"{n_mels} mels ({size})")
+    report.add(
+        "speech tokenizer",
+        f"S3TokenizerV2 {n_state}-d, {n_state // S3_HEAD_DIM} heads, {blocks} blocks, {n_mels} mels ({size})",
+    )
 
 
 def check_ref_audio(root: Path, report: CheckReport) -> None:

@@ -1,7 +1,7 @@
 """``minicpmo-checkpoint``: make a random-weight checkpoint in the real MiniCPM-o 4.5 layout, or check one.
 
-    minicpmo-checkpoint make --size tiny|full --seed N [--device cpu|cuda] [--force] OUT_DIR
-    minicpmo-checkpoint check DIR
+minicpmo-checkpoint make --size tiny|full --seed N [--device cpu|cuda] [--force] OUT_DIR
+minicpmo-checkpoint check DIR
 """
 
 from __future__ import annotations
@@ -16,13 +16,21 @@ def _parser() -> argparse.ArgumentParser:
 
     make = sub.add_parser("make", help="write a random-weight checkpoint")
     make.add_argument("out_dir")
-    make.add_argument("--size", choices=("tiny", "full"), default="tiny",
-                      help="tiny: model-spec §7 widths (tests); full: real dimensions in bf16 (benchmarks)")
+    make.add_argument(
+        "--size",
+        choices=("tiny", "full"),
+        default="tiny",
+        help="tiny: model-spec §7 widths (tests); full: real dimensions in bf16 (benchmarks)",
+    )
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--device", default="cpu", help="where tensors are drawn: cpu or cuda[:N]")
     make.add_argument("--force", action="store_true", help="replace an existing checkpoint directory")
-    make.add_argument("--max-shard-gb", type=float, default=None,
-                      help="pack shards up to this size (default: tiny = llm.|rest, full = 4 GB)")
+    make.add_argument(
+        "--max-shard-gb",
+        type=float,
+        default=None,
+        help="pack shards up to this size (default: tiny = llm.|rest, full = 4 GB)",
+    )
 
     check = sub.add_parser("check", help="validate a checkpoint directory against the contract")
     check.add_argument("dir")
@@ -36,8 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         from .generate import make_checkpoint
 
         try:
-            make_checkpoint(args.out_dir, size=args.size, seed=args.seed, device=args.device, force=args.force,
-                            max_shard_gb=args.max_shard_gb)
+            make_checkpoint(
+                args.out_dir,
+                size=args.size,
+                seed=args.seed,
+                device=args.device,
+                force=args.force,
+                max_shard_gb=args.max_shard_gb,
+            )
         except (FileExistsError, RuntimeError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

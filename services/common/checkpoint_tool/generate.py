@@ -92,7 +92,15 @@ def make_checkpoint(
 
     write_token2wav_assets(out, size, seed, device, log=log)
     # Written last: its presence means the directory is complete.
-    _write_json(out / MANIFEST, {"generator": "minicpmo-checkpoint", "generator_version": GENERATOR_VERSION,
-                                 "size": size, "seed": seed, "device": device.split(":")[0]})
+    _write_json(
+        out / MANIFEST,
+        {
+            "generator": "minicpmo-checkpoint",
+            "generator_version": GENERATOR_VERSION,
+            "size": size,
+            "seed": seed,
+            "device": device.split(":")[0],
+        },
+    )
     log(f"done in {time.monotonic() - t0:.1f} s, {dir_size_bytes(out) / 2**20:.1f} MiB on disk")
     return out

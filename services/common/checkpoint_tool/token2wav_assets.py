@@ -30,7 +30,10 @@ import yaml
 from .weights import TensorSpec, make_tensor, print_progress
 
 FLOW_TAGS: dict[str, tuple[str, str]] = {
-    "!new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec": ("stepaudio2.cosyvoice2.flow.flow", "CausalMaskedDiffWithXvec"),
+    "!new:cosyvoice2.flow.flow.CausalMaskedDiffWithXvec": (
+        "stepaudio2.cosyvoice2.flow.flow",
+        "CausalMaskedDiffWithXvec",
+    ),
     "!new:cosyvoice2.transformer.upsample_encoder_v2.UpsampleConformerEncoderV2": (
         "stepaudio2.cosyvoice2.transformer.upsample_encoder_v2",
         "UpsampleConformerEncoderV2",
@@ -47,7 +50,10 @@ FLOW_DIMS: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (64, 1, 1, 2, 128, 2),
     "full": (512, 6, 4, 8, 2048, 16),
 }
-S3_DIMS: dict[str, tuple[int, int, int]] = {"tiny": (128, 2, 2), "full": (1280, 20, 6)}  # width, heads, blocks
+S3_DIMS: dict[str, tuple[int, int, int]] = {
+    "tiny": (128, 2, 2),
+    "full": (1280, 20, 6),
+}  # width, heads, blocks
 CAMPPLUS_HIDDEN = 256
 REF_AUDIO_RATE = 16000
 REF_AUDIO_SECONDS = 6.0
@@ -168,7 +174,9 @@ def _make_hift_audible(state: dict[str, torch.Tensor]) -> None:
     """
     p = "generator."
     state[p + "f0_predictor.classifier.weight"] *= 40.0
-    state[p + "f0_predictor.classifier.bias"] = torch.full_like(state[p + "f0_predictor.classifier.bias"], 200.0)
+    state[p + "f0_predictor.classifier.bias"] = torch.full_like(
+        state[p + "f0_predictor.classifier.bias"], 200.0
+    )
     state[p + "conv_post.parametrizations.weight.original0"] *= 0.25
     state[p + "conv_post.bias"][:_HIFT_MAGNITUDE_CHANNELS] -= 0.5
 
@@ -210,7 +218,9 @@ def write_campplus(path: Path, seed: int) -> None:
         [helper.make_tensor_value_info("embs", TensorProto.FLOAT, [1, 192])],
         initializer=inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="minicpmo-checkpoint")
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="minicpmo-checkpoint"
+    )
     model.ir_version = 9
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
@@ -233,7 +243,8 @@ def s3_state_specs(size: str) -> list[TensorSpec]:
     width, heads, blocks = S3_DIMS[size]
     with torch.device("meta"):
         model = S3TokenizerV2(
-            "speech_tokenizer_v2_25hz", ModelConfig(n_audio_state=width, n_audio_head=heads, n_audio_layer=blocks)
+            "speech_tokenizer_v2_25hz",
+            ModelConfig(n_audio_state=width, n_audio_head=heads, n_audio_layer=blocks),
         )
     return _state_specs(model)
 
@@ -245,8 +256,11 @@ def _s3_node_for(name: str) -> tuple[str, str]:
     if name.startswith("encoder.conv2."):
         return "Conv", "/conv2/Conv"
     if name.startswith("quantizer."):
-        return ("MatMul", "/quantizer/project_down/MatMul") if name.endswith("weight") else (
-            "Add", "/quantizer/project_down/Add")
+        return (
+            ("MatMul", "/quantizer/project_down/MatMul")
+            if name.endswith("weight")
+            else ("Add", "/quantizer/project_down/Add")
+        )
     # encoder.blocks.{i}.{path}.{weight|bias}
     _, _, idx, *path, leaf = name.split(".")
     module = "/".join(path)
@@ -256,7 +270,9 @@ def _s3_node_for(name: str) -> tuple[str, str]:
         return "Conv", f"/blocks.{idx}/attn/fsmn_block/Conv"
     if module.startswith("mlp/"):
         module = "mlp/mlp." + module.split("/")[1]
-    return ("MatMul" if leaf == "weight" else "Add"), f"/blocks.{idx}/{module}/{'MatMul' if leaf == 'weight' else 'Add'}"
+    return (
+        "MatMul" if leaf == "weight" else "Add"
+    ), f"/blocks.{idx}/{module}/{'MatMul' if leaf == 'weight' else 'Add'}"
 
 
 def write_speech_tokenizer(path: Path, size: str, seed: int) -> int:
@@ -294,14 +310,22 @@ def write_speech_tokenizer(path: Path, size: str, seed: int) -> int:
         [helper.make_tensor_value_info(prev, TensorProto.FLOAT, None)],
         initializer=initializers,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="minicpmo-checkpoint")
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="minicpmo-checkpoint"
+    )
     model.ir_version = 9
     onnx.save(model, str(path))
     return sum(int(np.prod(s.shape)) for s in specs)
 
 
 # --------------------------------------------------------------------------------------- reference wav
-_VOWEL_FORMANTS = ((730, 1090, 2440), (270, 2290, 3010), (300, 870, 2240), (530, 1840, 2480), (570, 840, 2410))
+_VOWEL_FORMANTS = (
+    (730, 1090, 2440),
+    (270, 2290, 3010),
+    (300, 870, 2240),
+    (530, 1840, 2480),
+    (570, 840, 2410),
+)
 
 
 def _resonate(x: np.ndarray, freq: float, bandwidth: float, rate: int) -> np.ndarray:
@@ -312,7 +336,9 @@ def _resonate(x: np.ndarray, freq: float, bandwidth: float, rate: int) -> np.nda
     return lfilter([1.0 - r], a, x)
 
 
-def synth_reference_audio(seed: int, rate: int = REF_AUDIO_RATE, seconds: float = REF_AUDIO_SECONDS) -> np.ndarray:
+def synth_reference_audio(
+    seed: int, rate: int = REF_AUDIO_RATE, seconds: float = REF_AUDIO_SECONDS
+) -> np.ndarray:
     """Syllables of a harmonic glottal source shaped by vowel formants, fricative bursts and short pauses."""
     rng = np.random.default_rng(seed)
     total = int(round(rate * seconds))
@@ -325,12 +351,17 @@ def synth_reference_audio(seed: int, rate: int = REF_AUDIO_RATE, seconds: float 
         if rng.random() < 0.2:  # fricative: band-limited noise
             seg = _resonate(rng.standard_normal(n), rng.uniform(3000, 5000), 1500.0, rate) * 0.3
         else:
-            f0 = rng.uniform(105, 160) * (1 + 0.15 * np.sin(2 * np.pi * rng.uniform(1, 3) * t)) * np.linspace(
-                1.05, 0.92, n)
+            f0 = (
+                rng.uniform(105, 160)
+                * (1 + 0.15 * np.sin(2 * np.pi * rng.uniform(1, 3) * t))
+                * np.linspace(1.05, 0.92, n)
+            )
             phase = 2 * np.pi * np.cumsum(f0) / rate
             source = sum((np.sin(k * phase) / k for k in range(1, 40)), np.zeros(n))  # start: an array, not 0
             seg = np.zeros(n)
-            for freq, gain in zip(_VOWEL_FORMANTS[rng.integers(len(_VOWEL_FORMANTS))], (1.0, 0.6, 0.3), strict=True):
+            for freq, gain in zip(
+                _VOWEL_FORMANTS[rng.integers(len(_VOWEL_FORMANTS))], (1.0, 0.6, 0.3), strict=True
+            ):
                 seg += gain * _resonate(source, freq, 90.0, rate)
             seg += 0.01 * rng.standard_normal(n)
         seg *= np.sin(np.pi * np.arange(n) / n) ** 0.6  # syllable envelope

@@ -47,16 +47,59 @@ def _added_token_names() -> list[tuple[str, bool]]:
     names += [("<tool_call>", False), ("</tool_call>", False)]
     names += [(f"<|fim_{n}|>", False) for n in ("prefix", "middle", "suffix", "pad")]
     names += [("<|repo_name|>", False), ("<|file_sep|>", False)]
-    names += [("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False)]
-    for tag in ("image", "ref", "box", "quad", "point", "slice", "image_id", "unit", "answer", "focus", "line",
-                "perception", "source_image", "image_save_to"):
+    names += [
+        ("<tool_response>", False),
+        ("</tool_response>", False),
+        ("<think>", False),
+        ("</think>", False),
+    ]
+    for tag in (
+        "image",
+        "ref",
+        "box",
+        "quad",
+        "point",
+        "slice",
+        "image_id",
+        "unit",
+        "answer",
+        "focus",
+        "line",
+        "perception",
+        "source_image",
+        "image_save_to",
+    ):
         names += [(f"<{tag}>", True), (f"</{tag}>", True)]
-    names += [(f"<|{n}|>", True) for n in ("audio_start", "audio", "audio_end", "spk_bos", "spk", "spk_eos",
-                                          "tts_bos", "tts_eos", "listen", "speak", "interrupt")]
+    names += [
+        (f"<|{n}|>", True)
+        for n in (
+            "audio_start",
+            "audio",
+            "audio_end",
+            "spk_bos",
+            "spk",
+            "spk_eos",
+            "tts_bos",
+            "tts_eos",
+            "listen",
+            "speak",
+            "interrupt",
+        )
+    ]
     for pair in ("vad", "emotion", "speed", "pitch"):
         names += [(f"<|{pair}_start|>", True), (f"<|{pair}_end|>", True)]
-    names += [(f"<|{n}|>", True) for n in ("turn_bos", "turn_eos", "chunk_eos", "chunk_bos", "chunk_tts_bos",
-                                          "chunk_tts_eos", "tts_pad")]
+    names += [
+        (f"<|{n}|>", True)
+        for n in (
+            "turn_bos",
+            "turn_eos",
+            "chunk_eos",
+            "chunk_bos",
+            "chunk_tts_bos",
+            "chunk_tts_eos",
+            "tts_pad",
+        )
+    ]
     names += [(f"<|timbre_{i}|>", True) for i in range(7, 32)]
     return names
 
@@ -78,7 +121,8 @@ def byte_symbols() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-_CORPUS = """
+_CORPUS = (
+    """
 The quick brown fox jumps over the lazy dog while the small cat watches from the window.
 A model that listens, sees and speaks turns a question into text, and the text into a voice.
 Please describe the picture in one short sentence and tell me what the person is holding.
@@ -93,7 +137,9 @@ The service streams tokens to the client as soon as they are generated, one chun
 Music, speech and noise are all sounds, but only speech carries words that we can transcribe.
 def main(argv): return run(parse(argv)) if argv else print("usage: tool [options] file")
 import json; data = json.loads(text); print(data["name"], data.get("value", None))
-""" * 3
+"""
+    * 3
+)
 
 
 def _learn_corpus_merges(symbols: list[str], limit: int) -> list[tuple[str, str]]:
@@ -191,13 +237,18 @@ def build_tokenizer() -> tuple[Any, dict[str, int], list[tuple[str, str]]]:
     )
 
     vocab, merges = build_base_vocab()
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False,
-                               byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False
+        )
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     # <unk> first: it already has base id 128244; then the rest land at 151643.. in order.
@@ -235,8 +286,14 @@ def _bad_token_ids(vocab: dict[str, int], symbols: list[str]) -> list[int]:
 
 
 def _token_entry(content: str, special: bool) -> dict[str, Any]:
-    return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-            "special": special}
+    return {
+        "content": content,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": special,
+    }
 
 
 def write_tokenizer_files(out_dir: Path) -> int:
@@ -246,9 +303,12 @@ def write_tokenizer_files(out_dir: Path) -> int:
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, separators=(",", ":")))
     (out_dir / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    added = [(UNK_TOKEN, UNK_ID, True)] + [(c, BASE_VOCAB_SIZE + i, s) for i, (c, s) in enumerate(ADDED_TOKENS)]
+    added = [(UNK_TOKEN, UNK_ID, True)] + [
+        (c, BASE_VOCAB_SIZE + i, s) for i, (c, s) in enumerate(ADDED_TOKENS)
+    ]
     (out_dir / "added_tokens.json").write_text(
-        json.dumps({c: i for c, i, _ in sorted(added, key=lambda x: x[0])}, indent=2, ensure_ascii=False) + "\n"
+        json.dumps({c: i for c, i, _ in sorted(added, key=lambda x: x[0])}, indent=2, ensure_ascii=False)
+        + "\n"
     )
     # Like the real file: <unk> plus the MiniCPM additions from <image> on.
     extra_special = [UNK_TOKEN] + [c for c, i, s in added if s and i >= 151669]
@@ -259,8 +319,12 @@ def write_tokenizer_files(out_dir: Path) -> int:
         return entry
 
     specials_map: dict[str, Any] = {"additional_special_tokens": [plain(c) for c in extra_special]}
-    for key, content in (("bos_token", "<|im_start|>"), ("eos_token", "<|im_end|>"),
-                         ("pad_token", "<|endoftext|>"), ("unk_token", UNK_TOKEN)):
+    for key, content in (
+        ("bos_token", "<|im_start|>"),
+        ("eos_token", "<|im_end|>"),
+        ("pad_token", "<|endoftext|>"),
+        ("unk_token", UNK_TOKEN),
+    ):
         specials_map[key] = plain(content)
     (out_dir / "special_tokens_map.json").write_text(json.dumps(specials_map, indent=2) + "\n")
     config = {

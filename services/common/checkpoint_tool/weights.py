@@ -123,7 +123,9 @@ class _TalkerExtras(nn.Module):
         )
 
 
-def _shapes(module: nn.Module, prefix: str, keep: Callable[[str], bool] = lambda _k: True) -> list[TensorSpec]:
+def _shapes(
+    module: nn.Module, prefix: str, keep: Callable[[str], bool] = lambda _k: True
+) -> list[TensorSpec]:
     out = []
     for key, value in module.state_dict().items():
         if key.endswith("position_ids") or not value.is_floating_point():
@@ -152,8 +154,17 @@ def thinker_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
     llm_keys = (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "attention_bias",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "attention_bias",
         "tie_word_embeddings",
     )
     vc, ac = cfg["vision_config"], cfg["audio_config"]
@@ -163,7 +174,9 @@ def thinker_specs(cfg: dict[str, Any]) -> list[TensorSpec]:
         specs += _shapes(llm, "llm.")
         del llm
         vision = SiglipVisionModel(
-            SiglipVisionConfig(**{**{k: v for k, v in vc.items() if k != "model_type"}, "vision_use_head": False})
+            SiglipVisionConfig(
+                **{**{k: v for k, v in vc.items() if k != "model_type"}, "vision_use_head": False}
+            )
         )
         stored_layers = int(vc["num_hidden_layers"]) - (1 if cfg.get("drop_vision_last_layer", True) else 0)
 
@@ -273,8 +286,10 @@ def write_sharded_weights(
             since_log += t.numel() * t.element_size()
             if since_log >= PROGRESS_EVERY_BYTES:
                 drawn = done_bytes + sum(x.numel() * x.element_size() for x in tensors.values())
-                log(f"    drawing {fname}: {drawn / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB "
-                    f"({time.monotonic() - t0:.0f} s)")
+                log(
+                    f"    drawing {fname}: {drawn / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB "
+                    f"({time.monotonic() - t0:.0f} s)"
+                )
                 since_log = 0
         save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
         shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -59,8 +59,14 @@ def create_app(ws_backend: str, ref_audio: Path, public_realtime_url: str | None
         try:
             upstream = await websockets.connect(target, max_size=None)
         except Exception as exc:  # noqa: BLE001 - tell the page why, in the protocol's own envelope
-            await ws.send_text(json.dumps({"type": "error", "error": {
-                "type": "server_error", "code": "backend_unavailable", "message": str(exc)}}))
+            await ws.send_text(
+                json.dumps(
+                    {
+                        "type": "error",
+                        "error": {"type": "server_error", "code": "backend_unavailable", "message": str(exc)},
+                    }
+                )
+            )
             await ws.close(1011)
             return
 
@@ -99,15 +105,22 @@ def create_app(ws_backend: str, ref_audio: Path, public_realtime_url: str | None
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    p = argparse.ArgumentParser(prog="python -m examples.online_serving.minicpmo.realtime_web", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m examples.online_serving.minicpmo.realtime_web",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--ws-backend", default="ws://127.0.0.1:8099/v1/realtime")
     p.add_argument("--ref-audio", required=True, type=Path, help="WAV with the reply voice")
-    p.add_argument("--public-realtime-url", default=None, help="WebSocket URL the page should use instead of the proxy")
+    p.add_argument(
+        "--public-realtime-url", default=None, help="WebSocket URL the page should use instead of the proxy"
+    )
     args = p.parse_args(argv)
-    uvicorn.run(create_app(args.ws_backend, args.ref_audio, args.public_realtime_url), host=args.host, port=args.port)
+    uvicorn.run(
+        create_app(args.ws_backend, args.ref_audio, args.public_realtime_url), host=args.host, port=args.port
+    )
 
 
 if __name__ == "__main__":
