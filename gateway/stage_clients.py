@@ -192,12 +192,13 @@ class StageClient:
             ("grpc.enable_retries", 0),
         ]
         self.tls = tls
-        if tls is None:
-            self.channel = grpc.aio.insecure_channel(self.target, options=options)
-        else:  # the stage's certificate is verified against tls.ca_file; mTLS also presents ours
-            self.channel = grpc.aio.secure_channel(self.target, tls.credentials(), options=options)
+        self.channel = self._open_channel(options)
         self.stub = _STUBS[stage](self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        # Health probes go over a channel of their own: on the request channel every probe would take a
+        # turn in the round-robin over a replica list, so the background monitor would decide which
+        # replica the next request lands on.
+        self._probe_channel = self._open_channel(options)
+        self._health = health_pb2_grpc.HealthStub(self._probe_channel)
         self.info: common_pb2.StageInfo | None = None
         self._open_streams: weakref.WeakSet[StageStream] = weakref.WeakSet()
 
@@ -238,8 +239,14 @@ class StageClient:
                 failed += 1
         return failed
 
+    def _open_channel(self, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        if self.tls is None:
+            return grpc.aio.insecure_channel(self.target, options=options)
+        # the stage's certificate is verified against tls.ca_file; mTLS also presents ours
+        return grpc.aio.secure_channel(self.target, self.tls.credentials(), options=options)
+
     async def close(self) -> None:
-        await self.channel.close(grace=None)
+        await asyncio.gather(self.channel.close(grace=None), self._probe_channel.close(grace=None))
 
 
 class StageStream:

@@ -14,6 +14,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton runs only through its interpreter, and that must be chosen before triton is first
+# imported anywhere in the run (triton's own library functions are decorated at import): a test module
+# that imports torch's or our Triton code earlier would otherwise leave them compiled-only.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_SEED = 0
 

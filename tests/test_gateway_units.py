@@ -201,7 +201,7 @@ def test_realtime_session_limit_from_profile_and_flag() -> None:
 
     base = ["--deploy-config", "minicpmo_4_5"]
     app = create_app(config_from_args(build_parser().parse_args(base)))
-    assert app.state.realtime_settings.max_sessions == 8
+    assert app.state.realtime_settings.max_sessions == 16  # the 1-GPU profile admits 16 duplex sessions
     app = create_app(config_from_args(build_parser().parse_args([*base, "--max-realtime-sessions", "3"])))
     assert app.state.realtime_settings.max_sessions == 3
     app = create_app(config_from_args(build_parser().parse_args(["--deploy-config", "cpu"])))
