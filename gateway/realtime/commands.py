@@ -7,7 +7,7 @@ session exactly as it was (malformed frames never derail a session).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,15 +20,29 @@ from gateway.realtime.audio import (
     strict_b64decode,
     validate_rate,
 )
-from gateway.realtime.config import parse_session
+from gateway.realtime.config import SessionConfig, parse_session
 from gateway.realtime.conversation import Item, UserItem
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.journal import EventJournal
+from gateway.realtime.server_vad import VadHost
 from gateway.realtime.video import decode_video_frames
 
-if TYPE_CHECKING:
-    from gateway.realtime.session import DuplexSession
 
-Handler = Callable[["DuplexSession", dict[str, Any]], Awaitable[None]]
+class CommandHost(VadHost, Protocol):
+    """What the client-command handlers use of the session (see ``gateway.realtime.host``)."""
+
+    journal: EventJournal
+
+    def buffered_input_bytes(self) -> int: ...
+
+    def drop_input(self) -> None: ...
+
+    def input_resumed(self) -> None: ...
+
+    def reconfigure(self, cfg: SessionConfig) -> None: ...
+
+
+Handler = Callable[[CommandHost, dict[str, Any]], Awaitable[None]]
 UNSUPPORTED_RESPONSE_OPTIONS = (
     "instructions",
     "voice",
@@ -40,7 +54,7 @@ UNSUPPORTED_RESPONSE_OPTIONS = (
 )
 
 
-async def dispatch(s: DuplexSession, event: dict[str, Any]) -> None:
+async def dispatch(s: CommandHost, event: dict[str, Any]) -> None:
     kind = event.get("type")
     handler = HANDLERS.get(kind) if isinstance(kind, str) else None
     if handler is None:
@@ -51,23 +65,23 @@ async def dispatch(s: DuplexSession, event: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ session
 
 
-async def session_update(s: DuplexSession, event: dict[str, Any]) -> None:
+async def session_update(s: CommandHost, event: dict[str, Any]) -> None:
     s.reconfigure(parse_session(event.get("session"), current=s.cfg, audio_started=s.input.started))
 
 
-async def session_resume_mid_session(s: DuplexSession, event: dict[str, Any]) -> None:
+async def session_resume_mid_session(s: CommandHost, event: dict[str, Any]) -> None:
     raise RealtimeError("unsupported_session_resume", "session.resume is only valid as the first message")
 
 
-async def event_ack(s: DuplexSession, event: dict[str, Any]) -> None:
+async def event_ack(s: CommandHost, event: dict[str, Any]) -> None:
     s.journal.ack(event.get("server_event_seq"))
 
 
-async def heartbeat(s: DuplexSession, event: dict[str, Any]) -> None:
+async def heartbeat(s: CommandHost, event: dict[str, Any]) -> None:
     s.emit("session.heartbeat_ack", session_id=s.id)
 
 
-async def close(s: DuplexSession, event: dict[str, Any]) -> None:
+async def close(s: CommandHost, event: dict[str, Any]) -> None:
     reason = event.get("reason")
     await s.end(reason if isinstance(reason, str) and reason else "client_close")
 
@@ -75,7 +89,7 @@ async def close(s: DuplexSession, event: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ input
 
 
-def _is_speech(s: DuplexSession, event: dict[str, Any], samples: np.ndarray) -> bool:
+def _is_speech(s: CommandHost, event: dict[str, Any], samples: np.ndarray) -> bool:
     """The client's speech flag or probability on the append, else an energy check of the audio."""
     for key in ("is_speech", "speech"):
         if isinstance(event.get(key), bool):
@@ -89,7 +103,7 @@ def _is_speech(s: DuplexSession, event: dict[str, Any], samples: np.ndarray) -> 
     return rms(samples) >= s.settings.overlap_silence_rms
 
 
-async def append(s: DuplexSession, event: dict[str, Any]) -> None:
+async def append(s: CommandHost, event: dict[str, Any]) -> None:
     audio_b64 = event.get("audio", event.get("delta"))
     fmt_name = event.get("format", event.get("input_audio_format"))
     fmt = canonical_input_format(fmt_name) if fmt_name is not None else s.cfg.input_format
@@ -148,7 +162,7 @@ async def append(s: DuplexSession, event: dict[str, Any]) -> None:
             s.emit_listen("silence_or_noise")
 
 
-async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
+async def commit(s: CommandHost, event: dict[str, Any]) -> None:
     create = event.get("response_create", event.get("create_response"))
     if create is None and event.get("type") == "input.commit":
         create = True
@@ -175,25 +189,25 @@ async def commit(s: DuplexSession, event: dict[str, Any]) -> None:
     s.seal_input(create=bool(create), speech=speech, item_id=item_id, final=final)
 
 
-async def clear(s: DuplexSession, event: dict[str, Any]) -> None:
+async def clear(s: CommandHost, event: dict[str, Any]) -> None:
     s.drop_input()
     s.emit("input_audio_buffer.cleared")
 
 
-async def input_cancel(s: DuplexSession, event: dict[str, Any]) -> None:
+async def input_cancel(s: CommandHost, event: dict[str, Any]) -> None:
     s.drop_input()
     s.emit("input_audio_buffer.cleared")
     s.interrupt("barge_in")
 
 
-async def text_append(s: DuplexSession, event: dict[str, Any]) -> None:
+async def text_append(s: CommandHost, event: dict[str, Any]) -> None:
     raise RealtimeError("native_text_append_unsupported", "MiniCPM-o duplex sessions take audio input only")
 
 
 # ------------------------------------------------------------------------------------------ interrupts
 
 
-async def barge_in(s: DuplexSession, event: dict[str, Any]) -> None:
+async def barge_in(s: CommandHost, event: dict[str, Any]) -> None:
     if not s.settings.supports_barge_in:
         raise RealtimeError("barge_in_unsupported", "this deployment does not support barge-in")
     s.drop_input()
@@ -201,7 +215,7 @@ async def barge_in(s: DuplexSession, event: dict[str, Any]) -> None:
     s.interrupt("barge_in")
 
 
-async def response_cancel(s: DuplexSession, event: dict[str, Any]) -> None:
+async def response_cancel(s: CommandHost, event: dict[str, Any]) -> None:
     rid = event.get("response_id")
     active = s.lifecycle.active
     if active is None or (rid is not None and rid != active.id):
@@ -213,7 +227,7 @@ async def response_cancel(s: DuplexSession, event: dict[str, Any]) -> None:
     s.interrupt("client_cancelled")
 
 
-async def output_clear(s: DuplexSession, event: dict[str, Any]) -> None:
+async def output_clear(s: CommandHost, event: dict[str, Any]) -> None:
     rid = event.get("response_id")
     active = s.lifecycle.active
     if active is not None and (rid is None or rid == active.id):
@@ -223,7 +237,7 @@ async def output_clear(s: DuplexSession, event: dict[str, Any]) -> None:
     s.emit("output_audio_buffer.cleared", response_id=rid or (last.id if last else None))
 
 
-async def turn_signal(s: DuplexSession, event: dict[str, Any]) -> None:
+async def turn_signal(s: CommandHost, event: dict[str, Any]) -> None:
     target = event.get("event")
     routed = {"barge_in", "input.cancel", "response.cancel", "session.update"}
     if not isinstance(target, str) or not (target in routed or target.startswith("conversation.item.")):
@@ -234,7 +248,7 @@ async def turn_signal(s: DuplexSession, event: dict[str, Any]) -> None:
     await dispatch(s, {**payload, "type": target})
 
 
-async def response_create(s: DuplexSession, event: dict[str, Any]) -> None:
+async def response_create(s: CommandHost, event: dict[str, Any]) -> None:
     options = event.get("response") or {}
     if not isinstance(options, dict):
         raise RealtimeError("bad_event", "response must be an object", param="response")
@@ -255,7 +269,7 @@ async def response_create(s: DuplexSession, event: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ playback
 
 
-def _ack_target(s: DuplexSession, event: dict[str, Any]) -> ev.ResponseState:
+def _ack_target(s: CommandHost, event: dict[str, Any]) -> ev.ResponseState:
     rid = event.get("response_id")
     item_id = event.get("item_id")
     if rid is not None and item_id is not None and item_id != ev.assistant_item_id(rid):
@@ -282,7 +296,7 @@ def _ack_target(s: DuplexSession, event: dict[str, Any]) -> ev.ResponseState:
     return last
 
 
-async def playback_ack(s: DuplexSession, event: dict[str, Any]) -> None:
+async def playback_ack(s: CommandHost, event: dict[str, Any]) -> None:
     played = event.get("played_ms")
     if isinstance(played, bool) or not isinstance(played, (int, float)) or played < 0:
         raise RealtimeError("bad_event", "played_ms must be a non-negative number", param="played_ms")
@@ -310,7 +324,7 @@ async def playback_ack(s: DuplexSession, event: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ items
 
 
-def _lookup_item(s: DuplexSession, event: dict[str, Any]) -> tuple[str, Item]:
+def _lookup_item(s: CommandHost, event: dict[str, Any]) -> tuple[str, Item]:
     item_id = event.get("item_id")
     if not isinstance(item_id, str) or not item_id:
         raise RealtimeError("missing_item_id", "item_id is required", param="item_id")
@@ -338,12 +352,12 @@ def _item_json(entry: Item) -> dict[str, Any]:
     return item
 
 
-async def item_retrieve(s: DuplexSession, event: dict[str, Any]) -> None:
+async def item_retrieve(s: CommandHost, event: dict[str, Any]) -> None:
     _, entry = _lookup_item(s, event)
     s.emit("conversation.item.retrieved", item=_item_json(entry))
 
 
-async def item_delete(s: DuplexSession, event: dict[str, Any]) -> None:
+async def item_delete(s: CommandHost, event: dict[str, Any]) -> None:
     item_id, entry = _lookup_item(s, event)
     if isinstance(entry, ev.ResponseState) and entry.status == "in_progress":
         raise RealtimeError(
@@ -353,7 +367,7 @@ async def item_delete(s: DuplexSession, event: dict[str, Any]) -> None:
     s.emit("conversation.item.deleted", item_id=item_id, event={"item_id": item_id})
 
 
-async def item_truncate(s: DuplexSession, event: dict[str, Any]) -> None:
+async def item_truncate(s: CommandHost, event: dict[str, Any]) -> None:
     item_id, resp = _lookup_item(s, event)
     if not isinstance(resp, ev.ResponseState) or not resp.wants_audio:
         raise RealtimeError(
@@ -382,7 +396,7 @@ async def item_truncate(s: DuplexSession, event: dict[str, Any]) -> None:
     )
 
 
-async def item_create(s: DuplexSession, event: dict[str, Any]) -> None:
+async def item_create(s: CommandHost, event: dict[str, Any]) -> None:
     item = event.get("item")
     if not isinstance(item, dict):
         raise RealtimeError("bad_event", "item must be an object", param="item")

@@ -15,24 +15,65 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gateway.realtime import events as ev
 from gateway.realtime import metrics
-from gateway.realtime.audio import encode_output_audio
+from gateway.realtime.audio import AudioUnit, encode_output_audio
 from gateway.realtime.errors import RealtimeError
-from gateway.realtime.pipeline.events import AudioOut, PipelineEvent, PipelineFailure, StageAck, UnitOutcome
+from gateway.realtime.host import SessionCore
+from gateway.realtime.pipeline.events import (
+    AudioOut,
+    PipelineEvent,
+    PipelineFailure,
+    SessionPipeline,
+    StageAck,
+    UnitOutcome,
+)
 
-if TYPE_CHECKING:
-    from gateway.realtime.session import DuplexSession
+
+class LifecycleHost(SessionCore, Protocol):
+    """What the response lifecycle uses of its session (see ``gateway.realtime.host``)."""
+
+    pipeline: SessionPipeline
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def unit_seq(self) -> int: ...
+
+    @property
+    def interrupt_started(self) -> float | None: ...
+
+    @property
+    def units_in_flight(self) -> int: ...
+
+    @property
+    def response_unit_cap(self) -> int: ...
+
+    @property
+    def clock_exhausted(self) -> bool: ...
+
+    def advance_epoch(self, reason: str) -> int: ...
+
+    def forward_unit(self, unit: AudioUnit, *, request_response: bool = False) -> int: ...
+
+    def take_backlog(self) -> list[AudioUnit]: ...
+
+    def tick_clock(self) -> None: ...
+
+    def note_decision(self, unit_seq: int) -> None: ...
+
+    def silence_unit(self) -> AudioUnit: ...
 
 
 class ResponseLifecycle:
     """The responses of one session and the events that tell their story (owned by the session)."""
 
-    def __init__(self, session: DuplexSession) -> None:
+    def __init__(self, session: LifecycleHost) -> None:
         self.s = session
         self.active: ev.ResponseState | None = None
         self.last: ev.ResponseState | None = None

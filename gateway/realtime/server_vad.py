@@ -20,22 +20,30 @@ audio, never on how the client sized or paced its appends.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gateway.realtime import events as ev
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.host import SessionCore
+from gateway.realtime.lifecycle import ResponseLifecycle
 from gateway.realtime.vad import SpeechStarted, SpeechStopped, make_detector
 
-if TYPE_CHECKING:
-    from gateway.realtime.session import DuplexSession
+
+class VadHost(SessionCore, Protocol):
+    """What server VAD uses of its session (see ``gateway.realtime.host``)."""
+
+    lifecycle: ResponseLifecycle
+
+    @property
+    def server_vad(self) -> ServerVadTurns | None: ...
 
 
 class ServerVadTurns:
     def __init__(
         self,
-        s: DuplexSession,
+        s: VadHost,
         params: dict[str, Any],
         *,
         clock: int,
@@ -174,7 +182,7 @@ class ServerVadTurns:
         )
 
 
-def sync_server_vad(s: DuplexSession) -> ServerVadTurns | None:
+def sync_server_vad(s: VadHost) -> ServerVadTurns | None:
     """The session's server-VAD state after a (re)configuration: kept, rebuilt with new knobs, or dropped.
 
     A knob change keeps the speech in progress (same item, same buffered audio); switching to ``null``

@@ -11,16 +11,34 @@ inputs; 16-row tiles of each prefill chunk for an eager step, built on the host.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from services.thinker.kernels import AttentionTiles, key_splits
-from services.thinker.kv_cache import BlockPool
+from services.thinker.kv_cache import BlockPool, PagedKVCache
+from services.thinker.layer_ops import FusedLayer
 
 if TYPE_CHECKING:
-    from services.thinker.runner import ModelRunner, StepInput
+    from services.thinker.step_types import StepInput
+
+
+class LayerHost(Protocol):
+    """What the fused layer loop uses of its model runner (``ModelRunner``): a protocol, so this module,
+    which the runner imports, need not import the runner back."""
+
+    device: torch.device
+    cache: PagedKVCache
+    model: Any  # the Qwen3 decoder (its embedding and final norm)
+    layers: list[FusedLayer]
+    ops: Any  # the kernel backend's ops (``kernels.get_ops``)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+
 
 EAGER_TILE_ROWS = 16  # rows of one sequence per attention tile in eager steps (prefill chunks)
 
@@ -28,7 +46,7 @@ EAGER_TILE_ROWS = 16  # rows of one sequence per attention tile in eager steps (
 class FusedForward:
     """The fused layer loop and tile builders of one runner (its weights, cache and kernel ops)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: LayerHost) -> None:
         self.runner = runner
         self._row_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         dev = runner.device

@@ -3,21 +3,45 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from services.thinker.kv_cache import BlockPool
+from services.thinker.kv_cache import BlockPool, PagedKVCache
 
 if TYPE_CHECKING:
-    from services.thinker.runner import DecodeRow, ModelRunner
+    from services.thinker.step_types import DecodeRow
 
 SCRATCH_SLOT = BlockPool.SCRATCH_BLOCK  # slot 0 lives in the scratch block
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
+
+
+class GraphHost(Protocol):
+    """What a row graph uses of its model runner (``ModelRunner``): a protocol, so this module, which the
+    runner imports, need not import the runner back."""
+
+    device: torch.device
+    dtype: torch.dtype
+    hidden_size: int
+    cache: PagedKVCache
+    graph_capture: Capture | None
+    _graph_pool: Any  # the runner's shared CUDA graph memory pool, made by the first capture
+
+    def decode_forward_static(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        write: torch.Tensor,
+        table: torch.Tensor,
+        embeds: torch.Tensor | None = None,
+        use_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 # (runner, body) -> (replay, outputs the replay refreshes); tests substitute a host-side emulation.
-Capture = Callable[["ModelRunner", Callable[[], Outputs]], tuple[Callable[[], None], Outputs]]
+Capture = Callable[["GraphHost", Callable[[], Outputs]], tuple[Callable[[], None], Outputs]]
 
 
 def fill_rows(rows: Sequence[DecodeRow], block_size: int, host: np.ndarray, batch: int, blocks: int) -> None:
@@ -38,9 +62,7 @@ def fill_rows(rows: Sequence[DecodeRow], block_size: int, host: np.ndarray, batc
         table[i, :used] = r.blocks[:used]
 
 
-def capture_cuda_graph(
-    runner: ModelRunner, body: Callable[[], Outputs]
-) -> tuple[Callable[[], None], Outputs]:
+def capture_cuda_graph(runner: GraphHost, body: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
     """Warm ``body`` up on a side stream, then record it into the runner's shared graph pool."""
     dev = runner.device
     stream = torch.cuda.Stream(device=dev)
@@ -66,7 +88,7 @@ class RowGraph:
     write to and read from the scratch block only.
     """
 
-    def __init__(self, runner: ModelRunner, batch: int, context: int) -> None:
+    def __init__(self, runner: GraphHost, batch: int, context: int) -> None:
         self.batch = batch
         self.context = context
         self.blocks = -(-context // runner.cache.layout.block_size)

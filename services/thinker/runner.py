@@ -41,49 +41,11 @@ from services.thinker.kernels import get_ops, select_backend
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import FusedLayer, fuse_rows, post_attention, pre_attention
 from services.thinker.row_graph import Capture, RowGraph, fill_rows
+from services.thinker.step_types import DecodeRow, PrefillChunk, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
 SCRATCH_SLOT = BlockPool.SCRATCH_BLOCK  # slot 0 lives in the scratch block
-
-
-@dataclass
-class DecodeRow:
-    """One token of a running sequence: its id, its position and the blocks that hold its context."""
-
-    token_id: int
-    position: int
-    blocks: list[int]
-
-
-@dataclass
-class PrefillChunk:
-    """Consecutive prompt tokens of one sequence starting at ``start``; ``embeds`` overrides text rows."""
-
-    token_ids: list[int]
-    start: int
-    blocks: list[int]
-    embeds: torch.Tensor | None = None
-    want_logits: bool = False
-
-
-@dataclass
-class StepInput:
-    decode: list[DecodeRow] = field(default_factory=list)
-    prefill: list[PrefillChunk] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(len(c.token_ids) for c in self.prefill)
-
-
-@dataclass
-class StepOutput:
-    """Final-norm hidden states and fp32 logits of the rows that produce a next token."""
-
-    decode_hidden: torch.Tensor  # [len(decode), hidden]
-    decode_logits: torch.Tensor  # [len(decode), vocab] fp32
-    prefill_logits: list[torch.Tensor | None]  # last-row logits per chunk, when asked
 
 
 @dataclass
