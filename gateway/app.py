@@ -116,27 +116,7 @@ def create_app(
     app = FastAPI(title="MiniCPM-o 4.5 gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> Response:
-        return error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return JSONResponse(error_body(400, f"invalid request: {first.get('msg', exc)}", param), 400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return JSONResponse(
-            error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("unhandled error")
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500)
-
+    _install_error_handlers(app)
     app.add_middleware(_AuthAndCountMiddleware, config=config)
 
     @app.get("/v1/models")
@@ -179,6 +159,31 @@ def create_app(
     if mount_realtime:
         _mount_realtime(app)
     return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every refusal in the OpenAI error envelope; an unexpected exception is a 500 naming only its type."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return JSONResponse(error_body(400, f"invalid request: {first.get('msg', exc)}", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500)
 
 
 def _declare_body_schemas(app: FastAPI) -> None:

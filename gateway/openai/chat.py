@@ -27,7 +27,8 @@ from gateway.audio_encoding import encode_audio
 from gateway.openai.body import read_json_body
 from gateway.openai.content import build_thinker_messages, load_ref_audio
 from gateway.openai.errors import APIError, error_body
-from gateway.openai.protocol import ChatRequest, chat_request_openapi, parse_chat_request
+from gateway.openai.openapi_schema import chat_request_openapi
+from gateway.openai.protocol import ChatRequest, parse_chat_request
 from gateway.pipeline import OUTPUT_SAMPLE_RATE, AudioEvent, ChatJob, FinishEvent, PipelineRun, TextEvent
 from gateway.runtime import GatewayRuntime
 from gateway.stage_clients import StageFailure
@@ -240,6 +241,45 @@ async def _start_stream(
     )
 
 
+class _Chunks:
+    """Builds the SSE chunks of one streamed completion: the role on the first, usage where asked."""
+
+    def __init__(self, req: ChatRequest, request_id: str, first: Any) -> None:
+        self.req = req
+        self.base = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": req.model,
+        }
+        self.role_sent = False
+        # stream_options.continuous_usage_stats (vLLM extension): every chunk carries the usage so far.
+        # The thinker repeats the prompt length on each TextDelta, so it is known from the first chunk on.
+        self.prompt_tokens = first.prompt_tokens if isinstance(first, TextEvent) else 0
+        self.completion_tokens = 0
+
+    def count(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens or self.prompt_tokens
+        self.completion_tokens = max(self.completion_tokens, completion_tokens)
+
+    def chunk(self, modality: str, delta: dict[str, Any], **extra: Any) -> str:
+        if not self.role_sent:
+            delta = {"role": "assistant", **delta}
+            self.role_sent = True
+        body: dict[str, Any] = {
+            **self.base,
+            "modality": modality,
+            "choices": [{"index": 0, "delta": delta, **extra}],
+        }
+        if self.req.continuous_usage_stats:
+            body["usage"] = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+            }
+        return _sse(body)
+
+
 async def _stream_body(
     runtime: GatewayRuntime,
     req: ChatRequest,
@@ -248,38 +288,12 @@ async def _stream_body(
     first: Any,
     events: AsyncIterator[Any],
 ) -> AsyncIterator[str]:
-    created = int(time.time())
-    base = {"id": job.request_id, "object": "chat.completion.chunk", "created": created, "model": req.model}
+    out = _Chunks(req, job.request_id, first)
+    chunk = out.chunk
     openai_audio = runtime.config.openai_audio_delta
     audio_id = f"audio-{secrets.token_hex(8)}"
-    role_sent = False
     produced_audio = False
     finished_normally = False
-    # stream_options.continuous_usage_stats (vLLM extension): every chunk carries the usage so far.
-    # The thinker repeats the prompt length on each TextDelta, so it is known from the first chunk on.
-    running = {
-        "prompt_tokens": first.prompt_tokens if isinstance(first, TextEvent) else 0,
-        "completion_tokens": 0,
-    }
-
-    def chunk(modality: str, delta: dict[str, Any], **extra: Any) -> str:
-        nonlocal role_sent
-        if not role_sent:
-            delta = {"role": "assistant", **delta}
-            role_sent = True
-        body: dict[str, Any] = {
-            **base,
-            "modality": modality,
-            "choices": [{"index": 0, "delta": delta, **extra}],
-        }
-        if req.continuous_usage_stats:
-            prompt, completion = running["prompt_tokens"], running["completion_tokens"]
-            body["usage"] = {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-            }
-        return _sse(body)
 
     async def all_events() -> AsyncIterator[Any]:
         yield first
@@ -291,8 +305,7 @@ async def _stream_body(
             yield chunk("text", {"content": ""})
         async for event in all_events():
             if isinstance(event, TextEvent):
-                running["prompt_tokens"] = event.prompt_tokens or running["prompt_tokens"]
-                running["completion_tokens"] = max(running["completion_tokens"], event.completion_tokens)
+                out.count(event.prompt_tokens, event.completion_tokens)
                 if req.want_text and event.text:
                     yield chunk("text", {"content": event.text})
             elif isinstance(event, AudioEvent):
@@ -312,11 +325,11 @@ async def _stream_body(
                     yield _sse(error_body(400, "Audio generation completed but no audio was produced."))
                     break
                 _observe(event)
-                running.update(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+                out.prompt_tokens, out.completion_tokens = event.prompt_tokens, event.completion_tokens
                 last_modality = "audio" if req.want_audio else "text"
                 yield chunk(last_modality, {}, finish_reason=event.finish_reason)
                 if req.include_usage:
-                    yield _sse({**base, "modality": last_modality, "choices": [], "usage": _usage(event)})
+                    yield _sse({**out.base, "modality": last_modality, "choices": [], "usage": _usage(event)})
                 finished_normally = True
         yield "data: [DONE]\n\n"
     except StageFailure as exc:
