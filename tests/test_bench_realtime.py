@@ -59,7 +59,7 @@ def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: 
         "thinker_step_sample_mean_ms",
     ):
         assert turn[key] is not None and turn[key] > 0, key
-    assert turn["whisper_batch_mean"] == 1.0  # one session's unit per streaming-Whisper call today
+    assert turn["whisper_batch_mean"] == 1.0  # one session: one unit per streaming-Whisper pass
     for stage in ("thinker", "talker", "code2wav"):
         assert turn[f"{stage}_batch_mean"] >= 1 and 0 < turn[f"{stage}_busy_share"] < 1, stage
     # The native lane: every response the model opened completed (the final commit's silence clock).

@@ -20,6 +20,7 @@ from services.thinker.engine import STAGE, EngineConfig, ThinkerEngine
 from services.thinker.sampling import DEFAULT_STOP_IDS
 
 if TYPE_CHECKING:
+    from services.thinker.duplex_encode import DuplexUnitEncoder
     from services.thinker.model import ThinkerModel
     from services.thinker.processor import ThinkerProcessor
 
@@ -37,6 +38,8 @@ class ThinkerBackend:
     device: str
     executor: ThreadPoolExecutor  # encoders and prompt building: off the event loop, beside the engine
     duplex_window: DuplexWindow | None = None  # None: a duplex session ends at the context limit
+    # Batches the duplex sessions' units into one streaming-Whisper pass; made by the first duplex stream.
+    duplex_encoder: DuplexUnitEncoder | None = None
 
     @property
     def tokenizer(self) -> Any:  # a Hugging Face tokenizer (services.common.checkpoint.Checkpoint.tokenizer)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -53,6 +54,10 @@ from services.thinker.duplex_policy import (
 from services.thinker.engine import EngineEvent
 from services.thinker.scheduler import WorkItem
 
+if TYPE_CHECKING:
+    from services.thinker.processor.duplex_audio import DuplexMelChunk
+    from services.thinker.processor.duplex_layout import TokenLayout
+
 log = logging.getLogger(__name__)
 
 UNIT_PHASE_SECONDS = Histogram(
@@ -66,8 +71,8 @@ UNIT_PHASE_SECONDS = Histogram(
 
 WHISPER_BATCH = Histogram(
     "minicpmo_thinker_whisper_batch_size",
-    "Units encoded per streaming-Whisper call (today one session's unit per call; bench.realtime_duplex "
-    "reports it per load level)",
+    "Units encoded per streaming-Whisper call (the pending units of every session go in one call; "
+    "bench.realtime_duplex reports it per load level)",
     buckets=(1, 2, 4, 8, 16, 32),
 )
 
@@ -95,6 +100,18 @@ def unit_audio_16k(pcm: common_pb2.Pcm) -> np.ndarray:
     if len(samples) < UNIT_SAMPLES:
         samples = np.concatenate([np.zeros(UNIT_SAMPLES - len(samples), np.float32), samples])
     return samples[-UNIT_SAMPLES:]
+
+
+@dataclass
+class PreparedUnit:
+    """A unit between its host-side preparation and its encoders (see :mod:`services.thinker.duplex_encode`)."""
+
+    session: DuplexSession
+    chunk: DuplexMelChunk
+    layout: TokenLayout
+    slices: list[torch.Tensor]  # the frames' vision slices (empty for an audio-only unit)
+    tgt: torch.Tensor
+    force_speak: bool
 
 
 @dataclass
@@ -204,7 +221,20 @@ class DuplexSession:
         return WorkItem(ids.tolist(), embeds, sampler=None, tag=("prefix", self.epoch))
 
     def unit_work(self, unit: thinker_pb2.ThinkerUnit, force_speak: bool) -> WorkItem:
-        """One unit's tokens and embeddings plus its policy (runs in a worker thread)."""
+        """One unit's tokens and embeddings plus its policy, encoded alone (runs in a worker thread).
+
+        The stream batches its units with other sessions' (:class:`~services.thinker.duplex_encode.
+        DuplexUnitEncoder`); this is the same path for one unit (the fidelity dump uses it).
+        """
+        from services.thinker.duplex_encode import encode_units
+
+        (out,) = encode_units(self.backend, [(self, unit, force_speak)])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def prepare_unit(self, unit: thinker_pb2.ThinkerUnit, force_speak: bool) -> PreparedUnit:
+        """The unit's mel chunk, frames and token layout: everything before the encoders run (host work)."""
         from services.thinker.processor.duplex_layout import duplex_unit_layout
 
         if len(unit.frames) > 2:
@@ -217,10 +247,6 @@ class DuplexSession:
         # after 29 units, one unit before the positions would actually run out.
         if self.audio_state.frames + (chunk.mel.shape[1] - 1) // 2 + 1 >= self.max_audio_positions:
             self.audio_state.reset()
-        audio_rows = self.model.get_audio_embeds_streaming(
-            chunk.core, self.audio_state, chunk.lookahead, chunk.lookbehind
-        )
-        WHISPER_BATCH.observe(1)
         slices: list[torch.Tensor] = []
         counts: list[int] = []
         tgt = torch.zeros(0, 2, dtype=torch.long)
@@ -231,23 +257,26 @@ class DuplexSession:
         prev = self.reinject[0] if self.reinject else None
         layout = duplex_unit_layout(
             counts,
-            audio_rows=int(audio_rows.shape[0]),
+            # the stride-2 convolution halves the unit's frames, the pooling groups pool_step of them
+            audio_rows=(chunk.core.shape[1] // 2) // int(self.model.dims.audio.pool_step),
             previous_terminator=prev,
             close_previous_unit=len(self.reinject) > 1,
         )
-        ids, image_bounds, audio_bounds = layout.tensors()
-        vision = self.model.get_vision_embeds(slices, tgt) if slices else None
-        embeds = self.model.merge_embeddings(ids, vision, image_bounds, [audio_rows], audio_bounds).detach()
+        return PreparedUnit(self, chunk, layout, slices, tgt, force_speak)
+
+    def finish_unit(self, prepared: PreparedUnit, embeds: torch.Tensor) -> WorkItem:
+        """The unit's work item from its merged embeddings, with this unit's decision policy."""
         force_listen = self.units_done < self.open.force_listen_units
         policy = DuplexPolicy(
             self.sampling,
             self.state,
             self.forbidden,
             force_listen=force_listen,
-            force_speak=(force_speak and not force_listen),
+            force_speak=(prepared.force_speak and not force_listen),
         )
         speech = bool(self.open.want_speech)
-        return WorkItem(ids.tolist(), embeds, sampler=policy, emit_hidden=speech, feed_last=True)
+        ids = list(prepared.layout.input_ids)
+        return WorkItem(ids, embeds, sampler=policy, emit_hidden=speech, feed_last=True)
 
     # -------------------------------------------------------------------------------------- results
     def unit_responses(

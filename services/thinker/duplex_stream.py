@@ -5,8 +5,10 @@ mode; what a unit means to the model (its tokens, embeddings, policy and results
 :class:`~services.thinker.duplex.DuplexSession`'s. The stream owns the scheduling:
 
 * the session prefix is prefilled once at open into a persistent engine sequence;
-* units queue in arrival order; the next one is encoded (mel, Whisper rows, frames) on the encode
-  executor and submitted once the previous unit's decision is in (:meth:`DuplexStream.advance`);
+* units queue in arrival order; once the previous unit's decision is in, the next one goes to the
+  backend's :class:`~services.thinker.duplex_encode.DuplexUnitEncoder` (mel, Whisper rows, frames,
+  batched with every other session's waiting unit on the encode executor) and then to the engine
+  (:meth:`DuplexStream.advance`);
 * with ``--duplex-window basic`` a unit that would pass the window's high mark first replaces the
   sequence with a trimmed one (prefix + newest units) and follows that prefill;
 * an interrupt to a newer epoch (the fence is the driver's) cancels the running unit, drops the queued
@@ -30,6 +32,7 @@ from services.common.pb import common_pb2, thinker_pb2
 from services.common.stage_stream import Inbox, Interrupted, StageStream
 from services.thinker.backend import ThinkerBackend
 from services.thinker.duplex import UNIT_PHASE_SECONDS, DuplexSession, UnitOutcome
+from services.thinker.duplex_encode import DuplexUnitEncoder
 from services.thinker.duplex_policy import MAX_TOKENS_PER_UNIT
 from services.thinker.duplex_window import ContextRecord
 from services.thinker.engine import STAGE, EngineEvent
@@ -74,6 +77,9 @@ class DuplexStream(StageStream[Response]):
         self.engine = backend.engine
         self.open_msg = open_msg
         self.session: DuplexSession | None = None
+        if backend.duplex_encoder is None:  # one per backend: it batches the units of all its sessions
+            backend.duplex_encoder = DuplexUnitEncoder(backend)
+        self.encoder: DuplexUnitEncoder = backend.duplex_encoder
         self.seq: EngineSequence | None = None
         self.sink = None  # the inbox's thread-safe post, for the engine sequence (and a trimmed one)
         self.record: ContextRecord | None = None
@@ -156,9 +162,7 @@ class DuplexStream(StageStream[Response]):
         UNIT_PHASE_SECONDS.labels("queued").observe(started - arrived)
         force_speak = bool(self.open_msg.force_speak or unit.request_response)
         try:
-            work = await asyncio.get_running_loop().run_in_executor(
-                self.backend.executor, session.unit_work, unit, force_speak
-            )
+            work = await self.encoder.encode(session, unit, force_speak)
         except StageError as err:
             return self._fail(err, unit_seq)
         except Exception as exc:  # an encoder failure (e.g. out of memory) ends the stream typed

@@ -191,7 +191,7 @@ class EncoderRecord:
 def encoder_tap(model: Any) -> Iterator[EncoderRecord]:
     """Records the encoders' inputs and outputs and each embedding merge's spans (instance wrappers)."""
     rec = EncoderRecord()
-    o_aud, o_aud_s = model.get_audio_embeds, model.get_audio_embeds_streaming
+    o_aud, o_aud_s = model.get_audio_embeds, model.get_audio_embeds_streaming_batch
     o_vis, o_merge = model.get_vision_embeds, model.merge_embeddings
 
     def get_audio_embeds(features: torch.Tensor, lens: Any, *a: Any, **k: Any) -> list[torch.Tensor]:
@@ -205,18 +205,17 @@ def encoder_tap(model: Any) -> Iterator[EncoderRecord]:
         )
         return rows
 
-    def get_audio_embeds_streaming(
-        mel: torch.Tensor, state: Any, lookahead: Any = None, lookbehind: Any = None
-    ) -> torch.Tensor:
-        parts = [p for p in (lookbehind, mel, lookahead) if p is not None]
-        rows = o_aud_s(mel, state, lookahead, lookbehind)
-        rec.audio.append(
-            {
-                "features": _keep(torch.cat([p.float().cpu() for p in parts], -1)),
-                "rows": _keep(rows),
-                "whisper_frames": int(state.frames),
-            }
-        )
+    def get_audio_embeds_streaming_batch(pieces: Any) -> torch.Tensor:
+        rows = o_aud_s(pieces)
+        for piece, piece_rows in zip(pieces, rows, strict=True):
+            parts = [p for p in (piece.lookbehind, piece.mel, piece.lookahead) if p is not None]
+            rec.audio.append(
+                {
+                    "features": _keep(torch.cat([p.float().cpu() for p in parts], -1)),
+                    "rows": _keep(piece_rows),
+                    "whisper_frames": int(piece.state.frames),
+                }
+            )
         return rows
 
     def get_vision_embeds(pixel_values: list[torch.Tensor], tgt_sizes: torch.Tensor) -> torch.Tensor:
@@ -250,14 +249,17 @@ def encoder_tap(model: Any) -> Iterator[EncoderRecord]:
         )
         return o_merge(ids, vision, image_bounds, audio, audio_bounds)
 
-    model.get_audio_embeds, model.get_audio_embeds_streaming = get_audio_embeds, get_audio_embeds_streaming
+    model.get_audio_embeds, model.get_audio_embeds_streaming_batch = (
+        get_audio_embeds,
+        get_audio_embeds_streaming_batch,
+    )
     model.get_vision_embeds, model.merge_embeddings = get_vision_embeds, merge_embeddings
     try:
         yield rec
     finally:
         for name in (
             "get_audio_embeds",
-            "get_audio_embeds_streaming",
+            "get_audio_embeds_streaming_batch",
             "get_vision_embeds",
             "merge_embeddings",
         ):

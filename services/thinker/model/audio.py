@@ -12,6 +12,7 @@ each streamed chunk is a whole number of chunks and the convolution sees its lef
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,32 @@ class WhisperAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d)), (k, v)
 
+    def forward_streams(
+        self, x: torch.Tensor, pasts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """``x`` [B, n, d]: row b is the next piece of stream b, whose cached keys/values are ``pasts[b]``.
+
+        The projections run once for all B streams; attention runs per stream over its own cache (the
+        caches have different lengths, and padding them to one length would change the softmax's
+        summation order, so the rows would no longer equal a single stream's bit for bit on CPU).
+        Returns the output and every stream's full (past + new) keys/values, ``[1, heads, T_b, head_dim]``.
+        """
+        b, n, d = x.shape
+        q = self._heads(self.q_proj(x))
+        k = self._heads(self.k_proj(x))
+        v = self._heads(self.v_proj(x))
+        outs: list[torch.Tensor] = []
+        kvs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, past in enumerate(pasts):
+            ki, vi = k[i : i + 1], v[i : i + 1]
+            if past is not None:
+                ki = torch.cat([past[0], ki], dim=2)
+                vi = torch.cat([past[1], vi], dim=2)
+            outs.append(F.scaled_dot_product_attention(q[i : i + 1], ki, vi))
+            kvs.append((ki, vi))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, d)), kvs
+
 
 class WhisperEncoderLayer(nn.Module):
     def __init__(self, dims: AudioDims) -> None:
@@ -97,6 +124,15 @@ class WhisperEncoderLayer(nn.Module):
         x = x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
         return x, kv
 
+    def forward_streams(
+        self, x: torch.Tensor, pasts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One layer for B streams' next pieces at once (see :meth:`WhisperAttention.forward_streams`)."""
+        attn, kvs = self.self_attn.forward_streams(self.self_attn_layer_norm(x), pasts)
+        x = x + attn
+        x = x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+        return x, kvs
+
 
 @dataclass
 class AudioStreamState:
@@ -114,6 +150,17 @@ class AudioStreamState:
         self.kv = []
         self.mel_tail = None
         self.frames = 0
+
+
+@dataclass
+class StreamPiece:
+    """The next piece of one stream for :meth:`WhisperChunkedEncoder.forward_chunks` (see
+    :meth:`WhisperChunkedEncoder.forward_chunk` for what ``lookahead`` and ``lookbehind`` mean)."""
+
+    mel: torch.Tensor
+    state: AudioStreamState
+    lookahead: torch.Tensor | None = None
+    lookbehind: torch.Tensor | None = None
 
 
 class WhisperChunkedEncoder(nn.Module):
@@ -175,37 +222,69 @@ class WhisperChunkedEncoder(nn.Module):
         replaces the previous piece's last frames as left context: the duplex front end recomputes them
         with the current unit's floor, as upstream does. Returns ``[P // 2, d_model]``; ``state`` is updated.
         """
-        if mel.shape[-1] % 2:
+        return self.forward_chunks([StreamPiece(mel, state, lookahead, lookbehind)])[0]
+
+    def forward_chunks(self, pieces: Sequence[StreamPiece]) -> torch.Tensor:
+        """Encode the next piece of several streams in one pass: ``[B, P // 2, d_model]``, states updated.
+
+        Every piece must have the same length P (a 1 s unit is 100 frames). The convolutions run per
+        piece (the first piece of a stream has no left context, so the windows differ in width, and a
+        batched convolution does not sum in the same order as a single one); the projections, MLPs and
+        norms of every layer run once for all B rows; attention runs per stream over its own cache. Row b
+        equals :meth:`forward_chunk` of piece b alone, bit for bit on CPU fp32 (tests hold it to that).
+        """
+        if not pieces:
+            raise ValueError("forward_chunks needs at least one piece")
+        new_frames = pieces[0].mel.shape[-1] // 2
+        if len({id(p.state) for p in pieces}) != len(pieces):
+            raise ValueError("a stream's pieces must be encoded one call after another, not together")
+        for piece in pieces:  # every piece is checked before any state moves on
+            self._check_piece(piece, new_frames)
+        rows = [self._piece_front(piece, new_frames) for piece in pieces]
+        x = torch.cat(rows) if len(rows) > 1 else rows[0]
+        pasts = [p.state.kv for p in pieces]
+        kvs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in pieces]
+        for li, layer in enumerate(self.layers):
+            x, layer_kv = layer.forward_streams(x, [kv[li] if kv else None for kv in pasts])
+            for b, kv in enumerate(layer_kv):
+                kvs[b].append(kv)
+        for piece, kv in zip(pieces, kvs, strict=True):
+            piece.state.kv = kv
+            piece.state.frames += new_frames
+        return self.layer_norm(x)
+
+    def _check_piece(self, piece: StreamPiece, new_frames: int) -> None:
+        if piece.mel.shape[-1] % 2:
             raise ValueError("streamed mel pieces must have an even number of frames (conv stride 2)")
-        dtype = self.conv1.weight.dtype
-        new_frames = mel.shape[-1] // 2
-        if state.frames + new_frames > self.embed_positions.num_embeddings:
+        if piece.mel.shape[-1] != 2 * new_frames:
+            raise ValueError("pieces encoded together must have the same number of mel frames")
+        if piece.state.frames + new_frames > self.embed_positions.num_embeddings:
             raise ValueError(
                 f"audio stream exceeds {self.embed_positions.num_embeddings} encoder positions; reset the state"
             )
+        tail = piece.state.mel_tail if piece.lookbehind is None else piece.lookbehind
+        if tail is not None and tail.shape[-1] % 2:
+            raise ValueError("the left context must have an even number of frames (conv stride 2)")
+
+    def _piece_front(self, piece: StreamPiece, new_frames: int) -> torch.Tensor:
+        """One piece through the convolutions plus its positions: ``[1, P // 2, d_model]``; the state's
+        ``mel_tail`` moves on (its cache and frame count move on in :meth:`forward_chunks`)."""
+        mel, state = piece.mel, piece.state
+        dtype = self.conv1.weight.dtype
         parts = [mel]
         left = 0
-        tail = state.mel_tail if lookbehind is None else lookbehind
+        tail = state.mel_tail if piece.lookbehind is None else piece.lookbehind
         if tail is not None and tail.shape[-1] > 0:
-            if tail.shape[-1] % 2:
-                raise ValueError("the left context must have an even number of frames (conv stride 2)")
             parts.insert(0, tail.to(mel.device))
             left = tail.shape[-1]
-        if lookahead is not None and lookahead.shape[-1] > 0:
-            parts.append(lookahead[:, :2])
+        if piece.lookahead is not None and piece.lookahead.shape[-1] > 0:
+            parts.append(piece.lookahead[:, :2].to(mel.device))
         window = torch.cat(parts, dim=-1).to(dtype)
         # With an even left context the stride-2 grid stays aligned with the offline pass; the first
         # left/2 outputs belong to the previous piece and are dropped.
         x = self._front(window[None])[:, left // 2 : left // 2 + new_frames]
         state.mel_tail = mel[:, -self.CONV_LEFT_CONTEXT :].to(dtype)
-        x = x + self.embed_positions.weight[state.frames : state.frames + new_frames]
-        new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, layer in enumerate(self.layers):
-            x, kv = layer(x, None, state.kv[i] if state.kv else None)
-            new_kv.append(kv)
-        state.kv = new_kv
-        state.frames += new_frames
-        return self.layer_norm(x)[0]
+        return x + self.embed_positions.weight[state.frames : state.frames + new_frames]
 
 
 class AudioProjector(nn.Module):
