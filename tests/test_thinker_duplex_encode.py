@@ -20,7 +20,7 @@ from services.common.pb import common_pb2, thinker_pb2
 from services.common.tensors import pcm_from_float
 from services.thinker.backend import build_backend
 from services.thinker.duplex import CHUNK_EOS, LISTEN, UNIT_CLOSE, WHISPER_BATCH, DuplexSession
-from services.thinker.duplex_encode import DuplexUnitEncoder, encode_units
+from services.thinker.duplex_encode import DuplexUnitEncoder, encode_unit, encode_units
 from services.thinker.engine import EngineConfig
 from services.thinker.model.audio import StreamPiece
 
@@ -110,9 +110,9 @@ def test_batched_unit_encode_equals_single_unit_encodes(backend) -> None:  # noq
     for s, done in enumerate(history):
         for k in range(done):
             for sess in (alone[s], together[s]):
-                sess.unit_work(_unit(10 * s + k), False)
+                encode_unit(backend, sess, _unit(10 * s + k), False)
                 sess.reinject = [(LISTEN, CHUNK_EOS)[k % 2], UNIT_CLOSE]  # as a decision leaves it
-    singles = [sess.unit_work(_unit(10 * s + history[s]), False) for s, sess in enumerate(alone)]
+    singles = [encode_unit(backend, sess, _unit(10 * s + history[s]), False) for s, sess in enumerate(alone)]
     before = (WHISPER_BATCH._sum.get(), sum(b.get() for b in WHISPER_BATCH._buckets))
     batch = encode_units(
         backend, [(sess, _unit(10 * s + history[s]), False) for s, sess in enumerate(together)]
@@ -148,7 +148,7 @@ def test_encoder_queue_gathers_waiting_units_into_one_pass(backend) -> None:  # 
         encoder = DuplexUnitEncoder(local)
         sessions = [DuplexSession(local, _open(f"q{i}")) for i in range(3)]
         reference = [DuplexSession(local, _open(f"r{i}")) for i in range(3)]
-        expected = [r.unit_work(_unit(i), False) for i, r in enumerate(reference)]
+        expected = [encode_unit(local, r, _unit(i), False) for i, r in enumerate(reference)]
         calls = WHISPER_BATCH._sum.get(), sum(b.get() for b in WHISPER_BATCH._buckets)
 
         async def run() -> list:

@@ -220,19 +220,6 @@ class DuplexSession:
             embeds = self.model.merge_embeddings(ids, None, image_bounds, ref_rows, audio_bounds).detach()
         return WorkItem(ids.tolist(), embeds, sampler=None, tag=("prefix", self.epoch))
 
-    def unit_work(self, unit: thinker_pb2.ThinkerUnit, force_speak: bool) -> WorkItem:
-        """One unit's tokens and embeddings plus its policy, encoded alone (runs in a worker thread).
-
-        The stream batches its units with other sessions' (:class:`~services.thinker.duplex_encode.
-        DuplexUnitEncoder`); this is the same path for one unit (the fidelity dump uses it).
-        """
-        from services.thinker.duplex_encode import encode_units
-
-        (out,) = encode_units(self.backend, [(self, unit, force_speak)])
-        if isinstance(out, BaseException):
-            raise out
-        return out
-
     def prepare_unit(self, unit: thinker_pb2.ThinkerUnit, force_speak: bool) -> PreparedUnit:
         """The unit's mel chunk, frames and token layout: everything before the encoders run (host work)."""
         from services.thinker.processor.duplex_layout import duplex_unit_layout

@@ -91,6 +91,7 @@ def run_session(
 ) -> dict[str, Any]:
     """Drive one session through ``DuplexSession`` + the engine; returns the raw records (see :func:`to_arrays`)."""
     from services.thinker.duplex import DuplexSession, UnitOutcome
+    from services.thinker.duplex_encode import encode_unit
     from services.thinker.scheduler import WorkItem
 
     engine = backend.engine
@@ -134,7 +135,7 @@ def run_session(
                     audio=_pcm(audio[k * UNIT_SAMPLES : (k + 1) * UNIT_SAMPLES]),
                     frames=frames,
                 )
-                work = session.unit_work(unit, False)
+                work = encode_unit(backend, session, unit, False)
                 d0 = len(pol.decodes)
                 pol.forced = None if teacher is None else list(teacher.get(k, []))
                 outcome = UnitOutcome()

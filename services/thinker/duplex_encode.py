@@ -71,6 +71,16 @@ def encode_units(backend: ThinkerBackend, requests: Sequence[UnitRequest]) -> li
     return [r if r is not None else RuntimeError("unit not encoded") for r in results]
 
 
+def encode_unit(
+    backend: ThinkerBackend, session: DuplexSession, unit: thinker_pb2.ThinkerUnit, force_speak: bool
+) -> WorkItem:
+    """One unit encoded alone: the same path as a batch of one (the fidelity dump drives units this way)."""
+    (out,) = encode_units(backend, [(session, unit, force_speak)])
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
 @torch.inference_mode()
 def _encode_prepared(
     backend: ThinkerBackend, units: Sequence[PreparedUnit]

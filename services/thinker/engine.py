@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -76,6 +77,11 @@ class EngineConfig:
     reserve_bytes: int = 0
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
+    # The process's GIL switch interval while the engine thread runs (None: Python's 5 ms). Each CUDA sync
+    # of a step drops the GIL; getting it back from a thread busy in pure Python (the event loop encoding
+    # protobufs, the encode thread's mel) takes up to one interval, so at 5 ms a step's two syncs could
+    # cost ~10 ms of host time with 16 duplex sessions. At 1 ms a wait costs ~0.5 ms (measured on CPU).
+    gil_switch_interval_s: float | None = 0.001
 
 
 @dataclass
@@ -179,6 +185,8 @@ class ThinkerEngine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        if self.config.gil_switch_interval_s is not None:
+            sys.setswitchinterval(self.config.gil_switch_interval_s)
         self._thread = threading.Thread(target=self._loop, name="thinker-engine", daemon=True)
         self._thread.start()
 
@@ -338,17 +346,18 @@ class ThinkerEngine:
     # --------------------------------------------------------------------------------- after forward
     def _consume(self, plan: StepPlan, out) -> None:  # noqa: ANN001 (StepOutput)
         to_sample: list[tuple[Sequence, torch.Tensor, int | None, torch.Tensor | None]] = []
-        hidden_cpu = None
+        finishing: list[tuple[Sequence, EngineEvent]] = []
+        hidden_cpu, hidden_ready = None, None
         if plan.decode and any(s.work is not None and s.work.emit_hidden for s in plan.decode):
-            hidden_cpu = out.decode_hidden.to("cpu")
+            hidden_cpu, hidden_ready = _copy_to_host(out.decode_hidden)
         for i, seq in enumerate(plan.decode):
             fed = seq.next_token
             assert fed is not None and seq.work is not None
             seq.tokens.append(fed)
             seq.next_token = None
             row = hidden_cpu[i] if hidden_cpu is not None and seq.work.emit_hidden else None
-            if seq.finishing is not None:
-                self._finish(seq, EngineEvent(seq.seq_id, fed_token=fed, hidden=row), seq.finishing)
+            if seq.finishing is not None:  # emitted once the rows have landed (below)
+                finishing.append((seq, EngineEvent(seq.seq_id, fed_token=fed, hidden=row)))
                 continue
             to_sample.append((seq, out.decode_logits[i], fed, row))
         for (seq, n), logits in zip(plan.prefill, out.prefill_logits, strict=True):
@@ -364,16 +373,22 @@ class ThinkerEngine:
             else:
                 assert logits is not None
                 to_sample.append((seq, logits, None, None))
+        tokens: list[int] = []
+        samplers: list[Sampler] = [s.work.sampler for s, _, _, _ in to_sample]  # type: ignore[union-attr]
+        if to_sample:
+            tokens = choose_tokens(  # the step's sync: the hidden rows' copy was queued before it
+                samplers,
+                torch.stack([lg for _, lg, _, _ in to_sample]),
+                [s.tokens for s, _, _, _ in to_sample],
+                [len(s.generated) for s, _, _, _ in to_sample],
+            )
+        if hidden_ready is not None:
+            hidden_ready.synchronize()  # already done when sampling synced; waits only if nothing was sampled
+        for seq, ev in finishing:
+            assert seq.finishing is not None
+            self._finish(seq, ev, seq.finishing)
         if not to_sample:
             return
-        samplers: list[Sampler] = [s.work.sampler for s, _, _, _ in to_sample]  # type: ignore[union-attr]
-        logits = torch.stack([lg for _, lg, _, _ in to_sample])
-        tokens = choose_tokens(
-            samplers,
-            logits,
-            [s.tokens for s, _, _, _ in to_sample],
-            [len(s.generated) for s, _, _, _ in to_sample],
-        )
         now = time.perf_counter()
         for (seq, _, fed, row), token, sampler in zip(to_sample, tokens, samplers, strict=True):
             if seq.first_token_at is None:
@@ -422,6 +437,21 @@ class ThinkerEngine:
         RUNNING.set(len(self.scheduler.running))
         IN_FLIGHT.labels(STAGE).set(len(self.scheduler.running) + self.scheduler.queue_depth)
         SESSIONS.set(len(self._sequences))
+
+
+def _copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``t`` on the host and, for a GPU tensor, the event after which the copy has landed.
+
+    A GPU tensor is copied into pinned memory without a stream sync, so the step syncs once (when its
+    tokens come back) instead of once for the hidden rows and again for the tokens; each sync is also a
+    point where the engine thread must win the GIL back from the encode and event-loop threads.
+    """
+    if t.device.type != "cuda":
+        return t.to("cpu"), None
+    host = t.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 
 
 def _ewma(gauge: Gauge, value: float, alpha: float = 0.2) -> float:
