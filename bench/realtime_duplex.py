@@ -335,23 +335,30 @@ def main(argv: list[str] | None = None) -> int:
                     f"[realtime] {lane} lane, {n} concurrent session(s), {args.duration:g} s each", flush=True
                 )
                 levels.append(run_level(args, lane, n, ref_uri, stage_urls, pids))
+                _write(args, levels, final=False)  # a run cut short by its time limit keeps what it measured
     finally:
         if pipeline is not None:
             pipeline.stop()
         if getattr(args, "mps_daemon", None) is not None:
             args.mps_daemon.stop()
+    _write(args, levels, final=True)
+    return 1 if any(lv["failed"] for lv in levels) else 0
+
+
+def _write(args: argparse.Namespace, levels: list[dict[str, Any]], *, final: bool) -> None:
+    """JSON + Markdown of the levels so far (``--out``, ``--out-dir``); printed once at the end."""
     sharing = "MPS" if args.mps else "separate processes time-slicing" if args.checkpoint else "external"
     text = json.dumps({"gpu_sharing": sharing, "duration_s": args.duration, "levels": levels}, indent=2)
     md = render_markdown(levels)
-    print(text)
-    print(md, flush=True)
+    if final:
+        print(text)
+        print(md, flush=True)
     if args.out:
         Path(args.out).write_text(text)
     if args.out_dir:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.out_dir) / "realtime.json").write_text(text)
         (Path(args.out_dir) / "realtime.md").write_text(md)
-    return 1 if any(lv["failed"] for lv in levels) else 0
 
 
 if __name__ == "__main__":
