@@ -20,7 +20,6 @@ from services.thinker.engine import STAGE, EngineConfig, ThinkerEngine
 from services.thinker.sampling import DEFAULT_STOP_IDS
 
 if TYPE_CHECKING:
-    from services.thinker.duplex_encode import DuplexUnitEncoder
     from services.thinker.model import ThinkerModel
     from services.thinker.processor import ThinkerProcessor
 
@@ -38,8 +37,9 @@ class ThinkerBackend:
     device: str
     executor: ThreadPoolExecutor  # encoders and prompt building: off the event loop, beside the engine
     duplex_window: DuplexWindow | None = None  # None: a duplex session ends at the context limit
-    # Batches the duplex sessions' units into one streaming-Whisper pass; made by the first duplex stream.
-    duplex_encoder: DuplexUnitEncoder | None = None
+    # The services.thinker.duplex_encode.DuplexUnitEncoder that batches every duplex session's units into
+    # one streaming-Whisper pass, made by the first duplex stream (Any: that module imports this one).
+    duplex_encoder: Any = None
 
     @property
     def tokenizer(self) -> Any:  # a Hugging Face tokenizer (services.common.checkpoint.Checkpoint.tokenizer)
