@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     p.add_argument("--tf32", choices=("on", "off"), default="on")
+    p.add_argument("--dit", choices=("auto", "package", "fused"), default="auto", help="as the stage's --dit")
+    p.add_argument("--dit-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler tables")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         cuda_graphs=args.cuda_graphs,
         voice_cache=4,
         tf32=args.tf32,
+        dit=args.dit,
+        dit_dtype=args.dit_dtype,
     )
     engine, _ = build_engine(eng_args)
     runner = engine.runner
@@ -79,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt = engine.voices.encode_file(engine.default_voice)
     acc: dict[str, list[float]] = defaultdict(list)
     flow, voc = runner.flow, runner.vocoder
-    orig_solve, orig_voc_step, orig_enc = flow._solve, voc.step, flow.flow.encoder.forward_chunk
-    flow._solve = _timed(orig_solve, "solve", acc, sync)
-    voc.step = _timed(orig_voc_step, "vocoder", acc, sync)
-    flow.flow.encoder.forward_chunk = _timed(orig_enc, "encoder", acc, sync)
+    originals = (flow.solver, voc.step, flow.encode)
+    flow.solver = _timed(originals[0], "solve", acc, sync)
+    voc.step = _timed(originals[1], "vocoder", acc, sync)
+    flow.encode = _timed(originals[2], "encoder", acc, sync)
 
     first = [CODEC_SILENCE_ID] * 3 + CODES[:10]
     steady_new = CODES[10:35]
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(runner.device),
         "cuda_graphs": args.cuda_graphs,
         "tf32": args.tf32,
+        "dit": runner.flow.dit_impl,
+        "dit_dtype": str(runner.flow.compute_dtype).removeprefix("torch."),
         "parts_ms": {},
     }
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -118,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
             parts["total"] = total
             report["parts_ms"][f"{kind}_b{batch}"] = parts
             print(
-                f"[code2wav-profile] tf32 {args.tf32}, {kind} window, batch {batch}: "
-                + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()),
+                f"[code2wav-profile] DiT {report['dit']} {report['dit_dtype']}, tf32 {args.tf32}, "
+                f"{kind} window, batch {batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()),
                 flush=True,
             )
 
     if cuda and not args.no_profiler:
         from torch.profiler import ProfilerActivity, profile
 
-        flow._solve, voc.step, flow.flow.encoder.forward_chunk = orig_solve, orig_voc_step, orig_enc
+        flow.solver, voc.step, flow.encode = originals
         state = runner.open_stream("prof", prompt, seed=1)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             runner.run_batch([state], [first], False)

@@ -1,5 +1,7 @@
 """CUDA smoke check: CUDA-graphed decode gives the same tokens as eager decode, for the thinker and the talker.
 
+(``--stages code2wav`` adds the code2wav flow paths against its eager fp32 path: bench/cuda_smoke_code2wav.py.)
+
     python -m bench.cuda_smoke --checkpoint DIR [--device cuda] [--tokens 48] [--out-dir DIR]
 
 Each engine is built twice on the same weights, once with ``use_cuda_graphs=True`` (decode steps replay a
@@ -358,7 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         results += check_thinker(args, device)
     if "talker" in stages:
         results += check_talker(args, device)
-    failed = [c for c in results if c.verdict == "MISMATCH"]
+    code2wav: list[Any] = []
+    if "code2wav" in stages:
+        from bench.cuda_smoke_code2wav import check_code2wav
+
+        code2wav = check_code2wav(args, device)
+    failed = [c for c in results if c.verdict == "MISMATCH"] + [c for c in code2wav if c.verdict == "FAIL"]
     report = {
         "bench": "cuda_smoke",
         "device": str(device),
@@ -368,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "rel_tol": args.rel_tol,
         "status": "fail" if failed else "pass",
         "comparisons": [asdict(c) for c in results],
+        "code2wav": [asdict(c) for c in code2wav],
     }
     (out_dir / "cuda_smoke.json").write_text(json.dumps(report, indent=2))
     lines = [
@@ -383,10 +391,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{'—' if c.first_diff is None else c.first_diff} | {margin} | {gap} "
             f"| {c.max_rel_diff_before:.2e} |"
         )
+    if code2wav:
+        from bench.cuda_smoke_code2wav import markdown
+
+        lines += ["", *markdown(code2wav)]
     (out_dir / "cuda_smoke.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     print(
-        f"[cuda_smoke] {report['status']}: {len(results) - len(failed)}/{len(results)} requests agree "
+        f"[cuda_smoke] {report['status']}: {len(results) + len(code2wav) - len(failed)}/"
+        f"{len(results) + len(code2wav)} requests / code2wav variants agree "
         f"(device {report['device_name']})",
         flush=True,
     )

@@ -48,6 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="on",
         help="TF32 tensor cores for the fp32 matmuls and convolutions on CUDA (off: full fp32, slower)",
     )
+    parser.add_argument(
+        "--dit",
+        choices=("auto", "package", "fused"),
+        default="auto",
+        help="DiT estimator path: the package's blocks step by step (the CPU reference) or the fused solve"
+        " (one CUDA graph per window); auto = fused on CUDA, package on CPU",
+    )
+    parser.add_argument(
+        "--dit-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="compute dtype of the fused DiT and its caches; auto = bfloat16 with the fused DiT on CUDA",
+    )
     parser.add_argument("--voice-cache", type=int, default=32, help="reference voices kept (LRU)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     add_memory_fraction_argument(parser)

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -97,10 +97,16 @@ class Code2WavRunner:
         cache_dtype: torch.dtype = torch.float32,
         nsf_noise: bool = False,
         origin_cache_size: int = 8,
+        dit: str = "package",
+        dit_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.model = model
         self.device = model.device
-        self.flow = FlowStepper(model, n_timesteps)
+        self.flow = FlowStepper(model, n_timesteps, dit=dit, dit_dtype=dit_dtype)
+        # Estimator caches are kept in the DiT's compute dtype when that is narrower than cache_dtype
+        # (a bf16 DiT produces bf16 caches; widening them would only cost memory and copies).
+        narrow = dit_dtype.itemsize < cache_dtype.itemsize
+        self.est_cache_dtype = dit_dtype if narrow else cache_dtype
         self.vocoder = VocoderStepper(model.hift)
         self.n_timesteps = n_timesteps
         self.cache_dtype = cache_dtype
@@ -146,7 +152,7 @@ class Code2WavRunner:
             (1, self.lookahead), CODEC_SILENCE_ID, dtype=prompt.tokens.dtype, device=self.device
         )
         cache = self.flow.setup(torch.cat([prompt.tokens, silence], dim=1), prompt.mel, spk_cond, noise)
-        entry = (cache.to(self.cache_dtype), spk_cond, noise)
+        entry = (cache.to(self.cache_dtype, self.est_cache_dtype), spk_cond, noise)
         if injected:  # an injected noise table is not what ``seed`` means: never share it
             return entry
         with self._origin_lock:
@@ -189,6 +195,7 @@ class Code2WavRunner:
         first_windows: tuple[int, ...] = (10, 25),
         steady_windows: int = 3,
         steady_new: int = 25,
+        last_windows: tuple[int, ...] | None = None,
     ) -> int:
         """Capture the CUDA graphs of every batch the engine can form, then freeze them (graphs only).
 
@@ -198,8 +205,13 @@ class Code2WavRunner:
         trimmed steady length). Each new shape captures its graphs on first use; doing all of it before
         the server reports serving keeps capture (hundreds of ms, and a cuDNN failure under GPU
         time-slicing on the H200) away from live traffic, which after the freeze never captures: shapes
-        not covered here (short last windows) run eager. Largest batches go first so the shared graph
-        arenas and memory pool reach their final size at once. Returns the number of windows run."""
+        not covered here run eager. Largest batches go first so the shared graph arenas and memory pool
+        reach their final size at once. ``last_windows`` lists the new-code counts of last windows to
+        capture at batch 1 from the steady (trimmed) caches, which is where a reply longer than the
+        warm-up's windows ends (default: 0..24, the talker's remainders, with the fused flow; none with
+        the package path, whose last windows run eager). Returns the number of windows run."""
+        if last_windows is None:
+            last_windows = tuple(range(steady_new)) if self.flow.fused is not None else ()
         if not self.cuda_graphs:
             return 0
         t0 = time.perf_counter()
@@ -219,6 +231,11 @@ class Code2WavRunner:
                         window = window[-self.lookahead :] + codes[:steady_new]
                         self.run_batch(states, [window] * batch, False)
                         ran += 1
+                    if batch == 1 and first == max(first_windows):
+                        for new in last_windows:  # each from the same steady state (caches are immutable)
+                            last = [replace(states[0])]
+                            self.run_batch(last, [window[-self.lookahead :] + codes[:new]], True)
+                            ran += 1
                     del states  # free these caches before the next batch's windows run
         finally:
             # Frozen even if the warm-up failed part-way: capturing under live traffic is the failure
@@ -319,26 +336,28 @@ class Code2WavRunner:
         self, states: list[StreamState], windows: list[list[int]], is_last: bool
     ) -> list[WindowResult]:
         """Run one batch of same-key windows; updates every state in place and returns their outputs."""
-        compute = torch.float32
         tokens = torch.tensor(windows, dtype=torch.int32, device=self.device)
-        flow_cache = stack_caches([s.flow for s in states], compute)
+        flow_cache = stack_caches([s.flow for s in states], torch.float32, self.flow.compute_dtype)
         spk = torch.cat([s.spk_cond for s in states], dim=0)
         noise = torch.cat([s.noise for s in states], dim=0)
         mel, flow_cache = self.flow.step(tokens, spk, flow_cache, noise, is_last, states[0].prompt.frames)
+        # With CUDA graphs, mel and the caches may be views of the shared output arena, which the vocoder's
+        # replays overwrite: split the caches (the per-stream copies the states keep anyway) and copy
+        # the mel before the vocoder runs.
+        mel = mel.clone()
+        flow_caches = split_caches(flow_cache, self.cache_dtype, self.est_cache_dtype)
+        del flow_cache
         generators = [s.nsf_generator for s in states] if states[0].nsf_generator is not None else None
         speech, hift_caches = self.vocoder.step(mel, [s.hift for s in states], is_last, generators)
-        speech_np = speech.float().cpu().numpy()
+        speech_np = speech.float().cpu().numpy()  # one device->host copy (and sync) per batch
+        mel_cpu = mel.float().cpu()
         results = []
-        for i, (state, flow_i) in enumerate(
-            zip(states, split_caches(flow_cache, self.cache_dtype), strict=True)
-        ):
+        for i, (state, flow_i) in enumerate(zip(states, flow_caches, strict=True)):
             state.flow = flow_i
             state.hift = hift_caches[i]
             state.windows_done += 1
             state.samples_emitted += speech_np.shape[1]
-            results.append(
-                WindowResult(samples=speech_np[i].copy(), mel=mel[i].float().cpu(), is_last=is_last)
-            )
+            results.append(WindowResult(samples=speech_np[i].copy(), mel=mel_cpu[i], is_last=is_last))
         self.last_batch_sizes.append(len(states))
         return results
 

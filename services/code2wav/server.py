@@ -150,6 +150,8 @@ def stage_info(engine: Code2WavEngine, model_version: str) -> common_pb2.StageIn
             "cache_dtype": str(runner.cache_dtype).removeprefix("torch."),
             "nsf_noise": str(runner.nsf_noise).lower(),
             "cuda_graphs": str(getattr(runner, "cuda_graphs", False)).lower(),
+            "dit": runner.flow.dit_impl,
+            "dit_dtype": str(runner.flow.compute_dtype).removeprefix("torch."),
             "dit_depth": str(dims.dit_depth),
             "dit_hidden": str(dims.dit_hidden),
         },

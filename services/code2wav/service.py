@@ -18,6 +18,19 @@ from services.common.checkpoint import Checkpoint
 from services.common.grpc_server import ServeOptions, StageServer
 
 
+def dit_choice(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    """Resolve ``--dit`` / ``--dit-dtype`` (``auto``: the fused bf16 solve on CUDA, the package's fp32
+    blocks on CPU, where they are the path checked against the upstream oracle)."""
+    cuda = str(args.device).startswith("cuda")
+    dit = getattr(args, "dit", "auto")
+    if dit == "auto":
+        dit = "fused" if cuda else "package"
+    dtype = getattr(args, "dit_dtype", "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if cuda and dit == "fused" else "float32"
+    return dit, torch.bfloat16 if dtype == "bfloat16" else torch.float32
+
+
 def build_engine(args: argparse.Namespace) -> tuple[Code2WavEngine, Checkpoint]:
     ckpt = Checkpoint(args.checkpoint)
     if str(args.device).startswith("cuda"):
@@ -30,11 +43,14 @@ def build_engine(args: argparse.Namespace) -> tuple[Code2WavEngine, Checkpoint]:
     voices = ReferenceVoiceEncoder(
         ckpt.token2wav_dir, model.device, model.dims.up_rate, cache_size=args.voice_cache
     )
+    dit, dit_dtype = dit_choice(args)
     runner = Code2WavRunner(
         model,
         n_timesteps=args.cfm_steps,
         cache_dtype=torch.bfloat16 if args.cache_dtype == "bfloat16" else torch.float32,
         nsf_noise=args.nsf_noise == "on",
+        dit=dit,
+        dit_dtype=dit_dtype,
     )
     if args.cuda_graphs == "on" and model.device.type == "cuda":
         from services.code2wav.model.cuda_graphs import enable_cuda_graphs

@@ -153,10 +153,13 @@ def capture_cuda_graph(
     input arena and the graph's last kernels copy its outputs into the shared output arena (both allocated
     here, outside the capture), whose views become the outputs; without, both are private to the graph."""
     inputs = static_inputs(args, None if shared is None else shared.inputs)
+    fills = shared is not None and getattr(fn, "fills_outputs", False)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):  # warm up kernels, cuBLAS/cuFFT plans and the allocator off the graph
+        # Warm up kernels, cuBLAS/cuFFT plans and the allocator off the graph (a whole CFM solve once:
+        # its kernels are the ones every earlier window already ran).
+        for _ in range(1 if fills else 2):
             probe = _as_tuple(fn(*inputs))
     torch.cuda.current_stream().wait_stream(side)
     targets = None if shared is None else shared.outputs.views(probe)
@@ -166,8 +169,12 @@ def capture_cuda_graph(
     # gRPC side) must not invalidate this capture. Seen on the H200 as a cuDNN "unable to find an engine"
     # during capture, after which the process hit an illegal address.
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        outputs = _as_tuple(fn(*inputs))
-        if targets is not None:
+        if fills:  # the function writes its results into the output arena itself: no copy, no duplicate
+            fn(*inputs, out=targets)
+            outputs = targets
+        else:
+            outputs = _as_tuple(fn(*inputs))
+        if targets is not None and not fills:
             for target, out in zip(targets, outputs, strict=True):
                 target.copy_(out)
             outputs = targets
@@ -262,17 +269,72 @@ def enable_cuda_graphs(
         capture = functools.partial(
             capture_cuda_graph, pool=torch.cuda.graph_pool_handle(), shared=SharedBuffers()
         )
-    dit = flow.dit
     hift = vocoder.hift
+    f0 = ShapeKeyedGraphs("hift_f0", lambda mel: (hift.f0_predictor(mel),), max_graphs, capture)
+    decode = ShapeKeyedGraphs(
+        "hift_decode", lambda mel, source: (hift_pre_istft(hift, mel, source),), max_graphs, capture
+    )
+    vocoder.f0_fn = lambda mel: f0(mel)[0]
+    vocoder.decode_fn = lambda mel, source: decode(mel, source)[0]
+    if flow.fused is not None:
+        sets = _graph_fused_flow(flow, max_graphs, capture)
+    else:
+        sets = {"dit": _graph_package_estimator(flow, max_graphs, capture)}
+    sets.update({"hift_f0": f0, "hift_decode": decode})
+    runner.graph_sets = sets
+    runner.cuda_graphs = True
+    return sets
+
+
+class _FillsOutputs:
+    """A graph function that writes its results into given tensors (``out=``): captured with the output
+    arena's views as ``out``, so its large results (a window's per-step DiT caches) are written once,
+    straight into the arena, instead of into the graph pool and then copied."""
+
+    fills_outputs = True
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: torch.Tensor | None, out: Any = None) -> tuple[torch.Tensor, ...]:
+        return _as_tuple(self.fn(*args, out=out))
+
+
+def _graph_fused_flow(flow: Any, max_graphs: int, capture: Capture) -> dict[str, ShapeKeyedGraphs]:
+    """The fused flow path: the whole 10-step solve is one graph per shape key, and the conformer
+    encoder chunk (embedding, conformer, projection) another, one set for non-final windows and one for
+    last windows (the encoder pads the lookahead on a last window)."""
+    solve = ShapeKeyedGraphs("flow_solve", _FillsOutputs(flow.fused.solve), max_graphs, capture)
+    encoders = {
+        name: ShapeKeyedGraphs(
+            name, functools.partial(flow._encode_eager, last=name == "encoder_last"), max_graphs, capture
+        )
+        for name in ("encoder", "encoder_last")
+    }
+
+    def graphed_solve(z, mu, spks, cond, cnn, att):  # noqa: ANN001, ANN202
+        if att is None:  # prompt setup: once per voice and seed, not worth a graph
+            return flow.eager_solver(z, mu, spks, cond, cnn, att)
+        return solve(z, mu, spks, cond, cnn, att)
+
+    def graphed_encoder(graphs: ShapeKeyedGraphs) -> Callable[..., tuple[torch.Tensor, ...]]:
+        # The solve replays next and overwrites the shared output arena: keep private copies (small).
+        return lambda tokens, cnn, att: tuple(t.clone() for t in graphs(tokens, cnn, att))
+
+    flow.solver = graphed_solve
+    flow.encode = graphed_encoder(encoders["encoder"])
+    flow.encode_last = graphed_encoder(encoders["encoder_last"])
+    return {"flow_solve": solve, **encoders}
+
+
+def _graph_package_estimator(flow: Any, max_graphs: int, capture: Capture) -> ShapeKeyedGraphs:
+    """The package DiT path: one graph per Euler step (the loop and the time embedding stay eager)."""
+    dit = flow.dit
     estimator = ShapeKeyedGraphs(
         "dit",
         lambda x, mu, temb, spks, cond, cnn, att: dit_blocks_chunk(dit, x, mu, temb, spks, cond, cnn, att),
         max_graphs,
         capture,
-    )
-    f0 = ShapeKeyedGraphs("hift_f0", lambda mel: (hift.f0_predictor(mel),), max_graphs, capture)
-    decode = ShapeKeyedGraphs(
-        "hift_decode", lambda mel, source: (hift_pre_istft(hift, mel, source),), max_graphs, capture
     )
     eager_estimator = flow.estimator
 
@@ -282,9 +344,4 @@ def enable_cuda_graphs(
         return estimator(x, mu, temb, spks, cond, cnn, att)
 
     flow.estimator = graphed_estimator
-    vocoder.f0_fn = lambda mel: f0(mel)[0]
-    vocoder.decode_fn = lambda mel, source: decode(mel, source)[0]
-    sets = {"dit": estimator, "hift_f0": f0, "hift_decode": decode}
-    runner.graph_sets = sets
-    runner.cuda_graphs = True
-    return sets
+    return estimator

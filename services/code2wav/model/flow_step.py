@@ -25,6 +25,7 @@ prompt setup), which is the reference's offset rule (oracle README §5).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -76,28 +77,44 @@ class FlowCache:
         """Shape key: windows of streams with equal signatures can share a batch."""
         return (self.conformer_att.shape[3], self.estimator_att.shape[4], self.conformer_cnn.shape[2])
 
-    def to(self, dtype: torch.dtype) -> FlowCache:
-        return FlowCache(*(t.to(dtype) for t in self.tensors()))
+    def to(self, dtype: torch.dtype, est_dtype: torch.dtype | None = None) -> FlowCache:
+        """Cast (conformer caches to ``dtype``, estimator caches to ``est_dtype``, default ``dtype``)."""
+        est = dtype if est_dtype is None else est_dtype
+        return FlowCache(
+            self.conformer_cnn.to(dtype),
+            self.conformer_att.to(dtype),
+            self.estimator_cnn.to(est),
+            self.estimator_att.to(est),
+        )
 
 
-def stack_caches(caches: list[FlowCache], dtype: torch.dtype) -> FlowCache:
-    """Stack per-stream caches into one batch; estimator rows become [cond_0..cond_B, uncond_0..uncond_B]."""
+def stack_caches(
+    caches: list[FlowCache], dtype: torch.dtype, est_dtype: torch.dtype | None = None
+) -> FlowCache:
+    """Stack per-stream caches into one batch; estimator rows become [cond_0..cond_B, uncond_0..uncond_B].
+
+    Conformer caches come out in ``dtype``, estimator caches in ``est_dtype`` (default ``dtype``)."""
+    est_dtype = dtype if est_dtype is None else est_dtype
     est_cnn = [c.estimator_cnn for c in caches]
     est_att = [c.estimator_att for c in caches]
     return FlowCache(
         conformer_cnn=torch.cat([c.conformer_cnn for c in caches], dim=0).to(dtype),
         conformer_att=torch.cat([c.conformer_att for c in caches], dim=1).to(dtype),
         estimator_cnn=torch.cat([t[:, :, :1] for t in est_cnn] + [t[:, :, 1:] for t in est_cnn], dim=2).to(
-            dtype
+            est_dtype
         ),
         estimator_att=torch.cat([t[:, :, :1] for t in est_att] + [t[:, :, 1:] for t in est_att], dim=2).to(
-            dtype
+            est_dtype
         ),
     )
 
 
-def split_caches(batch: FlowCache, dtype: torch.dtype) -> list[FlowCache]:
-    """Inverse of :func:`stack_caches`; every stream gets its own (contiguous) copy in ``dtype``."""
+def split_caches(
+    batch: FlowCache, dtype: torch.dtype, est_dtype: torch.dtype | None = None
+) -> list[FlowCache]:
+    """Inverse of :func:`stack_caches`; every stream gets its own (contiguous) copy in ``dtype``
+    (estimator caches in ``est_dtype``, default ``dtype``)."""
+    est_dtype = dtype if est_dtype is None else est_dtype
     n = batch.conformer_cnn.shape[0]
     out = []
     for i in range(n):
@@ -108,11 +125,11 @@ def split_caches(batch: FlowCache, dtype: torch.dtype) -> list[FlowCache]:
                 estimator_cnn=torch.cat(
                     [batch.estimator_cnn[:, :, i : i + 1], batch.estimator_cnn[:, :, n + i : n + i + 1]],
                     dim=2,
-                ).to(dtype),
+                ).to(est_dtype),
                 estimator_att=torch.cat(
                     [batch.estimator_att[:, :, i : i + 1], batch.estimator_att[:, :, n + i : n + i + 1]],
                     dim=2,
-                ).to(dtype),
+                ).to(est_dtype),
             )
         )
     return out
@@ -186,17 +203,66 @@ def dit_blocks_chunk(
     return out, torch.stack(new_cnn), torch.stack(new_att)
 
 
-class FlowStepper:
-    """Runs prompt setup and streaming windows of the flow model for batches of streams."""
+# solver(z, mu, spks, cond, cnn_caches | None, att_caches | None) -> (x, per-step cnn, per-step att)
+SolverFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# encoder(tokens, conformer_cnn, conformer_att) -> (mu [B, 80, T], new conformer cnn, new conformer att)
+EncoderFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
 
-    def __init__(self, model: Token2WavModel, n_timesteps: int = 10) -> None:
+DIT_IMPLS = ("package", "fused")
+
+
+class FlowStepper:
+    """Runs prompt setup and streaming windows of the flow model for batches of streams.
+
+    ``dit`` picks the estimator path: ``package`` runs the package's DiT blocks once per Euler step
+    (:meth:`_solve`, the reference the others are checked against); ``fused`` runs the whole solve
+    through :class:`services.code2wav.model.fused_dit.FusedDiTSolver` in ``dit_dtype`` (fp32 or bf16),
+    which needs no host work between steps, so the CUDA-graph runner captures the 10 steps as one graph.
+    The caches a window produces are in :attr:`compute_dtype` (bf16 with a bf16 DiT).
+    """
+
+    def __init__(
+        self,
+        model: Token2WavModel,
+        n_timesteps: int = 10,
+        dit: str = "package",
+        dit_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if dit not in DIT_IMPLS:
+            raise ValueError(f"dit must be one of {DIT_IMPLS}, got {dit!r}")
+        if dit == "package" and dit_dtype != torch.float32:
+            raise ValueError("the package DiT path computes in fp32 only; use dit='fused' for bf16")
         self.model = model
         self.flow = model.flow
         self.dit = model.flow.decoder.estimator
         self.n_timesteps = n_timesteps
         self.cfg_rate = model.dims.cfg_rate
+        self.dit_impl = dit
+        self.compute_dtype = dit_dtype
         # Per-CFM-step estimator callables; the CUDA-graph runner replaces these on GPU.
         self.estimator: EstimatorFn = self._eager_estimator
+        self.fused = None
+        self.solver: SolverFn = self._solve
+        if dit == "fused":
+            from services.code2wav.model.fused_dit import FusedDiTSolver
+
+            self.fused = FusedDiTSolver(self.dit, n_timesteps, self.cfg_rate, dit_dtype)
+            self.solver = self.fused.solve
+        self.eager_solver: SolverFn = self.solver  # prompt setup: once per voice, never graphed
+        self.encode: EncoderFn = self._encode_eager
+        self.encode_last: EncoderFn = functools.partial(self._encode_eager, last=True)
+
+    def _encode_eager(
+        self, tokens: torch.Tensor, cnn_cache: torch.Tensor, att_cache: torch.Tensor, last: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token embedding, conformer chunk with caches and projection: mu [B, 80, T] and new caches."""
+        xs = self.flow.input_embedding(tokens)
+        h, conf_cnn, conf_att = self.flow.encoder.forward_chunk(
+            xs=xs, last_chunk=last, cnn_cache=cnn_cache, att_cache=att_cache
+        )
+        return self.flow.encoder_proj(h).transpose(1, 2).contiguous(), conf_cnn, conf_att
 
     def _eager_estimator(
         self,
@@ -278,7 +344,7 @@ class FlowStepper:
         )
         mu = self.flow.encoder_proj(h).transpose(1, 2).contiguous()
         z = noise[:, :, : mu.shape[2]]
-        _, est_cnn, est_att = self._solve(
+        _, est_cnn, est_att = self.eager_solver(
             z, mu, spk_cond, prompt_mel.transpose(1, 2).contiguous(), None, None
         )
         return FlowCache(conf_cnn, conf_att, est_cnn, est_att)
@@ -297,17 +363,14 @@ class FlowStepper:
 
         ``noise`` [B, 80, N] holds each stream's noise table; the window reads it at the cache offset.
         """
-        xs = self.flow.input_embedding(tokens)
-        h, conf_cnn, conf_att = self.flow.encoder.forward_chunk(
-            xs=xs, last_chunk=last, cnn_cache=cache.conformer_cnn, att_cache=cache.conformer_att
-        )
-        mu = self.flow.encoder_proj(h).transpose(1, 2).contiguous()
+        encode = self.encode_last if last else self.encode
+        mu, conf_cnn, conf_att = encode(tokens, cache.conformer_cnn, cache.conformer_att)
         offset = cache.att_frames
         frames = mu.shape[2]
         if offset + frames > noise.shape[2]:
             raise ValueError(f"noise table too short: need {offset + frames} frames, have {noise.shape[2]}")
         z = noise[:, :, offset : offset + frames]
-        mel, est_cnn, est_att = self._solve(
+        mel, est_cnn, est_att = self.solver(
             z, mu, spk_cond, torch.zeros_like(mu), cache.estimator_cnn, cache.estimator_att
         )
         new_cache = trim_caches(FlowCache(conf_cnn, conf_att, est_cnn, est_att), prompt_frames)

@@ -1,0 +1,195 @@
+"""The fused DiT solve (services/code2wav/model/fused_dit.py) against the package's blocks, on CPU.
+
+The package path stays the CPU default and the one checked against the upstream oracle
+(tests/test_code2wav_model.py); these tests pin the fused path to it: fp32 to float rounding, bf16 within
+a stated bound, and its CUDA-graph wiring (one graph per window's whole solve, encoder graphs, the shared
+output arena it writes into directly) through a host-side emulation of capture and replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.code2wav.dump import talker_windows
+from services.code2wav.model.flow_step import FlowStepper
+from services.code2wav.model.loader import load_token2wav
+from services.code2wav.model.prompt import ReferenceVoiceEncoder
+from services.code2wav.runner import Code2WavRunner, WindowCursor
+from services.code2wav.service import dit_choice
+from services.common.checkpoint import Checkpoint
+
+MEL_ATOL = 1e-4
+WAV_ATOL = 1e-3  # as tests/test_code2wav_model.py: HiFT's phase integration amplifies float differences
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_ckpt: Path) -> Iterator[types.SimpleNamespace]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ckpt = Checkpoint(tiny_ckpt)
+    model = load_token2wav(ckpt.token2wav_dir, "cpu")
+    voices = ReferenceVoiceEncoder(ckpt.token2wav_dir, model.device, model.dims.up_rate)
+    prompt = voices.encode_file(ckpt.ref_audio_path)
+    codes = torch.randint(0, 6561, (53,), generator=torch.Generator().manual_seed(4)).tolist()
+    windows = talker_windows(codes, 3)  # 25 + 25 new codes, then a last window of 3
+    package = Code2WavRunner(model)
+    reference = [_stream(package, package.open_stream(f"p{i}", prompt, i), windows) for i in (1, 2)]
+    yield types.SimpleNamespace(model=model, prompt=prompt, windows=windows, reference=reference)
+    torch.set_num_threads(threads)
+
+
+def _stream(runner: Code2WavRunner, state, windows) -> dict:  # noqa: ANN001
+    cursor = WindowCursor()
+    mels, wavs = [], []
+    for tokens, last in windows:
+        (res,) = runner.run([(state, runner.check_window(cursor, tokens, 3, last), last)])
+        mels.append(res.mel)
+        wavs.append(res.samples)
+    return {"mel": torch.cat(mels, 1).numpy(), "wav": np.concatenate(wavs)}
+
+
+def _batched(runner: Code2WavRunner, prompt, windows, seeds=(1, 2)) -> list[dict]:  # noqa: ANN001
+    """Streams with ``seeds`` advancing together (equal windows share one batch)."""
+    states = [runner.open_stream(f"s{s}", prompt, s) for s in seeds]
+    cursors = [WindowCursor() for _ in seeds]
+    outs = [{"mel": [], "wav": []} for _ in seeds]
+    for tokens, last in windows:
+        items = [
+            (st, runner.check_window(c, tokens, 3, last), last) for st, c in zip(states, cursors, strict=True)
+        ]
+        for out, res in zip(outs, runner.run(items), strict=True):
+            out["mel"].append(res.mel)
+            out["wav"].append(res.samples)
+    return [{"mel": torch.cat(o["mel"], 1).numpy(), "wav": np.concatenate(o["wav"])} for o in outs]
+
+
+def test_fused_fp32_matches_package_blocks_batched(stack) -> None:  # noqa: ANN001
+    """Two streams batched through the fused fp32 solve give each stream's package-path mel and audio."""
+    runner = Code2WavRunner(stack.model, dit="fused")
+    assert runner.flow.compute_dtype == torch.float32 and runner.est_cache_dtype == torch.float32
+    for got, ref in zip(_batched(runner, stack.prompt, stack.windows), stack.reference, strict=True):
+        assert np.abs(got["mel"] - ref["mel"]).max() < MEL_ATOL
+        assert got["wav"].shape == ref["wav"].shape
+        assert np.abs(got["wav"] - ref["wav"]).max() < WAV_ATOL
+
+
+def test_fused_bf16_stays_close_and_keeps_bf16_caches(stack) -> None:  # noqa: ANN001
+    """bf16 DiT: caches are stored in bf16 (half the bytes) and the mel stays within 2% RMS of fp32."""
+    runner = Code2WavRunner(stack.model, dit="fused", dit_dtype=torch.bfloat16)
+    state = runner.open_stream("b", stack.prompt, 1)
+    assert state.flow.estimator_att.dtype == torch.bfloat16
+    assert state.flow.conformer_att.dtype == torch.float32  # the encoder stays fp32
+    got = _stream(runner, state, stack.windows)
+    ref = stack.reference[0]
+    assert got["wav"].shape == ref["wav"].shape and np.isfinite(got["wav"]).all()
+    rms = np.sqrt(np.mean((got["mel"] - ref["mel"]) ** 2)) / np.sqrt(np.mean(ref["mel"] ** 2))
+    assert 0 < rms < 0.02, rms
+
+
+def test_dit_choice_and_bad_combinations() -> None:
+    def ns(**kw: str) -> argparse.Namespace:
+        return argparse.Namespace(**{"device": "cpu", "dit": "auto", "dit_dtype": "auto", **kw})
+
+    assert dit_choice(ns()) == ("package", torch.float32)  # CPU default: the oracle-checked path
+    assert dit_choice(ns(device="cuda:0")) == ("fused", torch.bfloat16)
+    assert dit_choice(ns(device="cuda", dit_dtype="float32")) == ("fused", torch.float32)
+    assert dit_choice(ns(device="cuda", dit="package")) == ("package", torch.float32)
+    assert dit_choice(ns(dit="fused")) == ("fused", torch.float32)
+    with pytest.raises(ValueError, match="fp32 only"):
+        FlowStepper(types.SimpleNamespace(flow=None, dims=None), dit="package", dit_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dit must be"):
+        FlowStepper(types.SimpleNamespace(flow=None, dims=None), dit="onnx")
+
+
+class _Replay:
+    """Host-side stand-in for a CUDA graph sharing the input and output arenas like the real capture:
+    a function marked ``fills_outputs`` writes into the output views itself, others are copied in."""
+
+    def __init__(self, fn, inputs: list, outputs: tuple) -> None:  # noqa: ANN001
+        self.fn, self.inputs, self.outputs = fn, inputs, outputs
+
+    def replay(self) -> None:
+        if getattr(self.fn, "fills_outputs", False):
+            self.fn(*self.inputs, out=self.outputs)
+            return
+        fresh = self.fn(*self.inputs)
+        for out, new in zip(
+            self.outputs, (fresh,) if isinstance(fresh, torch.Tensor) else fresh, strict=True
+        ):
+            out.copy_(new)
+
+
+def _shared_capture(calls: list):  # noqa: ANN202
+    from services.code2wav.model.cuda_graphs import SharedBuffers, _Captured, static_inputs
+
+    shared = SharedBuffers()
+
+    def capture(fn, args: tuple):  # noqa: ANN001, ANN202
+        calls.append((getattr(fn, "fills_outputs", False), args))
+        inputs = static_inputs(args, shared.inputs)
+        first = fn(*inputs)
+        outputs = shared.outputs.views((first,) if isinstance(first, torch.Tensor) else first)
+        return _Captured(_Replay(fn, inputs, outputs), inputs, outputs)
+
+    return capture, shared
+
+
+def test_graphed_fused_flow_matches_eager_and_captures_last_windows(stack) -> None:  # noqa: ANN001
+    """With graphs, the fused path replays one solve graph per window (not one per Euler step) and the
+    encoder from its own graphs, all through one shared output arena that the next replay overwrites,
+    and the audio equals the eager fused runner's bit for bit. The warm-up also captures last windows at
+    batch 1, so a live short last window replays instead of running eager."""
+    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
+
+    calls: list = []
+    capture, shared = _shared_capture(calls)
+    runner = Code2WavRunner(stack.model, dit="fused")
+    graphs = enable_cuda_graphs(runner, capture=capture)
+    assert set(graphs) == {"flow_solve", "encoder", "encoder_last", "hift_f0", "hift_decode"}
+    ran = runner.warm_up_shapes(
+        stack.prompt, max_batch=1, first_windows=(25,), steady_windows=1, last_windows=(3,)
+    )
+    assert ran == 3 and all(g.frozen for g in graphs.values())
+    assert sum(fills for fills, _ in calls) == graphs["flow_solve"].captured == 3  # only the solve fills
+    assert graphs["encoder_last"].captured == 1
+    before = {name: (g.replays, g.eager_calls) for name, g in graphs.items()}
+    graphed = _stream(runner, runner.open_stream("g", stack.prompt, 1), stack.windows)
+    delta = {
+        name: (g.replays - before[name][0], g.eager_calls - before[name][1]) for name, g in graphs.items()
+    }
+    # Two steady windows and the 3-code last window all replay: one solve replay each, no eager call.
+    assert delta == {
+        "flow_solve": (3, 0),
+        "encoder": (2, 0),
+        "encoder_last": (1, 0),
+        "hift_f0": (3, 0),
+        "hift_decode": (3, 0),
+    }
+    eager_runner = Code2WavRunner(stack.model, dit="fused")
+    eager = _stream(eager_runner, eager_runner.open_stream("e", stack.prompt, 1), stack.windows)
+    assert np.array_equal(graphed["mel"], eager["mel"]) and np.array_equal(graphed["wav"], eager["wav"])
+    assert shared.outputs.nbytes > 0
+
+
+def test_cuda_smoke_code2wav_compare_rules() -> None:
+    """bench.cuda_smoke's code2wav verdicts: zero error passes, an error over the variant's bound or a
+    shape change fails, and the figures are the ones the docstring names."""
+    from bench.cuda_smoke_code2wav import compare
+
+    gen = np.random.default_rng(0)
+    mel = gen.standard_normal((2, 80, 40)).astype(np.float32)
+    wav = (0.1 * gen.standard_normal((2, 4800))).astype(np.float32)
+    same = compare("fused-fp32", (mel, wav), (mel.copy(), wav.copy()), 0.1)
+    assert same.verdict == "pass" and same.mel_max_abs == same.mel_rel_rms == same.wav_rel_rms == 0
+    assert same.spec_db_mean_abs == 0 and same.samples == 4800
+    off = compare("fused-fp32", (mel, wav), (mel * 1.01, wav), 0.1)
+    assert off.verdict == "FAIL" and off.mel_rel_rms == pytest.approx(0.01, rel=1e-3)
+    assert compare("fused-bf16-graphs", (mel, wav), (mel * 1.01, wav), 0.1).verdict == "pass"  # bound 5%
+    assert compare("fused-fp32", (mel, wav), (mel[:, :, :-1], wav), 0.1).verdict == "FAIL"
