@@ -4,8 +4,10 @@ The e2e timeline shows code2wav's first window as the largest share of time to f
 one window (first window: 10 new codes + 3 silence; steady window: 25 new codes) at batch 1 and 8 into
 its parts, timed with CUDA synchronisation around each part:
 
-* ``encoder`` - token embedding, conformer encoder chunk and projection (eager);
-* ``solve`` - the 10-step CFM solve (one DiT graph replay per step plus the eager glue);
+* ``encoder`` - token embedding, conformer encoder chunk and projection (one graph replay with the fused
+  DiT, eager with the package DiT);
+* ``solve`` - the 10-step CFM solve (fused DiT: one graph replay for the whole solve; package DiT: one
+  DiT graph replay per step plus the eager glue);
 * ``vocoder`` - HiFT f0 predictor, decoder, inverse STFT;
 * ``host`` - the rest of ``run_batch`` (cache stacking/splitting, device->host copies).
 

@@ -2,9 +2,13 @@
 
 What is captured, per distinct input-shape key:
 
-* one DiT estimator evaluation with caches (:func:`dit_blocks_chunk`): the 10-step Euler loop stays in
-  Python and replays the graph once per step; the time embedding is computed outside (the package builds
-  its frequency table on the host);
+* with the fused DiT (``FlowStepper.fused``): a window's whole 10-step guided solve
+  (:meth:`FusedDiTSolver.solve`, no host work between steps), which writes its per-step caches straight
+  into the shared output arena (``fills_outputs``), and the conformer encoder chunk (embedding,
+  conformer, projection; one set for non-final windows, one for last windows);
+* with the package DiT: one DiT estimator evaluation with caches (:func:`dit_blocks_chunk`): the 10-step
+  Euler loop stays in Python and replays the graph once per step; the time embedding is computed outside
+  (the package builds its frequency table on the host);
 * the HiFT f0 predictor and the HiFT decoder up to ``conv_post`` (``torch.istft`` checks its window on the
   host, so the inverse STFT and the NSF source, which draws per-stream random numbers, stay eager).
 
@@ -12,8 +16,9 @@ When: at startup, before the server reports serving, :meth:`Code2WavRunner.warm_
 throwaway batches of every size 1..``max_batch`` through the usual window shapes (a first window of 10
 or of 25 codes, then steady 25-code windows: estimator caches of 300 frames after the 6 s prompt grow by
 20 or 50 frames per window until trimming holds them at 400), 12 keys per batch size (6 DiT, 3 f0, 3
-decoder), capturing each key on first use, and then *freezes* every set. A frozen set never captures:
-a key it has not seen (a short last window, an unusual first window) runs eager and is logged once.
+decoder; the fused path adds its encoder graphs and, at batch 1, the last windows), capturing each key
+on first use, and then *freezes* every set. A frozen set never captures: a key it has not seen (an
+uncovered last window, an unusual first window) runs eager and is logged once.
 Capturing while serving is what failed on the H200 with three stages time-slicing the GPU (a cuDNN error
 inside the capture, then an illegal address that killed every later window), so after the warm-up it
 does not happen. A set that is never frozen (benchmarks that skip the warm-up) captures lazily, up to
@@ -27,7 +32,8 @@ cost tens of GiB over 16 batch sizes, while shared the set costs about what its 
 This is safe because one thread runs every replay in sequence on one stream, inputs are copied in right
 before each replay, and callers keep the contract they already kept: a replay's outputs are valid only
 until the next replay of *any* graph, so callers consume or copy them first (``FlowStepper._solve``
-copies each step's caches; the vocoder feeds the f0 into the eager NSF source before the decoder
+copies each step's caches; the graphed encoder clones its outputs before the solve replays;
+``Code2WavRunner.run_batch`` splits the flow caches and copies the mel before the vocoder replays; the vocoder feeds the f0 into the eager NSF source before the decoder
 replays). A key whose capture fails falls back to eager for good.
 """
 
