@@ -87,10 +87,30 @@ def test_fused_bf16_stays_close_and_keeps_bf16_caches(stack) -> None:  # noqa: A
     assert state.flow.estimator_att.dtype == torch.bfloat16
     assert state.flow.conformer_att.dtype == torch.float32  # the encoder stays fp32
     got = _stream(runner, state, stack.windows)
+    bound = runner.max_stream_cache_bytes(stack.prompt.frames)
+    assert (
+        state.cache_bytes <= bound < Code2WavRunner(stack.model).max_stream_cache_bytes(stack.prompt.frames)
+    )
     ref = stack.reference[0]
     assert got["wav"].shape == ref["wav"].shape and np.isfinite(got["wav"]).all()
     rms = np.sqrt(np.mean((got["mel"] - ref["mel"]) ** 2)) / np.sqrt(np.mean(ref["mel"] ** 2))
     assert 0 < rms < 0.02, rms
+
+
+def test_stage_built_with_the_fused_dit_reports_it(stack, tiny_ckpt: Path) -> None:  # noqa: ANN001
+    """``--dit fused`` through the stage's own assembly: the runner uses the fused solver and GetInfo says
+    so (CPU: no graphs, so start-up runs no warm-up)."""
+    from services.code2wav.__main__ import build_parser
+    from services.code2wav.server import stage_info
+    from services.code2wav.service import build_engine
+
+    args = build_parser().parse_args(["--checkpoint", str(tiny_ckpt), "--dit", "fused", "--voice-cache", "2"])
+    engine, _ = build_engine(args)
+    assert engine.runner.flow.fused is not None and not engine.runner.cuda_graphs
+    props = stage_info(engine, "t").properties
+    assert (props["dit"], props["dit_dtype"]) == ("fused", "float32")
+    default = build_engine(build_parser().parse_args(["--checkpoint", str(tiny_ckpt)]))[0]
+    assert stage_info(default, "t").properties["dit"] == "package"  # CPU default: the oracle path
 
 
 def test_dit_choice_and_bad_combinations() -> None:

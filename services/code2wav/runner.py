@@ -132,7 +132,10 @@ class Code2WavRunner:
     def max_stream_cache_bytes(self, prompt_frames: int) -> int:
         """Bound of one stream's cache bytes between windows (flow after trimming + vocoder tails)."""
         hift = (self.model.dims.mel_bins * 8 + 2 * self.vocoder.holdback) * 4
-        return max_cache_bytes(self.model, prompt_frames, self.n_timesteps, self.cache_dtype) + hift
+        flow = max_cache_bytes(
+            self.model, prompt_frames, self.n_timesteps, self.cache_dtype, self.est_cache_dtype
+        )
+        return flow + hift
 
     def _origin(
         self, prompt: PromptFeatures, seed: int, noise: torch.Tensor | None

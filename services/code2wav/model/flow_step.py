@@ -146,16 +146,23 @@ def trim_caches(cache: FlowCache, prompt_frames: int) -> FlowCache:
     return replace(cache, estimator_att=est, conformer_att=conf)
 
 
-def max_cache_bytes(model: Token2WavModel, prompt_frames: int, n_timesteps: int, dtype: torch.dtype) -> int:
-    """Upper bound of one stream's flow-cache bytes between windows (after trimming)."""
+def max_cache_bytes(
+    model: Token2WavModel,
+    prompt_frames: int,
+    n_timesteps: int,
+    dtype: torch.dtype,
+    est_dtype: torch.dtype | None = None,
+) -> int:
+    """Upper bound of one stream's flow-cache bytes between windows (after trimming); conformer caches
+    in ``dtype``, estimator caches in ``est_dtype`` (default ``dtype``)."""
     d = model.dims
     frames = prompt_frames + HISTORY_FRAMES
-    elem = torch.empty((), dtype=dtype).element_size()
     conformer = d.encoder_layers * d.encoder_heads * frames * 2 * d.encoder_head_dim
     conformer += d.encoder_channels * (2 + 2 * d.up_rate)
     estimator = n_timesteps * d.dit_depth * 2 * d.dit_heads * frames * 2 * d.dit_head_dim
     estimator += n_timesteps * d.dit_depth * 2 * 2 * d.dit_hidden * 2
-    return (conformer + estimator) * elem
+    est_elem = (dtype if est_dtype is None else est_dtype).itemsize
+    return conformer * dtype.itemsize + estimator * est_elem
 
 
 def cosine_time_span(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
