@@ -42,7 +42,16 @@ def talker_windows(
     return windows
 
 
-def run_dump(checkpoint: str, reference: str, out: str, device: str, threads: int | None) -> dict:
+def run_dump(
+    checkpoint: str,
+    reference: str,
+    out: str,
+    device: str,
+    threads: int | None,
+    dit: str = "package",
+    dit_dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Run the oracle's windows through the runner (``dit`` picks the DiT path) and write the npz."""
     if threads:
         torch.set_num_threads(threads)
     ref = np.load(reference)
@@ -52,7 +61,7 @@ def run_dump(checkpoint: str, reference: str, out: str, device: str, threads: in
     t0 = time.perf_counter()
     model = load_token2wav(ckpt.token2wav_dir, device)
     voices = ReferenceVoiceEncoder(ckpt.token2wav_dir, model.device, up_rate=model.dims.up_rate)
-    runner = Code2WavRunner(model, n_timesteps=10, nsf_noise=False)
+    runner = Code2WavRunner(model, n_timesteps=10, nsf_noise=False, dit=dit, dit_dtype=dit_dtype)
     prompt = voices.encode_file(ckpt.ref_audio_path)
     state = runner.open_stream("dump", prompt, noise=noise)
     windows = talker_windows(codes, runner.lookahead)
@@ -79,6 +88,8 @@ def run_dump(checkpoint: str, reference: str, out: str, device: str, threads: in
         "device": str(model.device),
         "threads": torch.get_num_threads(),
         "nsf_noise": False,
+        "dit": dit,
+        "dit_dtype": str(dit_dtype).removeprefix("torch."),
         "cfm_noise": "injected from the reference file (code2wav.cfm_noise)",
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -96,9 +107,14 @@ def add_dump_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="npz to write")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument(
+        "--dit", choices=("package", "fused"), default="package", help="DiT path (the stage's --dit)"
+    )
+    parser.add_argument("--dit-dtype", choices=("float32", "bfloat16"), default="float32")
 
 
 def dump_main(args: argparse.Namespace) -> int:
-    meta = run_dump(args.checkpoint, args.reference, args.out, args.device, args.threads)
+    dtype = torch.bfloat16 if args.dit_dtype == "bfloat16" else torch.float32
+    meta = run_dump(args.checkpoint, args.reference, args.out, args.device, args.threads, args.dit, dtype)
     print(json.dumps(meta))
     return 0
