@@ -395,7 +395,10 @@ def test_graph_warmup_enumerates_every_bucket_up_to_the_limits() -> None:
         PACKED_MAX_ROWS=ModelRunner.PACKED_MAX_ROWS,
         _graph_for=lambda b, c: seen.append((b, c)),
         kernel_backend="torch",
+        burst_warmup_step=ModelRunner.burst_warmup_step,
     )
+    eager: list = []
+    fake._eager_step = eager.append
     # Row buckets go up to PACKED_MAX_ROWS (32) even for 8 sequences: packed prefill steps use them.
     assert ModelRunner.warmup_graphs(fake, 8, 1024) == 18
     assert seen == [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (256, 512, 1024)]
@@ -403,13 +406,19 @@ def test_graph_warmup_enumerates_every_bucket_up_to_the_limits() -> None:
     assert ModelRunner.warmup_graphs(fake, 3, 300) == 12  # 300 -> bucket 512
     assert seen == [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (256, 512)]
     assert ModelRunner.warmup_graphs(fake, 8, 0) == 0
-    # The Triton backend also runs one eager 16-token step into the scratch block first, so the eager
-    # kernel variants compile at start-up rather than at the first prefill.
-    eager: list = []
-    fake.kernel_backend, fake._eager_step = "triton", eager.append
+    # Every warm-up first runs one eager step into the scratch block, so the eager kernel variants
+    # compile and the allocator grows at start-up rather than at the first prefill or burst: 16 tokens
+    # by default, a full step of 16-token chunks (max_batch of them with logits) when given its size.
+    eager.clear()
+    fake.kernel_backend = "triton"
     assert ModelRunner.warmup_graphs(fake, 1, 256) == 6
     [step] = eager
     assert not step.decode and [(len(c.token_ids), c.start, c.blocks) for c in step.prefill] == [(16, 0, [0])]
+    eager.clear()
+    assert ModelRunner.warmup_graphs(fake, 8, 256, max_step_tokens=512) == 6
+    [step] = eager
+    assert step.num_tokens == 512 and {(c.start, tuple(c.blocks)) for c in step.prefill} == {(0, (0,))}
+    assert sum(c.want_logits for c in step.prefill) == 8
     fake.use_cuda_graphs = False
     assert ModelRunner.warmup_graphs(fake, 8, 1024) == 0
 
@@ -458,7 +467,8 @@ def test_row_graph_path_matches_eager_engine_on_cpu(llm: torch.nn.Module) -> Non
         if graphed:
             engine.runner.use_cuda_graphs = True
             engine.runner.graph_capture = emulated
-            assert engine.runner.warmup_graphs(4, 64) == 6  # row buckets 1..32 x context 256
+            # with the burst warm-up step (512 tokens into scratch) first: it must leave no trace
+            assert engine.runner.warmup_graphs(4, 64, 512) == 6  # row buckets 1..32 x context 256
         sinks = []
         for i, prompt in enumerate(prompts):
             sink = Collector()

@@ -109,12 +109,20 @@ def test_paged_attention_matches_reference(dtype: torch.dtype, splits: int) -> N
         1,
         splits,
     )
+    want_rows = TorchOps.paged_attention(q[:3], k_cache, v_cache, rows)
     torch.testing.assert_close(
-        tri.paged_attention(q[:3], k_cache, v_cache, rows),
-        TorchOps.paged_attention(q[:3], k_cache, v_cache, rows),
-        rtol=0,
-        atol=atol,
+        tri.paged_attention(q[:3], k_cache, v_cache, rows), want_rows, rtol=0, atol=atol
     )
+    if splits > 1:
+        # The last split to arrive merged the partials in the same launch and left its counter at zero,
+        # so a second call (a graph replay, the next layer) merges again from a clean count.
+        from services.thinker.kernels import triton_ops
+
+        counters = triton_ops._COUNTERS[q.device]
+        assert int(counters.abs().sum()) == 0
+        got = tri.paged_attention(q[:3], k_cache, v_cache, rows)
+        torch.testing.assert_close(got, want_rows, rtol=0, atol=atol)
+        assert int(counters.abs().sum()) == 0
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,11 +202,13 @@ def test_packed_row_step_with_triton_kernels_matches_eager(llm: torch.nn.Module)
 
 
 def test_key_splits_rule() -> None:
-    """Few tiles over a long context split their keys; many tiles or short contexts do not."""
+    """The rule gives the best split measured on the H200 (132 SMs, 8 KV heads) at each bench point."""
     from services.thinker.kernels import key_splits
 
-    assert key_splits(1, 8, 512, 132) == 4
-    assert key_splits(1, 8, 4096, 132) == 16
-    assert key_splits(16, 8, 1024, 132) == 2
-    assert key_splits(32, 8, 1024, 132) == 1
-    assert key_splits(1, 8, 128, 132) == 1
+    measured_best = {(1, 1024): 16, (4, 1024): 8, (8, 1024): 8, (16, 1024): 4, (32, 1024): 2}
+    measured_best |= {(1, 4096): 16, (16, 4096): 4, (32, 4096): 2}
+    for (tiles, context), best in measured_best.items():
+        assert key_splits(tiles, 8, context, 132) == best, (tiles, context)
+    assert key_splits(1, 8, 512, 132) == 8  # 64 keys per split while 64 programs leave SMs idle
+    assert key_splits(64, 8, 1024, 132) == 1  # 512 programs fill the GPU already
+    assert key_splits(1, 8, 64, 132) == 1  # too short to split

@@ -129,7 +129,9 @@ def serve(argv: list[str]) -> int:
         budget_source = "default"
     log.info("thinker KV cache: %.2f GiB (%s)", backend.engine.cache.budget_bytes / 2**30, budget_source)
     t0 = time.perf_counter()
-    captured = backend.engine.runner.warmup_graphs(args.max_num_seqs, args.graph_warmup_context)
+    captured = backend.engine.runner.warmup_graphs(
+        args.max_num_seqs, args.graph_warmup_context, backend.engine.config.max_step_tokens
+    )
     if captured:
         log.info("thinker: captured %d decode CUDA graphs in %.1f s", captured, time.perf_counter() - t0)
     backend.engine.start()

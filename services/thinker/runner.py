@@ -433,21 +433,20 @@ class ModelRunner:
             self._graphs[key] = graph
         return graph
 
-    def warmup_graphs(self, max_batch: int, max_context: int) -> int:
+    def warmup_graphs(self, max_batch: int, max_context: int, max_step_tokens: int = 16) -> int:
         """Capture every (batch, context) bucket up to ``max_batch`` x ``max_context`` now; returns the count.
 
         Captures are otherwise lazy, and one takes seconds on a full-size model (two eager warm-up passes
         plus the recording): a first request in a new bucket would stall every running stream that long.
+        First one eager step of ``max_step_tokens`` tokens (the largest a burst of prompts can make) runs
+        as 16-token chunks, ``max_batch`` of them asking for logits: it compiles the eager kernel
+        variants (a first prefill would JIT-compile them while serving) and leaves the allocator holding
+        blocks of a full step's sizes, so the first burst after start pays no device allocations. Every
+        chunk sits at positions 0..15 of the scratch block, which only ever needs finite values.
         """
         if not self.use_cuda_graphs or max_batch < 1 or max_context < 1:
             return 0
-        if self.kernel_backend != "torch":
-            # Compile the eager step's kernel variants now (16-row attention tiles): a first prefill would
-            # otherwise JIT-compile them while serving. 16 tokens at positions 0..15 of the scratch block,
-            # which only ever needs finite values.
-            self._eager_step(
-                StepInput(prefill=[PrefillChunk([0] * 16, 0, [BlockPool.SCRATCH_BLOCK], None, True)])
-            )
+        self._eager_step(self.burst_warmup_step(max_batch, max_step_tokens))
         # Steps that pack prefill chunks use row buckets up to PACKED_MAX_ROWS whatever max_batch is.
         max_batch = max(max_batch, self.PACKED_MAX_ROWS)
         top_batch = next(
@@ -462,6 +461,15 @@ class ModelRunner:
                 count += 1
                 context *= 2
         return count
+
+    @staticmethod
+    def burst_warmup_step(max_batch: int, max_step_tokens: int) -> StepInput:
+        """The eager warm-up step: ``max_step_tokens`` (at least 16) tokens as 16-token scratch chunks."""
+        chunks = max(1, max_step_tokens // 16)
+        scratch = [BlockPool.SCRATCH_BLOCK]
+        return StepInput(
+            prefill=[PrefillChunk([0] * 16, 0, scratch, None, i < max_batch) for i in range(chunks)]
+        )
 
     def decode_forward_static(
         self,

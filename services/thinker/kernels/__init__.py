@@ -8,7 +8,8 @@ one kernel and reads keys/values straight from the paged cache (no gather copy):
 * ``rms_norm`` / ``add_rms_norm``: the residual add and the next RMSNorm in one pass;
 * ``qk_rope_store``: q/k RMSNorm, rotary, and the K/V write into the paged cache in one pass;
 * ``paged_attention``: causal attention of query tiles over their sequence's pages (flash-style online
-  softmax, GQA folded into the tile rows, optional split over the keys for short batches);
+  softmax, GQA folded into the tile rows, optional split over the keys for short batches, merged by
+  the last split to finish in the same launch);
 * ``silu_mul``: the SwiGLU gate.
 
 The torch backend (:class:`TorchOps`) computes the same functions with the operation order of the
@@ -155,12 +156,17 @@ def key_splits(tiles: int, kv_heads: int, context: int, sms: int) -> int:
     """Key splits per tile (a power of two, at most 16) so that few tiles still spread over the SMs.
 
     Decode attention is latency-bound (a loop of dependent page, K and V loads per program), so more,
-    shorter programs finish sooner until the GPU is full: split while the programs stay within two per
-    SM and every split keeps at least 128 keys (two 64-key blocks). Measured on the H200 by
-    ``python -m bench.thinker.attention`` (BENCHMARKS.md).
+    shorter programs finish sooner until the GPU is full: split while the programs stay within four per
+    SM and every split keeps at least 128 keys (two 64-key blocks), or 64 keys while the programs do not
+    yet fill the SMs once. The partials are merged by the last split to finish, in the same launch.
+    This is the measured best split at every point of ``python -m bench.thinker.attention`` on the
+    H200 (batch 1..32, context 1024 and 4096; BENCHMARKS.md).
     """
     s = 1
-    while s < 16 and tiles * kv_heads * s * 2 <= 2 * sms and context // (2 * s) >= 128:
+    while s < 16 and tiles * kv_heads * 2 * s <= 4 * sms:
+        keys = context // (2 * s)
+        if keys < 64 or (keys < 128 and tiles * kv_heads * 2 * s > sms):
+            break
         s *= 2
     return s
 

@@ -121,6 +121,7 @@ def _paged_attention_kernel(
     po_ptr,
     pm_ptr,
     pl_ptr,
+    cnt_ptr,
     row_ptr,
     len_ptr,
     seq_ptr,
@@ -201,26 +202,61 @@ def _paged_attention_kernel(
         tl.store(po_ptr + part[:, None] * D + d_idx[None, :], acc, mask=m_valid[:, None])
         tl.store(pm_ptr + part, m_i, mask=m_valid)
         tl.store(pl_ptr + part, l_i, mask=m_valid)
+        # The last split of this (tile, KV head) to finish merges all partials (no second launch): the
+        # barrier orders every thread's stores before the one thread's release; the acquire side loads
+        # the partials through L2 (.cg), never a stale L1 line. It resets its counter for the next call.
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile * HKV + kvh, 1, sem="acq_rel", scope="gpu")
+        if done == SPLITS - 1:
+            m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            for s_i in tl.static_range(SPLITS):
+                ps = (s_i * n_rows + q_rows) * HQ + head
+                m_s = tl.load(pm_ptr + ps, mask=m_valid, other=float("-inf"), cache_modifier=".cg")
+                m_max = tl.maximum(m_max, m_s)
+            m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no row saw a key: weights 0, not NaN
+            num = tl.zeros([BLOCK_M, D], tl.float32)
+            den = tl.zeros([BLOCK_M], tl.float32)
+            for s_i in tl.static_range(SPLITS):
+                ps = (s_i * n_rows + q_rows) * HQ + head
+                m_s = tl.load(pm_ptr + ps, mask=m_valid, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(pl_ptr + ps, mask=m_valid, other=0.0, cache_modifier=".cg")
+                a_s = tl.load(
+                    po_ptr + ps[:, None] * D + d_idx[None, :],
+                    mask=m_valid[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_max))
+                num += a_s * w[:, None]
+                den += l_s * w
+            den = tl.where(den == 0.0, 1.0, den)
+            tl.store(
+                o_ptr + q_off[:, None] + d_idx[None, :],
+                (num / den[:, None]).to(o_ptr.dtype.element_ty),
+                mask=m_valid[:, None],
+            )
+            tl.atomic_xchg(cnt_ptr + tile * HKV + kvh, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _combine_splits_kernel(
-    po_ptr, pm_ptr, pl_ptr, o_ptr, n_rows, HQ: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s_idx = tl.arange(0, SPLITS)
-    d_idx = tl.arange(0, D)
-    part = (s_idx * n_rows + row) * HQ + h
-    m = tl.load(pm_ptr + part)
-    l_part = tl.load(pl_ptr + part)
-    acc = tl.load(po_ptr + part[:, None] * D + d_idx[None, :])
-    m_max = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l_part * w, axis=0)
-    den = tl.where(den == 0.0, 1.0, den)
-    tl.store(o_ptr + (row * HQ + h) * D + d_idx, (num / den).to(o_ptr.dtype.element_ty))
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters of the split-K merge, one per (tile, KV head), kept per device.
+
+    Persistent (a graph records the pointer) and left zeroed by the kernel itself, so a step pays no
+    memset. Grown only outside a capture: the warm-up passes before a capture run the same shapes.
+    """
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split counters must be sized before a CUDA-graph capture")
+        if buf is not None:
+            _RETIRED.append(buf)  # graphs captured earlier still point at it
+        buf = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 class TritonOps:
@@ -311,6 +347,7 @@ class TritonOps:
         else:
             po = pm = pl = out  # unused
         n_tiles = tiles.row.shape[0]
+        counters = _split_counters(q.device, n_tiles * hkv) if splits > 1 else out
         _paged_attention_kernel[(n_tiles, hkv, splits)](
             q,
             k_cache,
@@ -319,6 +356,7 @@ class TritonOps:
             po,
             pm,
             pl,
+            counters,
             tiles.row,
             tiles.length,
             tiles.seq,
@@ -339,6 +377,4 @@ class TritonOps:
             IEEE=q.dtype == torch.float32,
             num_warps=4,
         )
-        if splits > 1:
-            _combine_splits_kernel[(t, hq)](po, pm, pl, out, t, HQ=hq, D=d, SPLITS=splits, num_warps=1)
         return out
