@@ -62,6 +62,7 @@ from bench.e2e_client import (
     histogram_sums,
     markdown_table,
     percentiles,
+    run_bursts,
     run_level,
 )
 from services.common.deploy_profile import STAGES, DeployProfile, load_profile, parse_overrides
@@ -317,6 +318,7 @@ class Pipeline:
 class LevelResult:
     summary: LevelSummary
     requests: list[RequestResult] = field(default_factory=list)
+    bursts: list[dict[str, Any]] = field(default_factory=list)  # burst mode: one row per burst
 
 
 async def timeline(
@@ -324,26 +326,33 @@ async def timeline(
 ) -> list[dict[str, float]]:
     """Gateway-side marks (seconds from request start) of non-streaming requests, ``concurrency`` at once.
 
-    At c > 1 the marks show which stage the extra time queues in front of (profile of TTFP under load)."""
+    At c > 1 the marks show which stage the extra time queues in front of (profile of TTFP under load).
+    Each group of ``concurrency`` is sent on a client of its own (fresh connections, like a burst); the
+    marks of a group's requests carry ``burst`` (its index) and ``send_index`` (its place in the group)."""
     import httpx
 
     out: list[dict[str, float]] = []
-    async with httpx.AsyncClient() as client:
 
-        async def one(body: dict[str, Any]) -> None:
-            resp = await client.post(url + "/v1/chat/completions", json=body, timeout=timeout)
-            if resp.status_code == 200 and resp.json().get("metrics"):
-                out.append({k: float(v) for k, v in resp.json()["metrics"].items()})
-            else:
-                print(f"[e2e] timeline request failed: HTTP {resp.status_code} {resp.text[:200]}", flush=True)
+    async def one(client: httpx.AsyncClient, body: dict[str, Any], burst: int, index: int) -> None:
+        resp = await client.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+        if resp.status_code == 200 and resp.json().get("metrics"):
+            marks = {k: float(v) for k, v in resp.json()["metrics"].items()}
+            out.append({**marks, "burst": float(burst), "send_index": float(index)})
+        else:
+            print(f"[e2e] timeline request failed: HTTP {resp.status_code} {resp.text[:200]}", flush=True)
 
-        for start in range(0, len(bodies), concurrency):
-            await asyncio.gather(*(one(b) for b in bodies[start : start + concurrency]))
+    for burst, start in enumerate(range(0, len(bodies), concurrency)):
+        async with httpx.AsyncClient() as client:
+            group = bodies[start : start + concurrency]
+            await asyncio.gather(*(one(client, b, burst, i) for i, b in enumerate(group)))
     return out
 
 
+TIMELINE_TAGS = ("burst", "send_index")  # request labels in the marks, not times
+
+
 def summarize_timeline(marks: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    keys = sorted({k for m in marks for k in m})
+    keys = sorted({k for m in marks for k in m} - set(TIMELINE_TAGS))
     return {k: percentiles([m[k] * 1000 for m in marks if k in m]) for k in keys}
 
 
@@ -398,6 +407,22 @@ def render_markdown(report: dict[str, Any], levels: list[LevelSummary]) -> str:
             cells = [client, ft.get("gateway_ttft_mean_ms"), ft.get("thinker_ttft_mean_ms")]
             lines.append(
                 f"| {lv.concurrency} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells) + " |"
+            )
+        lines.append("")
+    for c, rows in sorted((report.get("bursts") or {}).items(), key=lambda kv: int(kv[0])):
+        lines += [
+            f"Bursts at c={c} (all {c} requests sent at once, fresh connections per burst; ms):",
+            "",
+            "| burst | ok | TTFP p50 | TTFP max | TTFT p50 | TTFT per request, in send order |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            per = ", ".join("-" if v is None else f"{v:.0f}" for v in r["ttft_ms_in_send_order"])
+            cells = [r["ttfp_p50_ms"], r["ttfp_max_ms"], r["ttft_p50_ms"]]
+            lines.append(
+                f"| {r['burst']} | {r['ok']} | "
+                + " | ".join("-" if v is None else f"{v:.0f}" for v in cells)
+                + f" | {per} |"
             )
         lines.append("")
     by_c = report.get("timeline_ms_by_concurrency") or {}
@@ -499,16 +524,30 @@ async def drive(
             n = args.warmup_rounds * c
             print(f"[e2e] c={c}: warm-up {n} request(s)", flush=True)
             await run_level(url, {}, c, n, timeout, progress=False, bodies=bodies[:n], deadline=deadline)
-        print(f"[e2e] c={c}: {args.requests_per_level} request(s)", flush=True)
         before = await asyncio.to_thread(scrape_sums, metrics_urls)
-        summary, reqs = await run_level(
-            url, {}, c, args.requests_per_level, timeout, bodies=bodies, deadline=deadline, require_audio=True
-        )
+        bursts: list[dict[str, Any]] = []
+        if args.bursts and c > 1:
+            print(f"[e2e] c={c}: {args.bursts} burst(s) of {c}, fresh connections each", flush=True)
+            summary, reqs, bursts = await run_bursts(
+                url, c, args.bursts, timeout, bodies=bodies, deadline=deadline, require_audio=True
+            )
+        else:
+            print(f"[e2e] c={c}: {args.requests_per_level} request(s)", flush=True)
+            summary, reqs = await run_level(
+                url,
+                {},
+                c,
+                args.requests_per_level,
+                timeout,
+                bodies=bodies,
+                deadline=deadline,
+                require_audio=True,
+            )
         # After the last response the gateway has observed every request's histograms (at finish).
         summary.first_token_ms = first_token_means_ms(
             before, await asyncio.to_thread(scrape_sums, metrics_urls)
         )
-        results.append(LevelResult(summary, reqs))
+        results.append(LevelResult(summary, reqs, bursts))
         m = summary.metrics
         print(
             f"[e2e] c={c} done: {summary.requests} req, {summary.failed} failed, {summary.req_per_s:.2f} req/s, "
@@ -519,7 +558,7 @@ async def drive(
     marks: dict[int, list[dict[str, float]]] = {}
     top = max(args.levels) if args.levels else 1
     for c in sorted({1, top}):
-        n = args.timeline_requests if c == 1 else top
+        n = args.timeline_requests if c == 1 else top * max(1, args.timeline_bursts)
         if not args.timeline_requests or time.monotonic() >= deadline:
             break
         print(f"[e2e] timeline: {n} non-streaming request(s) at c={c}", flush=True)
@@ -564,6 +603,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup-rounds", type=int, default=1, help="untimed rounds of c requests before each level"
     )
     p.add_argument("--timeline-requests", type=int, default=5, help="non-streaming requests with stage marks")
+    p.add_argument(
+        "--bursts",
+        type=int,
+        default=0,
+        help="levels c > 1 send this many bursts of c requests at once, each on fresh connections, instead "
+        "of --requests-per-level with c in flight (with --warmup-rounds 0 the first burst after start counts)",
+    )
+    p.add_argument(
+        "--timeline-bursts",
+        type=int,
+        default=1,
+        help="non-streaming bursts of the top level with stage marks",
+    )
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--spoken-tokens", type=int, default=10, help="thinker tokens (min = max, EOS ignored)")
     p.add_argument("--first-chunk-tokens", type=int, default=10)
@@ -648,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         max(args.levels) * max(args.warmup_rounds, 1),
         args.warmup,
         args.timeline_requests,
+        max(args.levels) * max(args.bursts, args.timeline_bursts),
         1,
     )
     print(f"[e2e] building {n_prompts} prompts of {w.prompt_tokens} tokens", flush=True)
@@ -682,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "warmup_rounds": args.warmup_rounds,
         "requests_per_level": args.requests_per_level,
+        "bursts": args.bursts,
         "timeline_requests": args.timeline_requests,
         "environment": environment(),
         "reference": REFERENCE,
@@ -724,6 +778,12 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [lv.summary for lv in levels]
     report["levels"] = [asdict(lv.summary) for lv in levels]
     report["requests"] = {str(lv.summary.concurrency): [asdict(r) for r in lv.requests] for lv in levels}
+    report["bursts"] = {str(lv.summary.concurrency): lv.bursts for lv in levels if lv.bursts}
+    report["timeline_raw_ms"] = {
+        str(c): [{k: v if k in TIMELINE_TAGS else 1000 * v for k, v in m.items()} for m in ms]
+        for c, ms in sorted(marks.items())
+        if c > 1
+    }
     report["timeline_ms"] = summarize_timeline(marks.get(1, []))
     report["timeline_ms_by_concurrency"] = {
         str(c): {"n": len(m), "marks": summarize_timeline(m)} for c, m in sorted(marks.items()) if m

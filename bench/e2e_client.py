@@ -41,6 +41,7 @@ class RequestResult:
     completion_tokens: int | None = None
     started_s: float = 0.0  # offset of the send from the start of the level (queueing analysis)
     error: str = ""
+    burst: int | None = None  # index of the burst it was sent in (burst mode), else None
 
 
 @dataclass
@@ -205,6 +206,69 @@ async def run_level(
         await asyncio.gather(*(worker(i) for i in range(num_requests)))
         wall = time.perf_counter() - t0
     return summarize_level(concurrency, results, wall, skipped), results
+
+
+async def run_bursts(
+    base_url: str,
+    concurrency: int,
+    bursts: int,
+    timeout: float = 300.0,
+    *,
+    bodies: list[dict[str, Any]],
+    deadline: float | None = None,
+    require_audio: bool = False,
+    gap_s: float = 0.5,
+) -> tuple[LevelSummary, list[RequestResult], list[dict[str, Any]]]:
+    """``bursts`` rounds of ``concurrency`` requests sent together, each round on fresh connections.
+
+    Every burst opens its own client (new TCP connections, as independent callers arriving together
+    would), sends all its requests at once, waits for every one to finish, then pauses ``gap_s`` so the
+    pipeline is idle before the next. The first burst counts like the others (pass no warm-up rounds to
+    include the first burst after start). Returns the level summary over all requests, the requests
+    (``burst`` set) and one row per burst: its TTFP/TTFT medians and maxima and each request's TTFT in
+    send order, which shows whether one request was served ahead of the rest.
+    """
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    results: list[RequestResult] = []
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for b in range(bursts):
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
+        async with httpx.AsyncClient(limits=limits) as client:
+            burst_bodies = [bodies[(b * concurrency + i) % len(bodies)] for i in range(concurrency)]
+            sent = time.perf_counter() - t0
+            got = await asyncio.gather(*(one_request(client, url, body, timeout) for body in burst_bodies))
+        for r in got:
+            r.burst, r.started_s = b, sent
+            if require_audio and r.ok and r.audio_s <= 0:
+                r.ok, r.error = False, "completed without audio"
+        results.extend(got)
+        ok = [r for r in got if r.ok]
+        ttfp = [r.ttfp_s * 1000 for r in ok if r.ttfp_s is not None]
+        ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
+        rows.append(
+            {
+                "burst": b,
+                "ok": len(ok),
+                "failed": len(got) - len(ok),
+                "ttfp_p50_ms": statistics.median(ttfp) if ttfp else None,
+                "ttfp_max_ms": max(ttfp) if ttfp else None,
+                "ttft_p50_ms": statistics.median(ttft) if ttft else None,
+                "ttft_ms_in_send_order": [None if r.ttft_s is None else r.ttft_s * 1000 for r in got],
+                "ttfp_ms_in_send_order": [None if r.ttfp_s is None else r.ttfp_s * 1000 for r in got],
+            }
+        )
+        print(
+            f"  c={concurrency} burst {b}: TTFP p50 {rows[-1]['ttfp_p50_ms'] or float('nan'):.0f} ms, "
+            f"max {rows[-1]['ttfp_max_ms'] or float('nan'):.0f} ms, {rows[-1]['failed']} failed",
+            flush=True,
+        )
+        await asyncio.sleep(gap_s)
+    wall = time.perf_counter() - t0
+    skipped = (bursts - len(rows)) * concurrency
+    return summarize_level(concurrency, results, wall, skipped), results, rows
 
 
 def summarize_level(

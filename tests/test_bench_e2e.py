@@ -79,6 +79,8 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
         "0",
         "--timeline-requests",
         "1",
+        "--bursts",
+        "1",
         "--audio-frames",
         "25",
         "--max-seconds",
@@ -108,6 +110,10 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
     for reqs in report["requests"].values():
         assert all(r["ok"] and r["completion_tokens"] == 10 and r["prompt_tokens"] > 64 for r in reqs)
     assert "first_audio" in report["timeline_ms"]
+    # c=2 ran as one burst of 2 (--bursts 1): its row lists both requests' TTFT in send order.
+    [burst] = report["bursts"]["2"]
+    assert burst["ok"] == 2 and len(burst["ttft_ms_in_send_order"]) == 2
+    assert all(r["burst"] == 0 for r in report["requests"]["2"])
     assert report["workload"]["first_window_frames"] == 25
     md = (out / "e2e.md").read_text()
     assert "| 1 | 2 | 0 |" in md and "| 2 | 2 | 0 |" in md
@@ -157,3 +163,68 @@ def test_inprocess_pipeline_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None
     for reqs in report["requests"].values():
         assert all(r["completion_tokens"] == 10 for r in reqs)
     assert report["workload"]["prompt_tokens_with_template"] > 64
+
+
+def test_bursts_send_together_on_fresh_connections() -> None:
+    """``run_bursts`` against a minimal streaming server: every burst's requests arrive together, each on
+    a connection of its own (none reused across bursts), and the per-burst rows match the requests."""
+    import asyncio
+    import base64
+    import io
+    import wave
+
+    from bench.e2e_client import run_bursts
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes(b"\0\0" * 2400)  # 0.1 s
+    audio = base64.b64encode(buf.getvalue()).decode()
+    chunks = [
+        {"choices": [{"delta": {"content": "hi"}}]},
+        {"modality": "audio", "choices": [{"delta": {"content": audio}}]},
+    ]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    connections: list[float] = []
+    arrivals: list[float] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """HTTP/1.1 with keep-alive: serves requests on this connection until the client closes it."""
+        connections.append(asyncio.get_running_loop().time())
+        payload = body.encode()
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break  # the client closed the connection
+            length = next(x for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
+            await reader.readexactly(int(length.split(b":")[1]))
+            arrivals.append(asyncio.get_running_loop().time())
+            await asyncio.sleep(0.05)  # the "pipeline": every request in flight at once overlaps here
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                + f"content-length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            await writer.drain()
+        writer.close()
+
+    async def main() -> tuple:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await run_bursts(
+                f"http://127.0.0.1:{port}", 3, 2, 10.0, bodies=[{"n": i} for i in range(6)], gap_s=0.2
+            )
+
+    summary, reqs, rows = asyncio.run(main())
+    assert summary.requests == 6 and summary.failed == 0 and not summary.truncated
+    assert [r.burst for r in reqs] == [0, 0, 0, 1, 1, 1]
+    assert all(r.ok and r.ttft_s is not None and r.ttfp_s is not None for r in reqs)
+    assert len(connections) == 6  # a fresh connection for every request of every burst
+    first, second = sorted(arrivals)[:3], sorted(arrivals)[3:]
+    assert max(first) - min(first) < 0.04 and min(second) - max(first) >= 0.2  # together, then the gap
+    assert [r["burst"] for r in rows] == [0, 1] and all(r["ok"] == 3 for r in rows)
+    assert rows[0]["ttfp_p50_ms"] >= 50 and len(rows[1]["ttft_ms_in_send_order"]) == 3
