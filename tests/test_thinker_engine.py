@@ -434,7 +434,9 @@ def test_forward_failures_are_typed() -> None:
     assert other.code == INTERNAL and "RuntimeError: boom" in str(other)
 
 
-def test_row_graph_path_matches_eager_engine_on_cpu(llm: torch.nn.Module) -> None:
+def test_row_graph_path_matches_eager_engine_on_cpu(
+    llm: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The CUDA-graph step path (packing, static buffers, embedding overrides, output split, no capture in a
     prefill step) with the graph emulated on the host: same tokens and hidden rows as the eager engine."""
     replays: list[int] = []
@@ -462,7 +464,17 @@ def test_row_graph_path_matches_eager_engine_on_cpu(llm: torch.nn.Module) -> Non
     ]
     embeds = torch.randn(len(prompts[3]), llm.config.hidden_size, generator=gen) * 0.02
 
+    import services.thinker.engine as engine_module
+
+    host_picks: list[int] = []  # steps whose tokens were chosen after the forward (not in the graph)
+    real_choose = engine_module.choose_tokens
+
+    def counting_choose(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        host_picks.append(1)
+        return real_choose(*args, **kwargs)
+
     def run(graphed: bool) -> list[Collector]:
+        host_picks.clear()
         engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20), "cpu")
         if graphed:
             engine.runner.use_cuda_graphs = True
@@ -479,8 +491,11 @@ def test_row_graph_path_matches_eager_engine_on_cpu(llm: torch.nn.Module) -> Non
         engine.run_until_idle()
         if graphed:
             assert len(engine.runner._graphs) == 6  # everything fit the warmed buckets: no capture
+            # Greedy rows of graph steps take the graph's own argmax; only eager steps pick on the host.
+            assert len(host_picks) <= engine.runner.step_counts["eager"]
         return sinks
 
+    monkeypatch.setattr(engine_module, "choose_tokens", counting_choose)
     eager, graphed = run(False), run(True)
     assert replays, "no step replayed a row graph"
     for e, g in zip(eager, graphed, strict=True):

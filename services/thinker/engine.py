@@ -145,6 +145,7 @@ class ThinkerEngine:
         self._thread: threading.Thread | None = None
         self._sequences: dict[int, Sequence] = {}
         self.max_kv_used_bytes = 0  # high-water mark, for tests and capacity planning
+        self._pending_metrics: tuple | None = None  # the last step's, observed after the next launch
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)
         self._update_gauges()
 
@@ -214,11 +215,17 @@ class ThinkerEngine:
 
     # ------------------------------------------------------------------------------------------ step
     def step(self) -> bool:
-        """One engine iteration; returns False when there was nothing to do."""
+        """One engine iteration; returns False when there was nothing to do.
+
+        The previous step's metrics and the gauges are written after this step's forward is launched,
+        while the device computes it: written before, they would sit between the previous step's token
+        sync and this launch, with the device idle (the host work per step that bench.thinker reports).
+        """
         self._drain_commands()
         plan = self.scheduler.plan()
-        self._update_gauges()
         if plan.empty:
+            self._flush_step_metrics()
+            self._update_gauges()
             return False
         t0 = time.perf_counter()
         # On CUDA the forward is asynchronous: its time is read from events once sampling has synced.
@@ -238,16 +245,26 @@ class ThinkerEngine:
         if events is not None:
             events[1].record()
         t_forward = time.perf_counter() - t0
+        self._flush_step_metrics()
+        self._update_gauges()
         self._consume(plan, out)
         dt = time.perf_counter() - t0
+        n_prefill = sum(n for _, n in plan.prefill)
+        self._pending_metrics = (events, t_forward, dt, n_prefill, len(plan.decode), len(plan.prefill))
+        return True
+
+    def _flush_step_metrics(self) -> None:
+        """Observe the last step's split, token counts and rates (deferred, see :meth:`step`)."""
+        pending, self._pending_metrics = self._pending_metrics, None
+        if pending is None:
+            return
+        events, t_forward, dt, n_prefill, n_decode, n_chunks = pending
         if events is not None and events[1].query():
-            # Done when sampling synced; a prefill-only step did not sync, and waiting here just to time
+            # Done when sampling synced; a prefill-only step may still run, and waiting here just to time
             # it would stall the next launch, so it keeps its wall-clock split.
             t_forward = min(dt, events[0].elapsed_time(events[1]) / 1000.0)
         STEP_PHASE_SECONDS.labels("forward").observe(t_forward)
         STEP_PHASE_SECONDS.labels("sample").observe(dt - t_forward)
-        n_prefill = sum(n for _, n in plan.prefill)
-        n_decode = len(plan.decode)
         PREFILL_TOKENS.inc(n_prefill)
         DECODE_TOKENS.inc(n_decode)
         if dt > 0:
@@ -256,9 +273,7 @@ class ThinkerEngine:
             if n_decode:
                 DECODE_TPS.set(_ewma(DECODE_TPS, n_decode / dt))
         STEP_SECONDS.labels(STAGE).observe(dt)
-        BATCH_SIZE.labels(STAGE).observe(len(plan.decode) + len(plan.prefill))
-        self._update_gauges()
-        return True
+        BATCH_SIZE.labels(STAGE).observe(n_decode + n_chunks)
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         """Synchronous driver for tests and offline use."""
@@ -347,6 +362,7 @@ class ThinkerEngine:
     def _consume(self, plan: StepPlan, out) -> None:  # noqa: ANN001 (StepOutput)
         to_sample: list[tuple[Sequence, torch.Tensor, int | None, torch.Tensor | None]] = []
         finishing: list[tuple[Sequence, EngineEvent]] = []
+        greedy_index: list[int] = []  # row of out.greedy_tokens for each row sampled
         hidden_cpu, hidden_ready = None, None
         if plan.decode and any(s.work is not None and s.work.emit_hidden for s in plan.decode):
             hidden_cpu, hidden_ready = _copy_to_host(out.decode_hidden)
@@ -360,8 +376,11 @@ class ThinkerEngine:
                 finishing.append((seq, EngineEvent(seq.seq_id, fed_token=fed, hidden=row)))
                 continue
             to_sample.append((seq, out.decode_logits[i], fed, row))
+            greedy_index.append(i)
+        k = len(plan.decode)
         for (seq, n), logits in zip(plan.prefill, out.prefill_logits, strict=True):
             assert seq.work is not None
+            k += logits is not None
             seq.tokens.extend(seq.prompt[:n])
             seq.prompt = seq.prompt[n:]
             seq.prompt_offset += n
@@ -373,9 +392,14 @@ class ThinkerEngine:
             else:
                 assert logits is not None
                 to_sample.append((seq, logits, None, None))
+                greedy_index.append(k - 1)
         tokens: list[int] = []
         samplers: list[Sampler] = [s.work.sampler for s, _, _, _ in to_sample]  # type: ignore[union-attr]
-        if to_sample:
+        if to_sample and out.greedy_tokens is not None and all(s.batchable_greedy for s in samplers):
+            # The graph's own argmax: the step's sync is this read-back of B ids, nothing is launched.
+            picked = out.greedy_tokens.tolist()
+            tokens = [int(picked[j]) for j in greedy_index]
+        elif to_sample:
             tokens = choose_tokens(  # the step's sync: the hidden rows' copy was queued before it
                 samplers,
                 torch.stack([lg for _, lg, _, _ in to_sample]),

@@ -32,8 +32,7 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:

@@ -110,11 +110,18 @@ class RowGraph:
         self.embeds = torch.zeros(batch, runner.hidden_size, dtype=runner.dtype, device=dev)
         self.use_embeds = torch.zeros(batch, dtype=torch.bool, device=dev)
         self._embeds_dirty = False
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
         args = (self.ids, self.pos, self.write, self.table, self.embeds, self.use_embeds)
+
+        def body() -> Outputs:
+            hidden, logits = runner.decode_forward_static(*args)
+            # Greedy picks inside the graph: an all-greedy step then reads back B ids, with no logits
+            # conversion, stack or argmax launched after the replay.
+            torch.argmax(logits, dim=-1, out=self.tokens)
+            return hidden, logits
+
         capture = runner.graph_capture or capture_cuda_graph
-        self._replay, (self.hidden, self.logits) = capture(
-            runner, lambda: runner.decode_forward_static(*args)
-        )
+        self._replay, (self.hidden, self.logits) = capture(runner, body)
 
     def run(
         self, rows: Sequence[DecodeRow], embeds: Sequence[tuple[int, torch.Tensor]] = ()

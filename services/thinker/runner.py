@@ -284,7 +284,7 @@ class ModelRunner:
                 if graph is not None:
                     hidden, logits = graph.run(rows, embeds)
                     self.step_counts["graph_mixed" if inp.prefill else "graph"] += 1
-                    return self._row_output(inp, hidden, logits, clone=True)
+                    return self._row_output(inp, hidden, logits, clone=True, tokens=graph.tokens)
         self.step_counts["eager"] += 1
         return self._eager_step(inp)
 
@@ -334,16 +334,35 @@ class ModelRunner:
         return override, use
 
     @staticmethod
-    def _row_output(inp: StepInput, hidden: torch.Tensor, logits: torch.Tensor, *, clone: bool) -> StepOutput:
-        """Split packed-row outputs back into decode rows and per-chunk last-row logits (copies)."""
+    def _row_output(
+        inp: StepInput,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        *,
+        clone: bool,
+        tokens: torch.Tensor | None = None,
+    ) -> StepOutput:
+        """Split packed-row outputs back into decode rows and per-chunk last-row logits (copies).
+
+        ``tokens`` (a graph's in-graph argmax of every row) become ``greedy_tokens`` in sampling order.
+        """
         b = len(inp.decode)
         prefill_logits: list[torch.Tensor | None] = []
+        last_rows: list[int] = []
         row = b
         for chunk in inp.prefill:
             row += len(chunk.token_ids)
             prefill_logits.append(logits[row - 1].to(torch.float32, copy=True) if chunk.want_logits else None)
+            if chunk.want_logits:
+                last_rows.append(row - 1)
         decode_hidden = hidden[:b].clone() if clone else hidden[:b]
-        return StepOutput(decode_hidden, logits[:b].to(torch.float32, copy=clone), prefill_logits)
+        greedy = None
+        if tokens is not None:
+            greedy = tokens[:b]
+            if last_rows:
+                index = torch.tensor(list(range(b)) + last_rows, device=tokens.device)
+                greedy = tokens.index_select(0, index)
+        return StepOutput(decode_hidden, logits[:b].to(torch.float32, copy=clone), prefill_logits, greedy)
 
     def _eager_step(self, inp: StepInput) -> StepOutput:
         dev = self.device

@@ -48,3 +48,7 @@ class StepOutput:
     decode_hidden: torch.Tensor  # [len(decode), hidden]
     decode_logits: torch.Tensor  # [len(decode), vocab] fp32
     prefill_logits: list[torch.Tensor | None]  # last-row logits per chunk, when asked
+    # Graph steps: the argmax of every row with logits (decode rows, then the chunks that asked), taken
+    # inside the graph (bf16 argmax = fp32 argmax, first index on ties). A device view, valid until the
+    # next step; None for eager steps.
+    greedy_tokens: torch.Tensor | None = None
