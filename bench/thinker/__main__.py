@@ -315,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         decode.append(r)
     if args.profile and device.type == "cuda":
         ctx = args.context_len + args.warmup_steps + args.decode_steps + 1
-        print(f"torch profiler, 3 decode-step bodies at batch {batches[0]} (eager, the graph's kernels):")
-        print(profile_step(engine, batches[0], ctx))
+        for b in sorted({batches[0], batches[-1]}):
+            print(f"torch profiler, 3 decode-step bodies at batch {b} (eager, the graph's kernels):")
+            print(profile_step(engine, b, ctx))
     prefill = engine_prefill(engine, args.prompt_len, args.prefill_iters)
     if args.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
