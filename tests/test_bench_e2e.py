@@ -81,6 +81,7 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
         "1",
         "--bursts",
         "1",
+        "--timeline-first",
         "--audio-frames",
         "25",
         "--max-seconds",
@@ -114,6 +115,11 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
     [burst] = report["bursts"]["2"]
     assert burst["ok"] == 2 and len(burst["ttft_ms_in_send_order"]) == 2
     assert all(r["burst"] == 0 for r in report["requests"]["2"])
+    # --timeline-first: the c=2 marks (one group of 2, on its own connections) were taken before the levels.
+    assert report["timeline_first"] and [m["send_index"] for m in report["timeline_raw_ms"]["2"]] in (
+        [0.0, 1.0],
+        [1.0, 0.0],
+    )
     assert report["workload"]["first_window_frames"] == 25
     md = (out / "e2e.md").read_text()
     assert "| 1 | 2 | 0 |" in md and "| 2 | 2 | 0 |" in md
