@@ -16,7 +16,8 @@ two decode, so its prefill and their decode rows replay one row graph (a mixed s
   cache writes and paged attention), so the comparison covers both the graphs and the kernels;
 * talker: :class:`services.talker.engine.TalkerEngine`, greedy codes (repetition penalty off, so the
   argmax of the observed logits is the chosen code), fixed frame count; compared: codes and the fp32
-  logits of every step.
+  logits of every step. As for the thinker, the eager engine runs the torch decode path and the graphed
+  one the default backend (the fused Triton decode kernels on CUDA).
 
 Verdict per request: ``identical`` (same tokens), ``near-tie`` (at the first differing token the graph
 picked the eager runner-up and the eager top-2 logit margin is below ``--tie-margin``; random weights make
@@ -241,12 +242,16 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
 
 # ---- talker --------------------------------------------------------------------------------------
 def talker_runs(
-    model: Any, graphs: bool, conds: list[tuple[torch.Tensor, torch.Tensor]], frames: int
+    model: Any,
+    graphs: bool,
+    conds: list[tuple[torch.Tensor, torch.Tensor]],
+    frames: int,
+    kernels: str | None = None,
 ) -> list[Run]:
     from services.talker.engine import TalkerEngine
     from services.talker.streams import ConditionInput, DoneOut, ErrorOut, WindowOut
 
-    engine = TalkerEngine(model, max_streams=8, use_cuda_graphs=graphs)
+    engine = TalkerEngine(model, max_streams=8, use_cuda_graphs=graphs, kernels=kernels)
     if graphs and model.device.type == "cuda" and not engine.runner.use_cuda_graphs:
         raise RuntimeError("talker engine did not enable CUDA graphs")
     runs = [Run() for _ in conds]
@@ -290,8 +295,8 @@ def check_talker(args: argparse.Namespace, device: torch.device) -> list[Compari
             (torch.randint(0, 151_000, (n,), generator=gen), torch.randn(n, model.cfg.llm_dim, generator=gen))
             for n in lengths
         ]
-        eager = talker_runs(model, False, conds, args.frames)
-        graph = talker_runs(model, True, conds, args.frames)
+        eager = talker_runs(model, False, conds, args.frames, args.eager_kernels)
+        graph = talker_runs(model, True, conds, args.frames, args.graph_kernels)
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
             c = compare("talker", batch, i, e, g, [_top2(r) for r in e.rows], args.tie_margin, args.rel_tol)
             out.append(c)
@@ -327,12 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eager-kernels",
         default="torch",
-        help="thinker kernel backend of the eager reference engine (torch: the pure-torch path)",
+        help="kernel backend of the eager reference engines, thinker and talker (torch: the pure-torch path)",
     )
     p.add_argument(
         "--graph-kernels",
         default=None,
-        help="thinker kernel backend of the graphed engine (default: auto, Triton on CUDA)",
+        help="kernel backend of the graphed engines, thinker and talker (default: auto, Triton on CUDA)",
     )
     p.add_argument(
         "--allow-cpu", action="store_true", help="run on CPU (graphs inactive) to test the harness"

@@ -39,3 +39,24 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return path
     path = tmp_path_factory.mktemp("tiny_ckpt")
     return make_checkpoint(path, size="tiny", seed=TINY_SEED, log=lambda _msg: None)
+
+
+@pytest.fixture
+def triton_interpreter_scalars(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run Triton kernels through the interpreter on CPU (skip otherwise), with loop bounds it accepts.
+
+    Triton 3.6's interpreter turns loop bounds into ints with ``int(ndarray)``, which numpy >= 2.4
+    refuses for 1-element arrays; take the element instead (test-only, interpreter-only).
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU only through the Triton interpreter")
+    import numpy as np
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # noqa: ANN001, ANN202
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)

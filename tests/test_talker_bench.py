@@ -9,7 +9,10 @@ import pytest
 from bench.talker.__main__ import main
 
 
-def test_bench_smoke_on_cpu(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_smoke_on_cpu(
+    tiny_ckpt: Path, capsys: pytest.CaptureFixture[str], triton_interpreter_scalars: None
+) -> None:
+    """Both decode backends (the Triton one through the interpreter on CPU), one engine each."""
     result = main(
         [
             "--checkpoint",
@@ -26,9 +29,16 @@ def test_bench_smoke_on_cpu(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str])
             "4",
             "--repeats",
             "1",
+            "--kernels",
+            "torch,triton",
         ]
     )
-    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    assert [(r["kernels"], r["batch"]) for r in result["rows"]] == [
+        ("torch", 1),
+        ("torch", 2),
+        ("triton", 1),
+        ("triton", 2),
+    ]
     assert all(r["engine_fps_per_stream"] > 0 and r["baseline_fps_per_stream"] > 0 for r in result["rows"])
     out = capsys.readouterr().out
-    assert '"bench": "talker"' in out and "| streams |" in out
+    assert '"bench": "talker"' in out and "| kernels | streams |" in out

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -28,20 +27,8 @@ from services.thinker.scheduler import WorkItem  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _interpreter_scalars(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton 3.6's interpreter turns loop bounds into ints with ``int(ndarray)``, which numpy >= 2.4
-    refuses for 1-element arrays; take the element instead (test-only, interpreter-only)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the kernels run on CPU only through the Triton interpreter")
-    from triton.runtime import interpreter
-
-    orig = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # noqa: ANN001, ANN202
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+def _interpreter_scalars(triton_interpreter_scalars: None) -> None:
+    """Every test here runs the kernels through the interpreter (see ``conftest.py``)."""
 
 
 def _triton_ops():  # noqa: ANN202

@@ -123,10 +123,13 @@ class TalkerEngine:
         max_prefills_per_step: int = 8,
         use_cuda_graphs: bool | None = None,
         streaming_max_samples_per_chunk: int = STREAMING_MAX_SAMPLES_PER_CHUNK,
+        kernels: str | None = None,
     ) -> None:
         self.model = model
         self.cfg = model.cfg
-        self.runner = TalkerRunner(model, num_slots=max_streams, use_cuda_graphs=use_cuda_graphs)
+        self.runner = TalkerRunner(
+            model, num_slots=max_streams, use_cuda_graphs=use_cuda_graphs, kernels=kernels
+        )
         self.max_prefills_per_step = max_prefills_per_step
         self.streaming_chunk_cap = streaming_max_samples_per_chunk
         self.eos = self.cfg.eos_id

@@ -1,7 +1,7 @@
 """A static, preallocated per-slot KV cache for the Talker.
 
 Why static: every stream's context is bounded by the Talker's 4096 positions (rollover handles longer
-duplex turns), so one ``[layers, slots, kv_heads, context + 1, head_dim]`` tensor pair holds every stream
+duplex turns), so one ``[layers, slots, context + 1, kv_heads, head_dim]`` tensor pair holds every stream
 without reallocation, decode reads it through plain views (no gather copies), and the batched decode
 step has fixed shapes per (batch bucket, length bucket), which is what CUDA-graph capture needs.
 
@@ -11,7 +11,9 @@ Layout rules the runner relies on:
   slots form a short prefix and the decode batch ``slots[0:n]`` stays small;
 * in every mode, position == cache index (upstream positions always start at 0 with an empty cache and
   advance by one per fed row), so a slot's ``length`` is both its next write index and next position;
-* the extra last column (index ``context``) is a scratch row: decode rows that do not take part in a
+* token-major rows (position, then head) as in the thinker's paged cache, so the fused decode path
+  (:mod:`services.talker.fused_decode`) reads a slot as one page of ``context + 1`` rows;
+* the extra last row (index ``context``) is a scratch row: decode rows that do not take part in a
   step write there, and no attention mask ever includes it.
 """
 
@@ -37,7 +39,7 @@ class SlotKVCache:
         self.num_slots = num_slots
         self.context = context
         self.scratch_index = context
-        shape = (num_layers, num_slots, num_kv_heads, context + 1, head_dim)
+        shape = (num_layers, num_slots, context + 1, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths: list[int] = [0] * num_slots

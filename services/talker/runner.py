@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from services.talker import sampling as smp
+from services.talker.fused_decode import FusedDecode, select_backend
 from services.talker.kv_cache import SlotKVCache
 from services.talker.model.tts import MiniCPMTTS
 
@@ -83,7 +84,9 @@ class TalkerRunner:
         *,
         num_slots: int,
         use_cuda_graphs: bool | None = None,
+        kernels: str | None = None,
     ) -> None:
+        """``kernels``: decode backend, ``torch`` | ``triton`` | ``auto`` (:func:`fused_decode.select_backend`)."""
         self.model = model
         cfg = model.cfg
         self.cfg = cfg
@@ -125,6 +128,14 @@ class TalkerRunner:
         self._gate_up_weights = [
             _fuse_rows([la.mlp.gate_proj, la.mlp.up_proj], "talker_gate_up", la.mlp) for la in self.layers
         ]
+        self.kernels = select_backend(self.device, kernels)
+        self._fused: FusedDecode | None = None
+        if self.kernels == "triton":
+            if FusedDecode.supports(self):
+                self._fused = FusedDecode(self)
+            else:
+                log.warning("talker projections have biases: the fused decode kernels are off")
+                self.kernels = "torch"
         if use_cuda_graphs is None:
             use_cuda_graphs = self.device.type == "cuda"
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
@@ -143,12 +154,12 @@ class TalkerRunner:
         layer_idx: int,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        kv_index: tuple[torch.Tensor, torch.Tensor],
         read_slots: slice | torch.Tensor,
         read_len: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """x: [B, T, H]; K/V of each (row, t) go to cache[layer, slot, head, position] per ``kv_index``.
+        """x: [B, T, H]; K/V of each (row, t) go to cache[layer, slot, position] per ``kv_index``.
 
         One projection GEMM for q|k|v and one RoPE pass over q|k together; per element the arithmetic
         is transformers' (``x·cos + rotate_half(x)·sin``, the sign of ``rotate_half`` folded into sin).
@@ -167,13 +178,11 @@ class TalkerRunner:
         qk = qkv[:, :, : hq + hkv]
         qk = qk * cos + qk.roll(d // 2, dims=-1) * sin_signed
         q = qk[:, :, :hq].transpose(1, 2)
-        k = qk[:, :, hq:].transpose(1, 2)
-        v = qkv[:, :, hq + hkv :].transpose(1, 2)
-        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        kc.index_put_(kv_index, k)
-        vc.index_put_(kv_index, v)
-        keys = kc[read_slots, :, :read_len]
-        values = vc[read_slots, :, :read_len]
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]  # [slots, context + 1, Hkv, D]
+        kc.index_put_(kv_index, qk[:, :, hq:])
+        vc.index_put_(kv_index, qkv[:, :, hq + hkv :])
+        keys = kc[read_slots, :read_len].transpose(1, 2)  # [B, Hkv, read_len, D]
+        values = vc[read_slots, :read_len].transpose(1, 2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=hkv != hq)
         out = out.transpose(1, 2).reshape(bsz, seq, hq * d)
         return attn.o_proj(out)
@@ -203,11 +212,7 @@ class TalkerRunner:
         bsz, seq = positions.shape
         mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
         rope = (self.cos_table[positions].unsqueeze(2), self.sin_signed_table[positions].unsqueeze(2))
-        kv_index = (
-            write_slots[:, None, None].expand(bsz, self.num_kv_heads, seq),
-            torch.arange(self.num_kv_heads, device=x.device)[None, :, None].expand(bsz, -1, seq),
-            write_index[:, None, :].expand(bsz, self.num_kv_heads, seq),
-        )
+        kv_index = (write_slots[:, None].expand(bsz, seq), write_index)
         for i, layer in enumerate(self.layers):
             h = rms_norm(layer.input_layernorm, x)
             x = x + self._attention(i, h, rope, kv_index, read_slots, read_len, mask)
@@ -284,13 +289,19 @@ class TalkerRunner:
         """
         codes, positions, active = ints[:, 0], ints[:, 1], ints[:, 2].bool()
         n = codes.shape[0]
-        x = self.model.emb_code[0](codes)[:, None, :]
+        x = self.model.emb_code[0](codes)
         write_index = torch.where(active, positions, torch.full_like(positions, self.cache.scratch_index))
         rope_pos = torch.where(active, positions, torch.zeros_like(positions))
-        mask = (torch.arange(read_len, device=codes.device)[None, :] <= rope_pos[:, None])[:, None, None, :]
-        slots = torch.arange(n, device=codes.device)
-        hidden = self._layers(x, rope_pos[:, None], slots, write_index[:, None], slice(0, n), read_len, mask)
-        logits = self.model.head_logits(hidden[:, 0])
+        if self._fused is not None:
+            hidden = self._fused.layers(x, rope_pos, write_index, read_len)
+        else:
+            cols = torch.arange(read_len, device=codes.device)
+            mask = (cols[None, :] <= rope_pos[:, None])[:, None, None, :]
+            slots = torch.arange(n, device=codes.device)
+            hidden = self._layers(
+                x[:, None], rope_pos[:, None], slots, write_index[:, None], slice(0, n), read_len, mask
+            )[:, 0]
+        logits = self.model.head_logits(hidden)
         ids = smp.sample_packed(logits, ints[:, 3:], floats, self.cfg.eos_id, self.vocab_salt)
         return logits, ids
 
