@@ -1,6 +1,6 @@
 """The talker's fused decode kernels against its torch decode path (Triton's interpreter on CPU).
 
-The rotary + K/V store kernel must round exactly as the torch path does (bit-identical in a 16-bit
+The rotary + K/V store kernel (the thinker's, without q/k norms) must round exactly as the torch path does (bit-identical in a 16-bit
 dtype and fp32); whole decode+sample steps over a batch bucket with idle rows must pick the same ids, write the
 same cache rows and give logits within fp32 summation-order noise of the torch path.
 """
@@ -42,20 +42,24 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_rounds_like_the_torch_path(dtype: torch.dtype) -> None:
     """fp16 stands in for bf16: Triton's interpreter (numpy) does not round bf16 casts to nearest."""
-    from services.talker.rope_store import rope_store
+    from services.thinker.kernels.triton_ops import TritonOps
 
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, slots, rows = 4, 2, 16, 3, 9
     qkv = torch.randn(4, (hq + 2 * hkv) * d, generator=g).to(dtype)
     cos, sin = (torch.randn(rows, d, generator=g).to(dtype) for _ in range(2))
+    half = d // 2
+    sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # as the runner builds it
     pos = torch.tensor([0, 5, 2, 7])
     write_slot, write_index = torch.tensor([0, 2, 1, 2]), torch.tensor([0, 5, 8, 7])  # row 2: scratch (8)
     k_cache, v_cache = (torch.zeros(slots, rows, hkv, d, dtype=dtype) for _ in range(2))
-    q = rope_store(qkv, cos, sin, pos, write_slot * rows + write_index, k_cache, v_cache, hq, hkv)
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    tokens = write_slot * rows + write_index
+    q = TritonOps.qk_rope_store(qkv, None, 0.0, cos, sin, pos, tokens, flat_k, flat_v, hq, hkv)
 
     heads = qkv.view(4, hq + 2 * hkv, d)
     qk = heads[:, : hq + hkv]
-    qk = qk * cos[pos][:, None] + qk.roll(d // 2, dims=-1) * sin[pos][:, None]  # the runner's formula
+    qk = qk * cos[pos][:, None] + qk.roll(half, dims=-1) * sin_signed[pos][:, None]  # the runner's
     torch.testing.assert_close(q, qk[:, :hq], rtol=0, atol=0)
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     want_k[write_slot, write_index] = qk[:, hq:]

@@ -3,9 +3,9 @@
 Why: a talker decode step moves ~0.2 GB of weights (≈ 50 µs of HBM time) yet took 1.3 ms of GPU time on
 the H200 as ~580 kernels of 1–8 µs each (BENCHMARKS.md, Talker). Per layer this path runs: RMSNorm (the
 residual add of the previous MLP folded in), the q|k|v GEMM, one kernel for rotary on q/k plus the K/V
-store (:mod:`services.talker.rope_store`), paged attention straight over the slot cache, the o GEMM,
-residual add + RMSNorm, the gate|up GEMM, SiLU·up, the down GEMM. The norm, SwiGLU and attention kernels
-are the thinker's (:mod:`services.thinker.kernels`): the talker cache ``[slots, context + 1, kv_heads, D]``
+store, paged attention straight over the slot cache, the o GEMM, residual add + RMSNorm, the gate|up
+GEMM, SiLU·up, the down GEMM. Every kernel is the thinker's (:mod:`services.thinker.kernels`; its
+rotary+store without the q/k norms Qwen3 has and Llama lacks): the talker cache ``[slots, context + 1, kv_heads, D]``
 per layer is the thinker's token-major layout with one page of ``context + 1`` rows per slot, so its
 paged kernel reads it through a one-column block table (page = slot).
 
@@ -57,11 +57,8 @@ class FusedDecode:
     """The fused decode layer loop of one runner (its weights, slot cache and RoPE tables)."""
 
     def __init__(self, runner: TalkerRunner) -> None:
-        from services.talker.rope_store import rope_store
-
         self.runner = runner
         self.ops = get_ops("triton")
-        self.rope_store = rope_store
         dev = runner.device
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.rows = runner.context + 1  # cache rows per slot: one attention "page" per slot
@@ -112,8 +109,9 @@ class FusedDecode:
                 x, h = ops.add_rms_norm(x, delta, in_norm.weight, float(in_norm.variance_epsilon))
             qkv = F.linear(h, r._qkv_weights[i])
             kc, vc = r.cache.k[i], r.cache.v[i]
-            q = self.rope_store(qkv, r.cos_table, r.sin_signed_table, rope_pos, tokens, kc, vc, hq, hkv)
-            o = ops.paged_attention(q, kc.view(-1, hkv, d), vc.view(-1, hkv, d), tiles)
+            kc, vc = kc.view(-1, hkv, d), vc.view(-1, hkv, d)  # flat token rows slot·(context+1) + index
+            q = ops.qk_rope_store(qkv, None, 0.0, r.cos_table, r.sin_table, rope_pos, tokens, kc, vc, hq, hkv)
+            o = ops.paged_attention(q, kc, vc, tiles)
             attn_out = layer.self_attn.o_proj(o.view(n, hq * d))
             x, h = ops.add_rms_norm(x, attn_out, post_norm.weight, float(post_norm.variance_epsilon))
             delta = layer.mlp.down_proj(ops.silu_mul(F.linear(h, r._gate_up_weights[i])))

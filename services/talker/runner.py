@@ -115,6 +115,7 @@ class TalkerRunner:
         scaling = float(getattr(model.model.rotary_emb, "attention_scaling", 1.0))
         self.cos_table = (emb.cos() * scaling).to(self.dtype)
         sin = (emb.sin() * scaling).to(self.dtype)
+        self.sin_table = sin  # the fused decode kernel applies rotate_half's sign itself
         # rotate_half(x)·sin == roll(x, D/2)·[−sin₁, sin₂]: the negation moves into the table (exact).
         half = sin.shape[-1] // 2
         self.sin_signed_table = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)

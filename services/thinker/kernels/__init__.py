@@ -6,7 +6,7 @@ BENCHMARKS.md, "matmul-stack floor"). The Triton backend (:mod:`.triton_ops`) do
 one kernel and reads keys/values straight from the paged cache (no gather copy):
 
 * ``rms_norm`` / ``add_rms_norm``: the residual add and the next RMSNorm in one pass;
-* ``qk_rope_store``: q/k RMSNorm, rotary, and the K/V write into the paged cache in one pass;
+* ``qk_rope_store``: q/k RMSNorm (optional), rotary, and the K/V write into the paged cache in one pass;
 * ``paged_attention``: causal attention of query tiles over their sequence's pages (flash-style online
   softmax, GQA folded into the tile rows, optional split over the keys for short batches, merged by
   the last split to finish in the same launch);
@@ -99,7 +99,7 @@ class TorchOps:
     @staticmethod
     def qk_rope_store(
         qkv: torch.Tensor,
-        qk_norm_weight: torch.Tensor,
+        qk_norm_weight: torch.Tensor | None,
         eps: float,
         cos_table: torch.Tensor,
         sin_table: torch.Tensor,
@@ -110,14 +110,19 @@ class TorchOps:
         hq: int,
         hkv: int,
     ) -> torch.Tensor:
-        """q/k norms and rotary of packed ``qkv [T, (hq+2hkv)*D]``; K/V go to the cache; returns q."""
+        """q/k norms and rotary of packed ``qkv [T, (hq+2hkv)*D]``; K/V go to the cache; returns q.
+
+        ``qk_norm_weight`` None: rotary only (Llama-style backbones without q/k norms, e.g. the talker).
+        """
         t = qkv.shape[0]
-        d = qk_norm_weight.shape[-1]
+        d = cos_table.shape[-1]
         qk = qkv[:, : (hq + hkv) * d].reshape(t, hq + hkv, d)
         v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
         cos = cos_table.index_select(0, positions)[:, None, :]
         sin = sin_table.index_select(0, positions)[:, None, :]
-        qk = rotate_ref(rms_norm_ref(qk, qk_norm_weight, eps), cos, sin)
+        if qk_norm_weight is not None:
+            qk = rms_norm_ref(qk, qk_norm_weight, eps)
+        qk = rotate_ref(qk, cos, sin)
         k_cache.index_copy_(0, write_slots, qk[:, hq:])
         v_cache.index_copy_(0, write_slots, v)
         return qk[:, :hq]

@@ -75,6 +75,7 @@ def _qk_rope_store_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -87,13 +88,17 @@ def _qk_rope_store_kernel(
     if h < HQ + HKV:
         partner = (offs + half) % D
         xp = tl.load(base + partner)
-        xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, axis=0) / D
-        inv = 1.0 / tl.sqrt(var + eps)
-        w = tl.load(w_ptr + h * D + offs).to(tl.float32)
-        wp = tl.load(w_ptr + h * D + partner).to(tl.float32)
-        xn = (w * (xf * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
-        xpn = (wp * (xp.to(tl.float32) * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+        if HAS_NORM:
+            xf = x.to(tl.float32)
+            var = tl.sum(xf * xf, axis=0) / D
+            inv = 1.0 / tl.sqrt(var + eps)
+            w = tl.load(w_ptr + h * D + offs).to(tl.float32)
+            wp = tl.load(w_ptr + h * D + partner).to(tl.float32)
+            xn = (w * (xf * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+            xpn = (wp * (xp.to(tl.float32) * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
+        else:
+            xn = x
+            xpn = xp
         rot = tl.where(offs < half, -xpn.to(tl.float32), xpn.to(tl.float32))
         pos = tl.load(pos_ptr + t).to(tl.int64)
         c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
@@ -297,7 +302,7 @@ class TritonOps:
     @staticmethod
     def qk_rope_store(
         qkv: torch.Tensor,
-        qk_norm_weight: torch.Tensor,
+        qk_norm_weight: torch.Tensor | None,
         eps: float,
         cos_table: torch.Tensor,
         sin_table: torch.Tensor,
@@ -309,11 +314,11 @@ class TritonOps:
         hkv: int,
     ) -> torch.Tensor:
         t = qkv.shape[0]
-        d = qk_norm_weight.shape[-1]
+        d = cos_table.shape[-1]
         q = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
         _qk_rope_store_kernel[(t, hq + 2 * hkv)](
             qkv,
-            qk_norm_weight,
+            qkv if qk_norm_weight is None else qk_norm_weight,
             cos_table,
             sin_table,
             positions,
@@ -325,6 +330,7 @@ class TritonOps:
             HQ=hq,
             HKV=hkv,
             D=d,
+            HAS_NORM=qk_norm_weight is not None,
             num_warps=1,
         )
         return q
