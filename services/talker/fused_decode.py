@@ -31,8 +31,10 @@ if TYPE_CHECKING:
 
 ENV_VAR = "MINICPMO_TALKER_KERNELS"
 BACKENDS = ("torch", "triton")
-# What ``auto`` picks on CUDA. Set from the H200 measurement recorded in BENCHMARKS.md (Talker).
-AUTO_ON_CUDA = "triton"
+# What ``auto`` picks on CUDA: the torch path until an H200 run of ``bench.talker --kernels torch,triton``
+# and ``bench.cuda_smoke --stages talker`` (recorded in BENCHMARKS.md, Talker) shows the fused path faster
+# and token-identical; ``MINICPMO_TALKER_KERNELS=triton`` opts in before that.
+AUTO_ON_CUDA = "torch"
 
 
 def select_backend(device: torch.device, requested: str | None = None) -> str:
