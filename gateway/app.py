@@ -142,11 +142,18 @@ def create_app(
         runtime: GatewayRuntime = request.app.state.runtime
         if runtime.draining:  # readiness goes false first, so load balancers stop routing here
             return JSONResponse({"status": "shutting_down", "stages": {}}, 503)
-        results = await runtime.monitor.snapshot()  # the background probes' view: answers at once
-        stages = {name: ("ok" if ok else reason) for name, (ok, reason) in results.items()}
-        healthy = all(ok for ok, _ in results.values())
-        status = "healthy" if healthy else "unhealthy"
-        return JSONResponse({"status": status, "stages": stages}, 200 if healthy else 503)
+        # The background probes' view (answers at once, unless a stream just failed: then after the
+        # re-probe). A stage with some replicas down still serves: "degraded", 200, the bad ones named.
+        reports = await runtime.monitor.report()
+        serving = all(r.serving for r in reports.values())
+        degraded = any(r.summary != "ok" for r in reports.values())
+        status = "unhealthy" if not serving else "degraded" if degraded else "healthy"
+        body = {
+            "status": status,
+            "stages": {name: r.summary for name, r in reports.items()},
+            "replicas": {name: r.replicas for name, r in reports.items()},
+        }
+        return JSONResponse(body, 200 if serving else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -61,6 +61,11 @@ STAGE_RETRIES = Counter(
 CLIENT_DISCONNECTS = Counter("minicpmo_gateway_client_disconnects_total", "Requests abandoned by the client")
 STAGE_UP = Gauge(
     "minicpmo_gateway_stage_up",
-    "1 while the gateway's health probe finds the stage serving, 0 while it is down",
+    "1 while the gateway's health probe finds the stage serving (any replica), 0 while it is down",
     ["stage"],
+)
+REPLICA_UP = Gauge(
+    "minicpmo_gateway_stage_replica_up",
+    "1 while the gateway's health probe finds this replica of the stage serving, 0 while it is down",
+    ["stage", "replica"],
 )

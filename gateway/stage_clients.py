@@ -7,13 +7,18 @@ One :class:`StageClient` per stage owns one gRPC channel. The channel target com
 * ``ipv4:10.0.0.1:50051,10.0.0.2:50051`` or a comma list ``h1:p1,h2:p2`` of IP literals - fixed replicas
   (the embedded launcher uses this for profiles with several replicas per stage).
 
-The channel balances new streams round-robin over the ready replicas, and client-side health checking
-keeps replicas that report NOT_SERVING (draining) out of the rotation.
+A fixed list is split into one :class:`Replica` per address, each with its own request channel and its
+own probe channel, so the health monitor (:mod:`gateway.stage_health`) judges every replica on its own: a
+replica that stopped answering (SIGSTOP, wedged) is marked down even while its peers answer, new streams
+go round-robin over the replicas not marked down, and ``/health`` names the bad one. A DNS name stays one
+replica entry whose channel balances round-robin over every record the resolver returns (the records of a
+headless Service change while it runs, so they are not split here); client-side health checking keeps a
+record that reports NOT_SERVING (draining) out of that channel's rotation.
 
 :meth:`StageClient.open_stream` returns a :class:`StageStream`, a bidi ``Generate`` call with a deadline and
 one retry: until the stage has produced its first response the stream remembers what it wrote, and if the
-call fails as UNAVAILABLE (replica down or gone) it is re-opened - round-robin lands on another replica -
-and the writes are replayed. After the first response nothing is replayed, because output already left.
+call fails as UNAVAILABLE (replica down or gone) it is re-opened on another replica and the writes are
+replayed. After the first response nothing is replayed, because output already left.
 Every failure surfaces as :class:`StageFailure` carrying the stage, an HTTP status and a stable code, so
 routes never see raw ``grpc`` exceptions.
 """
@@ -26,7 +31,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +149,17 @@ def normalize_target(addr: str) -> str:
     return f"dns:///{addr}"
 
 
+def replica_targets(addr: str) -> list[tuple[str, str]]:
+    """``(label, gRPC target)`` per replica the gateway can tell apart: one per address of a fixed list, a
+    single entry for a DNS name (or ``unix:``), whose records gRPC's resolver balances itself."""
+    target = normalize_target(addr)
+    for scheme in ("ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            parts = [p for p in target.removeprefix(scheme).split(",") if p]
+            return [(part, scheme + part) for part in parts]
+    return [(addr.strip(), target)]
+
+
 def _service_config(stage: str) -> str:
     return json.dumps(
         {
@@ -173,8 +189,29 @@ class StageTimeouts:
     info_s: float = 5.0
 
 
+@dataclass
+class Replica:
+    """One address of a stage: a request channel, a probe channel of its own, and the monitor's verdict.
+
+    Probes go over their own channel so a probe never shares (or waits behind) the request traffic's
+    connection state, and so a request channel's round-robin is not stepped by probes."""
+
+    label: str
+    target: str
+    channel: grpc.aio.Channel
+    stub: Any
+    health: health_pb2_grpc.HealthStub
+    probe_channel: grpc.aio.Channel
+    down: bool = False  # set by the health monitor; picks skip a replica that is down while others serve
+
+    def unreachable(self) -> bool:
+        """Known down, or its request channel has no connection and the last attempt failed."""
+        state = self.channel.get_state(try_to_connect=False)
+        return self.down or state == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
+
 class StageClient:
-    """One channel to one stage (all its replicas)."""
+    """The replicas of one stage, picked round-robin among those not known down."""
 
     def __init__(
         self, stage: str, addr: str, timeouts: StageTimeouts | None = None, tls: ClientTLS | None = None
@@ -185,27 +222,55 @@ class StageClient:
         self.addr = addr
         self.target = normalize_target(addr)
         self.timeouts = timeouts or StageTimeouts()
+        self.tls = tls
         options = [
             *GRPC_OPTIONS,
             *RECONNECT_OPTIONS,
             ("grpc.service_config", _service_config(stage)),
             ("grpc.enable_retries", 0),
         ]
-        self.tls = tls
-        self.channel = self._open_channel(options)
-        self.stub = _STUBS[stage](self.channel)
-        # Health probes go over a channel of their own: on the request channel every probe would take a
-        # turn in the round-robin over a replica list, so the background monitor would decide which
-        # replica the next request lands on.
-        self._probe_channel = self._open_channel(options)
-        self._health = health_pb2_grpc.HealthStub(self._probe_channel)
+        self.replicas: list[Replica] = []
+        for label, target in replica_targets(addr):
+            channel, probe_channel = self._open_channel(target, options), self._open_channel(target, options)
+            self.replicas.append(
+                Replica(
+                    label,
+                    target,
+                    channel,
+                    _STUBS[stage](channel),
+                    health_pb2_grpc.HealthStub(probe_channel),
+                    probe_channel,
+                )
+            )
+        self._next = 0  # round-robin position over self.replicas
         self.info: common_pb2.StageInfo | None = None
         self._open_streams: weakref.WeakSet[StageStream] = weakref.WeakSet()
+        # Called with the replica when a stream to it fails as UNAVAILABLE (the health monitor re-probes
+        # it at once instead of at its next interval, so /health agrees with what the client just saw).
+        self.on_unavailable: Callable[[Replica], None] | None = None
 
-    async def check_health(self, timeout_s: float | None = None) -> tuple[bool, str]:
-        """(serving?, human-readable reason). Never raises."""
+    def pick(self, avoid: Replica | None = None) -> Replica:
+        """The next replica round-robin, skipping ``avoid`` and replicas known down while another is left."""
+        n = len(self.replicas)
+        order = [self.replicas[(self._next + i) % n] for i in range(n)]
+        for usable in (
+            lambda r: r is not avoid and not r.unreachable(),
+            lambda r: r is not avoid,
+            lambda r: True,
+        ):
+            chosen = next((r for r in order if usable(r)), None)
+            if chosen is not None:
+                self._next = (self.replicas.index(chosen) + 1) % n
+                return chosen
+        raise AssertionError("a stage has at least one replica")
+
+    async def check_health(
+        self, replica: Replica | None = None, timeout_s: float | None = None
+    ) -> tuple[bool, str]:
+        """(serving?, human-readable reason) of one replica (default: the first). Never raises."""
+        replica = replica or self.replicas[0]
         try:
-            resp = await self._health.Check(
+            resp = await replica.health.Check(
                 health_pb2.HealthCheckRequest(service=STAGE_SERVICES[self.stage]),
                 timeout=timeout_s or self.timeouts.health_s,
             )
@@ -219,7 +284,9 @@ class StageClient:
 
     async def get_info(self) -> common_pb2.StageInfo:
         try:
-            self.info = await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=self.timeouts.info_s)
+            self.info = await self.pick().stub.GetInfo(
+                common_pb2.GetInfoRequest(), timeout=self.timeouts.info_s
+            )
         except grpc.aio.AioRpcError as err:
             raise StageFailure.from_rpc_error(self.stage, self.target, err) from err
         return self.info
@@ -229,24 +296,27 @@ class StageClient:
         self._open_streams.add(stream)
         return stream
 
-    def fail_open_streams(self, reason: str) -> int:
-        """End every open stream to this stage with a 503 ``StageFailure`` (the health monitor found the
-        stage down); returns how many. Whoever waits on such a stream gets the failure at once instead of
-        at its deadline - a stopped process keeps its TCP connection, so gRPC alone would not notice."""
+    def fail_open_streams(self, reason: str, replica: Replica | None = None) -> int:
+        """End every open stream to this stage (or to one ``replica``) with a 503 ``StageFailure`` (the
+        health monitor found it down); returns how many. Whoever waits on such a stream gets the failure at
+        once instead of at its deadline - a stopped process keeps its TCP connection, so gRPC alone would
+        not notice."""
         failed = 0
         for stream in list(self._open_streams):
-            if stream.fail(reason):
+            if (replica is None or stream.replica is replica) and stream.fail(reason):
                 failed += 1
         return failed
 
-    def _open_channel(self, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+    def _open_channel(self, target: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
         if self.tls is None:
-            return grpc.aio.insecure_channel(self.target, options=options)
+            return grpc.aio.insecure_channel(target, options=options)
         # the stage's certificate is verified against tls.ca_file; mTLS also presents ours
-        return grpc.aio.secure_channel(self.target, self.tls.credentials(), options=options)
+        return grpc.aio.secure_channel(target, self.tls.credentials(), options=options)
 
     async def close(self) -> None:
-        await asyncio.gather(self.channel.close(grace=None), self._probe_channel.close(grace=None))
+        await asyncio.gather(
+            *(ch.close(grace=None) for r in self.replicas for ch in (r.channel, r.probe_channel))
+        )
 
 
 class StageStream:
@@ -261,11 +331,12 @@ class StageStream:
         self._half_closed = False
         self._closed = False
         self._failed: StageFailure | None = None
+        self.replica = client.pick()
         self._call = self._new_call()
 
     def _new_call(self) -> Any:
         remaining = max(0.001, self._deadline - time.monotonic())
-        return self.client.stub.Generate(timeout=remaining)
+        return self.replica.stub.Generate(timeout=remaining)
 
     def _can_retry(self, err: grpc.aio.AioRpcError) -> bool:
         return (
@@ -277,9 +348,10 @@ class StageStream:
         )
 
     async def _reopen(self) -> None:
-        """Open a fresh call (round-robin picks another replica) and replay everything written so far."""
+        """Open a fresh call on another replica (if there is one) and replay everything written so far."""
         self._retries_left -= 1
         self._call.cancel()
+        self.replica = self.client.pick(avoid=self.replica)
         self._call = self._new_call()
         for msg in self._sent or ():
             await self._call.write(msg)
@@ -305,6 +377,7 @@ class StageStream:
             raise
         if not self._can_retry(failure):
             raise self._failure(failure) from failure
+        self._report(failure)
         log.warning(
             "%s stream unavailable before first output (%s); retrying once", self.stage, failure.details()
         )
@@ -336,7 +409,14 @@ class StageStream:
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
     def _failure(self, err: grpc.aio.AioRpcError) -> StageFailure:
-        return StageFailure.from_rpc_error(self.stage, self.client.target, err)
+        self._report(err)
+        return StageFailure.from_rpc_error(self.stage, self.replica.label, err)
+
+    def _report(self, err: grpc.aio.AioRpcError) -> None:
+        """Tell the health monitor that this replica just failed a call as UNAVAILABLE."""
+        hook = self.client.on_unavailable
+        if hook is not None and err.code() == grpc.StatusCode.UNAVAILABLE:
+            hook(self.replica)
 
     async def write(self, msg: Message) -> None:
         """Send one request; awaits gRPC flow control, which is the backpressure towards the stage."""
@@ -416,8 +496,14 @@ class StageSet:
         return iter(self.clients.values())
 
     async def health(self) -> dict[str, tuple[bool, str]]:
+        """(serving?, reason) per stage, asked now: serving when any of its replicas serves."""
+
+        async def stage(client: StageClient) -> tuple[bool, str]:
+            results = await asyncio.gather(*(client.check_health(r) for r in client.replicas))
+            return next((res for res in results if res[0]), results[0])
+
         names = list(self.clients)
-        results = await asyncio.gather(*(self.clients[s].check_health() for s in names))
+        results = await asyncio.gather(*(stage(self.clients[s]) for s in names))
         return dict(zip(names, results, strict=True))
 
     async def fetch_info(self) -> dict[str, common_pb2.StageInfo | None]:

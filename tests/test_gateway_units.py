@@ -15,7 +15,7 @@ from gateway.audio_encoding import SUPPORTED_FORMATS, encode_audio, normalize_fo
 from gateway.media import MediaError, MediaPolicy, check_image, decode_audio, load_url
 from gateway.openai.errors import APIError
 from gateway.openai.protocol import parse_chat_request
-from gateway.stage_clients import normalize_target
+from gateway.stage_clients import normalize_target, replica_targets
 from services.common.deploy_profile import MediaLimits
 
 MODEL = "openbmb/MiniCPM-o-4_5"
@@ -193,6 +193,21 @@ def test_normalize_target() -> None:
     assert normalize_target("127.0.0.1:1,127.0.0.1:2") == "ipv4:127.0.0.1:1,127.0.0.1:2"
     with pytest.raises(ValueError):
         normalize_target("a:1,b:2")
+
+
+def test_replica_targets_split_fixed_lists_only() -> None:
+    """Each address of a fixed list is a replica of its own (probed and picked apart); a DNS name is one
+    entry whose records gRPC's resolver balances."""
+    assert replica_targets("127.0.0.1:1, 127.0.0.1:2") == [
+        ("127.0.0.1:1", "ipv4:127.0.0.1:1"),
+        ("127.0.0.1:2", "ipv4:127.0.0.1:2"),
+    ]
+    assert replica_targets("ipv6:[::1]:5,[::1]:6") == [
+        ("[::1]:5", "ipv6:[::1]:5"),
+        ("[::1]:6", "ipv6:[::1]:6"),
+    ]
+    assert replica_targets("code2wav:50053") == [("code2wav:50053", "dns:///code2wav:50053")]
+    assert replica_targets("127.0.0.1:9") == [("127.0.0.1:9", "dns:///127.0.0.1:9")]
 
 
 def test_realtime_session_limit_from_profile_and_flag() -> None:
