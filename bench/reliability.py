@@ -59,6 +59,7 @@ _IDLE_GAUGES = (
     "minicpmo_thinker_sequences",
     "minicpmo_thinker_kv_used_bytes",
     "minicpmo_talker_engine_streams",
+    "minicpmo_code2wav_streams",
     "minicpmo_code2wav_cache_bytes",
 )
 
@@ -334,9 +335,36 @@ async def storm(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {**counts, "passed": counts["chat_5xx"] == 0}
 
 
+# Gateway series whose change over a soak must match what the clients counted.
+_SOAK_SERIES = {
+    "chat_200": r'minicpmo_gateway_requests_total\{route="/v1/chat/completions",status="200"\}',
+    "chat_total": r'minicpmo_gateway_requests_total\{route="/v1/chat/completions",status="\d+"\}',
+    "completed": r'minicpmo_realtime_responses_total\{status="completed"\}',
+    "responses": r"minicpmo_realtime_responses_total\{[^}]*\}",
+    "stage_errors": r"minicpmo_gateway_stage_errors_total\{[^}]*\}",
+    "realtime_errors": r"minicpmo_realtime_errors_total\{[^}]*\}",
+    "sessions_open": r"minicpmo_realtime_sessions",
+}
+
+
+def gateway_series(pipe: Any) -> dict[str, float]:
+    """Sums of the :data:`_SOAK_SERIES` on the gateway's /metrics."""
+    text = httpx.get(f"{pipe.url}/metrics", timeout=10).text
+    return {
+        key: sum(float(v) for v in re.findall(rf"^{pattern} ([0-9.e+-]+)$", text, re.M))
+        for key, pattern in _SOAK_SERIES.items()
+    }
+
+
 async def soak(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """``--chat`` streaming chat clients and ``--duplex`` realtime sessions in a loop for ``--minutes``.
+
+    Passes with zero errors, every gateway counter agreeing with what the clients saw, and the RSS of
+    every process flat over the second half (sampled every ``--sample-s``)."""
     end = time.monotonic() + args.minutes * 60
     stats = {"chat_ok": 0, "chat_errors": 0, "turns_ok": 0, "turn_errors": 0}
+    before = gateway_series(pipe)
+    samples: list[tuple[float, dict[str, float]]] = []
 
     async def chat_loop(client: httpx.AsyncClient) -> None:
         body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -360,22 +388,44 @@ async def soak(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
                 done = await realtime_turn(ws, 300)
                 stats["turns_ok" if done["response"]["status"] == "completed" else "turn_errors"] += 1
         finally:
+            await ws.send(json.dumps({"type": "session.close"}))
             await ws.close()
+
+    async def sampler() -> None:
+        started = time.monotonic()
+        while time.monotonic() < end:
+            samples.append((round(time.monotonic() - started, 1), rss_mib(pipe)))
+            await asyncio.sleep(args.sample_s)
 
     async with httpx.AsyncClient(timeout=300) as client:
         await asyncio.gather(
-            *[chat_loop(client) for _ in range(args.chat)], *[duplex_loop() for _ in range(args.duplex)]
+            sampler(),
+            *[chat_loop(client) for _ in range(args.chat)],
+            *[duplex_loop() for _ in range(args.duplex)],
         )
-    metrics = httpx.get(f"{pipe.url}/metrics", timeout=10).text
-    responses = dict(
-        re.findall(r'^minicpmo_realtime_responses_total\{status="(\w+)"\} ([0-9.]+)$', metrics, re.M)
-    )
+    settle(pipe)
+    after = gateway_series(pipe)
+    delta = {k: after[k] - before[k] for k in _SOAK_SERIES if k != "sessions_open"}
+    consistent = {
+        "chat_200_equals_client_ok": delta["chat_200"] == stats["chat_ok"] + stats["chat_errors"],
+        "chat_total_equals_client_count": delta["chat_total"] == stats["chat_ok"] + stats["chat_errors"],
+        "completed_equals_client_turns": delta["completed"] == stats["turns_ok"],
+        "no_stage_errors": delta["stage_errors"] == 0,
+        "no_realtime_errors": delta["realtime_errors"] == 0,
+        "no_session_left_open": after["sessions_open"] == 0,
+    }
+    half = [rss for t, rss in samples if t >= args.minutes * 30]
+    drift = {k: round(half[-1][k] - half[0][k], 1) for k in half[0]} if len(half) >= 2 else {}
     return {
         **stats,
-        "realtime_responses_total": responses,
+        "metric_deltas": delta,
+        "metrics_consistent": consistent,
+        "rss_samples_mib": samples,
+        "rss_second_half_drift_mib": drift,
         "passed": stats["chat_errors"] == 0
         and stats["turn_errors"] == 0
-        and float(responses.get("completed", 0)) >= stats["turns_ok"],
+        and all(consistent.values())
+        and all(abs(d) <= args.rss_bound_mib for d in drift.values()),
     }
 
 
@@ -414,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-limit", type=int, default=4, help="storm: the profile's max_realtime_sessions")
     p.add_argument("--duplex", type=int, default=8, help="soak: realtime clients")
     p.add_argument("--minutes", type=float, default=20.0, help="soak: duration")
+    p.add_argument("--sample-s", type=float, default=30.0, help="soak: seconds between RSS samples")
     p.add_argument(
         "--profile-overrides",
         default=None,

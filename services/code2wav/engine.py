@@ -23,9 +23,12 @@ how long that running batch still took (interrupt received -> last GPU step of t
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +59,21 @@ FIRST_WINDOW_SECONDS = Histogram(
     buckets=(0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
 DROPPED_WINDOWS = Counter("minicpmo_code2wav_dropped_windows_total", "Queued windows dropped by interrupts")
+HEAP_TRIMS = Counter(
+    "minicpmo_code2wav_heap_trims_total", "Times the idle engine returned freed heap pages to the OS"
+)
+# Trim at most this often: steady traffic with short idle gaps should not pay a trim after every window.
+TRIM_INTERVAL_S = 2.0
+
+
+def heap_trimmer() -> Callable[[], int] | None:
+    """glibc's ``malloc_trim(0)``, or None where the C library has none (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: int(trim(0))
 
 
 @dataclass
@@ -119,6 +137,9 @@ class Code2WavEngine:
         self._default_prompt: PromptFeatures | None = None
         self.steps = 0
         self.batch_history: deque[int] = deque(maxlen=1024)  # rows per model batch, newest last
+        self._trim = heap_trimmer()
+        self._worked_since_trim = False
+        self._last_trim = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -286,7 +307,9 @@ class Code2WavEngine:
             while True:
                 batch = self._collect()
                 if not batch:
+                    await self._idle_trim()
                     break
+                self._worked_since_trim = True
                 t0 = time.perf_counter()
                 try:
                     results = await self._in_worker(self._compute, batch)
@@ -300,6 +323,25 @@ class Code2WavEngine:
                     continue
                 elapsed = time.perf_counter() - t0
                 self._record(batch, results, elapsed)
+
+    async def _idle_trim(self) -> None:
+        """Hand the heap pages freed by finished batches back to the OS once the engine is idle.
+
+        Why: on CPU a batch's working set (the stacked flow caches of every CFM step: hundreds of MiB at
+        batch 4) is freed when it ends, but glibc keeps freed pages mapped, so after a burst of streams
+        (dropped realtime sessions) the process stayed that much larger for good, which looked like a
+        per-session leak. Trimming when idle returns them; at most every ``TRIM_INTERVAL_S`` (a wake is
+        scheduled for a trim that is not due yet)."""
+        if self._trim is None or not self._worked_since_trim:
+            return
+        wait = self._last_trim + TRIM_INTERVAL_S - time.monotonic()
+        if wait > 0:
+            asyncio.get_running_loop().call_later(wait, self._wake.set)
+            return
+        self._worked_since_trim = False
+        self._last_trim = time.monotonic()
+        await self._in_worker(self._trim)
+        HEAP_TRIMS.inc()
 
     @staticmethod
     def _finish_running(handle: StreamHandle, window: PendingWindow, now: float) -> None:
