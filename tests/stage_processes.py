@@ -158,8 +158,10 @@ def start_stages(
 
 
 def stop_all(stages: list[StageProcess]) -> None:
+    """SIGTERM every process still alive (after SIGCONT: a test may have left one stopped)."""
     for p in stages:
         if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGCONT)
             p.proc.terminate()
     for p in stages:
         p.stop()

@@ -47,9 +47,6 @@ def procs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         yield started
     finally:
-        for p in started:
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGCONT)
         stop_all(started)
 
 

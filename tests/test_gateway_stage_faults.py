@@ -51,9 +51,6 @@ def stages(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     try:
         yield {p.stage: p for p in procs}
     finally:
-        for p in procs:
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGCONT)
         stop_all(procs)
 
 
