@@ -298,7 +298,17 @@ def check_talker(args: argparse.Namespace, device: torch.device) -> list[Compari
         eager = talker_runs(model, False, conds, args.frames, args.eager_kernels)
         graph = talker_runs(model, True, conds, args.frames, args.graph_kernels)
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
-            c = compare("talker", batch, i, e, g, [_top2(r) for r in e.rows], args.tie_margin, args.rel_tol)
+            c = compare(
+                "talker",
+                batch,
+                i,
+                e,
+                g,
+                [_top2(r) for r in e.rows],
+                args.tie_margin,
+                args.rel_tol,
+                logits_at=lambda k, e=e: e.rows[k],  # row k: the eager logits that chose code k
+            )
             out.append(c)
             print(
                 f"[cuda_smoke] talker batch {batch} request {i}: {c.verdict} ({c.tokens} frames, "
