@@ -42,6 +42,7 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_rounds_like_the_torch_path(dtype: torch.dtype) -> None:
     """fp16 stands in for bf16: Triton's interpreter (numpy) does not round bf16 casts to nearest."""
+    from services.thinker.kernels import TorchOps
     from services.thinker.kernels.triton_ops import TritonOps
 
     g = torch.Generator().manual_seed(3)
@@ -66,6 +67,12 @@ def test_rope_store_rounds_like_the_torch_path(dtype: torch.dtype) -> None:
     want_v[write_slot, write_index] = heads[:, hq + hkv :]
     torch.testing.assert_close(k_cache, want_k, rtol=0, atol=0)
     torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0)
+    # the torch reference of the same op without q/k norms agrees too (the thinker's CPU fallback)
+    ref_k, ref_v = torch.zeros_like(flat_k), torch.zeros_like(flat_v)
+    q_ref = TorchOps.qk_rope_store(qkv, None, 0.0, cos, sin, pos, tokens, ref_k, ref_v, hq, hkv)
+    torch.testing.assert_close(q_ref, q, rtol=0, atol=0)
+    torch.testing.assert_close(ref_k, flat_k, rtol=0, atol=0)
+    torch.testing.assert_close(ref_v, flat_v, rtol=0, atol=0)
 
 
 def test_fused_decode_sample_matches_the_torch_path(model: MiniCPMTTS) -> None:
