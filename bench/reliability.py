@@ -11,6 +11,8 @@ checks what issue 19 asks: no 5xx for a client error, the server still healthy, 
 (``minicpmo_stage_in_flight``, ``minicpmo_stage_streams_active``) back to 0, and the RSS of every process
 within ``--rss-bound-mib`` of where it started. ``RUN.json`` under ``--out`` holds the figures; the
 exit status is 0 only when every check passed. docs/reliability.md quotes the figures and commands.
+(One module a little over 500 lines: the four runs share the pipeline, the realtime client and the
+verdict, and splitting the CLI from them would only add an import hop.)
 """
 
 from __future__ import annotations
@@ -309,7 +311,7 @@ async def storm(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
         # A dropped session keeps its slot for the disconnect grace (30 s, resumable by design), so opens
         # beyond the session limit are refused as resource_exhausted until one is reaped: wait and retry.
         async with rt_sem:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + args.open_wait_s
             while True:
                 try:
                     ws = await open_session(pipe.url)
@@ -409,7 +411,9 @@ async def soak(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     consistent = {
         "chat_200_equals_client_ok": delta["chat_200"] == stats["chat_ok"] + stats["chat_errors"],
         "chat_total_equals_client_count": delta["chat_total"] == stats["chat_ok"] + stats["chat_errors"],
-        "completed_equals_client_turns": delta["completed"] == stats["turns_ok"],
+        # a duplex model may also answer on its own, so completed can exceed the turns the clients drove
+        "completed_covers_client_turns": delta["completed"] >= stats["turns_ok"],
+        "every_response_completed": delta["responses"] == delta["completed"],
         "no_stage_errors": delta["stage_errors"] == 0,
         "no_realtime_errors": delta["realtime_errors"] == 0,
         "no_session_left_open": after["sessions_open"] == 0,
@@ -462,6 +466,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace-s", type=float, default=35.0, help="storm: wait for the realtime disconnect grace"
     )
     p.add_argument("--session-limit", type=int, default=4, help="storm: the profile's max_realtime_sessions")
+    p.add_argument(
+        "--open-wait-s",
+        type=float,
+        default=600.0,
+        help="storm: how long one realtime open may wait for a slot (dropped sessions hold theirs 30 s)",
+    )
     p.add_argument("--duplex", type=int, default=8, help="soak: realtime clients")
     p.add_argument("--minutes", type=float, default=20.0, help="soak: duration")
     p.add_argument("--sample-s", type=float, default=30.0, help="soak: seconds between RSS samples")
