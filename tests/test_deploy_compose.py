@@ -77,7 +77,7 @@ def test_a_command_line_flag_overriding_the_profile_is_caught() -> None:
     problems = check_compose_stage_settings(config, load_profile(spec.profile))
     assert len(problems) == 2
     assert "memory fraction 0.9 (--memory-fraction), profile says 0.4" in problems[0]
-    assert "max_num_seqs 4, profile says 16" in problems[1]
+    assert "max_num_seqs 4, profile says 8" in problems[1]
 
 
 def test_profiles_named_by_compose_exist_in_the_mounted_directory() -> None:

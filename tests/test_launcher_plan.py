@@ -81,7 +81,7 @@ def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
             "0.4",
         ],
         "talker": ["--dtype", "bfloat16", "--max-streams", "16", "--memory-fraction", "0.08"],
-        "code2wav": ["--max-batch", "16", "--memory-fraction", "0.4"],
+        "code2wav": ["--max-batch", "8", "--memory-fraction", "0.4"],
     }
     for stage, flags in expected.items():
         child = children[stage]

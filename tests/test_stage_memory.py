@@ -221,8 +221,13 @@ def test_every_stage_takes_its_profile_section_and_flags_win(
     monkeypatch.setenv(STAGE_SETTINGS_ENV, section.settings_json())
     args, choice = parse_stage_args(_parsers()[stage](), stage, STAGE_ARGV)
     assert choice == MemoryFractionChoice(section.memory_fraction, f"stages.{stage}.memory_fraction")
-    # the 1-GPU profile: 16 realtime sessions (talker/code2wav streams) plus 8 thinker sequences for chat
-    assert getattr(args, MAX_SEQS_DEST[stage]) == section.max_num_seqs == {"thinker": 24}.get(stage, 16)
+    # the 1-GPU profile: 16 realtime sessions (talker streams) plus 8 thinker sequences for chat; code2wav
+    # batches 8 windows a step
+    assert (
+        getattr(args, MAX_SEQS_DEST[stage])
+        == section.max_num_seqs
+        == {"thinker": 24, "code2wav": 8}.get(stage, 16)
+    )
     if stage == "thinker":
         assert (args.max_context, args.dtype) == (section.max_model_len, section.dtype)
     flag = {"thinker": "--max-num-seqs", "talker": "--max-streams", "code2wav": "--max-batch"}[stage]
@@ -352,4 +357,4 @@ def test_talker_and_code2wav_clis_cap_before_loading(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(STAGE_SETTINGS_ENV, profile.stage("code2wav").settings_json())
     with pytest.raises(_Stop):
         code2wav_cli.main([*STAGE_ARGV, "--memory-fraction", "0.3"])
-    assert loaded == [("talker", [0.08], 16), ("code2wav", [0.08, 0.3], 16)]
+    assert loaded == [("talker", [0.08], 16), ("code2wav", [0.08, 0.3], 8)]
