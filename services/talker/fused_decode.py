@@ -19,15 +19,13 @@ reference that tests and ``bench.cuda_smoke`` compare this one with.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from services.talker.kv_cache import SlotKVCache
 from services.thinker.kernels import AttentionTiles, get_ops, key_splits, triton_usable
-
-if TYPE_CHECKING:
-    from services.talker.runner import TalkerRunner
 
 ENV_VAR = "MINICPMO_TALKER_KERNELS"
 BACKENDS = ("torch", "triton")
@@ -55,10 +53,28 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
     return want
 
 
+class DecodeHost(Protocol):
+    """What the fused loop uses of its runner (``TalkerRunner``): a protocol, so this module, which the
+    runner imports, need not import the runner back."""
+
+    device: torch.device
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layers: list[Any]  # the MiniCPMTTS decoder layers (their norms and o/down projections)
+    final_norm: torch.nn.Module
+    cache: SlotKVCache
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    _qkv_weights: list[torch.Tensor | None]
+    _gate_up_weights: list[torch.Tensor | None]
+
+
 class FusedDecode:
     """The fused decode layer loop of one runner (its weights, slot cache and RoPE tables)."""
 
-    def __init__(self, runner: TalkerRunner) -> None:
+    def __init__(self, runner: DecodeHost) -> None:
         self.runner = runner
         self.ops = get_ops("triton")
         dev = runner.device
@@ -67,7 +83,7 @@ class FusedDecode:
         self._consts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
-    def supports(runner: TalkerRunner) -> bool:
+    def supports(runner: DecodeHost) -> bool:
         """Fused q|k|v and gate|up weights exist (bias-free projections, as in MiniCPM-o 4.5's talker)."""
         return all(w is not None for w in runner._qkv_weights) and all(
             w is not None for w in runner._gate_up_weights

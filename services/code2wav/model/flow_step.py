@@ -26,7 +26,6 @@ prompt setup), which is the reference's offset rule (oracle README §5).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from services.code2wav.model.loader import Token2WavModel
+from services.code2wav.model.time_grid import cosine_time_span
 
 HISTORY_FRAMES = 100  # frames kept beyond the prompt when trimming attention caches (reference value)
 
@@ -163,12 +163,6 @@ def max_cache_bytes(
     estimator += n_timesteps * d.dit_depth * 2 * 2 * d.dit_hidden * 2
     est_elem = (dtype if est_dtype is None else est_dtype).itemsize
     return conformer * dtype.itemsize + estimator * est_elem
-
-
-def cosine_time_span(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Euler time grid t = 1 - cos(pi/2 * tau), tau uniform on [0, 1] (n_timesteps + 1 points)."""
-    tau = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
-    return 1 - torch.cos(tau * 0.5 * math.pi)
 
 
 def timestep_embedding(dit: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:

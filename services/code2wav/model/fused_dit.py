@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.code2wav.model.flow_step import cosine_time_span
+from services.code2wav.model.time_grid import cosine_time_span
 
 
 @dataclass

@@ -146,6 +146,12 @@ def _paged_attention_kernel(
     SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    """One (tile, KV head, key split) program: online-softmax attention over the tile's paged keys, then,
+    for split-K, the last split to arrive merges every split's partial result.
+
+    It is one long body on purpose: a Triton program keeps its running max, sum and accumulator in
+    registers across the key loop and the merge, and helpers would only be inlined back into it.
+    """
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
