@@ -165,13 +165,13 @@ async def realtime_turn(ws: Any, timeout_s: float = 120.0) -> dict[str, Any]:
     return await _until(ws, "response.done", timeout_s)
 
 
-async def open_session(url: str) -> Any:
+async def open_session(url: str, session: dict[str, Any] | None = None) -> Any:
     import websockets
 
     ws = await websockets.connect(
         url.replace("http", "ws") + "/v1/realtime?duplex=1", max_size=None, open_timeout=60
     )
-    await ws.send(json.dumps({"type": "session.update", "session": SESSION}))
+    await ws.send(json.dumps({"type": "session.update", "session": session or SESSION}))
     await _until(ws, "session.updated", 60)
     return ws
 
@@ -383,8 +383,12 @@ async def soak(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
             )
             stats["chat_ok" if ok else "chat_errors"] += 1
 
+    # Each response ends after --response-units silent units at most (the gateway's default is 30): with
+    # 8 sessions sharing a small CPU a 30-unit turn takes minutes, and the soak is about many turns.
+    session = {**SESSION, "extra_body": {"max_response_units": args.response_units}}
+
     async def duplex_loop() -> None:
-        ws = await open_session(pipe.url)
+        ws = await open_session(pipe.url, session)
         try:
             while time.monotonic() < end:
                 done = await realtime_turn(ws, 300)
@@ -475,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duplex", type=int, default=8, help="soak: realtime clients")
     p.add_argument("--minutes", type=float, default=20.0, help="soak: duration")
     p.add_argument("--sample-s", type=float, default=30.0, help="soak: seconds between RSS samples")
+    p.add_argument("--response-units", type=int, default=3, help="soak: max_response_units per session")
     p.add_argument(
         "--profile-overrides",
         default=None,
