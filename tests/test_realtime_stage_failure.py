@@ -8,7 +8,9 @@ stage process is then SIGKILLed while that response is speaking:
   the response ``failed``, ``session.closed{reason:"stage_unavailable"}`` as the last event, socket close
   1000, and no stream left open on the surviving talker and code2wav (their own gauges read 0);
 * talker: only the response's voice is lost: ``error``, the response ``failed``, the speaking turn's
-  code2wav stream closed; the session stays open and ``session.close`` still ends it cleanly.
+  code2wav stream closed; the session stays open and ``session.close`` still ends it cleanly;
+* code2wav: the same, seen from the other side: the speaking turn's talker stream is closed, and the
+  session keeps its thinker state, so it stays open.
 
 Every test starts its own stages (it kills one of them), which costs a stage start-up per test.
 """
@@ -123,3 +125,17 @@ def test_talker_killed_mid_response_fails_only_the_response(conn: Conn, stages: 
             + 1 :
         ]
     )
+
+
+def test_code2wav_killed_mid_response_fails_only_the_response(conn: Conn, stages: RunningStages) -> None:
+    rid = _speaking_response(conn, stages)
+    _kill(stages, "code2wav")
+    _failed(conn, rid, "stage_unavailable")
+    busy = _wait_idle(stages, ("talker",))
+    assert not any(busy.values()), busy  # the failed turn's talker stream was closed
+    conn.send({"type": "session.heartbeat"})
+    conn.until("session.heartbeat_ack", 60)  # the session is still open
+    assert not [e for e in conn.events if e["type"] == "session.closed"]
+    conn.send({"type": "session.close"})
+    assert conn.until("session.closed", 30)["reason"] == "client_close"
+    assert check_response_invariants(conn.events)[rid]["status"] == "failed"
