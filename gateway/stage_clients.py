@@ -15,12 +15,9 @@ replica entry whose channel balances round-robin over every record the resolver 
 headless Service change while it runs, so they are not split here); client-side health checking keeps a
 record that reports NOT_SERVING (draining) out of that channel's rotation.
 
-:meth:`StageClient.open_stream` returns a :class:`StageStream`, a bidi ``Generate`` call with a deadline and
-one retry: until the stage has produced its first response the stream remembers what it wrote, and if the
-call fails as UNAVAILABLE (replica down or gone) it is re-opened on another replica and the writes are
-replayed. After the first response nothing is replayed, because output already left.
-Every failure surfaces as :class:`StageFailure` carrying the stage, an HTTP status and a stable code, so
-routes never see raw ``grpc`` exceptions.
+:meth:`StageClient.open_stream` returns a :class:`gateway.stage_stream.StageStream`, a bidi ``Generate``
+call with a deadline and one replay-on-UNAVAILABLE retry before its first output. Every failure surfaces
+as a :class:`gateway.stage_failure.StageFailure`, so routes never see raw ``grpc`` exceptions.
 """
 
 from __future__ import annotations
@@ -29,18 +26,17 @@ import asyncio
 import ipaddress
 import json
 import logging
-import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.metrics import STAGE_RETRIES
-from services.common.errors import CODE_NAMES
+from gateway.replica import Replica
+from gateway.stage_failure import StageFailure
+from gateway.stage_stream import StageStream
 from services.common.grpc_server import GRPC_OPTIONS
 from services.common.pb import (
     code2wav_pb2_grpc,
@@ -62,69 +58,6 @@ _STUBS: dict[str, Any] = {
     "talker": talker_pb2_grpc.TalkerServiceStub,
     "code2wav": code2wav_pb2_grpc.Code2WavServiceStub,
 }
-
-# Typed stage error code -> (HTTP status, OpenAI-style error type).
-_STAGE_ERROR_HTTP: dict[int, tuple[int, str]] = {
-    common_pb2.ERROR_CODE_INVALID_ARGUMENT: (400, "BadRequestError"),
-    common_pb2.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: (400, "BadRequestError"),
-    common_pb2.ERROR_CODE_UNSUPPORTED_MEDIA: (400, "BadRequestError"),
-    common_pb2.ERROR_CODE_BAD_REFERENCE_AUDIO: (400, "BadRequestError"),
-    common_pb2.ERROR_CODE_FAILED_PRECONDITION: (400, "BadRequestError"),
-    common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: (429, "RateLimitError"),
-    common_pb2.ERROR_CODE_UNAVAILABLE: (503, "ServiceUnavailableError"),
-    common_pb2.ERROR_CODE_DEADLINE_EXCEEDED: (504, "TimeoutError"),
-    common_pb2.ERROR_CODE_CANCELLED: (499, "CancelledError"),
-    common_pb2.ERROR_CODE_OUT_OF_ORDER: (500, "InternalServerError"),
-    common_pb2.ERROR_CODE_INTERNAL: (500, "InternalServerError"),
-}
-_GRPC_STATUS_HTTP: dict[grpc.StatusCode, tuple[int, str, str]] = {
-    grpc.StatusCode.UNAVAILABLE: (503, "ServiceUnavailableError", "stage_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "TimeoutError", "stage_deadline_exceeded"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "RateLimitError", "stage_resource_exhausted"),
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "BadRequestError", "invalid_argument"),
-    grpc.StatusCode.UNIMPLEMENTED: (503, "ServiceUnavailableError", "stage_unimplemented"),
-    grpc.StatusCode.CANCELLED: (499, "CancelledError", "cancelled"),
-}
-
-
-class StageFailure(Exception):
-    """A stage could not do its part; carries what the HTTP layer needs to answer the client."""
-
-    def __init__(
-        self,
-        stage: str,
-        status: int,
-        message: str,
-        code: str,
-        err_type: str,
-        param: str | None = None,
-        retry_after_s: int | None = None,
-    ):
-        super().__init__(f"{stage}: {message}")
-        self.stage = stage
-        self.status = status
-        self.message = message
-        self.code = code
-        self.err_type = err_type
-        self.param = param or None
-        self.retry_after_s = retry_after_s  # sent as Retry-After when the failure is answered before a stream
-
-    @classmethod
-    def from_rpc_error(cls, stage: str, target: str, err: grpc.aio.AioRpcError) -> StageFailure:
-        status, err_type, code = _GRPC_STATUS_HTTP.get(err.code(), (502, "BadGatewayError", "stage_failed"))
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
-            message = f"{stage} stage is unavailable at {target}: {err.details() or 'connection failed'}"
-        elif err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            message = f"{stage} stage did not finish within its deadline"
-        else:
-            message = f"{stage} stage failed ({err.code().name}): {err.details()}"
-        return cls(stage, status, message, code, err_type, retry_after_s=1 if status == 503 else None)
-
-    @classmethod
-    def from_stage_error(cls, stage: str, err: common_pb2.Error) -> StageFailure:
-        status, err_type = _STAGE_ERROR_HTTP.get(err.code, (500, "InternalServerError"))
-        code = CODE_NAMES.get(err.code, "stage_error")
-        return cls(stage, status, f"{stage}: {err.message}", code, err_type, err.param or None)
 
 
 def normalize_target(addr: str) -> str:
@@ -187,27 +120,6 @@ class StageTimeouts:
     stream_s: float = 600.0
     health_s: float = 2.0
     info_s: float = 5.0
-
-
-@dataclass
-class Replica:
-    """One address of a stage: a request channel, a probe channel of its own, and the monitor's verdict.
-
-    Probes go over their own channel so a probe never shares (or waits behind) the request traffic's
-    connection state, and so a request channel's round-robin is not stepped by probes."""
-
-    label: str
-    target: str
-    channel: grpc.aio.Channel
-    stub: Any
-    health: health_pb2_grpc.HealthStub
-    probe_channel: grpc.aio.Channel
-    down: bool = False  # set by the health monitor; picks skip a replica that is down while others serve
-
-    def unreachable(self) -> bool:
-        """Known down, or its request channel has no connection and the last attempt failed."""
-        state = self.channel.get_state(try_to_connect=False)
-        return self.down or state == grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
 
 class StageClient:
@@ -317,165 +229,6 @@ class StageClient:
         await asyncio.gather(
             *(ch.close(grace=None) for r in self.replicas for ch in (r.channel, r.probe_channel))
         )
-
-
-class StageStream:
-    """A bidi ``Generate`` call with replay-on-UNAVAILABLE until the first response arrives."""
-
-    def __init__(self, client: StageClient, deadline_s: float, retries: int = 1) -> None:
-        self.client = client
-        self.stage = client.stage
-        self._deadline = time.monotonic() + deadline_s
-        self._retries_left = retries
-        self._sent: list[Any] | None = []  # replay buffer; None once the first response arrived
-        self._half_closed = False
-        self._closed = False
-        self._failed: StageFailure | None = None
-        self.replica = client.pick()
-        self._call = self._new_call()
-
-    def _new_call(self) -> Any:
-        remaining = max(0.001, self._deadline - time.monotonic())
-        return self.replica.stub.Generate(timeout=remaining)
-
-    def _can_retry(self, err: grpc.aio.AioRpcError) -> bool:
-        return (
-            self._sent is not None
-            and self._retries_left > 0
-            and err.code() == grpc.StatusCode.UNAVAILABLE
-            and self._failed is None
-            and not self._closed
-        )
-
-    async def _reopen(self) -> None:
-        """Open a fresh call on another replica (if there is one) and replay everything written so far."""
-        self._retries_left -= 1
-        self._call.cancel()
-        self.replica = self.client.pick(avoid=self.replica)
-        self._call = self._new_call()
-        for msg in self._sent or ():
-            await self._call.write(msg)
-        if self._half_closed:
-            await self._call.done_writing()
-
-    async def _retrying(self, op: Any) -> Any:
-        """Run ``op(call)``; on a retryable failure reopen + replay, then report whether a retry happened."""
-        if self._failed is not None:
-            raise self._failed
-        try:
-            return await op(self._call), False
-        except grpc.aio.AioRpcError as err:
-            failure = err
-        except asyncio.InvalidStateError:
-            if self._failed is not None:
-                raise self._failed from None
-            # Writing to a call that already ended: its final status says why (e.g. UNAVAILABLE).
-            failure = await self._terminal_error()
-        except asyncio.CancelledError:
-            if self._failed_under_us():
-                raise self._failed from None  # type: ignore[misc]
-            raise
-        if not self._can_retry(failure):
-            raise self._failure(failure) from failure
-        self._report(failure)
-        log.warning(
-            "%s stream unavailable before first output (%s); retrying once", self.stage, failure.details()
-        )
-        STAGE_RETRIES.labels(self.stage).inc()
-        try:
-            await self._reopen()
-        except grpc.aio.AioRpcError as err2:
-            raise self._failure(err2) from err2
-        except asyncio.InvalidStateError:
-            if self._failed is not None:
-                raise self._failed from None
-            err3 = await self._terminal_error()
-            raise self._failure(err3) from err3
-        except asyncio.CancelledError:
-            if self._failed_under_us():
-                raise self._failed from None  # type: ignore[misc]
-            raise
-        return None, True
-
-    def _failed_under_us(self) -> bool:
-        """True when a CancelledError came from :meth:`fail` cancelling the call, not from our own task
-        being cancelled (which must propagate)."""
-        task = asyncio.current_task()
-        return self._failed is not None and not (task is not None and task.cancelling())
-
-    async def _terminal_error(self) -> grpc.aio.AioRpcError:
-        code = await self._call.code()
-        details = await self._call.details()
-        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
-
-    def _failure(self, err: grpc.aio.AioRpcError) -> StageFailure:
-        self._report(err)
-        return StageFailure.from_rpc_error(self.stage, self.replica.label, err)
-
-    def _report(self, err: grpc.aio.AioRpcError) -> None:
-        """Tell the health monitor that this replica just failed a call as UNAVAILABLE."""
-        hook = self.client.on_unavailable
-        if hook is not None and err.code() == grpc.StatusCode.UNAVAILABLE:
-            hook(self.replica)
-
-    async def write(self, msg: Message) -> None:
-        """Send one request; awaits gRPC flow control, which is the backpressure towards the stage."""
-        if self._sent is not None:
-            self._sent.append(msg)
-        await self._retrying(lambda call: call.write(msg))  # a reopen already replayed msg
-
-    async def done_writing(self) -> None:
-        self._half_closed = True
-        await self._retrying(lambda call: call.done_writing())
-
-    async def read(self) -> Any | None:
-        """Next response, or None at the end of the stream."""
-        while True:
-            msg, retried = await self._retrying(lambda call: call.read())
-            if retried:
-                continue
-            if msg is grpc.aio.EOF:
-                return None
-            self._sent = None  # output arrived: from now on a failure is final
-            return msg
-
-    async def responses(self) -> AsyncIterator[Any]:
-        """The stage's responses until the end of the stream (their message type is the stage's)."""
-        while (msg := await self.read()) is not None:
-            yield msg
-
-    async def finish(self, timeout_s: float = 2.0) -> None:
-        """Normal end: half-close and read to the end so the stage's handler returns on its own, then
-        cancel whatever did not end within ``timeout_s``."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                if not self._half_closed:
-                    self._half_closed = True
-                    await self._call.done_writing()
-                while await self._call.read() is not grpc.aio.EOF:
-                    pass
-        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass
-        except asyncio.CancelledError:
-            if not self._failed_under_us():
-                raise
-        finally:
-            self.cancel()
-
-    def fail(self, reason: str) -> bool:
-        """End this stream with a 503 failure for whoever reads or writes it next (or waits on it now)."""
-        if self._closed or self._call.done():
-            return False
-        self._failed = StageFailure(self.stage, 503, reason, "stage_unavailable", "ServiceUnavailableError")
-        self.cancel()
-        return True
-
-    def cancel(self) -> None:
-        """Abort the call; the stage sees CANCELLED and frees the stream's state."""
-        if not self._closed:
-            self._closed = True
-            if not self._call.done():
-                self._call.cancel()
 
 
 class StageSet:

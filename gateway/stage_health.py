@@ -6,7 +6,7 @@ started (an SSE error instead of a 503). With the monitor, routes check the stag
 *before* any work (:meth:`StageMonitor.require`) and answer 503 with ``Retry-After``; ``/health`` answers
 from the same view (:meth:`StageMonitor.report`) instead of waiting on fresh probes.
 
-Every replica of a stage (:class:`gateway.stage_clients.Replica`: one per address of a fixed list, one
+Every replica of a stage (:class:`gateway.replica.Replica`: one per address of a fixed list, one
 for a DNS name) gets ``grpc.health.v1.Health/Check`` every ``interval_s`` with a ``timeout_s``
 deadline, over a probe channel of its own. A refused connection or NOT_SERVING marks the replica down at
 once; a probe that times out (a stopped or wedged process) only after ``timeouts_to_fail`` in a row, so
@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway.metrics import REPLICA_UP, STAGE_UP
-from gateway.stage_clients import Replica, StageClient, StageFailure, StageSet
+from gateway.replica import Replica
+from gateway.stage_clients import StageClient, StageSet
+from gateway.stage_failure import StageFailure
 
 log = logging.getLogger(__name__)
 

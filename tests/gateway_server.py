@@ -65,6 +65,13 @@ class ThreadedGateway:
                 time.sleep(0.05)
         raise RuntimeError("gateway did not start")
 
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Wait until ``/health`` is 200 (the gateway's monitor sees every stage serving)."""
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(f"{self.url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, httpx.get(f"{self.url}/health", timeout=5).text
+            time.sleep(0.1)
+
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)

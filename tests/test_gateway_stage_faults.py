@@ -59,6 +59,9 @@ def gateway(stages: dict[str, StageProcess]) -> Iterator[ThreadedGateway]:
     addrs = {name: p.addr for name, p in stages.items()}
     config = GatewayConfig(stage_addrs=addrs, profile=load_profile("cpu").with_overrides(OVERRIDES))
     with ThreadedGateway(config) as gw:
+        # Every stage answered its own probe before this, but on a loaded CPU the gateway's first
+        # connections can still time out; the tests start from a gateway that sees all three serving.
+        gw.wait_healthy(60)
         yield gw
 
 

@@ -31,7 +31,7 @@ from gateway.openai.openapi_schema import chat_request_openapi
 from gateway.openai.protocol import ChatRequest, parse_chat_request
 from gateway.pipeline import OUTPUT_SAMPLE_RATE, AudioEvent, ChatJob, FinishEvent, PipelineRun, TextEvent
 from gateway.runtime import GatewayRuntime
-from gateway.stage_clients import StageFailure
+from gateway.stage_failure import StageFailure
 from services.common.audio import resample
 from services.common.pb import common_pb2, talker_pb2, thinker_pb2
 
