@@ -1,7 +1,7 @@
 """One address of a stage as the gateway sees it: its channels, its stub and the health verdict.
 
 The owner of the list is :class:`gateway.stage_clients.StageClient`; the health monitor sets ``down``;
-a :class:`gateway.stage_stream.StageStream` remembers which replica its call went to.
+a :class:`gateway.stage_stream_client.StageStream` remembers which replica its call went to.
 """
 
 from __future__ import annotations

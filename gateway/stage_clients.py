@@ -15,7 +15,7 @@ replica entry whose channel balances round-robin over every record the resolver 
 headless Service change while it runs, so they are not split here); client-side health checking keeps a
 record that reports NOT_SERVING (draining) out of that channel's rotation.
 
-:meth:`StageClient.open_stream` returns a :class:`gateway.stage_stream.StageStream`, a bidi ``Generate``
+:meth:`StageClient.open_stream` returns a :class:`gateway.stage_stream_client.StageStream`, a bidi ``Generate``
 call with a deadline and one replay-on-UNAVAILABLE retry before its first output. Every failure surfaces
 as a :class:`gateway.stage_failure.StageFailure`, so routes never see raw ``grpc`` exceptions.
 """
@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.replica import Replica
 from gateway.stage_failure import StageFailure
-from gateway.stage_stream import StageStream
+from gateway.stage_stream_client import StageStream
 from services.common.grpc_server import GRPC_OPTIONS
 from services.common.pb import (
     code2wav_pb2_grpc,

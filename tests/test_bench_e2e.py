@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.e2e import Workload, make_prompts, request_body
+from bench.chat_workload import Workload, make_prompts, request_body
 from bench.e2e_client import percentiles
 
 REPO = Path(__file__).resolve().parents[1]

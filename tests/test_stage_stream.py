@@ -24,7 +24,7 @@ from stage_processes import REPO, free_port
 from gateway.metrics import STAGE_RETRIES
 from gateway.stage_clients import StageClient
 from gateway.stage_failure import StageFailure
-from gateway.stage_stream import StageStream
+from gateway.stage_stream_client import StageStream
 from services.common.pb import code2wav_pb2, common_pb2
 
 WINDOWS = 300

@@ -36,7 +36,7 @@ from gateway.realtime.pipeline.events import (
 from gateway.realtime.pipeline.speech import SpeechTurn, failure_code, stage_error_code
 from gateway.realtime.settings import RealtimeSettings
 from gateway.stage_clients import StageSet
-from gateway.stage_stream import StageStream
+from gateway.stage_stream_client import StageStream
 from services.common.pb import common_pb2, thinker_pb2
 from services.common.tensors import pcm_from_float
 

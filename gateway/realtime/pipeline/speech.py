@@ -22,7 +22,7 @@ from gateway.realtime.pipeline.events import AudioOut, PipelineEvent, StageAck
 from gateway.realtime.settings import RealtimeSettings
 from gateway.stage_clients import StageSet
 from gateway.stage_failure import StageFailure
-from gateway.stage_stream import StageStream
+from gateway.stage_stream_client import StageStream
 from services.common.pb import code2wav_pb2, common_pb2, talker_pb2, thinker_pb2
 from services.common.tensors import pcm_to_float
 
