@@ -6,7 +6,7 @@
 Issue 6 asks that a client disconnect cancels every stage stream and brings each stage's in-flight
 gauge back to zero, target ≤ 100 ms. This bench measures exactly that, from outside the processes:
 
-1. launches the pipeline with :class:`bench.e2e.Pipeline` (the launcher's own child plan, free ports,
+1. launches the pipeline with :class:`bench.launch.Pipeline` (the launcher's own child plan, free ports,
    logs under ``OUT_DIR/logs``) and waits for the gateway's ``/health``;
 2. per request (one at a time): waits until every stage is idle (``minicpmo_stage_in_flight`` and
    ``minicpmo_stage_streams_active`` both 0 on each stage's Prometheus endpoint, grpc port + 1000 unless
@@ -38,17 +38,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.e2e import (
+from bench.chat_workload import Workload, make_prompts, request_body
+from bench.e2e_client import percentiles
+from bench.launch import (
     Pipeline,
-    Workload,
+    add_launch_flags,
     environment,
     guarded_run,
-    make_prompts,
-    request_body,
     resolve_profile,
     stage_args_for,
 )
-from bench.e2e_client import percentiles
 
 TARGET_MS = 100.0
 GAUGES = ("minicpmo_stage_in_flight", "minicpmo_stage_streams_active")
@@ -272,24 +271,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.cancel", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--deploy-config", default="minicpmo_4_5", help="profile file or bundled name")
-    p.add_argument(
-        "--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device"
-    )
-    p.add_argument(
-        "--stage-overrides", default=None, help="JSON deep-merged into the profile (as minicpmo-serve)"
-    )
-    p.add_argument(
-        "--stage-args",
-        action="append",
-        default=[],
-        metavar="STAGE=ARGS",
-        help="extra CLI flags for a stage process (repeatable)",
-    )
-    p.add_argument(
-        "--thinker-kv-budget", default="16G", help="thinker --kv-budget on CUDA; 'auto' keeps the default"
-    )
+    add_launch_flags(p)
     p.add_argument("--requests", type=int, default=20, help="timed disconnect cycles (sequential)")
     p.add_argument("--warmup", type=int, default=1, help="untimed disconnect cycles first")
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -305,7 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--release-timeout", type=float, default=30.0, help="seconds to wait for the gauges to reach 0"
     )
-    p.add_argument("--startup-timeout", type=float, default=420.0)
     p.add_argument(
         "--max-seconds", type=float, default=480.0, help="no new request after this (teardown follows)"
     )

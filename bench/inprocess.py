@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from bench.e2e import Workload, environment, make_prompts
+from bench.chat_workload import Workload, make_prompts
 from bench.e2e_client import LevelSummary, RequestResult, markdown_table, summarize_level
+from bench.launch import environment
 from services.common.deploy_profile import DeployProfile, load_profile, parse_overrides
 
 

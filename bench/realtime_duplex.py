@@ -237,7 +237,7 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
 def _launch(args: argparse.Namespace) -> tuple[Any, list[str], dict[str, int]]:
     """Start the pipeline for ``--checkpoint`` with the profile; point the bench at it."""
     from bench.cancel import stage_endpoints
-    from bench.e2e import MpsDaemon, Pipeline
+    from bench.launch import MpsDaemon, Pipeline
     from services.common.checkpoint import Checkpoint
     from services.common.deploy_profile import load_profile, parse_overrides
 

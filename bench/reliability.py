@@ -6,7 +6,7 @@
     python -m bench.reliability soak --minutes 20 --chat 8 --duplex 8 --out results/rel
 
 Each launches the whole pipeline on the tiny checkpoint on CPU (the launcher's own child plan, free
-ports, :class:`bench.e2e.Pipeline`; replies kept short by profile overrides), runs a bounded load, then
+ports, :class:`bench.launch.Pipeline`; replies kept short by profile overrides), runs a bounded load, then
 checks what issue 19 asks: no 5xx for a client error, the server still healthy, every stage gauge
 (``minicpmo_stage_in_flight``, ``minicpmo_stage_streams_active``) back to 0, and the RSS of every process
 within ``--rss-bound-mib`` of where it started. ``RUN.json`` under ``--out`` holds the figures; the
@@ -40,7 +40,7 @@ _REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
 
 # ---- the pipeline and what it reports -----------------------------------------------------------
 def start_pipeline(out: Path, overrides: dict[str, Any] | None = None) -> Any:
-    from bench.e2e import Pipeline
+    from bench.launch import Pipeline
     from gateway.launcher import ensure_tiny_checkpoint
     from services.common.deploy_profile import load_profile
 
