@@ -58,40 +58,28 @@ def test_request_body_pins_the_workload() -> None:
     assert req.thinker_sampling["ignore_eos"] is True and req.talker_sampling["fixed_frames"] == 200
 
 
+def _run_bench(
+    module: str, ckpt: Path, out: Path, levels: list[str], extra: list[str], timeout_s: float
+) -> None:
+    """Run a chat benchmark on the CPU profile with the short test workload (25 frames of audio)."""
+    cmd = [sys.executable, "-m", module, "--checkpoint", str(ckpt), "--deploy-config", "cpu", *levels]
+    cmd += [*extra, "--audio-frames", "25", "--out-dir", str(out)]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "e2e"
-    cmd = [
-        sys.executable,
-        "-m",
+    _run_bench(
         "bench.e2e",
-        "--checkpoint",
-        str(tiny_ckpt),
-        "--deploy-config",
-        "cpu",
-        "--concurrency",
-        "1,2",
-        "--requests-per-level",
-        "2",
-        "--warmup",
-        "1",
-        "--warmup-rounds",
-        "0",
-        "--timeline-requests",
-        "1",
-        "--bursts",
-        "1",
-        "--timeline-first",
-        "--audio-frames",
-        "25",
-        "--max-seconds",
-        "500",
-        "--out-dir",
-        str(out),
-    ]
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=700)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        tiny_ckpt,
+        out,
+        ["--concurrency", "1,2", "--requests-per-level", "2", "--warmup", "1", "--warmup-rounds", "0"],
+        ["--timeline-requests", "1", "--bursts", "1", "--timeline-first", "--max-seconds", "500"],
+        timeout_s=700,
+    )
     report = json.loads((out / "e2e.json").read_text())
     assert report["status"] == "ok"
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]
@@ -133,32 +121,14 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
 @pytest.mark.slow
 def test_inprocess_pipeline_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "inproc"
-    cmd = [
-        sys.executable,
-        "-m",
+    _run_bench(
         "bench.inprocess",
-        "--checkpoint",
-        str(tiny_ckpt),
-        "--device",
-        "cpu",
-        "--deploy-config",
-        "cpu",
-        "--concurrency",
-        "1,2",
-        "--requests-per-level",
-        "2",
-        "--warmup",
-        "1",
-        "--warmup-rounds",
-        "0",
-        "--audio-frames",
-        "25",
-        "--out-dir",
-        str(out),
-    ]
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        tiny_ckpt,
+        out,
+        ["--concurrency", "1,2", "--requests-per-level", "2", "--warmup", "1", "--warmup-rounds", "0"],
+        ["--device", "cpu"],
+        timeout_s=600,
+    )
     report = json.loads((out / "inprocess.json").read_text())
     assert report["status"] == "ok" and [lv["concurrency"] for lv in report["levels"]] == [1, 2]
     for lv in report["levels"]:
