@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.chat_workload import Workload, make_prompts, request_body
+from bench.chat_workload import add_workload_flags, make_prompts, request_body, workload_from_args
 from bench.e2e_client import percentiles
 from bench.launch import (
     Pipeline,
@@ -274,14 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_flags(p)
     p.add_argument("--requests", type=int, default=20, help="timed disconnect cycles (sequential)")
     p.add_argument("--warmup", type=int, default=1, help="untimed disconnect cycles first")
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--spoken-tokens", type=int, default=10, help="thinker tokens (min = max, EOS ignored)")
-    p.add_argument("--first-chunk-tokens", type=int, default=10)
-    p.add_argument(
-        "--audio-frames",
-        type=int,
-        default=1500,
-        help="forced talker frames (25 per second of audio); long so the work outlives the disconnect",
+    add_workload_flags(
+        p, 1500, "forced talker frames (25 per second of audio); long so the work outlives the disconnect"
     )
     p.add_argument("--poll-ms", type=float, default=5.0)
     p.add_argument(
@@ -299,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     deadline = t_start + args.max_seconds
     args.levels = [1]  # resolve_profile raises the gateway's admission limit to this + 2
-    w = Workload(args.prompt_tokens, args.spoken_tokens, args.first_chunk_tokens, args.audio_frames)
+    w = workload_from_args(args)
     out_dir = Path(args.out_dir or Path(os.environ.get("OUT", "bench-results")) / "cancel")
     out_dir.mkdir(parents=True, exist_ok=True)
 

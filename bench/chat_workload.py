@@ -8,6 +8,7 @@ with speech output: the thinker speaks exactly ``spoken_tokens`` tokens (``min_t
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,3 +78,15 @@ def request_body(prompt: str, w: Workload, model: str, stream: bool = True) -> d
     else:
         body["return_stage_metrics"] = True
     return body
+
+
+def add_workload_flags(p: argparse.ArgumentParser, audio_frames: int, audio_help: str) -> None:
+    """The workload's flags, with the benchmark's own default length of speech."""
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--spoken-tokens", type=int, default=10, help="thinker tokens (min = max, EOS ignored)")
+    p.add_argument("--first-chunk-tokens", type=int, default=10)
+    p.add_argument("--audio-frames", type=int, default=audio_frames, help=audio_help)
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    return Workload(args.prompt_tokens, args.spoken_tokens, args.first_chunk_tokens, args.audio_frames)

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.chat_workload import Workload, make_prompts, request_body
+from bench.chat_workload import Workload, add_workload_flags, make_prompts, request_body, workload_from_args
 from bench.e2e_client import (
     LevelSummary,
     RequestResult,
@@ -377,10 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the non-streaming marks (top level first) right after the warm-up, before the levels",
     )
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--spoken-tokens", type=int, default=10, help="thinker tokens (min = max, EOS ignored)")
-    p.add_argument("--first-chunk-tokens", type=int, default=10)
-    p.add_argument("--audio-frames", type=int, default=200, help="talker frames (25 per second of audio)")
+    add_workload_flags(p, 200, "talker frames (25 per second of audio)")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument(
         "--max-seconds",
@@ -397,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     deadline = t_start + args.max_seconds
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    w = Workload(args.prompt_tokens, args.spoken_tokens, args.first_chunk_tokens, args.audio_frames)
+    w = workload_from_args(args)
     out_dir = Path(args.out_dir or Path(os.environ.get("OUT", "bench-results")) / "e2e")
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
