@@ -79,6 +79,15 @@ def build_backend_for_dump(checkpoint: str, device: str, dtype: str, cuda_graphs
     return backend
 
 
+def _unit_message(audio: np.ndarray, k: int, frame_rgb: np.ndarray | None) -> thinker_pb2.ThinkerUnit:
+    """Unit ``k`` of the session's audio, with the video frame when this unit carries one."""
+    return thinker_pb2.ThinkerUnit(
+        id=common_pb2.Identity(unit_seq=k),
+        audio=_pcm(audio[k * UNIT_SAMPLES : (k + 1) * UNIT_SAMPLES]),
+        frames=[_png(frame_rgb)] if frame_rgb is not None else [],
+    )
+
+
 def run_session(
     backend: Any,
     audio: np.ndarray,
@@ -129,13 +138,8 @@ def run_session(
             run(seq, session.prefix_work())
             out["kv_len"].append(len(seq.tokens))
             for k in range(units):
-                frames = [_png(frame_rgb)] if frame_rgb is not None and k == frame_unit else []
-                unit = thinker_pb2.ThinkerUnit(
-                    id=common_pb2.Identity(unit_seq=k),
-                    audio=_pcm(audio[k * UNIT_SAMPLES : (k + 1) * UNIT_SAMPLES]),
-                    frames=frames,
-                )
-                work = encode_unit(backend, session, unit, False)
+                frame = frame_rgb if k == frame_unit else None
+                work = encode_unit(backend, session, _unit_message(audio, k, frame), False)
                 d0 = len(pol.decodes)
                 pol.forced = None if teacher is None else list(teacher.get(k, []))
                 outcome = UnitOutcome()
