@@ -220,7 +220,12 @@ class StageStream:
             self._sent.append(msg)
         if await self._after_reopen(generation):
             return
-        await self._retrying(lambda call: write_or_end(call, msg))
+        if self._sent is None:
+            # A response already came, so the call's metadata went out long ago: a plain write cannot hit
+            # the wait that write_or_end guards against, and the hot path skips its two extra tasks.
+            await self._retrying(lambda call: call.write(msg))
+        else:
+            await self._retrying(lambda call: write_or_end(call, msg))
 
     async def done_writing(self) -> None:
         generation = self._generation
