@@ -28,8 +28,11 @@ from realtime_stages import REPO, STAGES, Conn, realtime_gateway, stage_servers
 
 pytestmark = pytest.mark.slow
 
-# A small thinker context so one test can run a session past it (S8); every other session stays far below.
-THINKER_MAX_CONTEXT = 512
+# The shared stages' thinker context: room for a 40-unit response that is barged in late (a slow first
+# audio lets the thinker run many units ahead) and a second response in the same session.
+THINKER_MAX_CONTEXT = 4096
+# The S8 test's own stages: a context small enough that one session runs past it in seconds of audio.
+SMALL_MAX_CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,14 @@ def stage_addrs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     logs = tmp_path_factory.mktemp("stage_logs")
     with stage_servers(tiny_ckpt, logs, thinker_args=["--max-context", str(THINKER_MAX_CONTEXT)]) as stages:
         yield stages.addrs
+
+
+@pytest.fixture()
+def small_context_url(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("small_context_logs")
+    with stage_servers(tiny_ckpt, logs, thinker_args=["--max-context", str(SMALL_MAX_CONTEXT)]) as stages:
+        with realtime_gateway(stages.addrs, seed=0, max_response_units=3) as url:
+            yield url
 
 
 @pytest.fixture(scope="module")
@@ -139,15 +150,15 @@ def test_barge_in_across_stages(gateway_url: str) -> None:
         conn.close()
 
 
-def test_native_lane_decisions_and_context_limit(gateway_url: str) -> None:
+def test_native_lane_decisions_and_context_limit(small_context_url: str) -> None:
     """Native lane: every unit gets a model decision; past the thinker's context the session ends with the
     stable ``context_length_exceeded`` code (S8) while another session keeps working."""
-    conn = Conn(f"{gateway_url}/v1/duplex")
-    other = Conn(f"{gateway_url}/v1/duplex")
+    conn = Conn(f"{small_context_url}/v1/duplex")
+    other = Conn(f"{small_context_url}/v1/duplex")
     try:
         _open(conn, extra_body={"auto_response": True})
         _open(other)
-        seconds = THINKER_MAX_CONTEXT // 13 + 5  # a listen unit costs 13 tokens (model-spec 6.5)
+        seconds = SMALL_MAX_CONTEXT // 13 + 5  # a listen unit costs 13 tokens (model-spec 6.5)
         x = np.zeros(seconds * 16000, dtype=np.float32)
         for i in range(0, x.size, 8000):
             conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x[i : i + 8000])})
