@@ -29,10 +29,11 @@ from services.thinker.kernels import AttentionTiles, get_ops, key_splits, triton
 
 ENV_VAR = "MINICPMO_TALKER_KERNELS"
 BACKENDS = ("torch", "triton")
-# What ``auto`` picks on CUDA: the torch path until an H200 run of ``bench.talker --kernels torch,triton``
-# and ``bench.cuda_smoke --stages talker`` (recorded in BENCHMARKS.md, Talker) shows the fused path faster
-# and token-identical; ``MINICPMO_TALKER_KERNELS=triton`` opts in before that.
-AUTO_ON_CUDA = "torch"
+# What ``auto`` picks on CUDA: the fused path, since the H200 run of ``bench.talker --kernels auto,triton``
+# and ``bench.cuda_smoke --stages talker --graph-kernels triton`` (BENCHMARKS.md, Talker, session 6) found
+# it 19 % / 11 % faster per stream at batch 1 / 16 and every difference a bf16 near-tie;
+# ``MINICPMO_TALKER_KERNELS=torch`` keeps the torch path.
+AUTO_ON_CUDA = "triton"
 
 
 def select_backend(device: torch.device, requested: str | None = None) -> str:
