@@ -21,6 +21,7 @@ from services.common.grpc_server import add_serve_arguments, serve_forever, serv
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
 from services.common.tensors import TORCH_DTYPES
 from services.thinker.backend import build_backend
+from services.thinker.duplex_policy import warmup_duplex_policy
 from services.thinker.duplex_window import DuplexWindow
 from services.thinker.engine import STAGE, EngineConfig
 from services.thinker.kv_cache import KVBudgetError
@@ -134,6 +135,13 @@ def serve(argv: list[str]) -> int:
     )
     if captured:
         log.info("thinker: captured %d decode CUDA graphs in %.1f s", captured, time.perf_counter() - t0)
+    if backend.engine.runner.use_cuda_graphs:
+        t0 = time.perf_counter()
+        vocab = int(backend.engine.runner.llm.config.vocab_size)
+        device = backend.engine.runner.device
+        policy = warmup_duplex_policy(backend.ckpt.root, vocab, device, args.max_num_seqs)
+        if policy:
+            log.info("thinker: captured %d duplex policy graphs in %.2f s", policy, time.perf_counter() - t0)
     backend.engine.start()
     server = make_server(backend, serve_options_from_args(args))
     try:

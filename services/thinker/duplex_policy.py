@@ -26,6 +26,7 @@ import torch
 
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
 from services.common.pb import thinker_pb2
+from services.thinker.duplex_policy_graph import graphs_for, warmup_policy_graphs
 from services.thinker.sampling import Sampler, SamplingConfig
 
 LISTEN = SPECIAL_TOKEN_IDS["<|listen|>"]
@@ -140,9 +141,11 @@ class DuplexPolicy(Sampler):
         live = [i for i, p in enumerate(policies) if not p.force_listen]
         if not live:
             return out
-        tokens = _policy_tokens(
-            [policies[i] for i in live], logits[live].float(), [num_generated[i] for i in live]
-        )
+        rows = [policies[i] for i in live]
+        generated = [num_generated[i] for i in live]
+        tokens = _graph_tokens(rows, logits[live], generated) if logits.is_cuda else None
+        if tokens is None:
+            tokens = _policy_tokens(rows, logits[live].float(), generated)
         for i, token in zip(live, tokens, strict=True):
             out[i] = policies[i]._after_draw(token)
         return out
@@ -273,6 +276,39 @@ def _policy_tokens(
     return [int(x) for x in token.tolist()]  # the step's one sync
 
 
+def _graph_tokens(
+    policies: Sequence[DuplexPolicy], logits: torch.Tensor, num_generated: Sequence[int]
+) -> list[int] | None:
+    """The draw as a captured replay (:mod:`services.thinker.duplex_policy_graph`), or None when these
+    rows cannot take it: a seeded session, masks of their own, another top-k or window than captured."""
+    graphs = graphs_for(policies[0].forbidden)
+    if graphs is None or any(
+        p.sampling.seed is not None or p.forbidden is not graphs.forbidden_1d for p in policies
+    ):
+        return None
+    vocab = int(logits.shape[1])
+    ks = [min(p.sampling.top_k, vocab) if p.sampling.top_k > 0 else vocab for p in policies]
+    sampled = [p.sampling.temperature > 0.0 for p in policies]
+    k = max((k for k, s in zip(ks, sampled, strict=True) if s), default=graphs.default_k)
+    if not graphs.has(len(policies), k) or any(p.sampling.penalty_window > graphs.width for p in policies):
+        return None
+    params = np.empty((len(policies), 6), dtype=np.float32)
+    windows: list[np.ndarray] = []
+    for r, (p, g) in enumerate(zip(policies, num_generated, strict=True)):
+        s = p.sampling
+        hist = p.state.history[-s.penalty_window :] if s.repetition_penalty != 1.0 else []
+        windows.append(np.fromiter(hist, dtype=np.int64, count=len(hist)))
+        params[r] = (
+            float(s.repetition_penalty) if hist else 1.0,
+            max(s.temperature, 1e-5),
+            ks[r],
+            s.top_p,
+            sampled[r],
+            p.force_speak and g == 0,
+        )
+    return graphs.tokens(logits, params, windows, k)
+
+
 def policy_logits(
     policies: Sequence[DuplexPolicy], logits: torch.Tensor, rows_forced: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -339,3 +375,22 @@ def load_forbidden_mask(ckpt_root: Any, vocab_size: int) -> torch.Tensor:
 def forbidden_mask_for(ckpt_root: Any, vocab_size: int, device: torch.device) -> torch.Tensor:
     """The checkpoint's forbidden mask on ``device``, loaded once and shared by every session."""
     return load_forbidden_mask(ckpt_root, vocab_size).to(device)
+
+
+def warmup_duplex_policy(ckpt_root: Any, vocab_size: int, device: torch.device, max_rows: int) -> int:
+    """Capture the policy's draw for up to ``max_rows`` duplex rows at the default sampling (CUDA only).
+
+    Sessions with the default top-k and penalty window then take one replay a step; returns the number of
+    graphs captured (0 off CUDA or with ``MINICPMO_DUPLEX_POLICY_GRAPHS=0``).
+    """
+    if device.type != "cuda":
+        return 0
+    defaults = DuplexSampling()
+    return warmup_policy_graphs(
+        forbidden_mask_for(ckpt_root, vocab_size, device),
+        max_rows,
+        top_k=defaults.top_k,
+        width=defaults.penalty_window,
+        ids=(CHUNK_EOS, LISTEN, CHUNK_TTS_EOS, TURN_EOS),
+        penalty=TURN_EOS_LENGTH_PENALTY,
+    )
