@@ -51,20 +51,25 @@ def _policies(n: int, forbidden: torch.Tensor, temperature: float) -> list[Duple
 def _time(
     policies: list[DuplexPolicy], logits: torch.Tensor, iters: int, graphs: bool
 ) -> tuple[float, list[list[int]]]:
-    """Mean ms per call and every call's tokens (each call from the same generator state as its twin)."""
+    """Mean ms per call and every call's tokens; every call starts from the same policy state (history and
+    turn state) and the same generator state, so the eager and the replayed runs see the same inputs."""
     os.environ[ENV_VAR] = "1" if graphs else "0"
     n = len(policies)
+    start = [(list(p.state.history), p.state.turn_ended) for p in policies]
     picks: list[list[int]] = []
-    histories = [list(p.state.history) for p in policies]
     total = 0.0
     for i in range(iters):
-        for p, h in zip(policies, histories, strict=True):
-            p.state.history[:] = h  # the same window every call
+        for p, (history, turn_ended) in zip(policies, start, strict=True):
+            p.state.history[:] = history
+            p.state.turn_ended = turn_ended
         torch.cuda.manual_seed(i)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         picks.append(DuplexPolicy.choose_rows(policies, logits, [[]] * n, [3] * n))
         total += time.perf_counter() - t0
+    for p, (history, turn_ended) in zip(policies, start, strict=True):
+        p.state.history[:] = history
+        p.state.turn_ended = turn_ended
     return 1000 * total / iters, picks
 
 
