@@ -15,7 +15,9 @@ and level (JSON + Markdown):
   divided by the audio it carried (client side);
 * underruns by the client playout model (playback 200 ms after the first delta; an underrun: the
   received audio runs out before the next delta), count and total ms per session;
-* ``first_audio_s``: commit (+ ``response.create``) to the first audio delta (turn lane);
+* ``first_audio_s``: commit (+ ``response.create``) to the first audio delta (turn lane), and its split at
+  the gateway (``minicpmo_realtime_first_audio_phase_seconds``: the request to the requesting unit's
+  decision, the first speech chunk, the talker's first codec window, code2wav's first audio);
 * ``barge_in_ms``: ``barge_in`` sent to the cancelled ``response.done`` (client side), the gateway's
   ``minicpmo_realtime_barge_in_seconds``, and each stage's drain
   (``minicpmo_stage_interrupt_drain_seconds``: interrupt received -> last engine step of the old epoch);
@@ -192,6 +194,10 @@ def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
         out[f"thinker_unit_{phase}_mean_ms"] = mean(
             f'minicpmo_thinker_duplex_unit_seconds{{phase="{phase}"}}'
         )
+    for phase in ("decision", "speech", "window", "audio"):
+        out[f"first_audio_{phase}_mean_ms"] = mean(
+            f'minicpmo_realtime_first_audio_phase_seconds{{phase="{phase}"}}'
+        )
     for phase in ("forward", "sample"):
         out[f"thinker_step_{phase}_mean_ms"] = mean(f'minicpmo_thinker_step_phase_seconds{{phase="{phase}"}}')
     return out
@@ -206,9 +212,9 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
 
     lines = [
         "| sessions | lane | failed | unit RTF p50 / p90 / p99 | underruns per session p50 / max, ms | "
-        "first audio p50 / p90 ms | barge-in client p50 ms, stage drain ms thinker / talker / code2wav | "
+        "first audio p50 / p90 ms | first audio split: decision / speech / window / audio, mean ms | barge-in client p50 ms, stage drain ms thinker / talker / code2wav | "
         "thinker step ms forward / host, batch | Whisper batch | busy share thinker / talker / code2wav |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in levels:
         rtf = " / ".join(p(lv["unit_rtf"], k) for k in ("p50", "p90", "p99"))
@@ -221,13 +227,16 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
         )
         first = " / ".join(p(lv["first_audio_s"], k, 1000, 0) for k in ("p50", "p90"))
         drains = " / ".join(f(lv.get(f"{s}_drain_mean_ms"), 2) for s in STAGES)
+        split = " / ".join(
+            f(lv.get(f"first_audio_{k}_mean_ms"), 0) for k in ("decision", "speech", "window", "audio")
+        )
         step = (
             f"{f(lv.get('thinker_step_forward_mean_ms'), 2)} / {f(lv.get('thinker_step_sample_mean_ms'), 2)}, "
             f"{f(lv.get('thinker_batch_mean'), 1)}"
         )
         busy = " / ".join(f(lv.get(f"{s}_busy_share"), 2) for s in STAGES)
         lines.append(
-            f"| {lv['sessions']} | {lv['lane']} | {lv['failed']} | {rtf} | {unders} | {first} | "
+            f"| {lv['sessions']} | {lv['lane']} | {lv['failed']} | {rtf} | {unders} | {first} | {split} | "
             f"{p(lv['barge_in_ms'], 'p50', digits=0)}, {drains} | {step} | "
             f"{f(lv.get('whisper_batch_mean'), 1)} | {busy} |"
         )

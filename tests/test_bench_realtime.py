@@ -49,6 +49,11 @@ def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: 
     assert turn["unit_rtf"] is not None and set(turn["unit_rtf"]) == {"p50", "p90", "p99", "n"}
     assert turn["underruns_per_session"]["n"] == 1 and turn["underruns_total"] >= 0
     assert turn["unit_decision_mean_ms"] > 0 and turn["gateway_barge_in_mean_ms"] is not None
+    # The first-audio split at the gateway: speech chunk, then the talker's window, then code2wav's audio
+    # (the unit's decision arrives right behind its speech chunk).
+    split = {k: turn[f"first_audio_{k}_mean_ms"] for k in ("decision", "speech", "window", "audio")}
+    assert all(v is not None and v > 0 for v in split.values()), split
+    assert split["speech"] <= split["window"] <= split["audio"] <= 1000 * turn["first_audio_s"]["p90"] + 1
     # The thinker's drain histogram is scraped from its own metrics port (0 when no unit was running).
     assert turn["thinker_drain_mean_ms"] is not None and turn["thinker_drain_mean_ms"] >= 0
     # The thinker's unit split (queued / encode / engine) and step split (forward / sample) are scraped.

@@ -25,7 +25,7 @@ from websockets.sync.client import ClientConnection, connect
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.realtime.attachment import CLOSE, Attachment
-from gateway.realtime.pipeline.events import UnitOutcome
+from gateway.realtime.pipeline.events import UnitOutcome, UnitRole
 from gateway.realtime.routes import RealtimeEndpoint
 from gateway.realtime.session import DuplexSession
 from gateway.realtime.settings import RealtimeSettings
@@ -49,7 +49,7 @@ class ScriptedPipeline:
         unit_seq: int,
         epoch: int,
         turn_id: int,
-        request_response: bool,
+        role: UnitRole = UnitRole.PLAIN,
     ) -> None:
         self.session.post_pipeline(UnitOutcome(epoch, np.int64(unit_seq), "listen", "", False, np.int32(13)))
 

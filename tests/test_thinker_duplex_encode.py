@@ -152,14 +152,12 @@ def test_encoder_queue_gathers_waiting_units_into_one_pass(backend) -> None:  # 
         calls = WHISPER_BATCH._sum.get(), sum(b.get() for b in WHISPER_BATCH._buckets)
 
         async def run() -> list:
-            tasks = [
-                asyncio.ensure_future(encoder.encode(s, _unit(i), False)) for i, s in enumerate(sessions)
-            ]
+            tasks = [asyncio.ensure_future(encoder.encode(s, _unit(i))) for i, s in enumerate(sessions)]
             await asyncio.sleep(0.05)
             gate.set()
             return await asyncio.gather(*tasks)
 
-        got = asyncio.run(run())
+        got = [s.assemble_unit(enc, False) for s, enc in zip(sessions, asyncio.run(run()), strict=True)]
         assert WHISPER_BATCH._sum.get() - calls[0] == 3
         assert sum(b.get() for b in WHISPER_BATCH._buckets) - calls[1] == 1
         for work, ref in zip(got, expected, strict=True):

@@ -89,6 +89,7 @@ class ResponseState:
     held_audio: Any = None  # float32 24 kHz chunk held back so the last one can carry end_of_turn
     thinker_turn_ended: bool = False
     units_seen: int = 0
+    units_sent: int = 0  # turn lane: units sent for this response (the requesting one and silent ones)
     played_ms: int = 0
     committed_ms: int = 0
     history_transcript: str | None = None

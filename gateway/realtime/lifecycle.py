@@ -14,6 +14,7 @@ fence: the stages drop them too once they see the interrupt).
 from __future__ import annotations
 
 import base64
+import os
 import time
 from typing import Any, Protocol
 
@@ -31,7 +32,12 @@ from gateway.realtime.pipeline.events import (
     SessionPipeline,
     StageAck,
     UnitOutcome,
+    UnitRole,
 )
+
+# Turn lane: keep one silent unit queued behind the one being decided (MINICPMO_REALTIME_TURN_LOOKAHEAD=0
+# sends each only after the previous decision, as before: an A/B switch for bench.realtime_duplex).
+TURN_LOOKAHEAD = os.environ.get("MINICPMO_REALTIME_TURN_LOOKAHEAD", "1") != "0"
 
 
 class LifecycleHost(SessionCore, Protocol):
@@ -59,7 +65,7 @@ class LifecycleHost(SessionCore, Protocol):
 
     def advance_epoch(self, reason: str) -> int: ...
 
-    def forward_unit(self, unit: AudioUnit, *, request_response: bool = False) -> int: ...
+    def forward_unit(self, unit: AudioUnit, role: UnitRole = UnitRole.PLAIN) -> int: ...
 
     def take_backlog(self) -> list[AudioUnit]: ...
 
@@ -138,9 +144,24 @@ class ResponseLifecycle:
         resp = self.create("turn", start_unit=None)
         first_seq = s.unit_seq
         for i, unit in enumerate(units):
-            s.forward_unit(unit, request_response=(i == len(units) - 1))
+            # Nobody hears an answer before the requesting unit, so the model only listens there.
+            s.forward_unit(unit, UnitRole.REQUEST if i == len(units) - 1 else UnitRole.LISTEN)
         resp.start_unit = s.unit_seq - 1
+        resp.units_sent = 1
         s.pipeline.allow_speech_from(resp.start_unit, first_seq)
+        if TURN_LOOKAHEAD:
+            self._feed_turn(resp)
+
+    def _feed_turn(self, resp: ev.ResponseState) -> None:
+        """Turn lane: one more 1 s silent unit so the model can keep talking, at most the response's unit
+        cap. With the look-ahead one such unit is always queued behind the unit being decided, so the
+        thinker encodes it meanwhile; it is sent as ``CONTINUE``, so if the unit before it ended the model's
+        turn it is decided as listen and never starts a reply nobody asked for."""
+        s = self.s
+        if resp.units_sent >= s.response_unit_cap:
+            return
+        s.forward_unit(s.silence_unit(), UnitRole.CONTINUE)
+        resp.units_sent += 1
 
     # ---------------------------------------------------------------- pipeline outputs
 
@@ -218,7 +239,7 @@ class ResponseLifecycle:
             if not resp.wants_audio:
                 self.finish(resp, "completed", "stop")
         elif resp.lane == "turn":
-            s.forward_unit(s.silence_unit())  # keep the model talking until it ends its turn
+            self._feed_turn(resp)  # keep the model talking until it ends its turn
 
     def _add_text(self, resp: ev.ResponseState, text: str) -> None:
         resp.pending_text += text

@@ -28,6 +28,14 @@ BARGE_IN_STAGE = Histogram(
     ["stage"],
     buckets=_FAST_BUCKETS,
 )
+FIRST_AUDIO_PHASE = Histogram(
+    "minicpmo_realtime_first_audio_phase_seconds",
+    "Turn lane: a response's request (its committed units handed to the thinker stream) to 'decision' (the "
+    "requesting unit decided), 'speech' (its first speech chunk), 'window' (the talker's first codec "
+    "window) and 'audio' (code2wav's first audio), all at the gateway",
+    ["phase"],
+    buckets=_FAST_BUCKETS,
+)
 UNIT_DECISION = Histogram(
     "minicpmo_realtime_unit_decision_seconds",
     "1 s unit sent to the thinker to its listen/speak decision arriving at the gateway",

@@ -31,7 +31,7 @@ from gateway.realtime.errors import RealtimeError
 from gateway.realtime.input_buffer import InputBuffer
 from gateway.realtime.journal import EventJournal
 from gateway.realtime.lifecycle import ResponseLifecycle
-from gateway.realtime.pipeline.events import PipelineEvent, PipelineHost, SessionPipeline
+from gateway.realtime.pipeline.events import PipelineEvent, PipelineHost, SessionPipeline, UnitRole
 from gateway.realtime.server_vad import ServerVadTurns, sync_server_vad
 from gateway.realtime.settings import RealtimeSettings
 
@@ -539,12 +539,12 @@ class DuplexSession:
         fields["response"] = {"object": "realtime.response", "status": "listening", "metadata": metadata}
         self.emit("response.listen", **fields)
 
-    def forward_unit(self, unit: AudioUnit, *, request_response: bool = False) -> int:
+    def forward_unit(self, unit: AudioUnit, role: UnitRole = UnitRole.PLAIN) -> int:
         """Send one unit to the thinker under the current epoch; returns its session-wide unit index."""
         seq = self._unit_seq
         # Pushed first: a full queue toward the thinker refuses the unit (input_backpressure) before any
         # bookkeeping counts it.
-        self.pipeline.push_unit(unit.samples, unit.frames, seq, self._epoch, self._turn_id, request_response)
+        self.pipeline.push_unit(unit.samples, unit.frames, seq, self._epoch, self._turn_id, role)
         self._unit_seq += 1
         metrics.UNITS.inc()
         self._unit_sent_at[seq] = time.monotonic()

@@ -56,7 +56,6 @@ from services.thinker.scheduler import WorkItem
 
 if TYPE_CHECKING:
     from services.thinker.processor.duplex_audio import DuplexMelChunk
-    from services.thinker.processor.duplex_layout import TokenLayout
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +103,27 @@ def unit_audio_16k(pcm: common_pb2.Pcm) -> np.ndarray:
 
 @dataclass
 class PreparedUnit:
-    """A unit between its host-side preparation and its encoders (see :mod:`services.thinker.duplex_encode`)."""
+    """A unit's audio and frames between their host-side preparation and the encoders
+    (see :mod:`services.thinker.duplex_encode`). Nothing here depends on the previous unit's outcome, so a
+    unit can be prepared and encoded while the engine still decodes the one before it."""
 
     session: DuplexSession
+    unit: thinker_pb2.ThinkerUnit
     chunk: DuplexMelChunk
-    layout: TokenLayout
+    audio_rows: int  # rows its audio adds to the unit's layout
     slices: list[torch.Tensor]  # the frames' vision slices (empty for an audio-only unit)
     tgt: torch.Tensor
-    force_speak: bool
+    counts: list[int]  # vision rows per frame
+
+
+@dataclass
+class EncodedAudio:
+    """A prepared unit with its encoder rows: what :meth:`DuplexSession.assemble_unit` turns into work once
+    the previous unit has been decided (its terminator decides the token layout)."""
+
+    prepared: PreparedUnit
+    audio: torch.Tensor  # [audio_rows, hidden]
+    vision: torch.Tensor | None  # [sum(counts), hidden]
 
 
 @dataclass
@@ -177,6 +189,7 @@ class DuplexSession:
         self.units_done = 0
         self.reinject: list[int] = []  # tokens the previous unit left unfed (terminator, </unit>)
         self.model_turn_open = False  # a model turn started and has not ended
+        self.turn_continues = False  # the last decided unit spoke and left its turn open
         self.chunk_seq = 0
         self.total_generated = 0
 
@@ -220,10 +233,9 @@ class DuplexSession:
             embeds = self.model.merge_embeddings(ids, None, image_bounds, ref_rows, audio_bounds).detach()
         return WorkItem(ids.tolist(), embeds, sampler=None, tag=("prefix", self.epoch))
 
-    def prepare_unit(self, unit: thinker_pb2.ThinkerUnit, force_speak: bool) -> PreparedUnit:
-        """The unit's mel chunk, frames and token layout: everything before the encoders run (host work)."""
-        from services.thinker.processor.duplex_layout import duplex_unit_layout
-
+    def prepare_unit(self, unit: thinker_pb2.ThinkerUnit) -> PreparedUnit:
+        """The unit's mel chunk and frames: the host work before the encoders (advances the mel stream and
+        the Whisper cache's reset rule, so units of a session are prepared in order, one at a time)."""
         if len(unit.frames) > 2:
             raise StageError(INVALID_ARGUMENT, "a duplex unit carries at most two frames", "unit.frames")
         chunk = self.mel_stream.push(unit_audio_16k(unit.audio))
@@ -241,29 +253,43 @@ class DuplexSession:
             frames = [bytes(f) for f in unit.frames]
             per_frame: int | list[int] = 1 if len(frames) == 1 else [2, 1]
             slices, tgt, counts = self.processor.process_frames(frames, per_frame, "unit.frames")
+        # the stride-2 convolution halves the unit's frames, the pooling groups pool_step of them
+        audio_rows = (chunk.core.shape[1] // 2) // int(self.model.dims.audio.pool_step)
+        return PreparedUnit(self, unit, chunk, audio_rows, slices, tgt, counts)
+
+    @torch.inference_mode()
+    def assemble_unit(self, encoded: EncodedAudio, force_speak: bool) -> WorkItem:
+        """The unit's work item: its token layout (which re-injects the previous unit's terminator, so this
+        runs after that unit's decision), the merged embeddings and this unit's decision policy."""
+        from services.thinker.processor.duplex_layout import duplex_unit_layout
+
+        prepared = encoded.prepared
         prev = self.reinject[0] if self.reinject else None
         layout = duplex_unit_layout(
-            counts,
-            # the stride-2 convolution halves the unit's frames, the pooling groups pool_step of them
-            audio_rows=(chunk.core.shape[1] // 2) // int(self.model.dims.audio.pool_step),
+            prepared.counts,
+            audio_rows=prepared.audio_rows,
             previous_terminator=prev,
             close_previous_unit=len(self.reinject) > 1,
         )
-        return PreparedUnit(self, chunk, layout, slices, tgt, force_speak)
-
-    def finish_unit(self, prepared: PreparedUnit, embeds: torch.Tensor) -> WorkItem:
-        """The unit's work item from its merged embeddings, with this unit's decision policy."""
-        force_listen = self.units_done < self.open.force_listen_units
+        ids, image_bounds, audio_bounds = layout.tensors()
+        embeds = self.model.merge_embeddings(
+            ids, encoded.vision, image_bounds, [encoded.audio], audio_bounds
+        ).detach()
+        unit = prepared.unit
+        force_listen = (
+            self.units_done < self.open.force_listen_units
+            or unit.force_listen
+            or (unit.continue_turn and not self.turn_continues)
+        )
         policy = DuplexPolicy(
             self.sampling,
             self.state,
             self.forbidden,
             force_listen=force_listen,
-            force_speak=(prepared.force_speak and not force_listen),
+            force_speak=(force_speak and not force_listen),
         )
         speech = bool(self.open.want_speech)
-        ids = list(prepared.layout.input_ids)
-        return WorkItem(ids, embeds, sampler=policy, emit_hidden=speech, feed_last=True)
+        return WorkItem(list(layout.input_ids), embeds, sampler=policy, emit_hidden=speech, feed_last=True)
 
     # -------------------------------------------------------------------------------------- results
     def unit_responses(
@@ -280,6 +306,7 @@ class DuplexSession:
         span = select_span(gen)
         speak = bool(gen) and gen[0] not in UNIT_TERMINATORS
         turn_end = any(gen[k] == TURN_EOS for k in span)
+        self.turn_continues = speak and not turn_end
         out: list[thinker_pb2.ThinkerResponse] = []
         tok = self.processor.tokenizer
         transcript = tok.decode([gen[k] for k in span], skip_special_tokens=True) if span else ""
@@ -316,4 +343,5 @@ class DuplexSession:
         self.epoch = new_epoch
         self.state.turn_ended = True
         self.model_turn_open = False
+        self.turn_continues = False
         self.reinject = [CHUNK_EOS, UNIT_CLOSE]

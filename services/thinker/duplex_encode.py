@@ -5,17 +5,22 @@ session's incremental Whisper and its merged embeddings before the engine can de
 session at a time, 16 sessions cost 16 encoder passes a second, each a few hundred small kernel
 launches from Python against the engine thread for the GIL (496 ms a unit on the H200 at 16 sessions).
 
-:class:`DuplexUnitEncoder` queues the units the sessions hand it and drains the queue on the thinker's
-encode executor: every unit waiting when a pass starts goes into that pass, so while one pass runs the
-next batch gathers, and the batch grows with the load without any waiting window. One pass
-(:func:`encode_units`) is:
+Encoding is split from assembly so that it can run ahead: a unit's audio and frames do not depend on
+the previous unit's decision, but its token layout does (it re-injects that unit's terminator). So
+:class:`DuplexUnitEncoder` returns :class:`~services.thinker.duplex.EncodedAudio` (the encoder rows), and
+the stream (:mod:`services.thinker.duplex_stream`) encodes the next queued unit while the engine still
+decodes the current one, then assembles it (:meth:`DuplexSession.assemble_unit`: layout, merged
+embeddings, decision policy) the moment that unit is decided.
 
-1. per unit, on the host: the streaming mel and the token layout (:meth:`DuplexSession.prepare_unit`);
+The encoder queues the units the sessions hand it and drains the queue on the thinker's encode
+executor: every unit waiting when a pass starts goes into that pass, so while one pass runs the next
+batch gathers, and the batch grows with the load without any waiting window. One pass
+(:func:`encode_audio_units`) is:
+
+1. per unit, on the host: the streaming mel and the frames' slices (:meth:`DuplexSession.prepare_unit`);
 2. one :meth:`ThinkerModel.get_audio_embeds_streaming_batch` over all the units (each session keeps its own
    encoder cache; projections and MLPs run batched, attention per cache);
-3. the frames' vision rows, per unit that has frames;
-4. one :meth:`ThinkerModel.merge_embeddings` over the units' layouts laid end to end, cut back per unit;
-5. per unit, its work item with its decision policy (:meth:`DuplexSession.finish_unit`).
+3. the frames' vision rows, per unit that has frames.
 
 A unit's rows and embeddings are the same numbers as when it is encoded alone (bit for bit on CPU fp32:
 tests/test_thinker_duplex_encode.py), so batching changes nothing the model sees.
@@ -34,7 +39,7 @@ import torch
 
 from services.common.errors import StageError
 from services.common.pb import thinker_pb2
-from services.thinker.duplex import WHISPER_BATCH, DuplexSession, PreparedUnit
+from services.thinker.duplex import WHISPER_BATCH, DuplexSession, EncodedAudio, PreparedUnit
 from services.thinker.model.audio import StreamPiece
 from services.thinker.scheduler import WorkItem
 
@@ -45,30 +50,49 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH = 32  # units per encoder pass; more than the 1-GPU profile's sessions, so a pass takes them all
 
+AudioRequest = tuple[DuplexSession, thinker_pb2.ThinkerUnit]
 UnitRequest = tuple[DuplexSession, thinker_pb2.ThinkerUnit, bool]  # (session, unit, force_speak)
 
 
-def encode_units(backend: ThinkerBackend, requests: Sequence[UnitRequest]) -> list[WorkItem | BaseException]:
-    """One encoder pass over ``requests`` (at most one unit per session); a work item or the error per unit.
-
-    A unit's own bad input (a :class:`StageError` while preparing it) fails that unit only; an encoder
-    failure fails every unit of the pass.
-    """
-    results: list[WorkItem | BaseException | None] = [None] * len(requests)
+def encode_audio_units(
+    backend: ThinkerBackend, requests: Sequence[AudioRequest]
+) -> list[EncodedAudio | BaseException]:
+    """One encoder pass over ``requests`` (at most one unit per session): each unit's encoder rows, or its
+    error. A unit's own bad input (a :class:`StageError` while preparing it) fails that unit only; an
+    encoder failure fails every unit of the pass."""
+    results: list[EncodedAudio | BaseException | None] = [None] * len(requests)
     prepared: list[tuple[int, PreparedUnit]] = []
-    for i, (session, unit, force_speak) in enumerate(requests):
+    for i, (session, unit) in enumerate(requests):
         try:
-            prepared.append((i, session.prepare_unit(unit, force_speak)))
+            prepared.append((i, session.prepare_unit(unit)))
         except StageError as err:
             results[i] = err
     if prepared:
         try:
-            items = _encode_prepared(backend, [p for _, p in prepared])
+            encoded: list[EncodedAudio] | list[BaseException] = _encode_prepared(
+                backend, [p for _, p in prepared]
+            )
         except Exception as exc:  # noqa: BLE001 (handed to every unit of the pass, which types it)
-            items = [exc] * len(prepared)
-        for (i, _), item in zip(prepared, items, strict=True):
+            encoded = [exc] * len(prepared)
+        for (i, _), item in zip(prepared, encoded, strict=True):
             results[i] = item
     return [r if r is not None else RuntimeError("unit not encoded") for r in results]
+
+
+def encode_units(backend: ThinkerBackend, requests: Sequence[UnitRequest]) -> list[WorkItem | BaseException]:
+    """One encoder pass, then each unit assembled into its work item right away (callers that run a
+    session's units one after another, deciding each before the next: the fidelity dump, tests)."""
+    encoded = encode_audio_units(backend, [(session, unit) for session, unit, _ in requests])
+    out: list[WorkItem | BaseException] = []
+    for (session, _, force_speak), enc in zip(requests, encoded, strict=True):
+        if isinstance(enc, BaseException):
+            out.append(enc)
+            continue
+        try:
+            out.append(session.assemble_unit(enc, force_speak))
+        except StageError as err:
+            out.append(err)
+    return out
 
 
 def encode_unit(
@@ -82,47 +106,27 @@ def encode_unit(
 
 
 @torch.inference_mode()
-def _encode_prepared(
-    backend: ThinkerBackend, units: Sequence[PreparedUnit]
-) -> list[WorkItem | BaseException]:
+def _encode_prepared(backend: ThinkerBackend, units: Sequence[PreparedUnit]) -> list[EncodedAudio]:
     model = backend.model
     pieces = [
         StreamPiece(u.chunk.core, u.session.audio_state, u.chunk.lookahead, u.chunk.lookbehind) for u in units
     ]
     audio = model.get_audio_embeds_streaming_batch(pieces)  # [B, rows, H]
     WHISPER_BATCH.observe(len(units))
-    ids: list[int] = []
-    image_bounds: list[tuple[int, int]] = []
-    audio_bounds: list[tuple[int, int]] = []
-    vision: list[torch.Tensor] = []
-    for u in units:
-        offset = len(ids)
-        ids.extend(u.layout.input_ids)
-        image_bounds.extend((s + offset, e + offset) for s, e in u.layout.image_bounds)
-        audio_bounds.extend((s + offset, e + offset) for s, e in u.layout.audio_bounds)
-        if u.slices:
-            vision.append(model.get_vision_embeds(u.slices, u.tgt))
-    merged = model.merge_embeddings(
-        torch.tensor(ids, dtype=torch.long),
-        torch.cat(vision) if vision else None,
-        torch.tensor(image_bounds, dtype=torch.long).reshape(-1, 2),
-        list(audio.unbind(0)),
-        torch.tensor(audio_bounds, dtype=torch.long).reshape(-1, 2),
-    ).detach()
-    out: list[WorkItem | BaseException] = []
-    offset = 0
-    for u in units:
-        n = len(u.layout.input_ids)
-        out.append(u.session.finish_unit(u, merged[offset : offset + n]))
-        offset += n
+    out: list[EncodedAudio] = []
+    for u, rows in zip(units, audio.unbind(0), strict=True):
+        if rows.shape[0] != u.audio_rows:
+            raise RuntimeError(f"the encoder gave {rows.shape[0]} audio rows for a {u.audio_rows}-row layout")
+        vision = model.get_vision_embeds(u.slices, u.tgt).reshape(-1, rows.shape[-1]) if u.slices else None
+        out.append(EncodedAudio(u, rows.detach(), vision.detach() if vision is not None else None))
     return out
 
 
 @dataclass
 class _Pending:
-    request: UnitRequest
+    request: AudioRequest
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[WorkItem]
+    future: asyncio.Future[EncodedAudio]
 
 
 class DuplexUnitEncoder:
@@ -139,12 +143,10 @@ class DuplexUnitEncoder:
         self._queue: list[_Pending] = []
         self._draining = False
 
-    async def encode(
-        self, session: DuplexSession, unit: thinker_pb2.ThinkerUnit, force_speak: bool
-    ) -> WorkItem:
-        """The unit's work item, encoded in the next pass together with every other waiting unit."""
+    async def encode(self, session: DuplexSession, unit: thinker_pb2.ThinkerUnit) -> EncodedAudio:
+        """The unit's encoder rows, from the next pass together with every other waiting unit."""
         loop = asyncio.get_running_loop()
-        pending = _Pending((session, unit, force_speak), loop, loop.create_future())
+        pending = _Pending((session, unit), loop, loop.create_future())
         with self._lock:
             self._queue.append(pending)
             start = not self._draining
@@ -163,7 +165,7 @@ class DuplexUnitEncoder:
                     self._draining = False
                     return
             try:
-                results = encode_units(self.backend, [p.request for p in batch])
+                results = encode_audio_units(self.backend, [p.request for p in batch])
             except Exception as exc:  # noqa: BLE001 (never leave a session waiting forever)
                 log.exception("duplex encoder pass failed")
                 results = [exc] * len(batch)
@@ -174,7 +176,7 @@ class DuplexUnitEncoder:
                     pass
 
 
-def _resolve(future: asyncio.Future[WorkItem], result: WorkItem | BaseException) -> None:
+def _resolve(future: asyncio.Future[EncodedAudio], result: EncodedAudio | BaseException) -> None:
     if future.done():  # the session stopped waiting (cancelled)
         return
     if isinstance(result, BaseException):

@@ -5,21 +5,28 @@ mode; what a unit means to the model (its tokens, embeddings, policy and results
 :class:`~services.thinker.duplex.DuplexSession`'s. The stream owns the scheduling:
 
 * the session prefix is prefilled once at open into a persistent engine sequence;
-* units queue in arrival order; once the previous unit's decision is in, the next one goes to the
-  backend's :class:`~services.thinker.duplex_encode.DuplexUnitEncoder` (mel, Whisper rows, frames,
-  batched with every other session's waiting unit on the encode executor) and then to the engine
-  (:meth:`DuplexStream.advance`);
+* units queue in arrival order. The oldest queued unit goes to the backend's
+  :class:`~services.thinker.duplex_encode.DuplexUnitEncoder` (mel, Whisper rows, frames, batched with
+  every other session's waiting unit on the encode executor) **while the engine still decodes the unit
+  before it** (encode-ahead: its audio does not depend on that unit's decision, so the encode is off the
+  unit-to-unit critical path); once the previous unit's decision is in, the encoded unit is assembled
+  (token layout, embeddings, policy) and goes to the engine (:meth:`DuplexStream.advance`).
+  ``MINICPMO_DUPLEX_ENCODE_AHEAD=0`` encodes only after the decision, as before (an A/B switch);
 * with ``--duplex-window basic`` a unit that would pass the window's high mark first replaces the
   sequence with a trimmed one (prefix + newest units) and follows that prefill;
 * an interrupt to a newer epoch (the fence is the driver's) cancels the running unit, drops the queued
-  ones and acknowledges how many; a unit that finishes just before the interrupt is applied is dropped;
+  ones and acknowledges how many; a unit that finishes just before the interrupt is applied is dropped.
+  A dropped unit that was already encoded ahead leaves its audio in the session's streaming encoder
+  cache (left context of the next unit, as audio the session did hear), never in the model's context;
 * ``End`` or half-close lets the queued units finish, then ``Done`` carries the session's usage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +38,7 @@ from services.common.metrics import INTERRUPT_DRAIN
 from services.common.pb import common_pb2, thinker_pb2
 from services.common.stage_stream import Inbox, Interrupted, StageStream
 from services.thinker.backend import ThinkerBackend
-from services.thinker.duplex import UNIT_PHASE_SECONDS, DuplexSession, UnitOutcome
+from services.thinker.duplex import UNIT_PHASE_SECONDS, DuplexSession, EncodedAudio, UnitOutcome
 from services.thinker.duplex_encode import DuplexUnitEncoder
 from services.thinker.duplex_policy import MAX_TOKENS_PER_UNIT
 from services.thinker.duplex_window import ContextRecord
@@ -47,6 +54,16 @@ WINDOW_TRIMS = Counter(
     "Duplex sessions' context trims by the sliding window (--duplex-window basic)",
 )
 Response = thinker_pb2.ThinkerResponse
+ENCODE_AHEAD = os.environ.get("MINICPMO_DUPLEX_ENCODE_AHEAD", "1") != "0"
+
+
+@dataclass
+class AheadEncode:
+    """The oldest queued unit, being encoded while the engine decides the unit before it."""
+
+    unit: thinker_pb2.ThinkerUnit
+    started: float  # perf_counter when its encode began
+    task: asyncio.Task[EncodedAudio]
 
 
 @dataclass
@@ -86,6 +103,8 @@ class DuplexStream(StageStream[Response]):
         self.pending: list[tuple[thinker_pb2.ThinkerUnit, float]] = []  # (unit, arrival time)
         self.current: RunningUnit | None = None
         self.deferred: EncodedUnit | None = None  # a unit waiting for a window trim's prefill
+        self.ahead: AheadEncode | None = None  # the oldest queued unit, encoding while the engine runs
+        self.dropped_ahead: asyncio.Task[EncodedAudio] | None = None  # an interrupt dropped its unit
         self.busy = True  # the engine computes something of this session (the prefix at first)
         self.ending = False
         self.context_tokens = 0
@@ -128,6 +147,8 @@ class DuplexStream(StageStream[Response]):
         dropped = len(self.pending) + (1 if running else 0)
         self.pending.clear()
         self.deferred = None  # a unit waiting for a window trim belongs to the old epoch
+        if self.ahead is not None:  # its encode finishes (the session's encoder state moves on), unused
+            self.dropped_ahead, self.ahead = self.ahead.task, None
         if self.current is not None:
             self.engine.cancel(self.seq)  # the engine records the drain of the running unit
         else:
@@ -147,30 +168,68 @@ class DuplexStream(StageStream[Response]):
     async def advance(self) -> Sequence[Response]:
         if not self.busy and self.pending:
             return await self._start_next_unit()
+        self._maybe_encode_ahead()
         if self.ending and not self.busy and not self.pending:
             self.finished = True
             return [self._done()]
         return ()
 
+    def _maybe_encode_ahead(self) -> None:
+        """Start encoding the oldest queued unit now, while the engine still runs the one before it."""
+        session = self.session
+        if not (ENCODE_AHEAD and self.busy and self.pending and self.ahead is None and session is not None):
+            return
+        unit = self.pending[0][0]
+        previous = self.dropped_ahead
+        self.dropped_ahead = None
+
+        async def encode() -> EncodedAudio:
+            if previous is not None:  # a session's units go through its encoder one after another
+                with contextlib.suppress(BaseException):
+                    await previous
+            started = time.perf_counter()
+            encoded = await self.encoder.encode(session, unit)
+            UNIT_PHASE_SECONDS.labels("encode").observe(time.perf_counter() - started)
+            return encoded
+
+        self.ahead = AheadEncode(unit, time.perf_counter(), asyncio.ensure_future(encode()))
+
+    async def _encoded(self, unit: thinker_pb2.ThinkerUnit) -> tuple[EncodedAudio, float]:
+        """The unit's encoder rows (from its encode-ahead, or encoded now) and when its encode began."""
+        session = self.session
+        assert session is not None
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.unit is unit:
+            return await ahead.task, ahead.started
+        if self.dropped_ahead is not None:  # wait for a dropped unit's encode: the encoder state is serial
+            with contextlib.suppress(BaseException):
+                await self.dropped_ahead
+            self.dropped_ahead = None
+        started = time.perf_counter()
+        encoded = await self.encoder.encode(session, unit)
+        UNIT_PHASE_SECONDS.labels("encode").observe(time.perf_counter() - started)
+        return encoded, started
+
     async def _start_next_unit(self) -> Sequence[Response]:
-        """Encode the oldest queued unit and hand it to the engine (after a window trim if one is due)."""
+        """Assemble the oldest queued unit (encoded ahead, or now) and hand it to the engine (after a window
+        trim if one is due)."""
         session = self.session
         assert session is not None and self.seq is not None
         unit, arrived = self.pending.pop(0)
         unit_seq = int(unit.id.unit_seq) if unit.HasField("id") else session.units_done
-        started = time.perf_counter()
-        UNIT_PHASE_SECONDS.labels("queued").observe(started - arrived)
         force_speak = bool(self.open_msg.force_speak or unit.request_response)
         try:
-            work = await self.encoder.encode(session, unit, force_speak)
+            encoded, started = await self._encoded(unit)
+            UNIT_PHASE_SECONDS.labels("queued").observe(max(0.0, started - arrived))
+            work = session.assemble_unit(encoded, force_speak)
         except StageError as err:
             return self._fail(err, unit_seq)
         except Exception as exc:  # an encoder failure (e.g. out of memory) ends the stream typed
             log.exception("duplex unit encode failed")
             return self._fail(failure("duplex unit encode failed", exc), unit_seq)
         work.deadline = arrived + UNIT_PERIOD_S  # the engine serves the unit closest to an underrun first
-        encoded = EncodedUnit(unit_seq, work, started)
-        if await self._trim_window(encoded):
+        encoded_unit = EncodedUnit(unit_seq, work, started)
+        if await self._trim_window(encoded_unit):
             return ()
         if self.context_tokens + len(work.token_ids) + MAX_TOKENS_PER_UNIT > self.engine.max_context:
             err = StageError(
@@ -179,7 +238,8 @@ class DuplexStream(StageStream[Response]):
                 "unit",
             )
             return self._fail(err, unit_seq)
-        self._submit(encoded, self.context_tokens)
+        self._submit(encoded_unit, self.context_tokens)
+        self._maybe_encode_ahead()
         return ()
 
     async def _trim_window(self, encoded: EncodedUnit) -> bool:
@@ -207,6 +267,7 @@ class DuplexStream(StageStream[Response]):
         )
         self.deferred = encoded
         self.busy = True
+        self._maybe_encode_ahead()
         return True
 
     def _submit(self, encoded: EncodedUnit, start: int) -> None:
@@ -214,7 +275,6 @@ class DuplexStream(StageStream[Response]):
         assert session is not None and self.seq is not None
         encoded.work.tag = (encoded.unit_seq, session.epoch)
         submitted = time.perf_counter()
-        UNIT_PHASE_SECONDS.labels("encode").observe(submitted - encoded.started)
         if self.record is not None:
             self.record.record(start, encoded.work)
         self.engine.submit(self.seq, encoded.work)
@@ -267,5 +327,8 @@ class DuplexStream(StageStream[Response]):
         return session.unit_responses(current.unit_seq, current.outcome, self.context_tokens)
 
     async def close(self) -> None:
+        for task in (self.ahead.task if self.ahead is not None else None, self.dropped_ahead):
+            if task is not None:
+                task.cancel()
         if self.seq is not None:
             self.engine.close(self.seq)

@@ -32,6 +32,7 @@ from gateway.realtime.pipeline.events import (
     PipelineHost,
     StageAck,
     UnitOutcome,
+    UnitRole,
 )
 from gateway.realtime.pipeline.speech import SpeechTurn, failure_code, stage_error_code
 from gateway.realtime.settings import RealtimeSettings
@@ -63,6 +64,8 @@ class GrpcDuplexPipeline:
         self._tasks: list[asyncio.Task[None]] = []
         self.turn: SpeechTurn | None = None
         self.speech_from_unit: int | None = None  # turn lane: speech only from the requested unit on
+        self.request_started: float | None = None  # turn lane: when the response was asked for (until speech)
+        self._decision_due: float | None = None  # the same, until the requesting unit's decision
         self._in_seq = 0
         self._speech_turns = 0
         self._live_turns: set[SpeechTurn] = set()
@@ -84,7 +87,7 @@ class GrpcDuplexPipeline:
         unit_seq: int,
         epoch: int,
         turn_id: int,
-        request_response: bool,
+        role: UnitRole = UnitRole.PLAIN,
     ) -> None:
         if self._closed:
             return
@@ -95,12 +98,15 @@ class GrpcDuplexPipeline:
             id=self._identity(epoch, turn_id, unit_seq),
             audio=pcm_from_float(samples, 16_000),
             frames=frames,
-            request_response=request_response,
+            request_response=role is UnitRole.REQUEST,
+            force_listen=role is UnitRole.LISTEN,
+            continue_turn=role is UnitRole.CONTINUE,
         )
         self._outbox.put_nowait(thinker_pb2.ThinkerRequest(unit=unit))
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
         self.speech_from_unit = unit_seq
+        self.request_started = self._decision_due = time.monotonic()
 
     def end_speech(self, epoch: int, speech_turn: int = 0) -> None:
         """The response voiced by ``speech_turn`` (0: the current turn) is over: end its talker input.
@@ -245,6 +251,9 @@ class GrpcDuplexPipeline:
         if epoch < self.host.epoch:
             return  # fence: an interrupted epoch
         decision = "speak" if unit.decision == thinker_pb2.UNIT_DECISION_SPEAK else "listen"
+        if self._decision_due is not None and unit.id.unit_seq == self.speech_from_unit:
+            metrics.FIRST_AUDIO_PHASE.labels("decision").observe(time.monotonic() - self._decision_due)
+            self._decision_due = None
         self.host.post_pipeline(
             UnitOutcome(
                 epoch,
@@ -272,6 +281,9 @@ class GrpcDuplexPipeline:
         if turn is None or turn.finished or turn.ending:
             self._speech_turns += 1
             turn = self._new_turn(epoch, self._speech_turns)
+            if self.request_started is not None:  # the first speech of the requested response
+                metrics.FIRST_AUDIO_PHASE.labels("speech").observe(time.monotonic() - self.request_started)
+                turn.request_started, self.request_started = self.request_started, None
             if not await turn.start():
                 return
         self._unit_turn[int(chunk.id.unit_seq)] = turn.turn_id

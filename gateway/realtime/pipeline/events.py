@@ -11,11 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 import numpy as np
 
 from gateway.realtime.config import SessionConfig
+
+
+class UnitRole(Enum):
+    """Why a unit goes to the thinker, which decides what the model may do at it (the ThinkerUnit flags)."""
+
+    PLAIN = "plain"  # input or the native lane's silence clock: the model decides
+    REQUEST = "request"  # turn lane: the unit that asks for the response (request_response: speak)
+    LISTEN = "listen"  # turn lane: committed audio before the requesting unit (force_listen)
+    CONTINUE = "continue"  # turn lane: a look-ahead silent unit that may only continue the model's turn
 
 
 @dataclass
@@ -100,7 +110,7 @@ class SessionPipeline(Protocol):
         unit_seq: int,
         epoch: int,
         turn_id: int,
-        request_response: bool,
+        role: UnitRole = UnitRole.PLAIN,
     ) -> None: ...
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None: ...

@@ -88,6 +88,11 @@ class SpeechTurn:
         self.acked: set[str] = set()
         self.all_acked = asyncio.Event()
         self._interrupt_sent = 0.0
+        self.request_started: float | None = None  # turn lane: its response's request (first-audio phases)
+
+    def _first(self, phase: str) -> None:
+        if self.request_started is not None:
+            metrics.FIRST_AUDIO_PHASE.labels(phase).observe(time.monotonic() - self.request_started)
 
     # ---------------------------------------------------------------- opening and input
 
@@ -201,6 +206,8 @@ class SpeechTurn:
                     window = common_pb2.CodecWindow()
                     window.CopyFrom(resp.window)
                     window.id.chunk_seq = seq
+                    if seq == 0:
+                        self._first("window")
                     seq += 1
                     await self.code2wav.write(code2wav_pb2.Code2WavRequest(window=window))
                     last_sent = last_sent or window.is_last
@@ -235,6 +242,9 @@ class SpeechTurn:
                     if rate != 24_000 and samples.size:
                         samples = resample(samples, rate, 24_000)
                     sent_last = bool(resp.audio.is_last)
+                    if samples.size:
+                        self._first("audio")
+                        self.request_started = None
                     self._report(AudioOut(self.epoch, samples, sent_last, self.turn_id))
                     continue
                 step = self._control("code2wav", kind, resp)

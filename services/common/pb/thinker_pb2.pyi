@@ -121,16 +121,20 @@ class ThinkerOpen(_message.Message):
     def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ...) -> None: ...
 
 class ThinkerUnit(_message.Message):
-    __slots__ = ("id", "audio", "frames", "request_response")
+    __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn")
     ID_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    FORCE_LISTEN_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_TURN_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     audio: _common_pb2.Pcm
     frames: _containers.RepeatedScalarFieldContainer[bytes]
     request_response: bool
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., frames: _Optional[_Iterable[bytes]] = ..., request_response: _Optional[bool] = ...) -> None: ...
+    force_listen: bool
+    continue_turn: bool
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., frames: _Optional[_Iterable[bytes]] = ..., request_response: _Optional[bool] = ..., force_listen: _Optional[bool] = ..., continue_turn: _Optional[bool] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
     __slots__ = ("open", "unit", "control")
