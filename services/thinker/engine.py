@@ -9,6 +9,10 @@ callback, which runs on the engine thread and must not block (a stream's sink is
 A step: drain commands → ask the scheduler for a plan → run it → sample every row that ends a prompt or
 decodes → emit events → update metrics. Errors are typed (:class:`StageError`) and go to the affected
 sequence only.
+
+Size: a little over 500 lines on purpose: the overlapped decode (:mod:`services.thinker.overlap`) has to
+interleave with the step, the command drain and the consumer, which live here; its rules and launch
+code are in that module and the metrics in :mod:`services.thinker.engine_metrics`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.errors import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -30,15 +33,25 @@ from services.common.errors import (
     RESOURCE_EXHAUSTED,
     StageError,
 )
-from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH, STEP_SECONDS
+from services.common.metrics import IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH
+from services.thinker.engine_metrics import (
+    KV_BUDGET_BYTES,
+    KV_USED_BYTES,
+    RUNNING,
+    SESSIONS,
+    STAGE,
+    TTFT,
+    observe_step,
+)
 from services.thinker.errors import failure
 from services.thinker.kv_cache import KVLayout, PagedKVCache, default_kv_budget
 from services.thinker.overlap import (
     InFlight,
     Prefetched,
     chain_rows,
+    copy_to_host,
     deferrable,
-    launch_chained,
+    launch_successor,
     overlap_enabled,
     prefetch,
 )
@@ -47,28 +60,6 @@ from services.thinker.sampling import Sampler, choose_tokens
 from services.thinker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan, WorkItem
 
 log = logging.getLogger(__name__)
-STAGE = "thinker"
-
-KV_USED_BYTES = Gauge("minicpmo_thinker_kv_used_bytes", "KV cache bytes allocated to sequences")
-KV_BUDGET_BYTES = Gauge("minicpmo_thinker_kv_budget_bytes", "KV cache byte budget")
-RUNNING = Gauge("minicpmo_thinker_running", "Sequences admitted and computing")
-SESSIONS = Gauge("minicpmo_thinker_sequences", "Sequences holding KV (requests and duplex sessions)")
-PREFILL_TOKENS = Counter("minicpmo_thinker_prefill_tokens_total", "Prompt tokens computed")
-DECODE_TOKENS = Counter("minicpmo_thinker_decode_tokens_total", "Decode tokens computed")
-PREFILL_TPS = Gauge("minicpmo_thinker_prefill_tokens_per_second", "Prefill throughput (EWMA over steps)")
-DECODE_TPS = Gauge("minicpmo_thinker_decode_tokens_per_second", "Decode throughput (EWMA over steps)")
-STEP_PHASE_SECONDS = Histogram(
-    "minicpmo_thinker_step_phase_seconds",
-    "Engine step split: 'forward' (the model, CUDA graph or eager; device time from CUDA events on a GPU, "
-    "where the launch returns early) and 'sample' (the rest: sampling, its host sync, events)",
-    ["phase"],
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
-)
-TTFT = Histogram(
-    "minicpmo_thinker_ttft_seconds",
-    "Submit to first sampled token",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
-)
 
 
 @dataclass
@@ -307,25 +298,21 @@ class ThinkerEngine:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         try:
-            graph = launch_chained(self.runner, rows, inf.tokens_dev)
+            nxt = launch_successor(self.runner, inf, rows)
         except Exception:
             log.exception("chained thinker step failed; consuming synchronously")
             return False
-        if graph is None:
+        if nxt is None:
             return False
-        b = len(rows)
-        emit = any(s.work is not None and s.work.emit_hidden for s in inf.plan.decode)
-        host = prefetch(graph.tokens[:b], graph.hidden[:b] if emit else None)
         if events is not None:
             events[1].record()
         t_forward = time.perf_counter() - t0
-        nxt = InFlight(inf.plan, inf.works, [r.position for r in rows], graph.tokens[:b], host)
         self._flush_step_metrics()
         self._update_gauges()
         self._consume_inflight()
         self._inflight = nxt
         self.chained_steps += 1
-        self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, b, 0)
+        self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(rows), 0)
         return True
 
     def _consume_inflight(self) -> None:
@@ -343,24 +330,8 @@ class ThinkerEngine:
     def _flush_step_metrics(self) -> None:
         """Observe the last step's split, token counts and rates (deferred, see :meth:`step`)."""
         pending, self._pending_metrics = self._pending_metrics, None
-        if pending is None:
-            return
-        events, t_forward, dt, n_prefill, n_decode, n_chunks = pending
-        if events is not None and events[1].query():
-            # Done when sampling synced; a prefill-only step may still run, and waiting here just to time
-            # it would stall the next launch, so it keeps its wall-clock split.
-            t_forward = min(dt, events[0].elapsed_time(events[1]) / 1000.0)
-        STEP_PHASE_SECONDS.labels("forward").observe(t_forward)
-        STEP_PHASE_SECONDS.labels("sample").observe(dt - t_forward)
-        PREFILL_TOKENS.inc(n_prefill)
-        DECODE_TOKENS.inc(n_decode)
-        if dt > 0:
-            if n_prefill:
-                PREFILL_TPS.set(_ewma(PREFILL_TPS, n_prefill / dt))
-            if n_decode:
-                DECODE_TPS.set(_ewma(DECODE_TPS, n_decode / dt))
-        STEP_SECONDS.labels(STAGE).observe(dt)
-        BATCH_SIZE.labels(STAGE).observe(n_decode + n_chunks)
+        if pending is not None:
+            observe_step(*pending)
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         """Synchronous driver for tests and offline use."""
@@ -456,7 +427,7 @@ class ThinkerEngine:
         if host is not None:
             hidden_cpu = host.hidden
         elif plan.decode and any(s.work is not None and s.work.emit_hidden for s in plan.decode):
-            hidden_cpu, hidden_ready = _copy_to_host(out.decode_hidden)
+            hidden_cpu, hidden_ready = copy_to_host(out.decode_hidden)
         for i, seq in enumerate(plan.decode):
             fed = seq.next_token
             assert fed is not None and seq.work is not None
@@ -555,23 +526,3 @@ class ThinkerEngine:
         RUNNING.set(len(self.scheduler.running))
         IN_FLIGHT.labels(STAGE).set(len(self.scheduler.running) + self.scheduler.queue_depth)
         SESSIONS.set(len(self._sequences))
-
-
-def _copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """``t`` on the host and, for a GPU tensor, the event after which the copy has landed.
-
-    A GPU tensor is copied into pinned memory without a stream sync, so the step syncs once (when its
-    tokens come back) instead of once for the hidden rows and again for the tokens; each sync is also a
-    point where the engine thread must win the GIL back from the encode and event-loop threads.
-    """
-    if t.device.type != "cuda":
-        return t.to("cpu"), None
-    host = t.to("cpu", non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
-
-
-def _ewma(gauge: Gauge, value: float, alpha: float = 0.2) -> float:
-    prev = gauge._value.get()  # prometheus_client keeps the current value here
-    return value if prev == 0 else (1 - alpha) * prev + alpha * value

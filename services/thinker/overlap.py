@@ -171,3 +171,29 @@ def launch_chained(runner: ModelRunner, rows: list[DecodeRow], ids_from: torch.T
         graph.run(rows, ids_from=ids_from)
     runner.step_counts["graph"] += 1
     return graph
+
+
+def launch_successor(runner: ModelRunner, inf: InFlight, rows: list[DecodeRow]) -> InFlight | None:
+    """Launch step n+1 of ``inf``'s rows (:func:`chain_rows`) and queue its tokens' copy to the host."""
+    graph = launch_chained(runner, rows, inf.tokens_dev)
+    if graph is None:
+        return None
+    b = len(rows)
+    emit = any(s.work is not None and s.work.emit_hidden for s in inf.plan.decode)
+    host = prefetch(graph.tokens[:b], graph.hidden[:b] if emit else None)
+    return InFlight(inf.plan, inf.works, [r.position for r in rows], graph.tokens[:b], host)
+
+
+def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``t`` on the host and, for a GPU tensor, the event after which the copy has landed.
+
+    A GPU tensor is copied into pinned memory without a stream sync, so the step syncs once (when its
+    tokens come back) instead of once for the hidden rows and again for the tokens; each sync is also a
+    point where the engine thread must win the GIL back from the encode and event-loop threads.
+    """
+    if t.device.type != "cuda":
+        return t.to("cpu"), None
+    host = t.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
