@@ -14,7 +14,7 @@ from services.common.checkpoint import Checkpoint
 from services.thinker.engine import EngineConfig, EngineEvent, ThinkerEngine
 from services.thinker.runner import build_qwen3_llm
 from services.thinker.sampling import Sampler, SamplingConfig
-from services.thinker.scheduler import WorkItem
+from services.thinker.scheduler import Sequence, WorkItem
 
 torch.set_num_threads(1)
 
@@ -165,3 +165,41 @@ def test_non_greedy_rows_and_the_off_switch_never_chain(
     assert not graphed_engine(llm, True).overlap
     monkeypatch.setenv("MINICPMO_THINKER_OVERLAP", "1")
     assert graphed_engine(llm, False).overlap
+
+
+def test_chain_rules_refuse_every_batch_change() -> None:
+    """chain_rows (pure bookkeeping): the next positions inside owned blocks, or None on any change."""
+    from services.thinker.kv_cache import BlockPool, KVLayout
+    from services.thinker.overlap import InFlight, Prefetched, chain_rows
+    from services.thinker.scheduler import Scheduler, StepPlan
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=16)
+    sched = Scheduler(BlockPool(64), layout, max_context=64, max_num_seqs=4, max_step_tokens=64)
+    seqs = []
+    for n in (15, 20):  # prompt lengths; the first row's next position crosses into its second block
+        seq = Sequence()
+        sched.enqueue(seq, WorkItem(list(range(n)), sampler=greedy(8)))
+        seqs.append(seq)
+    sched.plan()
+    for seq in seqs:  # as the engine leaves them after the prompt: fed, one token drawn
+        seq.tokens, seq.prompt, seq.generated, seq.next_token = list(seq.prompt), [], [7], 7
+    empty = Prefetched(torch.zeros(2, dtype=torch.long), None, None)
+
+    def inflight() -> InFlight:
+        positions = [len(s.tokens) for s in seqs]
+        return InFlight(StepPlan(decode=list(seqs)), [s.work for s in seqs], positions, torch.zeros(2), empty)  # type: ignore[misc]
+
+    rows = chain_rows(inflight(), sched, 64, commands_pending=False)
+    assert rows is not None and [r.position for r in rows] == [16, 21]
+    assert all(r.blocks is s.blocks for r, s in zip(rows, seqs, strict=True))
+    assert chain_rows(inflight(), sched, 64, commands_pending=True) is None  # a command consumes first
+    assert chain_rows(inflight(), sched, 21, commands_pending=False) is None  # context limit at step n
+    seqs[1].generated = list(range(7))  # 7 drawn, max_tokens 8: step n draws the last one
+    assert chain_rows(inflight(), sched, 64, commands_pending=False) is None
+    seqs[1].generated = [7]
+    blocks, seqs[0].blocks = seqs[0].blocks, seqs[0].blocks[:1]  # position 16 would leave its blocks
+    assert chain_rows(inflight(), sched, 64, commands_pending=False) is None
+    seqs[0].blocks = blocks
+    late = Sequence()
+    sched.enqueue(late, WorkItem([1, 2, 3], sampler=greedy(4)))  # someone waits for admission
+    assert chain_rows(inflight(), sched, 64, commands_pending=False) is None
