@@ -174,6 +174,7 @@ def thinker_runs(
     engine.run_until_idle()
     active = engine.runner.use_cuda_graphs
     counts = dict(engine.runner.step_counts)
+    counts["chained"] = engine.chained_steps  # overlapped decode steps (services.thinker.overlap)
     print(
         f"[cuda_smoke] thinker {'graph' if graphs else 'eager'} engine steps ({engine.runner.kernel_backend} "
         f"kernels): {counts}",

@@ -10,6 +10,9 @@ bytes and FLOPs), in one process and one run:
   (decode ms/step = (t(n new tokens) - t(1 new token)) / (n - 1), so prefill is excluded);
 * the HBM roofline of a decode step: bytes every step must read (all weights except the embedding
   table, plus the KV of the batch) / memory bandwidth (auto for H200/H100/A100, or ``--hbm-gbps``);
+* the levers A/B in the same run (``--overlap on|off|both``): engine decode with and without the
+  overlapped decode of :mod:`services.thinker.overlap` (same engine, same graphs), each row reporting
+  engine ms, the replay alone, the floor and the ratios;
 * the same-run floors of :mod:`bench.thinker.floor`: the step's weight matmuls alone in one CUDA graph
   per batch (decode is reported as a ratio to it) and the dense matmul rate (prefill is reported as the
   share of it its matmul FLOPs reach).
@@ -80,8 +83,11 @@ def weight_bytes_per_step(llm: torch.nn.Module) -> int:
 
 # --------------------------------------------------------------------------------------------- engine
 def engine_decode(
-    engine: ThinkerEngine, batch: int, context: int, steps: int, warmup: int
-) -> dict[str, float]:
+    engine: ThinkerEngine, batch: int, context: int, steps: int, warmup: int, overlap: bool | None = None
+) -> dict[str, Any]:
+    """Timed decode steps of ``batch`` rows; ``overlap`` None keeps the engine's own setting."""
+    if overlap is not None:
+        engine.overlap = overlap
     seqs: list[Sequence] = []
     for i in range(batch):
         # Headroom: earlier rows keep decoding while later rows are still in (chunked) prefill.
@@ -93,14 +99,18 @@ def engine_decode(
         engine.step()
     for _ in range(warmup):
         engine.step()
+    chained0 = engine.chained_steps
     dt = _timed(lambda: [engine.step() for _ in range(steps)], engine.device)
     assert all(s.wants_decode for s in seqs), "a sequence stopped during the timed window"
+    chained = engine.chained_steps - chained0
     replay_ms = graph_replay_ms(engine, batch, max(len(s.tokens) for s in seqs) + 1)
     for s in seqs:
         engine.close(s)
     engine.step()
     return {
         "batch": batch,
+        "overlap": engine.overlap,
+        "chained_steps": chained,
         "graph_replay_ms": replay_ms,
         "ms_per_step": 1e3 * dt / steps,
         "tok_s_per_stream": steps / dt,
@@ -198,11 +208,12 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["engine_decode"]:
         h = hf.get(r["batch"])
         roof = r.get("roofline_ms")
+        label = f"{r['batch']}{' (overlap)' if r.get('overlap') else ''}"
         lines.append(
-            f"| {r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} "
+            f"| {label} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} "
             f"| {h['ms_per_step']:.2f} | {h['ms_per_step'] / r['ms_per_step']:.1f}x "
             if h
-            else f"| {r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} | – | – "
+            else f"| {label} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} | – | – "
         )
         lines[-1] += f"| {roof:.2f} | {100 * roof / r['ms_per_step']:.0f}% |" if roof else "| – | – |"
     ref = result.get("floor")
@@ -213,17 +224,20 @@ def markdown(result: dict[str, Any]) -> str:
             f"Same-run floors: dense {result['dtype']} matmul {ref['matmul_tflop_s']:.0f} TFLOP/s, copy "
             f"{ref['copy_tb_s']:.2f} TB/s, weights {ref['weight_bytes'] / 1e9:.2f} GB per step.",
             "",
-            "| batch | engine ms/step | graph replay ms | matmul-stack floor ms | ratio | floor weight TB/s |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| batch | overlap | engine ms/step | graph replay ms | matmul-stack floor ms | ratio "
+            "| replay ratio | floor weight TB/s |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["engine_decode"]:
             f = stack.get(r["batch"])
             if f:
                 tb = next(x["weight_tb_s"] for x in ref["matmul_stack"] if x["batch"] == r["batch"])
                 rep = r.get("graph_replay_ms")
+                over = "on" if r.get("overlap") else "off"
                 lines.append(
-                    f"| {r['batch']} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} | {f:.2f} "
-                    f"| {r['ms_per_step'] / f:.2f}x | {tb:.2f} |"
+                    f"| {r['batch']} | {over} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
+                    f"| {f:.2f} | {r['ms_per_step'] / f:.2f}x | {'–' if rep is None else f'{rep / f:.2f}x'} "
+                    f"| {tb:.2f} |"
                 )
     p, hp = result["engine_prefill"], result.get("transformers_prefill")
     lines += [
@@ -262,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one decode step (CUDA)")
     ap.add_argument("--no-floor", action="store_true", help="skip the matmul-stack / matmul-rate floors")
     ap.add_argument("--kernels", default=None, help="thinker kernel backend: torch | triton | auto")
+    ap.add_argument(
+        "--overlap",
+        choices=["on", "off", "both"],
+        default="both",
+        help="overlapped decode (services.thinker.overlap): on, off, or both A/B per batch (same engine)",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -306,13 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = hbm_bandwidth(device, args.hbm_gbps)
     weights = weight_bytes_per_step(llm)
     decode = []
+    overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
     for b in batches:
-        r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps)
-        mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
-        step_bytes = weights + b * mean_ctx * engine.layout.bytes_per_token
-        r["bytes_per_step"] = step_bytes
-        r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
-        decode.append(r)
+        for over in overlaps:
+            r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)
+            mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
+            step_bytes = weights + b * mean_ctx * engine.layout.bytes_per_token
+            r["bytes_per_step"] = step_bytes
+            r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
+            decode.append(r)
     if args.profile and device.type == "cuda":
         ctx = args.context_len + args.warmup_steps + args.decode_steps + 1
         for b in sorted({batches[0], batches[-1]}):
@@ -336,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in decode:
             r["floor_ms"] = stack[r["batch"]]
             r["floor_ratio"] = r["ms_per_step"] / stack[r["batch"]]
+            if r.get("graph_replay_ms") is not None:
+                r["replay_floor_ratio"] = r["graph_replay_ms"] / stack[r["batch"]]
     result: dict[str, Any] = {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

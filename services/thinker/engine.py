@@ -9,6 +9,10 @@ callback, which runs on the engine thread and must not block (a stream's sink is
 A step: drain commands → ask the scheduler for a plan → run it → sample every row that ends a prompt or
 decodes → emit events → update metrics. Errors are typed (:class:`StageError`) and go to the affected
 sequence only.
+
+Size: a little over 500 lines on purpose: the overlapped decode (:mod:`services.thinker.overlap`) has to
+interleave with the step, the command drain and the consumer, which live here; its rules and launch
+code are in that module and the metrics in :mod:`services.thinker.engine_metrics`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.errors import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -30,36 +33,33 @@ from services.common.errors import (
     RESOURCE_EXHAUSTED,
     StageError,
 )
-from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH, STEP_SECONDS
+from services.common.metrics import IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH
+from services.thinker.engine_metrics import (
+    KV_BUDGET_BYTES,
+    KV_USED_BYTES,
+    RUNNING,
+    SESSIONS,
+    STAGE,
+    TTFT,
+    observe_step,
+)
 from services.thinker.errors import failure
 from services.thinker.kv_cache import KVLayout, PagedKVCache, default_kv_budget
+from services.thinker.overlap import (
+    InFlight,
+    Prefetched,
+    chain_rows,
+    copy_to_host,
+    deferrable,
+    launch_successor,
+    overlap_enabled,
+    prefetch,
+)
 from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
 from services.thinker.sampling import Sampler, choose_tokens
 from services.thinker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan, WorkItem
 
 log = logging.getLogger(__name__)
-STAGE = "thinker"
-
-KV_USED_BYTES = Gauge("minicpmo_thinker_kv_used_bytes", "KV cache bytes allocated to sequences")
-KV_BUDGET_BYTES = Gauge("minicpmo_thinker_kv_budget_bytes", "KV cache byte budget")
-RUNNING = Gauge("minicpmo_thinker_running", "Sequences admitted and computing")
-SESSIONS = Gauge("minicpmo_thinker_sequences", "Sequences holding KV (requests and duplex sessions)")
-PREFILL_TOKENS = Counter("minicpmo_thinker_prefill_tokens_total", "Prompt tokens computed")
-DECODE_TOKENS = Counter("minicpmo_thinker_decode_tokens_total", "Decode tokens computed")
-PREFILL_TPS = Gauge("minicpmo_thinker_prefill_tokens_per_second", "Prefill throughput (EWMA over steps)")
-DECODE_TPS = Gauge("minicpmo_thinker_decode_tokens_per_second", "Decode throughput (EWMA over steps)")
-STEP_PHASE_SECONDS = Histogram(
-    "minicpmo_thinker_step_phase_seconds",
-    "Engine step split: 'forward' (the model, CUDA graph or eager; device time from CUDA events on a GPU, "
-    "where the launch returns early) and 'sample' (the rest: sampling, its host sync, events)",
-    ["phase"],
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
-)
-TTFT = Histogram(
-    "minicpmo_thinker_ttft_seconds",
-    "Submit to first sampled token",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
-)
 
 
 @dataclass
@@ -82,6 +82,9 @@ class EngineConfig:
     # protobufs, the encode thread's mel) takes up to one interval, so at 5 ms a step's two syncs could
     # cost ~10 ms of host time with 16 duplex sessions. At 1 ms a wait costs ~0.5 ms (measured on CPU).
     gil_switch_interval_s: float | None = 0.001
+    # Launch the next all-greedy decode step before reading this one's tokens (services.thinker.overlap);
+    # only graph steps qualify. MINICPMO_THINKER_OVERLAP=0 turns it off.
+    overlap_decode: bool = True
 
 
 @dataclass
@@ -146,6 +149,9 @@ class ThinkerEngine:
         self._sequences: dict[int, Sequence] = {}
         self.max_kv_used_bytes = 0  # high-water mark, for tests and capacity planning
         self._pending_metrics: tuple | None = None  # the last step's, observed after the next launch
+        self.overlap = overlap_enabled(config.overlap_decode)
+        self._inflight: InFlight | None = None  # a launched decode step whose tokens are not consumed yet
+        self.chained_steps = 0  # steps launched before their predecessor was consumed (tests, bench)
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)
         self._update_gauges()
 
@@ -180,7 +186,12 @@ class ThinkerEngine:
         return self.cache.used_bytes
 
     def is_idle(self) -> bool:
-        return not self.scheduler.running and not self.scheduler.waiting and self._commands.empty()
+        return (
+            self._inflight is None
+            and not self.scheduler.running
+            and not self.scheduler.waiting
+            and self._commands.empty()
+        )
 
     # ---------------------------------------------------------------------------------------- thread
     def start(self) -> None:
@@ -220,13 +231,23 @@ class ThinkerEngine:
         The previous step's metrics and the gauges are written after this step's forward is launched,
         while the device computes it: written before, they would sit between the previous step's token
         sync and this launch, with the device idle (the host work per step that bench.thinker reports).
+
+        With overlap (:mod:`services.thinker.overlap`) an all-greedy decode step is left in flight: the
+        next call launches its successor from the device-side tokens, then consumes it. Commands and
+        every other plan change apply only once the in-flight step is consumed.
         """
+        consumed = False
+        if self._inflight is not None:
+            if self._chain():
+                return True
+            self._consume_inflight()
+            consumed = True
         self._drain_commands()
         plan = self.scheduler.plan()
         if plan.empty:
             self._flush_step_metrics()
             self._update_gauges()
-            return False
+            return consumed
         t0 = time.perf_counter()
         # On CUDA the forward is asynchronous: its time is read from events once sampling has synced.
         events = None
@@ -247,33 +268,70 @@ class ThinkerEngine:
         t_forward = time.perf_counter() - t0
         self._flush_step_metrics()
         self._update_gauges()
+        if self.overlap and self.runner.use_cuda_graphs and deferrable(plan, out):
+            assert out.greedy_tokens is not None
+            emit = any(s.work is not None and s.work.emit_hidden for s in plan.decode)
+            host = prefetch(out.greedy_tokens, out.decode_hidden if emit else None)
+            works = [s.work for s in plan.decode]
+            positions = [len(s.tokens) for s in plan.decode]
+            self._inflight = InFlight(plan, works, positions, out.greedy_tokens, host)  # type: ignore[arg-type]
+            self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(plan.decode), 0)
+            return True
         self._consume(plan, out)
         dt = time.perf_counter() - t0
         n_prefill = sum(n for _, n in plan.prefill)
         self._pending_metrics = (events, t_forward, dt, n_prefill, len(plan.decode), len(plan.prefill))
         return True
 
+    def _chain(self) -> bool:
+        """Launch the in-flight step's successor from its device-side tokens, then consume it."""
+        inf = self._inflight
+        assert inf is not None
+        if "step" in vars(self.runner):
+            return False  # a tap wraps runner.step (duplex dumps) and must see every step
+        rows = chain_rows(inf, self.scheduler, self.max_context, not self._commands.empty())
+        if rows is None:
+            return False
+        t0 = time.perf_counter()
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        try:
+            nxt = launch_successor(self.runner, inf, rows)
+        except Exception:
+            log.exception("chained thinker step failed; consuming synchronously")
+            return False
+        if nxt is None:
+            return False
+        if events is not None:
+            events[1].record()
+        t_forward = time.perf_counter() - t0
+        self._flush_step_metrics()
+        self._update_gauges()
+        self._consume_inflight()
+        self._inflight = nxt
+        self.chained_steps += 1
+        self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(rows), 0)
+        return True
+
+    def _consume_inflight(self) -> None:
+        """Read the in-flight step's tokens and handle them for the rows still running its work."""
+        inf, self._inflight = self._inflight, None
+        assert inf is not None
+        inf.host.wait()
+        live = inf.alive()
+        plan, host = inf.plan, inf.host
+        if len(live) != len(plan.decode):  # rows that stopped one step earlier: their result is dropped
+            plan, host = StepPlan(decode=[plan.decode[i] for i in live]), host.rows(live)
+        if plan.decode:
+            self._consume(plan, inf.output(), host)
+
     def _flush_step_metrics(self) -> None:
         """Observe the last step's split, token counts and rates (deferred, see :meth:`step`)."""
         pending, self._pending_metrics = self._pending_metrics, None
-        if pending is None:
-            return
-        events, t_forward, dt, n_prefill, n_decode, n_chunks = pending
-        if events is not None and events[1].query():
-            # Done when sampling synced; a prefill-only step may still run, and waiting here just to time
-            # it would stall the next launch, so it keeps its wall-clock split.
-            t_forward = min(dt, events[0].elapsed_time(events[1]) / 1000.0)
-        STEP_PHASE_SECONDS.labels("forward").observe(t_forward)
-        STEP_PHASE_SECONDS.labels("sample").observe(dt - t_forward)
-        PREFILL_TOKENS.inc(n_prefill)
-        DECODE_TOKENS.inc(n_decode)
-        if dt > 0:
-            if n_prefill:
-                PREFILL_TPS.set(_ewma(PREFILL_TPS, n_prefill / dt))
-            if n_decode:
-                DECODE_TPS.set(_ewma(DECODE_TPS, n_decode / dt))
-        STEP_SECONDS.labels(STAGE).observe(dt)
-        BATCH_SIZE.labels(STAGE).observe(n_decode + n_chunks)
+        if pending is not None:
+            observe_step(*pending)
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         """Synchronous driver for tests and offline use."""
@@ -359,13 +417,17 @@ class ThinkerEngine:
         return inp
 
     # --------------------------------------------------------------------------------- after forward
-    def _consume(self, plan: StepPlan, out) -> None:  # noqa: ANN001 (StepOutput)
-        to_sample: list[tuple[Sequence, torch.Tensor, int | None, torch.Tensor | None]] = []
+    def _consume(self, plan: StepPlan, out, host: Prefetched | None = None) -> None:  # noqa: ANN001 (StepOutput)
+        """Sample, emit and finish the rows of a step; ``host``: a deferred step's prefetched greedy tokens
+        and hidden rows (every row decodes greedily, ``out`` carries no logits)."""
+        to_sample: list[tuple[Sequence, torch.Tensor | None, int | None, torch.Tensor | None]] = []
         finishing: list[tuple[Sequence, EngineEvent]] = []
         greedy_index: list[int] = []  # row of out.greedy_tokens for each row sampled
         hidden_cpu, hidden_ready = None, None
-        if plan.decode and any(s.work is not None and s.work.emit_hidden for s in plan.decode):
-            hidden_cpu, hidden_ready = _copy_to_host(out.decode_hidden)
+        if host is not None:
+            hidden_cpu = host.hidden
+        elif plan.decode and any(s.work is not None and s.work.emit_hidden for s in plan.decode):
+            hidden_cpu, hidden_ready = copy_to_host(out.decode_hidden)
         for i, seq in enumerate(plan.decode):
             fed = seq.next_token
             assert fed is not None and seq.work is not None
@@ -375,7 +437,7 @@ class ThinkerEngine:
             if seq.finishing is not None:  # emitted once the rows have landed (below)
                 finishing.append((seq, EngineEvent(seq.seq_id, fed_token=fed, hidden=row)))
                 continue
-            to_sample.append((seq, out.decode_logits[i], fed, row))
+            to_sample.append((seq, None if host is not None else out.decode_logits[i], fed, row))
             greedy_index.append(i)
         k = len(plan.decode)
         for (seq, n), logits in zip(plan.prefill, out.prefill_logits, strict=True):
@@ -395,14 +457,17 @@ class ThinkerEngine:
                 greedy_index.append(k - 1)
         tokens: list[int] = []
         samplers: list[Sampler] = [s.work.sampler for s, _, _, _ in to_sample]  # type: ignore[union-attr]
-        if to_sample and out.greedy_tokens is not None and all(s.batchable_greedy for s in samplers):
+        if host is not None:
+            picked = host.tokens.tolist()
+            tokens = [int(picked[j]) for j in greedy_index]
+        elif to_sample and out.greedy_tokens is not None and all(s.batchable_greedy for s in samplers):
             # The graph's own argmax: the step's sync is this read-back of B ids, nothing is launched.
             picked = out.greedy_tokens.tolist()
             tokens = [int(picked[j]) for j in greedy_index]
         elif to_sample:
             tokens = choose_tokens(  # the step's sync: the hidden rows' copy was queued before it
                 samplers,
-                torch.stack([lg for _, lg, _, _ in to_sample]),
+                torch.stack([lg for _, lg, _, _ in to_sample if lg is not None]),
                 [s.tokens for s, _, _, _ in to_sample],
                 [len(s.generated) for s, _, _, _ in to_sample],
             )
@@ -461,23 +526,3 @@ class ThinkerEngine:
         RUNNING.set(len(self.scheduler.running))
         IN_FLIGHT.labels(STAGE).set(len(self.scheduler.running) + self.scheduler.queue_depth)
         SESSIONS.set(len(self._sequences))
-
-
-def _copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """``t`` on the host and, for a GPU tensor, the event after which the copy has landed.
-
-    A GPU tensor is copied into pinned memory without a stream sync, so the step syncs once (when its
-    tokens come back) instead of once for the hidden rows and again for the tokens; each sync is also a
-    point where the engine thread must win the GIL back from the encode and event-loop threads.
-    """
-    if t.device.type != "cuda":
-        return t.to("cpu"), None
-    host = t.to("cpu", non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
-
-
-def _ewma(gauge: Gauge, value: float, alpha: float = 0.2) -> float:
-    prev = gauge._value.get()  # prometheus_client keeps the current value here
-    return value if prev == 0 else (1 - alpha) * prev + alpha * value

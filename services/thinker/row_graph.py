@@ -124,14 +124,25 @@ class RowGraph:
         self._replay, (self.hidden, self.logits) = capture(runner, body)
 
     def run(
-        self, rows: Sequence[DecodeRow], embeds: Sequence[tuple[int, torch.Tensor]] = ()
+        self,
+        rows: Sequence[DecodeRow],
+        embeds: Sequence[tuple[int, torch.Tensor]] = (),
+        ids_from: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay on ``rows``; ``ids_from`` (device ids) replaces the first rows' host token ids.
+
+        ``ids_from`` is how a chained decode step (:mod:`services.thinker.overlap`) feeds the previous
+        step's in-graph argmax without the host having read it: the copy is queued after the staging
+        upload and before the replay, so stream order alone makes it see the finished argmax.
+        """
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the host mirror
         fill_rows(rows, self.block_size, self._host_np, self.batch, self.blocks)
         self.staging.copy_(self._host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if ids_from is not None:
+            self.ids[: ids_from.shape[0]].copy_(ids_from)
         if self._embeds_dirty:
             self.use_embeds.zero_()
             self._embeds_dirty = False
