@@ -86,7 +86,7 @@ class ResponseState:
     audio_deltas: int = 0
     transcript_deltas: int = 0
     marks: list[TextMark] = field(default_factory=list)
-    held_audio: Any = None  # float32 24 kHz chunk held back so the last one can carry end_of_turn
+    held_audio: Any = None  # float32 24 kHz tail (20 ms) held back so the last delta can carry end_of_turn
     thinker_turn_ended: bool = False
     units_seen: int = 0
     units_sent: int = 0  # turn lane: units sent for this response (the requesting one and silent ones)

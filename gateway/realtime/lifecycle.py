@@ -37,6 +37,7 @@ from gateway.realtime.pipeline.events import (
 
 # Turn lane: keep one silent unit queued behind the one being decided (MINICPMO_REALTIME_TURN_LOOKAHEAD=0
 # sends each only after the previous decision, as before: an A/B switch for bench.realtime_duplex).
+HELD_TAIL_SAMPLES = 480  # 20 ms at 24 kHz: what an audio delta keeps back for the turn's last delta
 TURN_LOOKAHEAD = os.environ.get("MINICPMO_REALTIME_TURN_LOOKAHEAD", "1") != "0"
 
 
@@ -265,19 +266,23 @@ class ResponseLifecycle:
             return
         if resp is None or resp.epoch != out.epoch or not resp.wants_audio:
             return
-        samples = out.samples
-        if resp.held_audio is not None and (samples.size or not out.is_last):
-            self._send_audio(resp, resp.held_audio, end_of_turn=False)
-            resp.held_audio = None
-        if samples.size:
-            resp.held_audio = samples
+        held = resp.held_audio
+        samples = out.samples if held is None else np.concatenate([held, out.samples])
+        resp.held_audio = None
         if out.is_last:
-            if resp.held_audio is not None:
-                self._send_audio(resp, resp.held_audio, end_of_turn=True)
-                resp.held_audio = None
+            if samples.size:
+                self._send_audio(resp, samples, end_of_turn=True)
             elif resp.pending_text:
                 self._send_text_only(resp)
             self.finish(resp, "completed", "stop")
+            return
+        # Only a short tail is held back, so that the turn's last delta can carry end_of_turn with audio
+        # in it; the rest goes out at once (holding a whole chunk delayed every delta, the first included,
+        # by the time code2wav took for the next window).
+        if samples.size > HELD_TAIL_SAMPLES:
+            self._send_audio(resp, samples[:-HELD_TAIL_SAMPLES], end_of_turn=False)
+            samples = samples[-HELD_TAIL_SAMPLES:]
+        resp.held_audio = samples if samples.size else None
 
     def _send_audio(self, resp: ev.ResponseState, samples: np.ndarray, *, end_of_turn: bool) -> None:
         s = self.s
