@@ -71,13 +71,14 @@ def _sampling(engine: TalkerEngine, seed: int) -> smp.SamplingParams:
 
 
 def _whole_and_join(model: MiniCPMTTS, k: int) -> tuple[dict[str, list[Output]], Trace]:
-    """Three whole utterances ending at different steps (fixed counts, EOS after a floor of 9 that moves
-    inside blocks); the third joins after two engine steps, while the others decode."""
+    """Three whole utterances ending at different steps: fixed counts (EOS masked) and one that samples
+    the (strongly biased) EOS as soon as its floor of 6 frames lifts, inside a block for k = 3 and 8;
+    the third joins after two engine steps, while the others decode."""
     engine, trace = _engine(model, k, 4)
     outs: dict[str, list[Output]] = {}
     specs = [
         ("a", dict(fixed_frames=37), 11),
-        ("b", dict(min_new_frames=9, max_new_frames=45), 12),
+        ("b", dict(min_new_frames=6, max_new_frames=45), 12),
         ("c", dict(fixed_frames=23), 13),
     ]
     for name, extra, seed in specs:
@@ -127,7 +128,7 @@ def _duplex(model: MiniCPMTTS, k: int) -> tuple[dict[str, list[Output]], Trace]:
 
 
 SCENARIOS = {
-    "whole_and_join": (_whole_and_join, 4.0),
+    "whole_and_join": (_whole_and_join, 1e4),
     "streaming": (_streaming, 3.0),
     "duplex": (_duplex, 5.0),
 }
@@ -160,6 +161,39 @@ def test_k_steps_per_replay_generate_exactly_what_one_step_does(
                     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
                 else:
                     assert torch.equal(a, b), f"k={k} stream {name}: logits differ"
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_duplex_turn_end_eos_window_inside_a_block(
+    model: MiniCPMTTS, monkeypatch: pytest.MonkeyPatch, k: int
+) -> None:
+    """A turn-end unit ignores EOS for t = 25..29; a block spanning t = 28..30 (k = 3) or 25..32 (k = 8)
+    must lift the mask at t = 30 mid-block, as one step at a time does."""
+    original = model.head_logits
+    calls = {"n": 0}
+
+    def eos_from_sample_25(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden).clone()
+        if calls["n"] >= 25:  # one stream alone: call t gives the logits of sample t (until it ends)
+            logits[..., EOS] += 1e4
+        calls["n"] += 1
+        return logits
+
+    monkeypatch.setattr(model, "head_logits", eos_from_sample_25)
+
+    def run(steps: int) -> list[Output]:
+        calls["n"] = 0
+        engine = TalkerEngine(model, max_streams=1, steps_per_replay=steps)
+        out: list[Output] = []
+        st = engine.open(engine.make_settings(duplex=True, sampling=_sampling(engine, 2)), out.append)
+        engine.chunk(st, _cond(model, 5, 1, last=False, turn_end=True))
+        engine.end(st)
+        engine.run_until_idle()
+        return out
+
+    ref = run(1)
+    assert len(_frames(ref)) == 30 and EOS not in _frames(ref)
+    assert run(k) == ref
 
 
 def test_eos_ends_segments_inside_blocks(model: MiniCPMTTS, monkeypatch: pytest.MonkeyPatch) -> None:
