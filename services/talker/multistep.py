@@ -66,6 +66,7 @@ _HIST = 1
 _STEPS = _HIST + smp.PENALTY_WINDOW
 STEP_INTS = 6
 STEP_FLOATS = smp.FLOAT_COLUMNS
+ACTIVE_COLUMNS = slice(_STEPS + 1, None, STEP_INTS)  # every step's ``active`` column (benchmarks idle them)
 
 
 def select_steps(requested: int | None, graphs: bool) -> int:
