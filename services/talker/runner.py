@@ -429,13 +429,14 @@ class TalkerRunner:
             if length >= top_len:
                 break
             length *= 2
+        if self.blocks is not None:  # the engine decodes in blocks only: one-step graphs stay lazy
+            return self.blocks.warmup(batches, lengths)
         with torch.inference_mode():
             for n in batches:
                 for read_len in lengths:
                     if self._graph(n, read_len) is None:
                         return 0
-        blocks = self.blocks.warmup(batches, lengths) if self.blocks is not None else 0
-        return len(self._graphs) + blocks if self.use_cuda_graphs else 0
+        return len(self._graphs)
 
 
 class _DecodeGraph:
