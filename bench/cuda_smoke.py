@@ -17,7 +17,8 @@ two decode, so its prefill and their decode rows replay one row graph (a mixed s
 * talker: :class:`services.talker.engine.TalkerEngine`, greedy codes (repetition penalty off, so the
   argmax of the observed logits is the chosen code), fixed frame count; compared: codes and the fp32
   logits of every step. As for the thinker, the eager engine runs the torch decode path and the graphed
-  one the default backend (the fused Triton decode kernels on CUDA).
+  one the default backend (the fused Triton decode kernels on CUDA); the eager engine takes one step
+  at a time, the graphed one ``--talker-steps-per-replay`` steps per replay (default: the engine's).
 
 Verdict per request: ``identical`` (same tokens), ``near-tie`` (at the first differing token the graph
 picked the eager runner-up and the eager top-2 logit margin is below ``--tie-margin``; random weights make
@@ -248,11 +249,14 @@ def talker_runs(
     conds: list[tuple[torch.Tensor, torch.Tensor]],
     frames: int,
     kernels: str | None = None,
+    steps_per_replay: int | None = None,
 ) -> list[Run]:
     from services.talker.engine import TalkerEngine
     from services.talker.streams import ConditionInput, DoneOut, ErrorOut, WindowOut
 
-    engine = TalkerEngine(model, max_streams=8, use_cuda_graphs=graphs, kernels=kernels)
+    engine = TalkerEngine(
+        model, max_streams=8, use_cuda_graphs=graphs, kernels=kernels, steps_per_replay=steps_per_replay
+    )
     if graphs and model.device.type == "cuda" and not engine.runner.use_cuda_graphs:
         raise RuntimeError("talker engine did not enable CUDA graphs")
     runs = [Run() for _ in conds]
@@ -296,8 +300,8 @@ def check_talker(args: argparse.Namespace, device: torch.device) -> list[Compari
             (torch.randint(0, 151_000, (n,), generator=gen), torch.randn(n, model.cfg.llm_dim, generator=gen))
             for n in lengths
         ]
-        eager = talker_runs(model, False, conds, args.frames, args.eager_kernels)
-        graph = talker_runs(model, True, conds, args.frames, args.graph_kernels)
+        eager = talker_runs(model, False, conds, args.frames, args.eager_kernels, 1)
+        graph = talker_runs(model, True, conds, args.frames, args.graph_kernels, args.talker_steps_per_replay)
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
             c = compare(
                 "talker",
@@ -349,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--graph-kernels",
         default=None,
         help="kernel backend of the graphed engines, thinker and talker (default: auto, Triton on CUDA)",
+    )
+    p.add_argument(
+        "--talker-steps-per-replay",
+        type=int,
+        default=None,
+        help="decode steps per graph replay of the graphed talker engine (default: the engine's, 4 on "
+        "CUDA); the eager reference always takes one step at a time",
     )
     p.add_argument(
         "--allow-cpu", action="store_true", help="run on CPU (graphs inactive) to test the harness"

@@ -41,4 +41,17 @@ def test_bench_smoke_on_cpu(
     ]
     assert all(r["engine_fps_per_stream"] > 0 and r["baseline_fps_per_stream"] > 0 for r in result["rows"])
     out = capsys.readouterr().out
-    assert '"bench": "talker"' in out and "| kernels | streams |" in out
+    assert '"bench": "talker"' in out and "| kernels | steps/replay | streams |" in out
+
+
+def test_bench_steps_per_replay_ab_on_cpu(tiny_ckpt: Path) -> None:
+    """``--steps-per-replay 1,4`` runs one engine per K and tags each row with it (the GPU A/B)."""
+    result = main(
+        [
+            *("--checkpoint", str(tiny_ckpt), "--device", "cpu", "--batches", "1,2", "--frames", "9"),
+            *("--baseline-frames", "0", "--cond-len", "4", "--repeats", "1", "--kernels", "torch"),
+            *("--steps-per-replay", "1,4"),
+        ]
+    )
+    assert [(r["steps_per_replay"], r["batch"]) for r in result["rows"]] == [(1, 1), (1, 2), (4, 1), (4, 2)]
+    assert all(r["engine_fps_per_stream"] > 0 for r in result["rows"])

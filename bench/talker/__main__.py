@@ -13,7 +13,8 @@ sampling (temperature 0.8, top-p 0.85, top-k 25, repetition penalty 1.05 over 16
   ``--baseline-frames`` frames because it is slow.
 
 * ms/step — engine wall time per decode step (all B streams advance one frame per step);
-  graph replay ms — GPU time of one captured decode+sample step alone (CUDA graphs only): the gap
+  graph replay ms — GPU time of one captured decode+sample step alone (CUDA graphs only; with K steps
+  per replay, ``--steps-per-replay``, the K-step block graph's time / K): the gap
   between the two is host time per step (Python bookkeeping, one small H2D + one D2H copy, the sync).
 
 Targets (issue 4): ≥ 1000 frames/s at batch 1 (40× real time at 25 frames/s) and ≥ 500 frames/s per
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from services.common.checkpoint import Checkpoint
+from services.talker import multistep
 from services.talker.engine import TalkerEngine
 from services.talker.model.tts import MiniCPMTTS
 from services.talker.runner import MIN_LENGTH_BUCKET, next_bucket
@@ -73,20 +75,29 @@ def run_engine(engine: TalkerEngine, conds: list[tuple[torch.Tensor, torch.Tenso
 
 
 def graph_replay_ms(engine: TalkerEngine, bsz: int, length: int, replays: int = 50) -> float | None:
-    """GPU time of one captured decode+sample step (CUDA graphs only), all rows idle (writes hit scratch).
+    """GPU time per decode step of a captured replay (CUDA graphs only), all rows idle (writes hit scratch).
 
-    Compared with the engine's ms/step this splits a step into device time and host time.
+    With K steps per replay this is the K-step block graph's time / K. Compared with the engine's
+    ms/step this splits a step into device time and host time.
     """
     runner = engine.runner
     if not runner.use_cuda_graphs:
         return None
     n = min(next_bucket(bsz), runner.cache.num_slots)
     read_len = min(next_bucket(length, MIN_LENGTH_BUCKET), runner.context)
+    steps = engine.steps_per_replay
     with torch.inference_mode():
-        graph = runner._graph(n, read_len)
+        if runner.blocks is not None:
+            graph = runner.blocks._graph(n, read_len, steps)
+            if graph is not None:
+                graph.ints[:, multistep.ACTIVE_COLUMNS] = 0  # every row idle: K/V to the scratch column
+        else:
+            steps = 1
+            graph = runner._graph(n, read_len)
+            if graph is not None:
+                graph.ints[:, 2].zero_()  # inactive rows: their K/V go to the scratch column
         if graph is None:
             return None
-        graph.ints[:, 2].zero_()  # inactive rows: their K/V go to the scratch column
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.graph.replay()
         torch.cuda.synchronize(runner.device)
@@ -95,7 +106,7 @@ def graph_replay_ms(engine: TalkerEngine, bsz: int, length: int, replays: int = 
             graph.graph.replay()
         end.record()
         end.synchronize()
-    return start.elapsed_time(end) / replays
+    return start.elapsed_time(end) / replays / steps
 
 
 @torch.inference_mode()
@@ -184,6 +195,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="auto",
         help="decode kernel backends to run, comma-separated (torch, triton, auto); each gets its own engine",
     )
+    ap.add_argument(
+        "--steps-per-replay",
+        default="",
+        help="decode steps per graph replay to compare, comma-separated (e.g. 1,4,8); each gets its own "
+        "engine per backend. Default: the engine's default (4 with CUDA graphs, 1 without)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
 
@@ -197,16 +214,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",") if b]
     rows: list[dict[str, Any]] = []
     graphs_on = False
+    steps_list: list[int | None] = [int(k) for k in args.steps_per_replay.split(",") if k.strip()] or [None]
     for kernels in [k.strip() for k in args.kernels.split(",") if k.strip()]:
-        engine = TalkerEngine(
-            model,
-            max_streams=max(batches),
-            use_cuda_graphs=False if args.no_cuda_graphs else None,
-            kernels=kernels,
-        )
-        graphs_on = engine.runner.use_cuda_graphs
-        rows += [dict(run_batch(engine, model, args, bsz), kernels=engine.runner.kernels) for bsz in batches]
-        del engine
+        for steps in steps_list:
+            engine = TalkerEngine(
+                model,
+                max_streams=max(batches),
+                use_cuda_graphs=False if args.no_cuda_graphs else None,
+                kernels=kernels,
+                steps_per_replay=steps,
+            )
+            graphs_on = engine.runner.use_cuda_graphs
+            k = engine.steps_per_replay
+            tag = {"kernels": engine.runner.kernels, "steps_per_replay": k}
+            rows += [dict(run_batch(engine, model, args, bsz), **tag) for bsz in batches]
+            del engine
     result = {
         "bench": "talker",
         "device": torch.cuda.get_device_name(device)
@@ -238,13 +260,14 @@ def markdown_table(result: dict[str, Any]) -> str:
     head = (
         f"Talker on {result['device']} ({result['dtype']}, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, "
         f"{result['model']['layers']}×{result['model']['hidden']}, condition {result['cond_len']} rows)\n\n"
-        "| kernels | streams | engine frames/s per stream | engine frames/s total | × real time | ms/step | "
-        "graph replay ms | baseline frames/s per stream | speedup |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| kernels | steps/replay | streams | engine frames/s per stream | engine frames/s total | × real time | "
+        "ms/step | graph replay ms/step | baseline frames/s per stream | speedup |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]
     for r in result["rows"]:
         lines.append(
-            f"| {r.get('kernels', '—')} | {r['batch']} | {r['engine_fps_per_stream']} | {r['engine_fps_total']} | {r['engine_realtime_x']} | "
+            f"| {r.get('kernels', '—')} | {r.get('steps_per_replay', 1)} | {r['batch']} | {r['engine_fps_per_stream']} | {r['engine_fps_total']} | {r['engine_realtime_x']} | "
             f"{r['engine_ms_per_step']} | {r.get('graph_replay_ms', '—')} | "
             f"{r.get('baseline_fps_per_stream', '—')} | {r.get('speedup', '—')} |"
         )

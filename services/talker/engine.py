@@ -35,7 +35,8 @@ Design
 * **Output**: codec windows (:mod:`windows`): 3 left-context + 25 new frames, the first window padded
   with silence 4218, optional smaller first window, exactly one ``is_last`` window per turn.
 * **Interrupts**: the epoch rule is the stream driver's (:mod:`services.common.stage_stream`); the
-  engine applies an advancing interrupt between two steps: it drops queued chunks and in-flight
+  engine applies an advancing interrupt between two steps (between two blocks of K steps with
+  :mod:`multistep`): it drops queued chunks and in-flight
   decoding, resets the turn and answers with ``InterruptAck`` in order with the windows already sent.
   (Its own checks of older/equal epochs only matter to callers that drive the engine directly.)
 
@@ -71,6 +72,7 @@ from services.common.errors import (
     StageError,
 )
 from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH, STEP_SECONDS
+from services.talker import multistep
 from services.talker import sampling as smp
 from services.talker.model.config import DEFAULT_MAX_NEW_FRAMES, DEFAULT_MIN_NEW_FRAMES
 from services.talker.model.tts import MiniCPMTTS
@@ -124,12 +126,18 @@ class TalkerEngine:
         use_cuda_graphs: bool | None = None,
         streaming_max_samples_per_chunk: int = STREAMING_MAX_SAMPLES_PER_CHUNK,
         kernels: str | None = None,
+        steps_per_replay: int | None = None,
     ) -> None:
+        """``steps_per_replay``: decode steps per graph replay (:mod:`multistep`); default
+        :func:`multistep.select_steps` (4 with CUDA graphs, 1 without, ``$MINICPMO_TALKER_STEPS_PER_REPLAY``)."""
         self.model = model
         self.cfg = model.cfg
         self.runner = TalkerRunner(
             model, num_slots=max_streams, use_cuda_graphs=use_cuda_graphs, kernels=kernels
         )
+        self.steps_per_replay = multistep.select_steps(steps_per_replay, self.runner.use_cuda_graphs)
+        if self.steps_per_replay > 1:
+            self.runner.blocks = multistep.BlockDecoder(self.runner, self.steps_per_replay)
         self.max_prefills_per_step = max_prefills_per_step
         self.streaming_chunk_cap = streaming_max_samples_per_chunk
         self.eos = self.cfg.eos_id
@@ -534,8 +542,13 @@ class TalkerEngine:
 
     # -------------------------------------------------------------------------------- decoding
     def _decode(self, batch: list[StreamState]) -> None:
-        """One graphed decode+sample step for ``batch``; only the picked ids come back to the host."""
+        """One graphed decode+sample step for ``batch`` (or one block of K steps, :mod:`multistep`);
+        only the picked ids come back to the host."""
         t0 = time.perf_counter()
+        if self.runner.blocks is not None:
+            multistep.decode_block(self, batch)
+            self._observe_step(batch, t0)
+            return
         vocab = self.cfg.num_audio_tokens
         slots: list[int] = []
         codes: list[int] = []
@@ -553,6 +566,9 @@ class TalkerEngine:
                 observer(st, logits[i])
         for st, code in zip(batch, ids, strict=True):
             self._guarded(st, lambda s, c=code: self._on_sample(s, c))
+        self._observe_step(batch, t0)
+
+    def _observe_step(self, batch: list[StreamState], t0: float) -> None:
         self._batch_size.observe(len(batch))
         DECODE_ROWS.set(len(batch))
         self._step_seconds.observe(time.perf_counter() - t0)
@@ -560,14 +576,17 @@ class TalkerEngine:
     def _after_logits(self, st: StreamState, logits: torch.Tensor) -> None:
         self._after_logits_batch([st], logits)
 
-    def _rules(self, st: StreamState) -> smp.StepRules:
+    def _rules(self, st: StreamState, ahead: int = 0) -> smp.StepRules:
+        """The sampler rules of ``st``'s next sample, or of the one ``ahead`` samples later if the segment
+        goes on (each continuing sample adds one frame to the segment and to the turn)."""
         s = st.settings
+        t = st.seg_t + ahead
         if st.form is TurnForm.WHOLE:
-            return smp.whole_utterance_rules(st.seg_t, s.min_new_frames, never_stop=s.fixed_frames > 0)
+            return smp.whole_utterance_rules(t, s.min_new_frames, never_stop=s.fixed_frames > 0)
         if st.form is TurnForm.STREAMING:
-            return smp.streaming_chunk_rules(st.turn_frames, st.seg_t)
+            return smp.streaming_chunk_rules(st.turn_frames + ahead, t)
         assert st.seg_budget is not None
-        return smp.duplex_rules(st.seg_t, st.seg_budget)
+        return smp.duplex_rules(t, st.seg_budget)
 
     def _after_logits_batch(self, batch: list[StreamState], logits: torch.Tensor) -> None:
         """Sample after a prefill (eager, same :func:`sampling.sample_packed` the decode graph runs)."""

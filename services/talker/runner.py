@@ -21,6 +21,8 @@ graphs cover every batch size and context length.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,9 @@ from services.talker import sampling as smp
 from services.talker.fused_decode import FusedDecode, select_backend
 from services.talker.kv_cache import SlotKVCache
 from services.talker.model.tts import MiniCPMTTS
+
+if TYPE_CHECKING:
+    from services.talker.multistep import BlockDecoder
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +153,9 @@ class TalkerRunner:
         self._idle_ints: list[int] = idle_ints
         self._idle_floats: list[float] = idle_floats
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
+        # K decode steps per replay (:mod:`multistep`); the engine attaches it when K > 1, and
+        # :meth:`warmup_graphs` then captures its graphs too.
+        self.blocks: BlockDecoder | None = None
 
     # ----------------------------------------------------------------------------------- attention
     def _attention(
@@ -389,14 +397,20 @@ class TalkerRunner:
         if graph is None:
             log.info("capturing talker decode CUDA graph: batch %d, attention length %d", n, read_len)
             try:
-                graph = _DecodeGraph(self, n, read_len, self._graph_pool)
+                graph = _DecodeGraph.one_step(self, n, read_len, self._graph_pool)
             except Exception:
                 log.exception("talker decode CUDA graph capture failed; decoding eagerly from now on")
-                self.use_cuda_graphs = False
-                self._graphs.clear()
+                self.disable_graphs()
                 return None
             self._graphs[key] = graph
         return graph
+
+    def disable_graphs(self) -> None:
+        """Decode eagerly from now on (a capture failed): drop every captured graph, one-step and block."""
+        self.use_cuda_graphs = False
+        self._graphs.clear()
+        if self.blocks is not None:
+            self.blocks.clear()
 
     def warmup_graphs(self, max_batch: int | None = None, max_len: int | None = None) -> int:
         """Capture every (batch, length) bucket up to the limits ahead of traffic; returns the graph count.
@@ -415,6 +429,8 @@ class TalkerRunner:
             if length >= top_len:
                 break
             length *= 2
+        if self.blocks is not None:  # the engine decodes in blocks only: one-step graphs stay lazy
+            return self.blocks.warmup(batches, lengths)
         with torch.inference_mode():
             for n in batches:
                 for read_len in lengths:
@@ -424,34 +440,49 @@ class TalkerRunner:
 
 
 class _DecodeGraph:
-    """One captured decode+sample step for a fixed (batch, attention length).
+    """One captured decode function for a fixed (batch, attention length[, steps]).
 
-    Host inputs are copied into static device buffers through pinned staging tensors; the picked ids
+    ``step`` maps the static input buffers (int64 ``ints``, fp32 ``floats``, both on the device and
+    initialised to all-idle rows whose K/V writes hit the scratch row) to (logits, picked ids); it is the
+    one-step :meth:`TalkerRunner._step_eager` or the K-step block of :mod:`services.talker.multistep`.
+    Host inputs are copied into the static buffers through pinned staging tensors; the picked ids
     come back through a pinned buffer with a single small device→host copy and one stream sync.
     """
 
-    def __init__(self, runner: TalkerRunner, n: int, read_len: int, pool: object) -> None:
-        dev = runner.device
-        width = 3 + smp.INT_COLUMNS
-        self.ints = torch.zeros(n, width, dtype=torch.int64, device=dev)  # all inactive: writes hit scratch
-        self.ints[:, 3:] = torch.tensor(runner._idle_ints, dtype=torch.int64, device=dev)
-        self.floats = torch.ones(n, smp.FLOAT_COLUMNS, dtype=torch.float32, device=dev)
-        self.ints_staging = torch.zeros(n, width, dtype=torch.int64).pin_memory()
-        self.floats_staging = torch.zeros(n, smp.FLOAT_COLUMNS, dtype=torch.float32).pin_memory()
-        self.ids_host = torch.zeros(n, dtype=torch.int64).pin_memory()
+    def __init__(
+        self,
+        step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        ints: torch.Tensor,
+        floats: torch.Tensor,
+        pool: object,
+    ) -> None:
+        self.ints = ints
+        self.floats = floats
+        self.ints_staging = torch.zeros(ints.shape, dtype=ints.dtype).pin_memory()
+        self.floats_staging = torch.zeros(floats.shape, dtype=floats.dtype).pin_memory()
         self.done = torch.cuda.Event()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):
-                runner._step_eager(self.ints, self.floats, read_len)
+                step(self.ints, self.floats)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with (
             torch.inference_mode(),
             torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"),
         ):
-            self.logits, self.ids = runner._step_eager(self.ints, self.floats, read_len)
+            self.logits, self.ids = step(self.ints, self.floats)
+        self.ids_host = torch.zeros(self.ids.shape, dtype=self.ids.dtype).pin_memory()
+
+    @classmethod
+    def one_step(cls, runner: TalkerRunner, n: int, read_len: int, pool: object) -> _DecodeGraph:
+        """The one-step decode+sample graph of :meth:`TalkerRunner.decode_sample`."""
+        dev = runner.device
+        ints = torch.zeros(n, 3 + smp.INT_COLUMNS, dtype=torch.int64, device=dev)  # inactive rows
+        ints[:, 3:] = torch.tensor(runner._idle_ints, dtype=torch.int64, device=dev)
+        floats = torch.ones(n, smp.FLOAT_COLUMNS, dtype=torch.float32, device=dev)
+        return cls(lambda i, f: runner._step_eager(i, f, read_len), ints, floats, pool)
 
     def run(self, ints: torch.Tensor, floats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay with these inputs; returns (static logits, ids on the host)."""

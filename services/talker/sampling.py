@@ -187,21 +187,32 @@ INT_COLUMNS = _HISTORY + PENALTY_WINDOW
 FLOAT_COLUMNS = 3
 
 
+def step_knobs(prm: SamplingParams, rule: StepRules, draw_index: int) -> tuple[list[int], list[float]]:
+    """The history-free part of one row's step: ([key, top-k, flags], [temperature, penalty, top-p]).
+
+    The one definition both the one-step packing (:func:`pack_row`) and the multi-step block packing
+    (:mod:`services.talker.multistep`) use, so both hand the graph identical knobs for the same step.
+    A penalty of exactly 1.0 is a bit-exact no-op whatever the history columns hold.
+    """
+    penalize = rule.apply_penalty and prm.repetition_penalty != 1.0
+    key = 0 if prm.greedy else row_key(int(prm.seed), draw_index)
+    flags = (_WARP if rule.apply_warpers else 0) | (_MASK_EOS if rule.mask_eos else 0)
+    flags |= _GREEDY if prm.greedy else 0
+    penalty = float(prm.repetition_penalty) if penalize else 1.0
+    return [key, prm.top_k, flags], [float(prm.temperature), penalty, float(prm.top_p)]
+
+
 def pack_row(
     row: RowState, rule: StepRules, vocab: int, consume_draw: bool = True
 ) -> tuple[list[int], list[float]]:
     """One row's knobs as (int64 columns, fp32 columns); a non-greedy row's draw counter advances here."""
     prm = row.params
-    penalize = rule.apply_penalty and prm.repetition_penalty != 1.0
-    recent = row.history[-PENALTY_WINDOW:] if penalize else []
-    key = 0 if prm.greedy else row_key(int(prm.seed), row.draws)
+    ints, floats = step_knobs(prm, rule, row.draws)
     if consume_draw and not prm.greedy:
         row.draws += 1
-    flags = (_WARP if rule.apply_warpers else 0) | (_MASK_EOS if rule.mask_eos else 0)
-    flags |= _GREEDY if prm.greedy else 0
-    ints = [key, prm.top_k, flags, *recent]
+    if rule.apply_penalty and prm.repetition_penalty != 1.0:
+        ints.extend(row.history[-PENALTY_WINDOW:])
     ints.extend([vocab] * (INT_COLUMNS - len(ints)))
-    floats = [float(prm.temperature), float(prm.repetition_penalty) if penalize else 1.0, float(prm.top_p)]
     return ints, floats
 
 
