@@ -124,44 +124,30 @@ def test_encode_ahead_changes_nothing_the_model_sees(backend, monkeypatch) -> No
     assert done_on == [0, *range(6)]
 
 
+def _roles(backend, **last: bool) -> list[tuple]:  # noqa: ANN001
+    """A session of four units: a forced-listen request, a continuation, a request, then unit 3 (``last``)."""
+    requests = [
+        _open(),
+        _unit(0, request_response=True, force_listen=True),
+        _unit(1, continue_turn=True),
+        _unit(2, request_response=True),
+        _unit(3, **last),
+        END,
+    ]
+    return _units(asyncio.run(_run(backend, requests)))
+
+
 def test_force_listen_and_continue_turn(backend, monkeypatch) -> None:  # noqa: ANN001
     """force_listen beats a response request; continue_turn after a listen is a listen, after a unit that
     spoke and left its turn open it is decided like a plain unit."""
     monkeypatch.setattr(duplex_stream, "ENCODE_AHEAD", True)
-    got = asyncio.run(
-        _run(
-            backend,
-            [
-                _open(),
-                _unit(0, request_response=True, force_listen=True),
-                _unit(1, continue_turn=True),
-                _unit(2, request_response=True),
-                _unit(3, continue_turn=True),
-                END,
-            ],
-        )
-    )
-    units = _units(got)
+    units = _roles(backend, continue_turn=True)
     assert [u[0] for u in units] == [0, 1, 2, 3]
     listen = thinker_pb2.UNIT_DECISION_LISTEN
     assert units[0][1] == listen and units[0][2] == [LISTEN]
     assert units[1][1] == listen and units[1][2] == [LISTEN]
     assert units[2][1] == thinker_pb2.UNIT_DECISION_SPEAK
-    # The same session with unit 3 plain: if unit 2 left its turn open, unit 3 is decided the same way.
-    plain = asyncio.run(
-        _run(
-            backend,
-            [
-                _open(),
-                _unit(0, request_response=True, force_listen=True),
-                _unit(1, continue_turn=True),
-                _unit(2, request_response=True),
-                _unit(3),
-                END,
-            ],
-        )
-    )
     if units[2][3]:  # unit 2 ended the model's turn: the continuation is a listen
         assert units[3][2] == [LISTEN]
-    else:
-        assert units[3] == _units(plain)[3]
+    else:  # the same session with unit 3 plain decides unit 3 the same way
+        assert units[3] == _roles(backend)[3]

@@ -249,11 +249,7 @@ class ThinkerEngine:
             self._update_gauges()
             return consumed
         t0 = time.perf_counter()
-        # On CUDA the forward is asynchronous: its time is read from events once sampling has synced.
-        events = None
-        if self.device.type == "cuda":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
+        events = self._forward_events()
         try:
             out = self.runner.step(self._step_input(plan))
         except Exception as exc:
@@ -283,6 +279,15 @@ class ThinkerEngine:
         self._pending_metrics = (events, t_forward, dt, n_prefill, len(plan.decode), len(plan.prefill))
         return True
 
+    def _forward_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """On CUDA the forward is asynchronous: its time is read from a pair of events (the first recorded
+        now) once sampling has synced; None on the CPU, where the wall time is the forward's."""
+        if self.device.type != "cuda":
+            return None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+        return events
+
     def _chain(self) -> bool:
         """Launch the in-flight step's successor from its device-side tokens, then consume it."""
         inf = self._inflight
@@ -293,10 +298,7 @@ class ThinkerEngine:
         if rows is None:
             return False
         t0 = time.perf_counter()
-        events = None
-        if self.device.type == "cuda":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
+        events = self._forward_events()
         try:
             nxt = launch_successor(self.runner, inf, rows)
         except Exception:
