@@ -44,7 +44,7 @@ Threading: :meth:`TalkerEngine.start` runs :meth:`step` in a dedicated thread (t
 the gRPC front talks to it only through :meth:`submit` (thread-safe) and each stream's ``emit``
 callback. Tests drive :meth:`step` directly.
 
-Size: this module is ~670 lines, over the project's ~500, because one class owns the step loop and the
+Size: this module is ~700 lines, over the project's ~500, because one class owns the step loop and the
 segment rules of the three turn forms, which all mutate the same per-stream state between two batched
 steps; the pure parts are already apart (:mod:`streams`, :mod:`sampling`, :mod:`windows`,
 :mod:`kv_cache`). Splitting the segment rules out would mean passing the engine's slot, cache and
