@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -49,8 +49,21 @@ from services.talker import sampling as smp
 from services.talker.runner import MIN_LENGTH_BUCKET, TalkerRunner, _DecodeGraph, next_bucket
 from services.talker.streams import Phase, StreamState, TurnForm
 
-if TYPE_CHECKING:
-    from services.talker.engine import TalkerEngine
+
+class BlockHost(Protocol):
+    """What a block uses of its engine (:class:`services.talker.engine.TalkerEngine`, which imports this
+    module: a protocol, so this module need not import the engine back)."""
+
+    runner: TalkerRunner
+    logits_observer: Callable[[StreamState, torch.Tensor], None] | None
+    streaming_chunk_cap: int
+
+    def _rules(self, st: StreamState, ahead: int = 0) -> smp.StepRules: ...
+
+    def _guarded(self, st: StreamState, fn: Callable[[StreamState], None]) -> None: ...
+
+    def _on_sample(self, st: StreamState, code: int) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +267,7 @@ class BlockDecoder:
 
 
 # ---------------------------------------------------------------------------------- engine side
-def forced_end(engine: TalkerEngine, st: StreamState) -> int:
+def forced_end(engine: BlockHost, st: StreamState) -> int:
     """Samples left before ``st``'s segment must end whatever it samples (budget, frame count, cap).
 
     Only sizes the block (steps past this would be dropped anyway); an EOS may end the segment sooner.
@@ -270,7 +283,7 @@ def forced_end(engine: TalkerEngine, st: StreamState) -> int:
     return max(1, left)
 
 
-def decode_block(engine: TalkerEngine, batch: list[StreamState]) -> None:
+def decode_block(engine: BlockHost, batch: list[StreamState]) -> None:
     """One block for ``batch``: plan, pack every step's knobs, replay once, then judge the ids in order.
 
     Each row's ids go through ``engine._on_sample`` one by one, exactly as if each came from its own
@@ -280,7 +293,7 @@ def decode_block(engine: TalkerEngine, batch: list[StreamState]) -> None:
     """
     runner = engine.runner
     blocks = runner.blocks
-    assert blocks is not None
+    assert isinstance(blocks, BlockDecoder)
     slots = [st.slot for st in batch]
     assert all(s is not None for s in slots)
     slot_ids: list[int] = slots  # type: ignore[assignment]

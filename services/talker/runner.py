@@ -21,8 +21,8 @@ graphs cover every batch size and context length.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +32,18 @@ from services.talker.fused_decode import FusedDecode, select_backend
 from services.talker.kv_cache import SlotKVCache
 from services.talker.model.tts import MiniCPMTTS
 
-if TYPE_CHECKING:
-    from services.talker.multistep import BlockDecoder
-
 log = logging.getLogger(__name__)
 
 MIN_LENGTH_BUCKET = 64
+
+
+class BlockGraphs(Protocol):
+    """What the runner does with the K-step decoder's graphs (:class:`services.talker.multistep.BlockDecoder`,
+    which imports this module: a protocol, so the runner need not import it back)."""
+
+    def clear(self) -> None: ...
+
+    def warmup(self, batches: Sequence[int], lengths: Sequence[int]) -> int: ...
 
 
 def next_bucket(value: int, minimum: int = 1) -> int:
@@ -155,7 +161,7 @@ class TalkerRunner:
         self._graph_pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         # K decode steps per replay (:mod:`multistep`); the engine attaches it when K > 1, and
         # :meth:`warmup_graphs` then captures its graphs too.
-        self.blocks: BlockDecoder | None = None
+        self.blocks: BlockGraphs | None = None
 
     # ----------------------------------------------------------------------------------- attention
     def _attention(
