@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Realtime A/B on one H200: encode-ahead + turn look-ahead OFF vs ON (issue 16). Run from the repo root.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source .gpu/env.sh || exit 1
 t0=$(date +%s)
 [ -f /tmp/ck/config.json ] || python3 -m services.common.checkpoint_tool make --size full --device cuda /tmp/ck > /tmp/ck.log 2>&1 || { tail -20 /tmp/ck.log; exit 1; }
 echo "checkpoint ready after $(( $(date +%s) - t0 )) s"

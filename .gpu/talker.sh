@@ -6,16 +6,7 @@
 #    torch engine one step at a time: codes equal within bf16 near-ties.
 # Writes under $OUT: talker_bench.json, talker_smoke_k4.json, talker_smoke_k8.json, talker.md.
 set -uo pipefail
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-bench-results}
-mkdir -p "$OUT"
+source .gpu/env.sh || exit 1
 t0=$(date +%s)
 [ -f /tmp/ck/config.json ] || { echo "no checkpoint at /tmp/ck"; exit 1; }
 md="$OUT/talker.md"
