@@ -114,3 +114,20 @@ def load_vllm_omni_duplex_client(tmp_path: Path) -> Any:
     import vllm_omni.clients.minicpmo_4_5 as preset
 
     return duplex, preset
+
+
+class QuietPipeline:
+    """The session-facing calls of a scripted test pipeline that need no answer (``SessionPipeline``);
+    a scripted pipeline subclasses it and writes ``push_unit`` (and ``close`` when it matters)."""
+
+    def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
+        pass
+
+    def end_speech(self, epoch: int, speech_turn: int = 0) -> None:
+        pass
+
+    def interrupt(self, new_epoch: int, reason: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass

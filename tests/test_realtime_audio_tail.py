@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gateway_server import serve_in_thread
-from realtime_helpers import pcm16_b64, session_body, tone
+from realtime_helpers import QuietPipeline, pcm16_b64, session_body, tone
 from websockets.sync.client import ClientConnection, connect
 
 from gateway.app import create_app
@@ -30,7 +30,7 @@ from gateway.realtime.session import DuplexSession
 CHUNK = 24_000  # one unit of 24 kHz audio
 
 
-class OneChunkPipeline:
+class OneChunkPipeline(QuietPipeline):
     """Speaks one chunk at the requesting unit; :meth:`end_turn` (from another thread) ends the turn."""
 
     def __init__(self, session: DuplexSession) -> None:
@@ -56,18 +56,6 @@ class OneChunkPipeline:
     def end_turn(self) -> None:
         last = AudioOut(self.epoch, np.zeros(0, dtype=np.float32), True, 1)
         self.loop.call_soon_threadsafe(self.session.post_pipeline, last)
-
-    def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
-        pass
-
-    def end_speech(self, epoch: int, speech_turn: int = 0) -> None:
-        pass
-
-    def interrupt(self, new_epoch: int, reason: str) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
 
 @pytest.fixture()

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gateway_server import serve_in_thread
-from realtime_helpers import pcm16_b64, session_body, tone
+from realtime_helpers import QuietPipeline, pcm16_b64, session_body, tone
 from starlette.websockets import WebSocketState
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
@@ -33,7 +33,7 @@ from gateway.realtime.settings import RealtimeSettings
 CLOSE_BOUND_S = 0.5
 
 
-class ScriptedPipeline:
+class ScriptedPipeline(QuietPipeline):
     """A pipeline whose ``close`` hangs, raises or returns; in the native lane every unit is answered
     with a listen decision whose numbers are numpy scalars (as model code hands them out)."""
 
@@ -52,15 +52,6 @@ class ScriptedPipeline:
         role: UnitRole = UnitRole.PLAIN,
     ) -> None:
         self.session.post_pipeline(UnitOutcome(epoch, np.int64(unit_seq), "listen", "", False, np.int32(13)))
-
-    def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
-        pass
-
-    def end_speech(self, epoch: int, speech_turn: int = 0) -> None:
-        pass
-
-    def interrupt(self, new_epoch: int, reason: str) -> None:
-        pass
 
     async def close(self) -> None:
         self.closed = True
