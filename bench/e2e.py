@@ -8,8 +8,8 @@ What it does, in order (each step prints progress; the whole run is bounded by `
 1. resolves the deploy profile (``--device`` forces every stage onto cpu/cuda, the workload's
    first-chunk size is applied as a profile override) and starts the three stage processes and the
    gateway with the launcher's own child plan (:func:`gateway.launcher.plan_children`) on free ports;
-   with several stages on one GPU they are separate processes time-slicing the GPU, or MPS clients with
-   ``--mps`` (an MPS control daemon private to this run);
+   with several stages on one GPU they share it as the profile's ``gpu_sharing`` says (MPS clients of a
+   daemon private to this run, or time-slicing; ``--gpu-sharing`` overrides it);
 2. waits for the gateway's ``/health`` (200 only when every stage answers its gRPC health check);
 3. warms up (``--warmup`` requests at c=1, then ``--warmup-rounds`` × c requests before each level, so
    CUDA graphs of each batch size are captured before anything is timed);
@@ -41,7 +41,6 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,7 +57,6 @@ from bench.e2e_client import (
     run_level,
 )
 from bench.launch import (
-    MpsDaemon,
     Pipeline,
     add_launch_flags,
     environment,
@@ -348,7 +346,6 @@ async def _timelines(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
     add_launch_flags(p)
-    p.add_argument("--mps", action="store_true", help="run the stages as clients of a private MPS daemon")
     p.add_argument(
         "--url", default=None, help="benchmark an already running gateway instead of launching one"
     )
@@ -421,21 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[e2e] building {n_prompts} prompts of {w.prompt_tokens} tokens", flush=True)
     prompts = make_prompts(Checkpoint(checkpoint).tokenizer(), n_prompts, w.prompt_tokens)
     devices = {s: list(profile.stage(s).devices) for s in STAGES}
-    shared_gpu = on_cuda and len({d for ds in devices.values() for d in ds}) < sum(
-        len(ds) for ds in devices.values()
-    )
-    sharing = (
-        ("MPS" if args.mps else "separate processes time-slicing") + " on a shared GPU"
-        if shared_gpu
-        else ("one device per stage" if on_cuda else "CPU")
-    )
     report: dict[str, Any] = {
         "bench": "e2e",
         "profile": profile.name,
         "profile_source": profile.source,
         "devices": devices,
-        "gpu_sharing": sharing,
-        "mps": bool(args.mps),
+        "gpu_sharing": profile.gpu_sharing if on_cuda else "CPU",  # as run: set after the launch
         "stage_args": stage_args,
         "checkpoint": str(checkpoint.resolve()),
         "workload": {
@@ -463,15 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     with guarded_run(report, "e2e") as run:
         url = args.url
         if url is None:
-            if args.mps:
-                # Short path under /tmp: the daemon's unix sockets must fit the 108-byte limit.
-                mps = MpsDaemon(Path(tempfile.mkdtemp(prefix="minicpmo-mps-")))
-                mps.start()
-                run.teardown.append(mps.stop)
-                report["mps_env"] = mps.env
             pipeline = Pipeline(profile, checkpoint, out_dir / "logs", stage_args)
             run.teardown.append(pipeline.stop)
             pipeline.start()
+            report["gpu_sharing"] = pipeline.gpu_sharing
             budget = min(args.startup_timeout, max(1.0, deadline - time.monotonic()))
             report["startup_s"] = pipeline.wait_healthy(budget)
             print(f"[e2e] pipeline healthy after {report['startup_s']:.1f} s at {pipeline.url}", flush=True)

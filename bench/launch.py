@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -49,7 +48,24 @@ def resolve_profile(args: argparse.Namespace, w: Workload) -> DeployProfile:
         gateway["max_concurrent_requests"] = limit
     if gateway:
         overrides["gateway"] = gateway
-    return profile.with_overrides(overrides)
+    return with_gpu_sharing(profile.with_overrides(overrides), args)
+
+
+def add_gpu_sharing_flags(p: argparse.ArgumentParser) -> None:
+    """``--gpu-sharing`` (and its old spelling ``--mps``): how launched stages on one GPU share it."""
+    p.add_argument(
+        "--gpu-sharing",
+        choices=["profile", "mps", "time_slice"],
+        default="profile",
+        help="stages on one GPU: the profile's gpu_sharing (default), a private MPS daemon, or time-slicing",
+    )
+    p.add_argument("--mps", dest="gpu_sharing", action="store_const", const="mps", help="= --gpu-sharing mps")
+
+
+def with_gpu_sharing(profile: DeployProfile, args: argparse.Namespace) -> DeployProfile:
+    """``profile`` with ``--gpu-sharing`` applied (``profile`` keeps the profile's own choice)."""
+    mode = getattr(args, "gpu_sharing", "profile")
+    return profile if mode == "profile" else profile.with_overrides({"gpu_sharing": mode})
 
 
 def _run_text(cmd: list[str]) -> str:
@@ -105,40 +121,6 @@ def stage_args_for(args: argparse.Namespace, profile: DeployProfile) -> dict[str
     return stage_args
 
 
-class MpsDaemon:
-    """An NVIDIA MPS control daemon private to this run (own pipe/log dirs; GPU settings untouched)."""
-
-    def __init__(self, root: Path) -> None:
-        self.env = {
-            "CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
-            "CUDA_MPS_LOG_DIRECTORY": str(root / "log"),
-        }
-        self.started = False
-
-    def start(self) -> None:
-        binary = shutil.which("nvidia-cuda-mps-control")
-        if binary is None:
-            raise RuntimeError("--mps: nvidia-cuda-mps-control is not on PATH")
-        for path in self.env.values():
-            Path(path).mkdir(parents=True, exist_ok=True)
-        subprocess.run([binary, "-d"], env={**os.environ, **self.env}, check=True, timeout=30)
-        self.started = True
-        os.environ.update(self.env)  # children inherit os.environ through the launcher's Supervisor
-
-    def stop(self) -> None:
-        if not self.started:
-            return
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(
-                ["nvidia-cuda-mps-control"],
-                input="quit\n",
-                text=True,
-                env={**os.environ, **self.env},
-                timeout=30,
-            )
-        self.started = False
-
-
 class Pipeline:
     """The launcher's children for one profile, on free ports, with logs under ``log_dir``."""
 
@@ -161,8 +143,16 @@ class Pipeline:
         self.children = children
         self.supervisor = Supervisor(children, log_dir)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.profile = profile
+        self.gpu_sharing = ""  # how the stages share their GPUs, in words (set by start)
+        self._mps: Any = None
 
     def start(self) -> None:
+        """Apply the profile's GPU sharing (a private MPS daemon for ``gpu_sharing: mps``), then start."""
+        from gateway.launcher import share_gpus
+
+        self.gpu_sharing, self._mps = share_gpus(self.profile, self.children, lambda m: print(f"[e2e] {m}"))
+        print(f"[e2e] GPU sharing: {self.gpu_sharing}", flush=True)
         for child in self.children:
             print(
                 f"[e2e] start {child.name} on {child.device} port {child.port}: {' '.join(child.argv[2:])}",
@@ -195,6 +185,9 @@ class Pipeline:
     def stop(self) -> None:
         print("[e2e] stopping the pipeline", flush=True)
         self.supervisor.stop()
+        if self._mps is not None:
+            self._mps.stop()
+            self._mps = None
 
 
 def _install_signal_handlers() -> None:
@@ -265,3 +258,4 @@ def add_launch_flags(p: argparse.ArgumentParser, stage_args_example: str = "") -
         "colocated stages); 'auto' keeps the stage default",
     )
     p.add_argument("--startup-timeout", type=float, default=420.0)
+    add_gpu_sharing_flags(p)

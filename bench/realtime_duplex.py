@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import base64
 import json
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from bench.e2e_client import histogram_sums
+from bench.launch import add_gpu_sharing_flags
 from bench.realtime_workload import SessionResult, native_session, turn_session
 
 # Stage histograms read per level: barge-in drain, engine step time and batch size of every stage; the
@@ -246,25 +246,22 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
 def _launch(args: argparse.Namespace) -> tuple[Any, list[str], dict[str, int]]:
     """Start the pipeline for ``--checkpoint`` with the profile; point the bench at it."""
     from bench.cancel import stage_endpoints
-    from bench.launch import MpsDaemon, Pipeline
+    from bench.launch import Pipeline, with_gpu_sharing
     from services.common.checkpoint import Checkpoint
     from services.common.deploy_profile import load_profile, parse_overrides
 
     profile = load_profile(args.deploy_config).with_device(args.device)
     if args.stage_overrides:
         profile = profile.with_overrides(parse_overrides(args.stage_overrides))
+    profile = with_gpu_sharing(profile, args)
     out = Path(args.out_dir or ".")
-    if args.mps:
-        args.mps_daemon = MpsDaemon(Path(tempfile.mkdtemp(prefix="minicpmo-mps-")))
-        args.mps_daemon.start()  # the stages launched next inherit its environment: MPS clients
     pipeline = Pipeline(profile, Path(args.checkpoint), out / "logs", {})
-    pipeline.start()
+    pipeline.start()  # with gpu_sharing mps it starts a private MPS daemon first (stopped by stop())
+    args.sharing = pipeline.gpu_sharing
     try:
         took = pipeline.wait_healthy(args.startup_timeout)
     except BaseException:
         pipeline.stop()
-        if args.mps:
-            args.mps_daemon.stop()
         raise
     print(f"[realtime] pipeline healthy after {took:.1f} s at {pipeline.url}", flush=True)
     args.url = pipeline.url.replace("http://", "ws://")
@@ -307,11 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sessions run once (one short turn-lane cycle), unmeasured, before the first level",
     )
     p.add_argument("--ref-audio", default=None, help="voice WAV (default: the checkpoint's, in launch mode)")
-    p.add_argument(
-        "--mps",
-        action="store_true",
-        help="launch mode: the stages run as clients of a private MPS daemon (default: time-slicing)",
-    )
+    add_gpu_sharing_flags(p)
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--out-dir", default=None, help="directory for realtime.json, realtime.md and logs")
     return p
@@ -320,8 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.mps and not args.checkpoint:
-        p.error("--mps needs --checkpoint (it launches the stages itself)")
+    if args.gpu_sharing != "profile" and not args.checkpoint:
+        p.error("--gpu-sharing/--mps needs --checkpoint (it launches the stages itself)")
     pipeline = None
     stage_urls: list[str] = []
     pids: dict[str, int] = {}
@@ -348,15 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if pipeline is not None:
             pipeline.stop()
-        if getattr(args, "mps_daemon", None) is not None:
-            args.mps_daemon.stop()
     _write(args, levels, final=True)
     return 1 if any(lv["failed"] for lv in levels) else 0
 
 
 def _write(args: argparse.Namespace, levels: list[dict[str, Any]], *, final: bool) -> None:
     """JSON + Markdown of the levels so far (``--out``, ``--out-dir``); printed once at the end."""
-    sharing = "MPS" if args.mps else "separate processes time-slicing" if args.checkpoint else "external"
+    sharing = getattr(args, "sharing", None) or "external (stages not launched by the bench)"
     text = json.dumps({"gpu_sharing": sharing, "duration_s": args.duration, "levels": levels}, indent=2)
     md = render_markdown(levels)
     if final:

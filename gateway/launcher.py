@@ -15,6 +15,9 @@
   ``--memory-fraction``, which each stage applies as a per-process CUDA allocator cap.
 * The gateway child gets every replica's address (``ip:port`` lists, balanced round-robin) and the
   resolved profile (overrides applied) as a YAML file.
+* Stages that share a GPU share it as the profile's ``gpu_sharing`` says: with ``mps`` a private MPS
+  control daemon is started first and every stage replica on a GPU is its client
+  (:mod:`services.common.gpu_sharing`; stopped after the stages).
 * It waits until every stage answers its gRPC health check and the gateway's ``/health`` is 200, prints
   the URL, and then supervises: a child that exits (a stage crash, an OOM kill) is started again on the
   same port after a backoff (1 s, doubling to 30 s while it keeps dying within a minute of its start;
@@ -60,6 +63,7 @@ from services.common.deploy_profile import (
     load_profile,
     parse_overrides,
 )
+from services.common.gpu_sharing import MpsDaemon, start_sharing
 
 CHECKPOINT_MAKE_TIMEOUT_S = 900
 RESTART_BASE_S = 1.0  # first restart delay; doubles per quick death
@@ -190,6 +194,20 @@ def plan_children(
         )
     )
     return children
+
+
+def share_gpus(
+    profile: DeployProfile, children: list[ChildSpec], log: Callable[[str], None] = print
+) -> tuple[str, MpsDaemon | None]:
+    """Apply the profile's ``gpu_sharing`` (:mod:`services.common.gpu_sharing`) to the stage children:
+    with a private MPS daemon started, every stage replica on a GPU becomes its client. Returns how the
+    GPUs are shared (in words, for the log and the bench reports) and the daemon to stop last."""
+    mode, daemon = start_sharing(profile, log)
+    if daemon is not None:
+        for child in children:
+            if child.stage is not None and child.device.startswith("cuda"):
+                child.env.update(daemon.env)
+    return mode, daemon
 
 
 # ---- checkpoint ---------------------------------------------------------------------------------
@@ -531,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway_args=gateway_args,
     )
     sup = Supervisor(children, None if args.verbose else log_dir, verbose=args.verbose, tls=profile.tls)
+    sharing, mps = share_gpus(profile, children, lambda m: print(f"[minicpmo-serve] {m}", flush=True))
 
     stop_requested = False
 
@@ -543,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     try:
         print(
-            f"[minicpmo-serve] profile {profile.name}, checkpoint {checkpoint}, logs in {log_dir}", flush=True
+            f"[minicpmo-serve] profile {profile.name}, checkpoint {checkpoint}, logs in {log_dir}; "
+            f"GPU sharing: {sharing}",
+            flush=True,
         )
         for child in children:
             sup.start(child)
@@ -569,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         sup.stop()
+        if mps is not None:
+            mps.stop()  # after the stages: the daemon's server exits once its clients have
     return rc
 
 

@@ -92,6 +92,13 @@ LAYOUTS: dict[str, Layout] = {
         CHART_DIR / "values-1gpu.yaml",
         (REPO / "docker-compose.yml", REPO / "docker-compose.override.yml", REPO / "compose" / "tls.yml"),
     ),
+    # the 1-GPU layout with the MPS add-on (an MPS control daemon service; the stages as its clients)
+    "1gpu-mps": Layout(
+        "1gpu-mps",
+        "minicpmo_4_5",
+        CHART_DIR / "values-1gpu.yaml",
+        (REPO / "docker-compose.yml", REPO / "docker-compose.override.yml", REPO / "compose" / "mps.yml"),
+    ),
 }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.deploy_profile import load_profile
+from services.common.deploy_profile import STAGES, load_profile
 from tests.deploy_checks import (
     LAYOUTS,
     REPO,
@@ -123,9 +123,10 @@ def test_replicas_share_the_stage_name_for_dns_balancing() -> None:
 
 def test_stop_grace_outlasts_the_drain() -> None:
     for spec in LAYOUTS.values():
-        for name, svc in compose_config(spec.compose_files)["services"].items():
-            if name == "gateway":
-                continue
+        config = compose_config(spec.compose_files)
+        stage_services = {n: s for stage in STAGES for n, s in compose_stage_services(config, stage).items()}
+        assert stage_services, spec.name
+        for name, svc in stage_services.items():
             argv = [str(a) for a in svc["command"]]
             drain = float(argv[argv.index("--drain-timeout") + 1])
             grace = svc.get("stop_grace_period", "10s")
@@ -196,3 +197,26 @@ def test_health_check_on_the_wrong_port_is_caught() -> None:
     config["services"]["talker"]["healthcheck"]["test"][-1] = "50051"
     problems = check_compose_layout(config, load_profile(spec.profile), f"{spec.profile}.yaml")
     assert any("talker" in p and "healthcheck" in p for p in problems), problems
+
+
+def test_mps_add_on_makes_every_gpu_stage_a_client_of_its_daemon() -> None:
+    config = compose_config(LAYOUTS["1gpu-mps"].compose_files)
+    services = config["services"]
+    daemon = services["mps"]
+    assert daemon.get("ipc") == "host"
+    assert "nvidia-cuda-mps-control -f" in " ".join(str(a) for a in daemon["entrypoint"])
+    pipe = _environment_of(daemon)["CUDA_MPS_PIPE_DIRECTORY"]
+    daemon_volumes = {str(v).split(":")[0] for v in daemon.get("volumes") or []}
+    for stage in STAGES:
+        svc = services[stage]
+        assert svc.get("ipc") == "host", stage
+        assert _environment_of(svc).get("CUDA_MPS_PIPE_DIRECTORY") == pipe, stage
+        assert daemon_volumes & {str(v).split(":")[0] for v in svc.get("volumes") or []}, stage
+    assert "mps" not in compose_config(LAYOUTS["1gpu"].compose_files)["services"]
+
+
+def _environment_of(svc: dict) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        return dict(str(e).split("=", 1) for e in env)
+    return {str(k): str(v) for k, v in env.items()}

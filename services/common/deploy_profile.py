@@ -15,6 +15,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     name: minicpmo_4_5
     description: free text
     served_model_name: openbmb/MiniCPM-o-4_5
+    gpu_sharing: mps   # or time_slice (default): how stages placed on one GPU share it (gpu_sharing.py)
     gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, media: {...}}
     tls:       {ca_file, cert_file, key_file, client_cert_file, client_key_file, require_client_cert}  # optional
     stages:
@@ -178,6 +179,8 @@ class DeployProfile:
     stages: Mapping[str, StageProfile] = field(default_factory=dict)
     source: str = ""
     tls: TLSProfile | None = None
+    # How stages placed on one GPU share it (services.common.gpu_sharing): "time_slice" or "mps".
+    gpu_sharing: str = "time_slice"
 
     def stage(self, name: str) -> StageProfile:
         return self.stages[name]
@@ -206,7 +209,7 @@ class DeployProfile:
         for key, value in overrides.items():
             if key in STAGES:
                 raw["stages"][key] = _deep_merge(raw["stages"][key], value, f"overrides.{key}")
-            elif key in ("gateway", "served_model_name", "description", "tls"):
+            elif key in ("gateway", "served_model_name", "description", "tls", "gpu_sharing"):
                 current = raw.get(key)
                 raw[key] = (
                     _deep_merge(current, value, f"overrides.{key}") if isinstance(current, dict) else value
@@ -290,6 +293,7 @@ def parse_profile(raw: object, source: str = "<dict>") -> DeployProfile:
         stages=stages,
         source=source,
         tls=TLSProfile(**doc.tls.given()) if doc.tls is not None else None,
+        gpu_sharing=doc.gpu_sharing or "time_slice",
     )
 
 

@@ -11,7 +11,7 @@ always seen: ``<file>: stages.thinker.memory_fraction: must be in (0, 1], got 1.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
 
@@ -285,6 +285,7 @@ class ProfileDoc(_Doc):
     name: str | None = None
     description: str | None = None
     served_model_name: str | None = None
+    gpu_sharing: Literal["time_slice", "mps"] | None = None
     gateway: GatewayDoc | None = None
     tls: TLSDoc | None = None
     stages: StagesDoc

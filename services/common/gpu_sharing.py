@@ -1,0 +1,124 @@
+"""How stage processes placed on the same GPU share it: time-slicing (CUDA's default) or one MPS server.
+
+Why: without MPS, the CUDA contexts of the thinker, talker and code2wav processes on one GPU take turns
+(time-slicing): a kernel of one process never runs beside a kernel of another, and a process whose
+small kernels are queued waits for the others' slices. With 16 realtime sessions on one H200 that
+doubled the thinker's decode step (forward 11.7 ms against ~5.4 ms alone) and tripled its host part
+(4.8 ms, the policy draw waiting for a slice). Under one MPS server the three processes' kernels share
+the SMs concurrently: in the same run the step fell to 8.0 / 1.4 ms and the unit RTF p90 from 0.644 to
+0.393 (BENCHMARKS.md, session 8). So a profile that puts several stages on one GPU says
+``gpu_sharing: mps``, and the launcher starts an MPS control daemon private to that deployment.
+
+The daemon gets its own pipe and log directories (nothing of the GPU's settings changes: compute mode,
+clocks and MIG stay as they are). When ``CUDA_MPS_PIPE_DIRECTORY`` is already set, a daemon run by the
+host (or Kubernetes' device plugin) is in charge and none is started. When the daemon cannot start
+(``nvidia-cuda-mps-control`` missing, e.g. a container without the driver's utilities), the stages
+time-slice as before and the reason is logged: MPS is a speed-up, never a reason not to serve.
+
+MPS trade-off (docs/deploy.md): the clients of one MPS server share its fault domain, so a fatal GPU
+error (an illegal memory access) in one stage can end the other stages' CUDA contexts too; the
+launcher restarts whatever exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.common.deploy_profile import DeployProfile
+
+MODES = ("time_slice", "mps")
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+CONTROL_BINARY = "nvidia-cuda-mps-control"
+START_TIMEOUT_S = 30.0
+
+
+def shared_gpus(profile: DeployProfile) -> list[str]:
+    """CUDA devices that host more than one stage replica (a bare ``cuda`` counts as ``cuda:0``)."""
+    count: Counter[str] = Counter()
+    for sp in profile.stages.values():
+        for device in sp.devices:
+            if device.startswith("cuda"):
+                count[device if ":" in device else "cuda:0"] += 1
+    return sorted(d for d, n in count.items() if n > 1)
+
+
+class MpsDaemon:
+    """An MPS control daemon private to one deployment (own pipe/log directories under ``root``).
+
+    The pipe path must stay short: the daemon's unix sockets live there and a socket path is limited to
+    108 bytes, hence a ``tempfile.mkdtemp`` directory under /tmp by default.
+    """
+
+    def __init__(self, root: Path | None = None) -> None:
+        root = root or Path(tempfile.mkdtemp(prefix="minicpmo-mps-"))
+        self.env = {PIPE_ENV: str(root / "pipe"), LOG_ENV: str(root / "log")}
+        self.started = False
+
+    def start(self) -> str | None:
+        """Start the daemon; None on success, else why not (the caller falls back to time-slicing)."""
+        binary = shutil.which(CONTROL_BINARY)
+        if binary is None:
+            return f"{CONTROL_BINARY} is not on PATH"
+        for path in self.env.values():
+            Path(path).mkdir(parents=True, exist_ok=True)
+        try:
+            subprocess.run(
+                [binary, "-d"],
+                env={**os.environ, **self.env},
+                check=True,
+                timeout=START_TIMEOUT_S,
+                capture_output=True,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"{CONTROL_BINARY} -d failed: {exc}"
+        self.started = True
+        return None
+
+    def stop(self) -> None:
+        """Ask the daemon to quit (its server exits once the stages have); safe to call twice."""
+        if not self.started:
+            return
+        self.started = False
+        binary = shutil.which(CONTROL_BINARY) or CONTROL_BINARY
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(
+                [binary],
+                input="quit\n",
+                text=True,
+                env={**os.environ, **self.env},
+                timeout=START_TIMEOUT_S,
+                capture_output=True,
+            )
+
+
+def start_sharing(
+    profile: DeployProfile, log: Callable[[str], None] = print, root: Path | None = None
+) -> tuple[str, MpsDaemon | None]:
+    """Apply the profile's ``gpu_sharing``: (what the stages will run under, in words; the daemon started).
+
+    The daemon's :attr:`MpsDaemon.env` must reach every stage process on a GPU (the launcher adds it to
+    their environment); the caller stops the daemon after the stages have exited.
+    """
+    gpus = shared_gpus(profile)
+    if not gpus:
+        return "one stage process per GPU", None
+    if profile.gpu_sharing != "mps":
+        return f"separate processes time-slicing {', '.join(gpus)}", None
+    if os.environ.get(PIPE_ENV):
+        return f"MPS clients of the daemon at {os.environ[PIPE_ENV]} (not started here)", None
+    daemon = MpsDaemon(root)
+    reason = daemon.start()
+    if reason is not None:
+        log(f"gpu_sharing mps: {reason}; the stages time-slice {', '.join(gpus)} instead")
+        return f"separate processes time-slicing {', '.join(gpus)} (MPS unavailable: {reason})", None
+    return f"MPS clients of a private daemon ({daemon.env[PIPE_ENV]})", daemon
