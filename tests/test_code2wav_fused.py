@@ -23,7 +23,7 @@ from services.code2wav.model.loader import load_token2wav
 from services.code2wav.model.prompt import ReferenceVoiceEncoder
 from services.code2wav.runner import Code2WavRunner, WindowCursor
 from services.code2wav.service import dit_choice
-from services.common.checkpoint import Checkpoint
+from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
 
 MEL_ATOL = 1e-4
 WAV_ATOL = 1e-3  # as tests/test_code2wav_model.py: HiFT's phase integration amplifies float differences
@@ -213,3 +213,31 @@ def test_cuda_smoke_code2wav_compare_rules() -> None:
     assert off.verdict == "FAIL" and off.mel_rel_rms == pytest.approx(0.01, rel=1e-3)
     assert compare("fused-bf16-graphs", (mel, wav), (mel * 1.01, wav), 0.1).verdict == "pass"  # bound 5%
     assert compare("fused-fp32", (mel, wav), (mel[:, :, :-1], wav), 0.1).verdict == "FAIL"
+
+
+def test_warm_up_covers_a_realtime_units_flush_after_a_short_first_window(stack) -> None:  # noqa: ANN001
+    """A realtime speaking unit with a 10-frame first window sends 10 codes, then flushes the unit's other
+    15 as a window of its own, then whole 25-code windows. The warm-up captures that 15-code window from
+    the first window's state, so none of the three runs eager (an eager window made code2wav's barge-in
+    drain 148-187 ms on the H200), and the audio equals the eager runner's."""
+    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
+
+    calls: list = []
+    capture, _ = _shared_capture(calls)
+    runner = Code2WavRunner(stack.model, dit="fused")
+    graphs = enable_cuda_graphs(runner, capture=capture)
+    ran = runner.warm_up_shapes(
+        stack.prompt, max_batch=1, first_windows=(10, 25), steady_windows=1, last_windows=()
+    )
+    assert ran == 5  # first 10, its 15-code flush, a steady window; first 25, a steady window
+    codes = torch.randint(0, 6561, (50,), generator=torch.Generator().manual_seed(7)).tolist()
+    w1 = [CODEC_SILENCE_ID] * 3 + codes[:10]
+    w2 = w1[-3:] + codes[10:25]
+    w3 = w2[-3:] + codes[25:50]
+    windows = [(w1, False), (w2, False), (w3, False)]
+    before = {name: g.eager_calls for name, g in graphs.items()}
+    graphed = _stream(runner, runner.open_stream("g", stack.prompt, 1), windows)
+    assert {name: g.eager_calls - before[name] for name, g in graphs.items()} == dict.fromkeys(graphs, 0)
+    eager_runner = Code2WavRunner(stack.model, dit="fused")
+    eager = _stream(eager_runner, eager_runner.open_stream("e", stack.prompt, 1), windows)
+    assert np.array_equal(graphed["mel"], eager["mel"]) and np.array_equal(graphed["wav"], eager["wav"])

@@ -205,7 +205,10 @@ class Code2WavRunner:
         For each batch size ``b`` in ``max_batch``..1, ``b`` throwaway streams run together through the
         same batched path as live traffic: a first window of each size in ``first_windows``, then
         ``steady_windows`` windows of ``steady_new`` codes (enough for the estimator caches to reach their
-        trimmed steady length). Each new shape captures its graphs on first use; doing all of it before
+        trimmed steady length). After a first window shorter than ``steady_new``, one more window of the
+        remaining ``steady_new - first`` codes runs from the first window's state on a copy: a realtime
+        speaking unit (25 frames) with a 10-frame first window flushes its other 15 frames as that window,
+        and without its graph it would run eager (slow, and it lengthens a barge-in's drain). Each new shape captures its graphs on first use; doing all of it before
         the server reports serving keeps capture (hundreds of ms, and a cuDNN failure under GPU
         time-slicing on the H200) away from live traffic, which after the freeze never captures: shapes
         not covered here run eager. Largest batches go first so the shared graph arenas and memory pool
@@ -230,6 +233,10 @@ class Code2WavRunner:
                     window = [CODEC_SILENCE_ID] * self.lookahead + codes[:first]
                     self.run_batch(states, [window] * batch, False)
                     ran += 1
+                    if first < steady_new:  # a realtime unit's flush right after a short first window
+                        realign = window[-self.lookahead :] + codes[: steady_new - first]
+                        self.run_batch([replace(s) for s in states], [realign] * batch, False)
+                        ran += 1
                     for _ in range(steady_windows):
                         window = window[-self.lookahead :] + codes[:steady_new]
                         self.run_batch(states, [window] * batch, False)
