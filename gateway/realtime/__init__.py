@@ -32,6 +32,7 @@ def mount_realtime(app: FastAPI) -> None:
         if config is not None:
             settings.served_model = config.model_name
             settings.max_sessions = config.realtime_session_limit
+            settings.first_window_frames = config.profile.stage("talker").codec.first_window_frames
         app.state.realtime_settings = settings
 
     def pipeline_factory(session: PipelineHost) -> SessionPipeline:

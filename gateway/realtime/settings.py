@@ -26,6 +26,10 @@ class RealtimeSettings:
     supports_session_resume: bool = True
     # Hidden-state rows per thinker chunk and their dtype on the wire ("bf16" or "fp32").
     hidden_dtype: str = "fp32"
+    # Frames of a speaking turn's first codec window (0: a full window, upstream's duplex framing). The
+    # gateway sets the deploy profile's talker.codec.first_window_frames, as the chat route uses: the first
+    # audio leaves after that many frames instead of a whole unit's 25.
+    first_window_frames: int = 0
     seed: int | None = None
     # session.close / a session-ending failure waits at most this long for the stage streams to wind down
     # before it answers session.closed (the gRPC pipeline cancels its calls first, so this is a backstop).

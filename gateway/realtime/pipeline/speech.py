@@ -109,7 +109,10 @@ class SpeechTurn:
         if self.ref_pcm is not None:
             c2w_open.ref_audio.CopyFrom(self.ref_pcm)
         talker_open = talker_pb2.TalkerOpen(
-            id=open_id, mode=thinker_pb2.STREAM_MODE_DUPLEX, sampling=tsampling
+            id=open_id,
+            mode=thinker_pb2.STREAM_MODE_DUPLEX,
+            sampling=tsampling,
+            first_window_frames=self.settings.first_window_frames,
         )
         stage = "talker"
         try:
