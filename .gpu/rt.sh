@@ -13,5 +13,5 @@ run() {
   cp /tmp/$name/realtime.json "$OUT/$name.json" 2>/dev/null; cp /tmp/$name/realtime.md "$OUT/$name.md" 2>/dev/null
   cat /tmp/$name/realtime.md 2>/dev/null || tail -30 /tmp/$name.log
 }
-[[ " ${ARMS:-off on} " == *" off "* ]] && BUDGET=${OFF_BUDGET:-230} MINICPMO_DUPLEX_ENCODE_AHEAD=0 MINICPMO_REALTIME_TURN_LOOKAHEAD=0 run rt_off --sessions ${OFF_LEVELS:-1 16} --duration ${DUR:-30}
-[[ " ${ARMS:-off on} " == *" on "* ]] && BUDGET=${ON_BUDGET:-290} run rt_on --sessions ${ON_LEVELS:-1 4 16} --duration ${DUR:-30}
+[[ " ${ARMS:-off on} " == *" off "* ]] && BUDGET=${OFF_BUDGET:-230} MINICPMO_DUPLEX_ENCODE_AHEAD=0 MINICPMO_REALTIME_TURN_LOOKAHEAD=0 run rt_off${TAG:-} --sessions ${OFF_LEVELS:-1 16} --duration ${DUR:-30}
+[[ " ${ARMS:-off on} " == *" on "* ]] && BUDGET=${ON_BUDGET:-290} run rt_on${TAG:-} --sessions ${ON_LEVELS:-1 4 16} --duration ${DUR:-30}
