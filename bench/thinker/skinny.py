@@ -55,7 +55,7 @@ def _graph_us(fn: Callable[[int], object], device: torch.device, iters: int = 20
     return us
 
 
-def candidates(m: int, n: int, k: int, sms: int) -> list:  # noqa: ANN001 (SkinnyConfig list)
+def candidates(m: int, n: int, k: int, sms: int) -> list:  # (SkinnyConfig list: skinny imports triton)
     """~12-16 configs per shape: dot tiles at the split that first fills the SMs and twice it, broadcast
     tiles (≤ 8192 products per step) for M ≤ 4, and the default."""
     from services.thinker.kernels.skinny import SkinnyConfig, default_config, row_bucket
@@ -84,8 +84,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list:  # noqa: ANN001 (Skinn
         for bn, bk in ((16, 512), (32, 256), (64, 128), (16, 128), (32, 64)):
             if rows * bn * bk <= 8192:
                 out.append(SkinnyConfig(bn, bk, split_for(bn, bk), 4, 3, False))
-    seen: set = set()
-    return [c for c in out if not (c in seen or seen.add(c))]
+    return list(dict.fromkeys(out))  # unique, in order
 
 
 def _case(device: torch.device, dtype: torch.dtype, m: int, name: str, scale: int, sms: int) -> dict:
