@@ -13,7 +13,9 @@ two decode, so its prefill and their decode rows replay one row graph (a mixed s
 * thinker: :class:`services.thinker.engine.ThinkerEngine`, greedy, ``ignore_eos``; compared: sampled
   tokens and the final-norm hidden row of every fed token. The eager engine runs the pure-torch kernels
   (``--eager-kernels torch``), the graphed one the default backend (Triton on CUDA: fused norms, rotary,
-  cache writes and paged attention), so the comparison covers both the graphs and the kernels;
+  cache writes and paged attention, and for graph steps of ≤ 16 rows the skinny GEMMs with the norms and
+  SwiGLU in their prologues; ``MINICPMO_THINKER_SKINNY_GEMM=0`` checks the cuBLAS GEMMs instead), so the
+  comparison covers both the graphs and the kernels;
 * talker: :class:`services.talker.engine.TalkerEngine`, greedy codes (repetition penalty off, so the
   argmax of the observed logits is the chosen code), fixed frame count; compared: codes and the fp32
   logits of every step. As for the thinker, the eager engine runs the torch decode path and the graphed
@@ -176,9 +178,10 @@ def thinker_runs(
     active = engine.runner.use_cuda_graphs
     counts = dict(engine.runner.step_counts)
     counts["chained"] = engine.chained_steps  # overlapped decode steps (services.thinker.overlap)
+    skinny, skinny_passes = engine.runner.skinny_gemm, engine.runner.fused.skinny_passes
     print(
         f"[cuda_smoke] thinker {'graph' if graphs else 'eager'} engine steps ({engine.runner.kernel_backend} "
-        f"kernels): {counts}",
+        f"kernels, skinny GEMMs {'on' if skinny else 'off'}: {skinny_passes} layer passes): {counts}",
         flush=True,
     )
     del engine
@@ -188,6 +191,8 @@ def thinker_runs(
         raise RuntimeError("thinker engine did not enable CUDA graphs")
     if graphs and active and late_after is not None and counts["graph_mixed"] < 1:
         raise RuntimeError(f"the late prompt's prefill did not replay a row graph: {counts}")
+    if graphs and active and skinny and skinny_passes < 1:
+        raise RuntimeError("the skinny GEMMs are on but no graph recorded them")
     return runs
 
 

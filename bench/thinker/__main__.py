@@ -13,6 +13,8 @@ bytes and FLOPs), in one process and one run:
 * the levers A/B in the same run (``--overlap on|off|both``): engine decode with and without the
   overlapped decode of :mod:`services.thinker.overlap` (same engine, same graphs), each row reporting
   engine ms, the replay alone, the floor and the ratios;
+* the skinny decode GEMMs A/B (``--skinny on|off|both``, :mod:`services.thinker.kernels.skinny`): each arm
+  drops the captured graphs and recaptures them with the GEMM path switched (same engine and weights);
 * the same-run floors of :mod:`bench.thinker.floor`: the step's weight matmuls alone in one CUDA graph
   per batch (decode is reported as a ratio to it) and the dense matmul rate (prefill is reported as the
   share of it its matmul FLOPs reach).
@@ -110,6 +112,7 @@ def engine_decode(
     return {
         "batch": batch,
         "overlap": engine.overlap,
+        "skinny": engine.runner.skinny_gemm,
         "chained_steps": chained,
         "graph_replay_ms": replay_ms,
         "ms_per_step": 1e3 * dt / steps,
@@ -208,7 +211,9 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["engine_decode"]:
         h = hf.get(r["batch"])
         roof = r.get("roofline_ms")
-        label = f"{r['batch']}{' (overlap)' if r.get('overlap') else ''}"
+        label = (
+            f"{r['batch']}{' (overlap)' if r.get('overlap') else ''}{' (skinny)' if r.get('skinny') else ''}"
+        )
         lines.append(
             f"| {label} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} "
             f"| {h['ms_per_step']:.2f} | {h['ms_per_step'] / r['ms_per_step']:.1f}x "
@@ -224,9 +229,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"Same-run floors: dense {result['dtype']} matmul {ref['matmul_tflop_s']:.0f} TFLOP/s, copy "
             f"{ref['copy_tb_s']:.2f} TB/s, weights {ref['weight_bytes'] / 1e9:.2f} GB per step.",
             "",
-            "| batch | overlap | engine ms/step | graph replay ms | matmul-stack floor ms | ratio "
+            "| batch | overlap | skinny | engine ms/step | graph replay ms | matmul-stack floor ms | ratio "
             "| replay ratio | floor weight TB/s |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|",
+            "|---:|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["engine_decode"]:
             f = stack.get(r["batch"])
@@ -234,8 +239,9 @@ def markdown(result: dict[str, Any]) -> str:
                 tb = next(x["weight_tb_s"] for x in ref["matmul_stack"] if x["batch"] == r["batch"])
                 rep = r.get("graph_replay_ms")
                 over = "on" if r.get("overlap") else "off"
+                skinny = "on" if r.get("skinny") else "off"
                 lines.append(
-                    f"| {r['batch']} | {over} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
+                    f"| {r['batch']} | {over} | {skinny} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
                     f"| {f:.2f} | {r['ms_per_step'] / f:.2f}x | {'–' if rep is None else f'{rep / f:.2f}x'} "
                     f"| {tb:.2f} |"
                 )
@@ -282,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         help="overlapped decode (services.thinker.overlap): on, off, or both A/B per batch (same engine)",
     )
+    ap.add_argument(
+        "--skinny",
+        choices=["on", "off", "both"],
+        default="on",
+        help="skinny Triton decode GEMMs with fused norms (Triton kernels only): on, off, or both A/B "
+        "(each arm recaptures the graphs)",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -327,14 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     weights = weight_bytes_per_step(llm)
     decode = []
     overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
-    for b in batches:
-        for over in overlaps:
-            r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)
-            mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
-            step_bytes = weights + b * mean_ctx * engine.layout.bytes_per_token
-            r["bytes_per_step"] = step_bytes
-            r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
-            decode.append(r)
+    for skinny in {"on": [True], "off": [False], "both": [False, True]}[args.skinny]:
+        # A captured graph keeps the GEMMs it recorded: each arm recaptures (lazily, at its first step).
+        engine.runner.drop_graphs()
+        engine.runner.set_skinny_gemm(skinny)
+        for b in batches:
+            for over in overlaps:
+                r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)
+                mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
+                step_bytes = weights + b * mean_ctx * engine.layout.bytes_per_token
+                r["bytes_per_step"] = step_bytes
+                r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
+                decode.append(r)
     if args.profile and device.type == "cuda":
         ctx = args.context_len + args.warmup_steps + args.decode_steps + 1
         for b in sorted({batches[0], batches[-1]}):

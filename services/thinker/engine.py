@@ -77,6 +77,9 @@ class EngineConfig:
     reserve_bytes: int = 0
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
+    # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.thinker.kernels.skinny);
+    # None: on with the Triton kernels on CUDA unless MINICPMO_THINKER_SKINNY_GEMM=0.
+    skinny_gemm: bool | None = None
     # The process's GIL switch interval while the engine thread runs (None: Python's 5 ms). Each CUDA sync
     # of a step drops the GIL; getting it back from a thread busy in pure Python (the event loop encoding
     # protobufs, the encode thread's mel) takes up to one interval, so at 5 ms a step's two syncs could
@@ -132,7 +135,11 @@ class ThinkerEngine:
             )
         self.cache = PagedKVCache(self.layout, budget, self.device)
         self.runner = ModelRunner(
-            llm, self.cache, use_cuda_graphs=config.use_cuda_graphs, compile_layers=config.compile_layers
+            llm,
+            self.cache,
+            use_cuda_graphs=config.use_cuda_graphs,
+            compile_layers=config.compile_layers,
+            skinny_gemm=config.skinny_gemm,
         )
         self.scheduler = Scheduler(
             self.cache.pool,

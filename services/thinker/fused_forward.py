@@ -7,6 +7,13 @@ gather), the O GEMM, add+RMSNorm, the gate|up GEMM, SwiGLU and the down GEMM, wh
 fused into the next layer's input norm (the last one into the final norm). It also builds the attention
 tiles of a step: one-row tiles for a packed-row (graph) step, derived on the device from the graph's
 inputs; 16-row tiles of each prefill chunk for an eager step, built on the host.
+
+A packed-row step of at most :data:`SKINNY_MAX_ROWS` rows (a graphed decode step) with the runner's
+``skinny_gemm`` on runs its GEMMs through :mod:`services.thinker.kernels.skinny` instead of cuBLAS, each
+with the preceding norm or SwiGLU as its prologue: per layer the QKV GEMM (add + input norm), O, gate|up
+(add + post norm) and down (SwiGLU) — six launches with rotary/cache write and attention, not nine. At
+these row counts the GEMMs only stream weights, and the three removed launches per layer are most of what
+a step spent beyond its matmuls. Prefill and eager steps keep cuBLAS (many rows: compute-bound).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class LayerHost(Protocol):
     model: Any  # the Qwen3 decoder (its embedding and final norm)
     layers: list[FusedLayer]
     ops: Any  # the kernel backend's ops (``kernels.get_ops``)
+    skinny_gemm: bool  # packed-row steps of few rows use the skinny Triton GEMMs
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -41,6 +49,7 @@ class LayerHost(Protocol):
 
 
 EAGER_TILE_ROWS = 16  # rows of one sequence per attention tile in eager steps (prefill chunks)
+SKINNY_MAX_ROWS = 16  # packed-row steps of at most this many rows use the skinny GEMMs (row buckets 1..16)
 
 
 class FusedForward:
@@ -49,13 +58,30 @@ class FusedForward:
     def __init__(self, runner: LayerHost) -> None:
         self.runner = runner
         self._row_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.skinny_passes = 0  # layer loops run through the skinny GEMMs (host count: captures, tests)
         dev = runner.device
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
 
+    def uses_skinny(self, rows: int, packed: bool) -> bool:
+        """Whether a step of ``rows`` rows takes the skinny GEMMs: packed-row (graph) steps of few rows."""
+        return packed and self.runner.skinny_gemm and rows <= SKINNY_MAX_ROWS
+
     def layers(
-        self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        tiles: AttentionTiles,
+        *,
+        packed: bool = False,
     ) -> torch.Tensor:
-        """Every decoder layer over packed rows ``x [T, hidden]``; returns the final-norm hidden."""
+        """Every decoder layer over packed rows ``x [T, hidden]``; returns the final-norm hidden.
+
+        ``packed``: a packed-row step (the graph body), which may take the skinny GEMMs.
+        """
+        if self.uses_skinny(x.shape[0], packed):
+            self.skinny_passes += 1
+            return self._skinny_layers(x, positions, write_slots, tiles)
         r = self.runner
         ops = r.ops
         t = x.shape[0]
@@ -76,6 +102,42 @@ class FusedForward:
             attn_out = F.linear(o.view(t, hq * d), lay.o_weight, lay.o_bias)
             x, h = ops.add_rms_norm(x, attn_out, lay.post_norm_weight, lay.post_eps)
             delta = F.linear(ops.silu_mul(F.linear(h, lay.gate_up_weight)), lay.down_weight)
+        norm = r.model.norm
+        if delta is None:
+            return ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))
+        return ops.add_rms_norm(x, delta, norm.weight, float(norm.variance_epsilon))[1]
+
+    def _skinny_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
+    ) -> torch.Tensor:
+        """The layer loop of :meth:`layers` with the norms and SwiGLU inside the skinny GEMMs."""
+        from services.thinker.kernels import skinny
+
+        r = self.runner
+        ops = r.ops
+        t = x.shape[0]
+        hq, hkv, d = r.num_heads, r.num_kv_heads, r.head_dim
+        delta: torch.Tensor | None = None
+        for idx, lay in enumerate(r.layers):
+            if delta is None:
+                qkv = skinny.linear_rms_norm(
+                    x, lay.input_norm_weight, lay.input_eps, lay.qkv_weight, lay.qkv_bias
+                )
+            else:
+                x, qkv = skinny.linear_add_rms_norm(
+                    x, delta, lay.input_norm_weight, lay.input_eps, lay.qkv_weight, lay.qkv_bias
+                )
+            k_cache, v_cache = r.cache.k[idx], r.cache.v[idx]
+            q = ops.qk_rope_store(
+                qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, positions, write_slots,
+                k_cache, v_cache, hq, hkv,
+            )  # fmt: skip
+            o = ops.paged_attention(q, k_cache, v_cache, tiles)
+            attn_out = skinny.linear(o.view(t, hq * d), lay.o_weight, lay.o_bias)
+            x, gate_up = skinny.linear_add_rms_norm(
+                x, attn_out, lay.post_norm_weight, lay.post_eps, lay.gate_up_weight
+            )
+            delta = skinny.linear_silu_mul(gate_up, lay.down_weight)
         norm = r.model.norm
         if delta is None:
             return ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.thinker.fused_forward import FusedForward
-from services.thinker.kernels import get_ops, select_backend
+from services.thinker.kernels import get_ops, select_backend, skinny_enabled
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import FusedLayer, fuse_rows, post_attention, pre_attention
 from services.thinker.row_graph import Capture, RowGraph, fill_rows
@@ -83,6 +83,7 @@ class ModelRunner:
         use_cuda_graphs: bool = True,
         compile_layers: bool = False,
         kernels: str | None = None,
+        skinny_gemm: bool | None = None,
     ) -> None:
         self.llm = llm
         self.model = llm.model
@@ -106,6 +107,7 @@ class ModelRunner:
             self._post = torch.compile(post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
+        self._skinny_request = skinny_gemm  # None: MINICPMO_THINKER_SKINNY_GEMM, else on for CUDA + Triton
         self.set_kernels(kernels)
         self.fused = FusedForward(self)
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
@@ -122,11 +124,27 @@ class ModelRunner:
             raise RuntimeError("set_kernels after a CUDA graph was captured")
         self.kernel_backend = select_backend(self.device, kernels)
         self.ops = get_ops(self.kernel_backend)
+        # Packed-row steps of few rows run their GEMMs as skinny Triton kernels with the norms and SwiGLU
+        # fused in (services.thinker.kernels.skinny); prefill and other eager steps keep cuBLAS.
+        self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, self._skinny_request)
         if self.kernel_backend != "torch" and self._pre is not pre_attention:
             log.info(
                 "--compile has no effect with the %s kernels (they are fused already)", self.kernel_backend
             )
-        log.info("thinker kernels: %s", self.kernel_backend)
+        log.info("thinker kernels: %s (skinny decode GEMMs %s)", self.kernel_backend, self.skinny_gemm)
+
+    def set_skinny_gemm(self, enabled: bool | None) -> None:
+        """Turn the skinny decode GEMMs on/off (None: the environment's default), before any capture."""
+        if self._graphs:
+            raise RuntimeError("set_skinny_gemm after a CUDA graph was captured (drop_graphs first)")
+        self._skinny_request = enabled
+        self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, enabled)
+
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (benchmarks A/B kernel settings); only between steps, none in flight."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
 
     def _fuse(self, layer: nn.Module) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -511,7 +529,8 @@ class ModelRunner:
         if self.kernel_backend == "torch":
             hidden = self._layers_forward(x, positions, write, self._decode_attn_plan(positions, table))
         else:
-            hidden = self.fused.layers(x, positions, write, self.fused.row_tiles(positions, table))
+            tiles = self.fused.row_tiles(positions, table)
+            hidden = self.fused.layers(x, positions, write, tiles, packed=True)
         return hidden, self.llm.lm_head(hidden)
 
 

@@ -17,7 +17,9 @@ transformers modules; it is the CPU/CI path and the reference the Triton path is
 (tests run the Triton kernels on CPU through Triton's interpreter, ``bench.cuda_smoke`` on the GPU).
 
 ``select_backend`` picks: ``MINICPMO_THINKER_KERNELS`` = ``torch`` | ``triton`` | ``auto`` (default:
-Triton on CUDA when it imports, torch otherwise).
+Triton on CUDA when it imports, torch otherwise). With Triton, packed-row decode steps of few rows also
+run their GEMMs through :mod:`.skinny` (the norms and SwiGLU fused into the GEMMs' prologues);
+``skinny_enabled`` decides, ``MINICPMO_THINKER_SKINNY_GEMM=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "triton")
 ENV_VAR = "MINICPMO_THINKER_KERNELS"
+SKINNY_ENV_VAR = "MINICPMO_THINKER_SKINNY_GEMM"
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -57,6 +60,23 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
             f"the triton kernel backend needs triton and a CUDA device (or TRITON_INTERPRET=1), not {device}"
         )
     return want
+
+
+def skinny_enabled(device: torch.device, backend: str, requested: bool | None = None) -> bool:
+    """Whether packed-row steps use the skinny Triton GEMMs: only with the Triton backend; ``requested``
+    (a config field) wins, else ``MINICPMO_THINKER_SKINNY_GEMM`` (0/1), else on for CUDA."""
+    if backend != "triton":
+        return False
+    if requested is not None:
+        return bool(requested)
+    env = os.environ.get(SKINNY_ENV_VAR, "").strip().lower()
+    if env in ("0", "false", "off", "no"):
+        return False
+    if env in ("1", "true", "on", "yes"):
+        return True
+    if env:
+        raise ValueError(f"{SKINNY_ENV_VAR} must be 0 or 1 (got {env!r})")
+    return device.type == "cuda"
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
