@@ -12,7 +12,7 @@ t0=$(date +%s)
 md="$OUT/thinker.md"
 : > "$md"
 timeout "${BENCH_BUDGET:-110}" python3 -m bench.thinker --checkpoint /tmp/ck --device cuda --batches 1,16 \
-  --overlap both --no-hf --decode-steps "${STEPS:-128}" --warmup-steps 16 --prefill-iters 2 \
+  ${LEVER:---overlap both} --no-hf --decode-steps "${STEPS:-128}" --warmup-steps 16 --prefill-iters 2 \
   --json-out "$OUT/thinker_bench.json" > /tmp/thinker_bench.log 2>&1
 rc=$?
 echo "bench.thinker rc=$rc after $(( $(date +%s) - t0 )) s"

@@ -141,6 +141,31 @@ def test_config_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sk.default_config(1, 24576, 4096).split_k == 1
 
 
+def test_microbench_table_file_feeds_the_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench.thinker.skinny --json-out`` rows (their best config) load as table entries keyed by row
+    bucket; a shape whose sweep found nothing usable is left to the default."""
+    import json
+
+    sk = _sk()
+    rows = [
+        {"rows": 16, "n": 4096, "k": 12288, "best": {"config": [128, 128, 4, 8, 4, True], "us": 40.0}},
+        {"rows": 3, "n": 6144, "k": 4096, "best": {"config": [32, 256, 2, 4, 3, False], "us": 9.0}},
+        {"rows": 1, "n": 24576, "k": 4096, "best": None},
+    ]
+    path = tmp_path / "skinny.json"
+    path.write_text(json.dumps(rows))
+    table = sk.load_table(path)
+    assert table == {
+        (16, 4096, 12288): sk.SkinnyConfig(128, 128, 4, 8, 4, True),
+        (4, 6144, 4096): sk.SkinnyConfig(32, 256, 2, 4, 3, False),
+    }
+    monkeypatch.setattr(sk, "SKINNY_CONFIGS", {})
+    monkeypatch.setenv(sk.TABLE_ENV, str(path))
+    sk._load_env_table()
+    assert sk.config_for(9, 4096, 12288) == sk.SkinnyConfig(128, 128, 4, 8, 4, True)
+    assert sk.config_for(1, 24576, 4096) == sk.default_config(1, 24576, 4096)
+
+
 def test_skinny_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("MINICPMO_THINKER_SKINNY_GEMM", raising=False)

@@ -28,6 +28,9 @@ tuning run inside a capture, or beside two other processes on the GPU, would be 
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -54,6 +57,21 @@ class SkinnyConfig(NamedTuple):
 # (it prints this literal). Row buckets are powers of two; a missing bucket takes the nearest one above
 # (else below) for the same (N, K); a missing shape takes ``default_config``.
 SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+TABLE_ENV = "MINICPMO_THINKER_SKINNY_TABLE"  # a ``bench.thinker.skinny --json-out`` file: its best configs
+
+
+def load_table(path: str | os.PathLike[str]) -> dict[tuple[int, int, int], SkinnyConfig]:
+    """The best config of each (row bucket, N, K) in a ``bench.thinker.skinny --json-out`` file.
+
+    For a GPU the built-in table was not measured on: tune once with the microbench, then point
+    :data:`TABLE_ENV` at its output; its entries win over the built-in ones.
+    """
+    rows = json.loads(Path(path).read_text())
+    return {
+        (row_bucket(int(r["rows"])), int(r["n"]), int(r["k"])): SkinnyConfig(*r["best"]["config"])
+        for r in rows
+        if r.get("best")
+    }
 
 
 def row_bucket(m: int) -> int:
@@ -69,6 +87,12 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> SkinnyConfig:
     while split < 16 and tiles * split < 2 * sms and k // (2 * split) >= 512:
         split *= 2
     return SkinnyConfig(block_n, 128, split, 4, 4, True)
+
+
+def _load_env_table() -> None:
+    path = os.environ.get(TABLE_ENV)
+    if path:
+        SKINNY_CONFIGS.update(load_table(path))
 
 
 def config_for(m: int, n: int, k: int) -> SkinnyConfig:
@@ -321,3 +345,6 @@ def linear_silu_mul(
 ) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T (+ bias)`` for ``gate_up [M, 2K]``, the gate as ``silu_mul`` rounds."""
     return _launch(SILU_MUL, gate_up, weight, bias, config=config)
+
+
+_load_env_table()
