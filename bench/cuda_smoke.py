@@ -13,8 +13,8 @@ two decode, so its prefill and their decode rows replay one row graph (a mixed s
 * thinker: :class:`services.thinker.engine.ThinkerEngine`, greedy, ``ignore_eos``; compared: sampled
   tokens and the final-norm hidden row of every fed token. The eager engine runs the pure-torch kernels
   (``--eager-kernels torch``), the graphed one the default backend (Triton on CUDA: fused norms, rotary,
-  cache writes and paged attention, and for graph steps of ≤ 16 rows the skinny GEMMs with the norms and
-  SwiGLU in their prologues; ``MINICPMO_THINKER_SKINNY_GEMM=0`` checks the cuBLAS GEMMs instead), so the
+  cache writes and paged attention, and the cuBLAS GEMMs; with ``MINICPMO_THINKER_SKINNY_GEMM=1`` graph steps of
+  ≤ 16 rows run the skinny GEMMs with the norms and SwiGLU in their prologues instead, off by default), so the
   comparison covers both the graphs and the kernels;
 * talker: :class:`services.talker.engine.TalkerEngine`, greedy codes (repetition penalty off, so the
   argmax of the observed logits is the chosen code), fixed frame count; compared: codes and the fp32

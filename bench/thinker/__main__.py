@@ -291,9 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--skinny",
         choices=["on", "off", "both"],
-        default="on",
-        help="skinny Triton decode GEMMs with fused norms (Triton kernels only): on, off, or both A/B "
-        "(each arm recaptures the graphs)",
+        default="off",
+        help="skinny Triton decode GEMMs with fused norms (Triton kernels only; off by default in the "
+        "engine): on, off, or both A/B (each arm recaptures the graphs)",
     )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)

@@ -145,6 +145,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
+        # The pool dies with its last graph: capturing into its stale handle again tripped the caching
+        # allocator's assert on the H200 (use_count > 0), so the next capture makes a fresh pool.
+        self._graph_pool = None
 
     def _fuse(self, layer: nn.Module) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp

@@ -64,7 +64,12 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
 
 def skinny_enabled(device: torch.device, backend: str, requested: bool | None = None) -> bool:
     """Whether packed-row steps use the skinny Triton GEMMs: only with the Triton backend; ``requested``
-    (a config field) wins, else ``MINICPMO_THINKER_SKINNY_GEMM`` (0/1), else on for CUDA."""
+    (a config field) wins, else ``MINICPMO_THINKER_SKINNY_GEMM`` (0/1), else off.
+
+    Off by default because it measured slower: on the H200 the four fused GEMMs of a step took 4.42 ms at
+    1 row and 5.36 ms at 16 against 4.17 / 4.18 ms for the norm and gate kernels plus cuBLAS (best
+    microbench configs, ``bench.thinker.skinny``; BENCHMARKS.md, session 8). Only the O projection won.
+    """
     if backend != "triton":
         return False
     if requested is not None:
@@ -76,7 +81,7 @@ def skinny_enabled(device: torch.device, backend: str, requested: bool | None = 
         return True
     if env:
         raise ValueError(f"{SKINNY_ENV_VAR} must be 0 or 1 (got {env!r})")
-    return device.type == "cuda"
+    return False
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
