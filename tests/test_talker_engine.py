@@ -162,6 +162,26 @@ def test_greedy_batched_engine_equals_plain_reference_loop(model: MiniCPMTTS) ->
     assert prefill_sizes[0] == 3  # the three conditions arrived before the first step: one batched prefill
 
 
+def test_prefill_warm_up_leaves_every_slot_empty(model: MiniCPMTTS) -> None:
+    """The start-up burst prefill (``warmup_prefill``, run by the server on CUDA) feeds every slot at once
+    and empties them again: a stream afterwards decodes exactly as on a cold engine (with the warm-up's
+    rows left counted, its prefill would start behind them and attend to them)."""
+
+    def frames(warm: bool) -> list[int]:
+        engine = TalkerEngine(model, max_streams=3)
+        if warm:
+            assert engine.runner.warmup_prefill(rows=16) == 3 * 16
+            assert engine.runner.cache.lengths == [0, 0, 0]
+        sink = Sink()
+        greedy = engine.default_sampling(temperature=1.0, greedy=True)
+        st = engine.open(engine.make_settings(sampling=greedy, fixed_frames=30), sink)
+        engine.chunk(st, cond_input(model, 6, 7))
+        engine.run_until_idle()
+        return sink.frames
+
+    assert frames(True) == frames(False)
+
+
 def test_a_failed_batched_prefill_falls_back_to_one_prefill_per_stream(model: MiniCPMTTS) -> None:
     """If the batched forward fails, each stream is prefilled alone (only a stream at fault would get an
     error): the streams still produce exactly the frames of an engine whose batched prefill works."""

@@ -292,6 +292,29 @@ class TalkerRunner:
         last = hidden[torch.arange(bsz, device=dev), torch.tensor(sizes, device=dev) - 1]
         return self.model.head_logits(last)
 
+    @torch.inference_mode()
+    def warmup_prefill(self, streams: int | None = None, rows: int = 64) -> int:
+        """One batched prefill of ``streams`` slots (default: all) at once, then every slot empty again.
+
+        Why: the first burst of streams that start together (c=8 chat requests) prefills them in one padded
+        forward (:meth:`prefill_batch`); run first while serving, that step pays the caching allocator's
+        new blocks and the eager kernels' first-call setup for its shapes. The thinker warms the same way
+        (``burst_warmup_step``). Slots are free at start; the rows written here lie beyond every later
+        stream's length, which masks them out until that stream overwrites them. Returns the rows fed.
+        """
+        n = min(streams or self.cache.num_slots, self.cache.num_slots)
+        if n < 1 or rows < 1:
+            return 0
+        saved = list(self.cache.lengths)
+        x = torch.zeros(rows, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        try:
+            self.prefill_batch([(slot, x) for slot in range(n)])
+        finally:
+            self.cache.lengths[:] = saved
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return n * rows
+
     # -------------------------------------------------------------------------------------- decode
     def _step_eager(
         self, ints: torch.Tensor, floats: torch.Tensor, read_len: int

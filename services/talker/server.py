@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         args.checkpoint, args.device, args.dtype, args.max_streams, False if args.no_cuda_graphs else None
     )
     if not args.no_graph_warmup:
+        if engine.runner.device.type == "cuda":  # the first burst's allocations and first calls, now
+            engine.runner.warmup_prefill(engine.max_prefills_per_step)
         graphs = engine.runner.warmup_graphs()
         if graphs:
             log.info("captured %d talker decode CUDA graphs", graphs)
