@@ -241,3 +241,30 @@ def test_warm_up_covers_a_realtime_units_flush_after_a_short_first_window(stack)
     eager_runner = Code2WavRunner(stack.model, dit="fused")
     eager = _stream(eager_runner, eager_runner.open_stream("e", stack.prompt, 1), windows)
     assert np.array_equal(graphed["mel"], eager["mel"]) and np.array_equal(graphed["wav"], eager["wav"])
+
+
+def test_warm_up_covers_duplex_turn_ends_at_every_batch_size(stack) -> None:  # noqa: ANN001
+    """A duplex turn ends with an empty last window (its units are whole windows), and with many sessions
+    several end together: the warm-up captures that window at every batch size, not only at batch 1
+    (on the H200 at 16 sessions such batches of 2, 4 and 8 ran eager), and a batch of two turn ends
+    replays with the eager runner's audio."""
+    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
+
+    calls: list = []
+    capture, _ = _shared_capture(calls)
+    runner = Code2WavRunner(stack.model, dit="fused")
+    graphs = enable_cuda_graphs(runner, capture=capture)
+    ran = runner.warm_up_shapes(
+        stack.prompt, max_batch=2, first_windows=(25,), steady_windows=1, last_windows=(0, 3)
+    )
+    assert ran == 7  # batch 2: first, steady, empty last; batch 1: first, steady, two last windows
+    codes = torch.randint(0, 6561, (50,), generator=torch.Generator().manual_seed(9)).tolist()
+    w1 = [CODEC_SILENCE_ID] * 3 + codes[:25]
+    w2 = w1[-3:] + codes[25:50]
+    windows = [(w1, False), (w2, False), (w2[-3:], True)]
+    before = {name: g.eager_calls for name, g in graphs.items()}
+    graphed = _batched(runner, stack.prompt, windows)
+    assert {name: g.eager_calls - before[name] for name, g in graphs.items()} == dict.fromkeys(graphs, 0)
+    eager = _batched(Code2WavRunner(stack.model, dit="fused"), stack.prompt, windows)
+    for got, ref in zip(graphed, eager, strict=True):
+        assert np.array_equal(got["mel"], ref["mel"]) and np.array_equal(got["wav"], ref["wav"])

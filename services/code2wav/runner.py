@@ -213,7 +213,8 @@ class Code2WavRunner:
         time-slicing on the H200) away from live traffic, which after the freeze never captures: shapes
         not covered here run eager. Largest batches go first so the shared graph arenas and memory pool
         reach their final size at once. ``last_windows`` lists the new-code counts of last windows to
-        capture at batch 1 from the steady (trimmed) caches, which is where a reply longer than the
+        capture at batch 1 from the steady (trimmed) caches (the empty one, 0, at every batch size: the
+        end of a duplex turn), which is where a reply longer than the
         warm-up's windows ends (default: 0..24, the talker's remainders, with the fused flow; none with
         the package path, whose last windows run eager). Returns the number of windows run."""
         if last_windows is None:
@@ -241,10 +242,13 @@ class Code2WavRunner:
                         window = window[-self.lookahead :] + codes[:steady_new]
                         self.run_batch(states, [window] * batch, False)
                         ran += 1
-                    if batch == 1 and first == max(first_windows):
-                        for new in last_windows:  # each from the same steady state (caches are immutable)
-                            last = [replace(states[0])]
-                            self.run_batch(last, [window[-self.lookahead :] + codes[:new]], True)
+                    if first == max(first_windows):
+                        # Last windows, each on copies of the same steady states (caches are immutable):
+                        # every remainder at batch 1; at larger batches the empty one, which ends each duplex
+                        # turn (a unit is a whole window) and so comes from several sessions at once.
+                        for new in last_windows if batch == 1 else [n for n in last_windows if n == 0]:
+                            last = [replace(s) for s in states]
+                            self.run_batch(last, [window[-self.lookahead :] + codes[:new]] * batch, True)
                             ran += 1
                     del states  # free these caches before the next batch's windows run
         finally:
