@@ -84,8 +84,6 @@ class FusedForward:
             return self._skinny_layers(x, positions, write_slots, tiles)
         r = self.runner
         ops = r.ops
-        t = x.shape[0]
-        hq, hkv, d = r.num_heads, r.num_kv_heads, r.head_dim
         delta: torch.Tensor | None = None
         for idx, lay in enumerate(r.layers):
             if delta is None:
@@ -93,19 +91,11 @@ class FusedForward:
             else:
                 x, h = ops.add_rms_norm(x, delta, lay.input_norm_weight, lay.input_eps)
             qkv = F.linear(h, lay.qkv_weight, lay.qkv_bias)
-            k_cache, v_cache = r.cache.k[idx], r.cache.v[idx]
-            q = ops.qk_rope_store(
-                qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, positions, write_slots,
-                k_cache, v_cache, hq, hkv,
-            )  # fmt: skip
-            o = ops.paged_attention(q, k_cache, v_cache, tiles)
-            attn_out = F.linear(o.view(t, hq * d), lay.o_weight, lay.o_bias)
+            o = self._attention(idx, qkv, positions, write_slots, tiles)
+            attn_out = F.linear(o, lay.o_weight, lay.o_bias)
             x, h = ops.add_rms_norm(x, attn_out, lay.post_norm_weight, lay.post_eps)
             delta = F.linear(ops.silu_mul(F.linear(h, lay.gate_up_weight)), lay.down_weight)
-        norm = r.model.norm
-        if delta is None:
-            return ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))
-        return ops.add_rms_norm(x, delta, norm.weight, float(norm.variance_epsilon))[1]
+        return self._final_norm(x, delta)
 
     def _skinny_layers(
         self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
@@ -114,9 +104,6 @@ class FusedForward:
         from services.thinker.kernels import skinny
 
         r = self.runner
-        ops = r.ops
-        t = x.shape[0]
-        hq, hkv, d = r.num_heads, r.num_kv_heads, r.head_dim
         delta: torch.Tensor | None = None
         for idx, lay in enumerate(r.layers):
             if delta is None:
@@ -127,21 +114,40 @@ class FusedForward:
                 x, qkv = skinny.linear_add_rms_norm(
                     x, delta, lay.input_norm_weight, lay.input_eps, lay.qkv_weight, lay.qkv_bias
                 )
-            k_cache, v_cache = r.cache.k[idx], r.cache.v[idx]
-            q = ops.qk_rope_store(
-                qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, positions, write_slots,
-                k_cache, v_cache, hq, hkv,
-            )  # fmt: skip
-            o = ops.paged_attention(q, k_cache, v_cache, tiles)
-            attn_out = skinny.linear(o.view(t, hq * d), lay.o_weight, lay.o_bias)
+            o = self._attention(idx, qkv, positions, write_slots, tiles)
+            attn_out = skinny.linear(o, lay.o_weight, lay.o_bias)
             x, gate_up = skinny.linear_add_rms_norm(
                 x, attn_out, lay.post_norm_weight, lay.post_eps, lay.gate_up_weight
             )
             delta = skinny.linear_silu_mul(gate_up, lay.down_weight)
+        return self._final_norm(x, delta)
+
+    def _attention(
+        self,
+        idx: int,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        tiles: AttentionTiles,
+    ) -> torch.Tensor:
+        """Layer ``idx``'s q/k norm + rotary + K/V write, then paged attention: ``[T, heads * head_dim]``."""
+        r = self.runner
+        lay = r.layers[idx]
+        hq, hkv, d = r.num_heads, r.num_kv_heads, r.head_dim
+        k_cache, v_cache = r.cache.k[idx], r.cache.v[idx]
+        q = r.ops.qk_rope_store(
+            qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, positions, write_slots,
+            k_cache, v_cache, hq, hkv,
+        )  # fmt: skip
+        return r.ops.paged_attention(q, k_cache, v_cache, tiles).view(qkv.shape[0], hq * d)
+
+    def _final_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The model's final RMSNorm (after the last layer's residual add, when there was a layer)."""
+        r = self.runner
         norm = r.model.norm
         if delta is None:
-            return ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))
-        return ops.add_rms_norm(x, delta, norm.weight, float(norm.variance_epsilon))[1]
+            return r.ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))
+        return r.ops.add_rms_norm(x, delta, norm.weight, float(norm.variance_epsilon))[1]
 
     def splits(self, tiles: int, context: int) -> int:
         return key_splits(tiles, self.runner.num_kv_heads, context, self.sms)

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.thinker.kernels.counters import ArrivalCounters
+
 PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_MUL = 0, 1, 2, 3
 MAX_ROWS = 32  # the kernel's limit; the runner uses it up to ``fused_forward.SKINNY_MAX_ROWS``
 STAT_ELEMS = 2048  # elements per chunk of the sum-of-squares pass (rows x columns)
@@ -221,22 +223,7 @@ def _skinny_kernel(
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def _counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per column tile, kept per device (see ``_split_counters`` in
-    :mod:`.triton_ops`: persistent, reset by the kernel, grown only outside a capture)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny GEMM counters must be sized before a CUDA-graph capture")
-        if buf is not None:
-            _RETIRED.append(buf)  # graphs captured earlier still point at it
-        buf = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+_COUNTERS = ArrivalCounters("skinny GEMM counters")  # one per column tile of a split-K launch
 
 
 def _launch(
@@ -265,7 +252,7 @@ def _launch(
     tiles = triton.cdiv(n, cfg.block_n)
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     ws = torch.empty((split, block_m, n), dtype=torch.float32, device=a.device) if split > 1 else out
-    cnt = _counters(a.device, tiles) if split > 1 else out
+    cnt = _COUNTERS.get(a.device, tiles) if split > 1 else out
     _skinny_kernel[(tiles, split)](
         a,
         a if delta is None else delta,

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.thinker.kernels.counters import ArrivalCounters
 from services.thinker.kernels.tiles import AttentionTiles
 
 
@@ -249,25 +250,7 @@ def _paged_attention_kernel(
             tl.atomic_xchg(cnt_ptr + tile * HKV + kvh, 0, sem="relaxed", scope="gpu")
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters of the split-K merge, one per (tile, KV head), kept per device.
-
-    Persistent (a graph records the pointer) and left zeroed by the kernel itself, so a step pays no
-    memset. Grown only outside a capture: the warm-up passes before a capture run the same shapes.
-    """
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split counters must be sized before a CUDA-graph capture")
-        if buf is not None:
-            _RETIRED.append(buf)  # graphs captured earlier still point at it
-        buf = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+_COUNTERS = ArrivalCounters("split counters")  # the split-K merge of paged attention
 
 
 class TritonOps:
@@ -359,7 +342,7 @@ class TritonOps:
         else:
             po = pm = pl = out  # unused
         n_tiles = tiles.row.shape[0]
-        counters = _split_counters(q.device, n_tiles * hkv) if splits > 1 else out
+        counters = _COUNTERS.get(q.device, n_tiles * hkv) if splits > 1 else out
         _paged_attention_kernel[(n_tiles, hkv, splits)](
             q,
             k_cache,
