@@ -15,6 +15,7 @@ from services.thinker.engine import EngineConfig, EngineEvent, ThinkerEngine
 from services.thinker.runner import build_qwen3_llm
 from services.thinker.sampling import Sampler, SamplingConfig
 from services.thinker.scheduler import Sequence, WorkItem
+from tests.graph_emulation import emulated
 
 torch.set_num_threads(1)
 
@@ -24,18 +25,6 @@ def llm(tiny_ckpt: Path) -> torch.nn.Module:
     ckpt = Checkpoint(tiny_ckpt)
     tensors = ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=torch.float32)
     return build_qwen3_llm(ckpt.config, tensors, torch.float32, "cpu")
-
-
-def emulated(runner, body):  # noqa: ANN001, ANN202 (the row graph's Capture hook)
-    """A host-side 'graph': replay reruns the body on the static input buffers into the same outputs."""
-    out = body()
-
-    def replay() -> None:
-        hidden, logits = body()
-        out[0].copy_(hidden)
-        out[1].copy_(logits)
-
-    return replay, out
 
 
 def greedy(max_tokens: int, stop: tuple[int, ...] = ()) -> Sampler:

@@ -22,6 +22,7 @@ from services.common.checkpoint import Checkpoint  # noqa: E402
 from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
 from services.thinker.kernels import TorchOps, skinny_enabled  # noqa: E402
 from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
+from tests.graph_emulation import emulated  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -236,18 +237,6 @@ def test_runner_selects_skinny_for_packed_decode_steps(
         torch.testing.assert_close(out.prefill_logits[0], ref.prefill_logits[0], rtol=1e-4, atol=1e-4)
 
 
-def _emulated(runner, body):  # noqa: ANN001, ANN202
-    """A host-side 'graph' (as in test_thinker_overlap.py): replay reruns the body into the same outputs."""
-    out = body()
-
-    def replay() -> None:
-        hidden, logits = body()
-        out[0].copy_(hidden)
-        out[1].copy_(logits)
-
-    return replay, out
-
-
 def _greedy_tokens(llm: torch.nn.Module, kernels: str, graphed: bool) -> tuple[list[list[int]], int]:
     from services.thinker.sampling import Sampler, SamplingConfig
     from services.thinker.scheduler import WorkItem
@@ -258,7 +247,7 @@ def _greedy_tokens(llm: torch.nn.Module, kernels: str, graphed: bool) -> tuple[l
     engine.runner.set_kernels(kernels)
     if graphed:
         engine.runner.use_cuda_graphs = True
-        engine.runner.graph_capture = _emulated
+        engine.runner.graph_capture = emulated
     tokens: list[list[int]] = [[] for _ in range(3)]
     for i, n in enumerate((23, 9, 14)):
         seq = engine.open(lambda ev, i=i: ev.token is not None and tokens[i].append(ev.token))
