@@ -405,7 +405,6 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = Path(args.checkpoint)
     profile = resolve_profile(args, w)
     stage_args = stage_args_for(args, profile)
-    on_cuda = any(d.startswith("cuda") for s in STAGES for d in profile.stage(s).devices)
     talker = profile.stage("talker")
     n_prompts = max(
         args.requests_per_level,
@@ -423,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         "profile": profile.name,
         "profile_source": profile.source,
         "devices": devices,
-        "gpu_sharing": profile.gpu_sharing if on_cuda else "CPU",  # as run: set after the launch
+        # What ran: the launch sets it; against --url the bench does not know how the stages share a GPU.
+        "gpu_sharing": "external (stages not launched by the bench)" if args.url else "CPU",
         "stage_args": stage_args,
         "checkpoint": str(checkpoint.resolve()),
         "workload": {

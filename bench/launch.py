@@ -27,6 +27,7 @@ import yaml
 
 from bench.chat_workload import Workload
 from services.common.deploy_profile import STAGES, DeployProfile, load_profile, parse_overrides
+from services.common.gpu_sharing import MpsDaemon
 
 
 class BenchAbort(Exception):
@@ -145,7 +146,7 @@ class Pipeline:
         self.url = f"http://127.0.0.1:{self.port}"
         self.profile = profile
         self.gpu_sharing = ""  # how the stages share their GPUs, in words (set by start)
-        self._mps: Any = None
+        self._mps: MpsDaemon | None = None
 
     def start(self) -> None:
         """Apply the profile's GPU sharing (a private MPS daemon for ``gpu_sharing: mps``), then start."""

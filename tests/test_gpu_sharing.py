@@ -77,6 +77,7 @@ def test_one_stage_per_gpu_needs_no_daemon(fake_mps: Path) -> None:
     profile = load_profile("minicpmo_4_5_3gpu").with_overrides({"gpu_sharing": "mps"})
     mode, daemon = start_sharing(profile, log=lambda m: None)
     assert daemon is None and mode == "one stage process per GPU"
+    assert start_sharing(load_profile("cpu"), log=lambda m: None) == ("no GPU", None)
     assert not fake_mps.exists()
 
 

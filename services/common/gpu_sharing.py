@@ -109,6 +109,8 @@ def start_sharing(
     The daemon's :attr:`MpsDaemon.env` must reach every stage process on a GPU (the launcher adds it to
     their environment); the caller stops the daemon after the stages have exited.
     """
+    if not any(d.startswith("cuda") for sp in profile.stages.values() for d in sp.devices):
+        return "no GPU", None
     gpus = shared_gpus(profile)
     if not gpus:
         return "one stage process per GPU", None
