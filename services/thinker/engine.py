@@ -78,7 +78,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
     # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.thinker.kernels.skinny);
-    # None: on with the Triton kernels on CUDA unless MINICPMO_THINKER_SKINNY_GEMM=0.
+    # None: MINICPMO_THINKER_SKINNY_GEMM decides, else off (measured slower than cuBLAS on the H200).
     skinny_gemm: bool | None = None
     # The process's GIL switch interval while the engine thread runs (None: Python's 5 ms). Each CUDA sync
     # of a step drops the GIL; getting it back from a thread busy in pure Python (the event loop encoding

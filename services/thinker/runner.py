@@ -107,7 +107,7 @@ class ModelRunner:
             self._post = torch.compile(post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
-        self._skinny_request = skinny_gemm  # None: MINICPMO_THINKER_SKINNY_GEMM, else on for CUDA + Triton
+        self._skinny_request = skinny_gemm  # None: MINICPMO_THINKER_SKINNY_GEMM, else off
         self.set_kernels(kernels)
         self.fused = FusedForward(self)
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
@@ -124,8 +124,8 @@ class ModelRunner:
             raise RuntimeError("set_kernels after a CUDA graph was captured")
         self.kernel_backend = select_backend(self.device, kernels)
         self.ops = get_ops(self.kernel_backend)
-        # Packed-row steps of few rows run their GEMMs as skinny Triton kernels with the norms and SwiGLU
-        # fused in (services.thinker.kernels.skinny); prefill and other eager steps keep cuBLAS.
+        # When on (opt-in), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
+        # norms and SwiGLU fused in (services.thinker.kernels.skinny); eager steps always keep cuBLAS.
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, self._skinny_request)
         if self.kernel_backend != "torch" and self._pre is not pre_attention:
             log.info(

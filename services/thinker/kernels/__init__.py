@@ -17,9 +17,9 @@ transformers modules; it is the CPU/CI path and the reference the Triton path is
 (tests run the Triton kernels on CPU through Triton's interpreter, ``bench.cuda_smoke`` on the GPU).
 
 ``select_backend`` picks: ``MINICPMO_THINKER_KERNELS`` = ``torch`` | ``triton`` | ``auto`` (default:
-Triton on CUDA when it imports, torch otherwise). With Triton, packed-row decode steps of few rows also
+Triton on CUDA when it imports, torch otherwise). With Triton, packed-row decode steps of few rows can
 run their GEMMs through :mod:`.skinny` (the norms and SwiGLU fused into the GEMMs' prologues);
-``skinny_enabled`` decides, ``MINICPMO_THINKER_SKINNY_GEMM=0`` turns it off.
+``skinny_enabled`` decides: off unless ``MINICPMO_THINKER_SKINNY_GEMM=1`` (it measured slower).
 """
 
 from __future__ import annotations
