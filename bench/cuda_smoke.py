@@ -13,9 +13,12 @@ two decode, so its prefill and their decode rows replay one row graph (a mixed s
 * thinker: :class:`services.thinker.engine.ThinkerEngine`, greedy, ``ignore_eos``; compared: sampled
   tokens and the final-norm hidden row of every fed token. The eager engine runs the pure-torch kernels
   (``--eager-kernels torch``), the graphed one the default backend (Triton on CUDA: fused norms, rotary,
-  cache writes and paged attention, and the cuBLAS GEMMs; with ``MINICPMO_THINKER_SKINNY_GEMM=1`` graph steps of
-  ≤ 16 rows run the skinny GEMMs with the norms and SwiGLU in their prologues instead, off by default), so the
-  comparison covers both the graphs and the kernels;
+  cache writes and paged attention, and the cuBLAS GEMMs; graph steps run with the norm weights folded into
+  the GEMMs, ``MINICPMO_THINKER_NORM_FOLD=0`` turns that off; with ``MINICPMO_THINKER_SKINNY_GEMM=1`` graph
+  steps of ≤ 16 rows run the skinny GEMMs with the norms and SwiGLU in their prologues instead, off by
+  default), so the comparison covers both the graphs and the kernels. The graphed engine runs on its own
+  copy of the weights (folding changes them in place), the eager one and the reference logits on the
+  unfolded ones;
 * talker: :class:`services.talker.engine.TalkerEngine`, greedy codes (repetition penalty off, so the
   argmax of the observed logits is the chosen code), fixed frame count; compared: codes and the fp32
   logits of every step. As for the thinker, the eager engine runs the torch decode path and the graphed
@@ -32,6 +35,7 @@ difference is reported (and enforced with ``--rel-tol``). Without CUDA it prints
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -179,9 +183,11 @@ def thinker_runs(
     counts = dict(engine.runner.step_counts)
     counts["chained"] = engine.chained_steps  # overlapped decode steps (services.thinker.overlap)
     skinny, skinny_passes = engine.runner.skinny_gemm, engine.runner.fused.skinny_passes
+    fold, folded_passes = engine.runner.norm_fold, engine.runner.fused.folded_passes
     print(
         f"[cuda_smoke] thinker {'graph' if graphs else 'eager'} engine steps ({engine.runner.kernel_backend} "
-        f"kernels, skinny GEMMs {'on' if skinny else 'off'}: {skinny_passes} layer passes): {counts}",
+        f"kernels, skinny GEMMs {'on' if skinny else 'off'}: {skinny_passes} layer passes, folded norms "
+        f"{'on' if fold else 'off'}: {folded_passes} layer passes): {counts}",
         flush=True,
     )
     del engine
@@ -193,6 +199,8 @@ def thinker_runs(
         raise RuntimeError(f"the late prompt's prefill did not replay a row graph: {counts}")
     if graphs and active and skinny and skinny_passes < 1:
         raise RuntimeError("the skinny GEMMs are on but no graph recorded them")
+    if graphs and active and fold and not skinny and folded_passes < 1:
+        raise RuntimeError("the folded norms are on but no graph recorded them")
     return runs
 
 
@@ -210,6 +218,9 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
         str(device),
     )
     print(f"[cuda_smoke] thinker LLM loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    # The graphed engine may fold the norm weights into its GEMMs (in place, services.thinker.layer_ops):
+    # it gets its own copy, so the eager engine and the transformers logits stay on the unfolded weights.
+    graph_llm = copy.deepcopy(llm)
     gen = torch.Generator().manual_seed(1)
     vocab = int(ckpt.config.get("vocab_size", 151_000))
     out: list[Comparison] = []
@@ -220,7 +231,9 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
         eager = thinker_runs(
             llm, device, False, prompts, args.tokens, args.kv_bytes, late, args.eager_kernels
         )
-        graph = thinker_runs(llm, device, True, prompts, args.tokens, args.kv_bytes, late, args.graph_kernels)
+        graph = thinker_runs(
+            graph_llm, device, True, prompts, args.tokens, args.kv_bytes, late, args.graph_kernels
+        )
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
             # Row k is the hidden of token k fed back; it chose token k+1. Token 0 came from the prefill.
             # Token 0 came from the prompt's last row, which the engine does not export: its logits are

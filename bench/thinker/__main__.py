@@ -15,6 +15,9 @@ bytes and FLOPs), in one process and one run:
   engine ms, the replay alone, the floor and the ratios;
 * the skinny decode GEMMs A/B (``--skinny on|off|both``, :mod:`services.thinker.kernels.skinny`): each arm
   drops the captured graphs and recaptures them with the GEMM path switched (same engine and weights);
+* the folded-norm loop A/B (``--norm-fold on|off|both``, :mod:`services.thinker.fused_forward`): the
+  norm weights are folded once (one-way); the ``off`` arm runs the norm kernels on the folded weights,
+  the same kernels and launches as an unfolded model; each arm recaptures the graphs;
 * the same-run floors of :mod:`bench.thinker.floor`: the step's weight matmuls alone in one CUDA graph
   per batch (decode is reported as a ratio to it) and the dense matmul rate (prefill is reported as the
   share of it its matmul FLOPs reach).
@@ -113,6 +116,7 @@ def engine_decode(
         "batch": batch,
         "overlap": engine.overlap,
         "skinny": engine.runner.skinny_gemm,
+        "norm_fold": engine.runner.norm_fold,
         "chained_steps": chained,
         "graph_replay_ms": replay_ms,
         "ms_per_step": 1e3 * dt / steps,
@@ -213,6 +217,7 @@ def markdown(result: dict[str, Any]) -> str:
         roof = r.get("roofline_ms")
         label = (
             f"{r['batch']}{' (overlap)' if r.get('overlap') else ''}{' (skinny)' if r.get('skinny') else ''}"
+            f"{' (folded)' if r.get('norm_fold') else ''}"
         )
         lines.append(
             f"| {label} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} "
@@ -229,9 +234,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"Same-run floors: dense {result['dtype']} matmul {ref['matmul_tflop_s']:.0f} TFLOP/s, copy "
             f"{ref['copy_tb_s']:.2f} TB/s, weights {ref['weight_bytes'] / 1e9:.2f} GB per step.",
             "",
-            "| batch | overlap | skinny | engine ms/step | graph replay ms | matmul-stack floor ms | ratio "
-            "| replay ratio | floor weight TB/s |",
-            "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+            "| batch | overlap | skinny | folded norms | engine ms/step | graph replay ms "
+            "| matmul-stack floor ms | ratio | replay ratio | floor weight TB/s |",
+            "|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["engine_decode"]:
             f = stack.get(r["batch"])
@@ -240,8 +245,9 @@ def markdown(result: dict[str, Any]) -> str:
                 rep = r.get("graph_replay_ms")
                 over = "on" if r.get("overlap") else "off"
                 skinny = "on" if r.get("skinny") else "off"
+                fold = "on" if r.get("norm_fold") else "off"
                 lines.append(
-                    f"| {r['batch']} | {over} | {skinny} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
+                    f"| {r['batch']} | {over} | {skinny} | {fold} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
                     f"| {f:.2f} | {r['ms_per_step'] / f:.2f}x | {'–' if rep is None else f'{rep / f:.2f}x'} "
                     f"| {tb:.2f} |"
                 )
@@ -295,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         help="skinny Triton decode GEMMs with fused norms (Triton kernels only; off by default in the "
         "engine): on, off, or both A/B (each arm recaptures the graphs)",
     )
+    ap.add_argument(
+        "--norm-fold",
+        choices=["on", "off", "both", "default"],
+        default="default",
+        help="folded-norm decode loop (Triton kernels only; on by default on CUDA): on, off, both A/B "
+        "(each arm recaptures the graphs), or the engine's default",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -340,10 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     weights = weight_bytes_per_step(llm)
     decode = []
     overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
-    for skinny in {"on": [True], "off": [False], "both": [False, True]}[args.skinny]:
+    folds = {"on": [True], "off": [False], "both": [False, True], "default": [None]}[args.norm_fold]
+    arms = [(s, f) for s in {"on": [True], "off": [False], "both": [False, True]}[args.skinny] for f in folds]
+    for skinny, fold in arms:
         # A captured graph keeps the GEMMs it recorded: each arm recaptures (lazily, at its first step).
         engine.runner.drop_graphs()
         engine.runner.set_skinny_gemm(skinny)
+        engine.runner.set_norm_fold(fold)
         for b in batches:
             for over in overlaps:
                 r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)

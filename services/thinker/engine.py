@@ -80,6 +80,10 @@ class EngineConfig:
     # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.thinker.kernels.skinny);
     # None: MINICPMO_THINKER_SKINNY_GEMM decides, else off (measured slower than cuBLAS on the H200).
     skinny_gemm: bool | None = None
+    # Graphed decode steps without RMSNorm kernels: the norm weights folded into the QKV and gate|up GEMMs,
+    # residual adds inside the O and down GEMMs (services.thinker.fused_forward). None:
+    # MINICPMO_THINKER_NORM_FOLD decides, else on with CUDA and the Triton kernels.
+    norm_fold: bool | None = None
     # The process's GIL switch interval while the engine thread runs (None: Python's 5 ms). Each CUDA sync
     # of a step drops the GIL; getting it back from a thread busy in pure Python (the event loop encoding
     # protobufs, the encode thread's mel) takes up to one interval, so at 5 ms a step's two syncs could
@@ -140,6 +144,7 @@ class ThinkerEngine:
             use_cuda_graphs=config.use_cuda_graphs,
             compile_layers=config.compile_layers,
             skinny_gemm=config.skinny_gemm,
+            norm_fold=config.norm_fold,
         )
         self.scheduler = Scheduler(
             self.cache.pool,

@@ -14,6 +14,14 @@ with the preceding norm or SwiGLU as its prologue: per layer the QKV GEMM (add +
 (add + post norm) and down (SwiGLU) — six launches with rotary/cache write and attention, not nine. At
 these row counts the GEMMs only stream weights, and the three removed launches per layer are most of what
 a step spent beyond its matmuls. Prefill and eager steps keep cuBLAS (many rows: compute-bound).
+
+Otherwise a packed-row step with the runner's ``norm_fold`` on (the default on CUDA) runs no RMSNorm
+kernel at all: the norm weights live in the QKV and gate|up weights
+(:func:`~services.thinker.layer_ops.fold_norm_weights`), so those GEMMs read the residual stream itself
+and the next kernel (q/k norm + rotary, SwiGLU) scales each row by its ``1/RMS``; the O and down GEMMs add
+into the residual in place (cuBLAS with beta = 1). Per layer that is seven launches with cuBLAS's own
+GEMMs, not nine: the 72 norm launches of a step and their gaps were what the replay spent beyond the
+matmuls and attention. Eager steps keep the norm kernels (with ones as weights once folded).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class LayerHost(Protocol):
     layers: list[FusedLayer]
     ops: Any  # the kernel backend's ops (``kernels.get_ops``)
     skinny_gemm: bool  # packed-row steps of few rows use the skinny Triton GEMMs
+    norm_fold: bool  # packed-row steps run the folded-norm loop (norm weights inside the GEMMs)
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -59,6 +68,7 @@ class FusedForward:
         self.runner = runner
         self._row_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.skinny_passes = 0  # layer loops run through the skinny GEMMs (host count: captures, tests)
+        self.folded_passes = 0  # layer loops run with the folded norms (host count: captures, tests)
         dev = runner.device
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
 
@@ -82,6 +92,9 @@ class FusedForward:
         if self.uses_skinny(x.shape[0], packed):
             self.skinny_passes += 1
             return self._skinny_layers(x, positions, write_slots, tiles)
+        if packed and self.runner.norm_fold:
+            self.folded_passes += 1
+            return self._folded_layers(x, positions, write_slots, tiles)
         r = self.runner
         ops = r.ops
         delta: torch.Tensor | None = None
@@ -96,6 +109,25 @@ class FusedForward:
             x, h = ops.add_rms_norm(x, attn_out, lay.post_norm_weight, lay.post_eps)
             delta = F.linear(ops.silu_mul(F.linear(h, lay.gate_up_weight)), lay.down_weight)
         return self._final_norm(x, delta)
+
+    def _folded_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
+    ) -> torch.Tensor:
+        """The layer loop of :meth:`layers` on folded norm weights: no norm kernel before the final one.
+
+        ``x`` is the residual stream throughout: the QKV and gate|up GEMMs read it as it is, the kernel
+        after each scales by the row's ``1/RMS`` (``rms_of``), and the O and down GEMMs accumulate into it
+        (the first O GEMM writes a new tensor, so the caller's embeddings are never overwritten).
+        """
+        r = self.runner
+        ops = r.ops
+        for idx, lay in enumerate(r.layers):
+            qkv = F.linear(x, lay.qkv_weight)
+            o = self._attention(idx, qkv, positions, write_slots, tiles, rms_of=(x, lay.input_eps))
+            x = torch.addmm(x, o, lay.o_weight.t()) if idx == 0 else x.addmm_(o, lay.o_weight.t())
+            act = ops.silu_mul(F.linear(x, lay.gate_up_weight), rms_of=(x, lay.post_eps))
+            x.addmm_(act, lay.down_weight.t())
+        return self._final_norm(x, None)
 
     def _skinny_layers(
         self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
@@ -129,15 +161,18 @@ class FusedForward:
         positions: torch.Tensor,
         write_slots: torch.Tensor,
         tiles: AttentionTiles,
+        rms_of: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
-        """Layer ``idx``'s q/k norm + rotary + K/V write, then paged attention: ``[T, heads * head_dim]``."""
+        """Layer ``idx``'s q/k norm + rotary + K/V write, then paged attention: ``[T, heads * head_dim]``.
+
+        ``rms_of``: the folded input norm's residual row and epsilon (see :meth:`_folded_layers`)."""
         r = self.runner
         lay = r.layers[idx]
         hq, hkv, d = r.num_heads, r.num_kv_heads, r.head_dim
         k_cache, v_cache = r.cache.k[idx], r.cache.v[idx]
         q = r.ops.qk_rope_store(
             qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, positions, write_slots,
-            k_cache, v_cache, hq, hkv,
+            k_cache, v_cache, hq, hkv, rms_of,
         )  # fmt: skip
         return r.ops.paged_attention(q, k_cache, v_cache, tiles).view(qkv.shape[0], hq * d)
 

@@ -71,6 +71,33 @@ def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, bias
 
 
+def fold_norm_weights(layer: nn.Module, fused: FusedLayer) -> bool:
+    """Fold a decoder layer's two RMSNorm weights into the GEMMs that read the norms' outputs, in place.
+
+    ``W @ (g * n(x)) == (W * g) @ n(x)``: the QKV columns take the input norm's weight and the gate|up
+    columns the post-attention norm's; both norm weights become ones. The module (and the torch path)
+    computes the same function afterwards, so no weight is stored twice, while the folded Triton loop
+    (:mod:`services.thinker.fused_forward`) can then skip the norm kernels and scale the GEMM outputs by
+    each row's ``1/RMS`` instead. Idempotent (a second runner over the same module finds it folded);
+    returns whether this call folded. Layers with a QKV or O bias are left alone (their bias would have
+    to be added after the scale; Qwen3 has none): the caller checks :func:`foldable`.
+    """
+    if getattr(layer, "_thinker_norms_folded", False):
+        return False
+    with torch.no_grad():
+        fused.qkv_weight.mul_(layer.input_layernorm.weight[None, :])
+        fused.gate_up_weight.mul_(layer.post_attention_layernorm.weight[None, :])
+        layer.input_layernorm.weight.fill_(1.0)
+        layer.post_attention_layernorm.weight.fill_(1.0)
+    layer._thinker_norms_folded = True  # type: ignore[assignment]
+    return True
+
+
+def foldable(fused: FusedLayer) -> bool:
+    """Whether the folded layer loop computes this layer: no bias on the QKV and O projections."""
+    return fused.qkv_bias is None and fused.o_bias is None
+
+
 _rms_norm = rms_norm_ref
 _rotate = rotate_ref
 

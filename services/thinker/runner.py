@@ -37,9 +37,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.thinker.fused_forward import FusedForward
-from services.thinker.kernels import get_ops, select_backend, skinny_enabled
+from services.thinker.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
 from services.thinker.kv_cache import BlockPool, PagedKVCache
-from services.thinker.layer_ops import FusedLayer, fuse_rows, post_attention, pre_attention
+from services.thinker.layer_ops import (
+    FusedLayer,
+    fold_norm_weights,
+    foldable,
+    fuse_rows,
+    post_attention,
+    pre_attention,
+)
 from services.thinker.row_graph import Capture, RowGraph, fill_rows
 from services.thinker.step_types import DecodeRow, PrefillChunk, StepInput, StepOutput
 
@@ -84,6 +91,7 @@ class ModelRunner:
         compile_layers: bool = False,
         kernels: str | None = None,
         skinny_gemm: bool | None = None,
+        norm_fold: bool | None = None,
     ) -> None:
         self.llm = llm
         self.model = llm.model
@@ -108,6 +116,7 @@ class ModelRunner:
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
         self._skinny_request = skinny_gemm  # None: MINICPMO_THINKER_SKINNY_GEMM, else off
+        self._fold_request = norm_fold  # None: MINICPMO_THINKER_NORM_FOLD, else on with CUDA + Triton
         self.set_kernels(kernels)
         self.fused = FusedForward(self)
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
@@ -127,11 +136,17 @@ class ModelRunner:
         # When on (opt-in), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
         # norms and SwiGLU fused in (services.thinker.kernels.skinny); eager steps always keep cuBLAS.
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, self._skinny_request)
+        self._apply_norm_fold()
         if self.kernel_backend != "torch" and self._pre is not pre_attention:
             log.info(
                 "--compile has no effect with the %s kernels (they are fused already)", self.kernel_backend
             )
-        log.info("thinker kernels: %s (skinny decode GEMMs %s)", self.kernel_backend, self.skinny_gemm)
+        log.info(
+            "thinker kernels: %s (skinny decode GEMMs %s, folded norms %s)",
+            self.kernel_backend,
+            self.skinny_gemm,
+            self.norm_fold,
+        )
 
     def set_skinny_gemm(self, enabled: bool | None) -> None:
         """Turn the skinny decode GEMMs on/off (None: the environment's default), before any capture."""
@@ -139,6 +154,29 @@ class ModelRunner:
             raise RuntimeError("set_skinny_gemm after a CUDA graph was captured (drop_graphs first)")
         self._skinny_request = enabled
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, enabled)
+
+    def set_norm_fold(self, enabled: bool | None) -> None:
+        """Turn the folded-norm decode loop on/off (None: the environment's default), before any capture.
+
+        Folding the weights is one-way (the module keeps computing the same function); turning the loop
+        off again runs the norm kernels with the folded weights and ones as norm weights (same kernels and
+        launches as an unfolded model, which is what a benchmark A/B needs).
+        """
+        if self._graphs:
+            raise RuntimeError("set_norm_fold after a CUDA graph was captured (drop_graphs first)")
+        self._fold_request = enabled
+        self._apply_norm_fold()
+
+    def _apply_norm_fold(self) -> None:
+        want = norm_fold_enabled(self.device, self.kernel_backend, self._fold_request)
+        self.norm_fold = want and all(foldable(lay) for lay in self.layers)
+        if self.norm_fold:
+            folded = sum(
+                fold_norm_weights(layer, lay)
+                for layer, lay in zip(self.model.layers, self.layers, strict=True)
+            )
+            if folded:
+                log.info("folded the RMSNorm weights of %d thinker layers into their GEMMs", folded)
 
     def drop_graphs(self) -> None:
         """Forget every captured graph (benchmarks A/B kernel settings); only between steps, none in flight."""

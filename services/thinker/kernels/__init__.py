@@ -12,6 +12,11 @@ one kernel and reads keys/values straight from the paged cache (no gather copy):
   the last split to finish in the same launch);
 * ``silu_mul``: the SwiGLU gate.
 
+``qk_rope_store`` and ``silu_mul`` can also take ``rms_of=(x, eps)``: they first scale each row by the
+inverse RMS of the residual row ``x``. That is the input (post-attention) RMSNorm with its weight folded
+into the QKV (gate|up) GEMM's columns (:func:`services.thinker.layer_ops.fold_norm_weights`): the GEMM then
+reads the residual itself and no norm kernel runs, because ``W @ (g * x * r) = r * ((W * g) @ x)``.
+
 The torch backend (:class:`TorchOps`) computes the same functions with the operation order of the
 transformers modules; it is the CPU/CI path and the reference the Triton path is compared with
 (tests run the Triton kernels on CPU through Triton's interpreter, ``bench.cuda_smoke`` on the GPU).
@@ -37,6 +42,7 @@ log = logging.getLogger(__name__)
 BACKENDS = ("torch", "triton")
 ENV_VAR = "MINICPMO_THINKER_KERNELS"
 SKINNY_ENV_VAR = "MINICPMO_THINKER_SKINNY_GEMM"
+NORM_FOLD_ENV_VAR = "MINICPMO_THINKER_NORM_FOLD"
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -74,21 +80,54 @@ def skinny_enabled(device: torch.device, backend: str, requested: bool | None = 
         return False
     if requested is not None:
         return bool(requested)
-    env = os.environ.get(SKINNY_ENV_VAR, "").strip().lower()
+    return bool(_env_switch(SKINNY_ENV_VAR))
+
+
+def _env_switch(name: str) -> bool | None:
+    """A 0/1 environment switch: True, False, or None when unset."""
+    env = os.environ.get(name, "").strip().lower()
     if env in ("0", "false", "off", "no"):
         return False
     if env in ("1", "true", "on", "yes"):
         return True
     if env:
-        raise ValueError(f"{SKINNY_ENV_VAR} must be 0 or 1 (got {env!r})")
-    return False
+        raise ValueError(f"{name} must be 0 or 1 (got {env!r})")
+    return None
+
+
+def norm_fold_enabled(device: torch.device, backend: str, requested: bool | None = None) -> bool:
+    """Whether packed-row steps run the folded-norm layer loop (no RMSNorm kernels, residual adds inside
+    the O and down GEMMs; see :mod:`services.thinker.fused_forward`): only with the Triton backend;
+    ``requested`` (a config field) wins, else ``MINICPMO_THINKER_NORM_FOLD`` (0/1), else on with CUDA and
+    off on CPU (where Triton only runs under its interpreter, for tests that ask for it).
+    """
+    if backend != "triton":
+        return False
+    if requested is not None:
+        return bool(requested)
+    env = _env_switch(NORM_FOLD_ENV_VAR)
+    return device.type == "cuda" if env is None else env
+
+
+def inv_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / RMS`` of each row of ``x`` in fp32, shape ``[..., 1]`` (Qwen3RMSNorm's statistics)."""
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+def scale_rows_ref(y: torch.Tensor, rms_of: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    """``y`` with each row scaled by the inverse RMS of the same row of ``rms_of[0]`` (rounded to ``y``'s
+    dtype once); ``y`` itself when ``rms_of`` is None."""
+    if rms_of is None:
+        return y
+    x, eps = rms_of
+    return (y.float() * inv_rms_ref(x, eps)).to(y.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with the exact operation order of transformers' Qwen3RMSNorm (fp32 statistics)."""
     dtype = x.dtype
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * inv_rms_ref(h, eps)
     return weight * h.to(dtype)
 
 
@@ -117,8 +156,8 @@ class TorchOps:
         return s, rms_norm_ref(s, weight, eps)
 
     @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
+    def silu_mul(gate_up: torch.Tensor, rms_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        gate, up = scale_rows_ref(gate_up, rms_of).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
     @staticmethod
@@ -134,11 +173,14 @@ class TorchOps:
         v_cache: torch.Tensor,
         hq: int,
         hkv: int,
+        rms_of: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """q/k norms and rotary of packed ``qkv [T, (hq+2hkv)*D]``; K/V go to the cache; returns q.
 
         ``qk_norm_weight`` None: rotary only (Llama-style backbones without q/k norms, e.g. the talker).
+        ``rms_of``: scale the rows first (the folded input norm, see the module doc).
         """
+        qkv = scale_rows_ref(qkv, rms_of)
         t = qkv.shape[0]
         d = cos_table.shape[-1]
         qk = qkv[:, : (hq + hkv) * d].reshape(t, hq + hkv, d)

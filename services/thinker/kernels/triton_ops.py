@@ -46,12 +46,37 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _inv_rms(x_ptr, row, eps, HIDDEN: tl.constexpr, CHUNK: tl.constexpr):
+    """``1 / RMS`` of row ``row`` of ``x [*, HIDDEN]`` in fp32 (the statistics of a folded RMSNorm)."""
+    acc = tl.zeros([CHUNK], tl.float32)
+    for c in tl.static_range(0, HIDDEN, CHUNK):
+        cols = c + tl.arange(0, CHUNK)
+        v = tl.load(x_ptr + row * HIDDEN + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+        acc += v * v
+    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / HIDDEN + eps)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gu_ptr,
+    out_ptr,
+    x_ptr,
+    x_eps,
+    n_cols,
+    BLOCK: tl.constexpr,
+    SCALED: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_cols
     gate = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=m, other=0.0)
     up = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=m, other=0.0)
+    if SCALED:  # the post-attention norm folded into gate|up: scale by the residual row's 1/RMS first
+        inv = _inv_rms(x_ptr, row, x_eps, HIDDEN, CHUNK)
+        gate = (gate.to(tl.float32) * inv).to(gate.dtype)
+        up = (up.to(tl.float32) * inv).to(up.dtype)
     gf = gate.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(out_ptr.dtype.element_ty)
     tl.store(
@@ -73,10 +98,15 @@ def _qk_rope_store_kernel(
     k_ptr,
     v_ptr,
     eps,
+    x_ptr,
+    x_eps,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    SCALED: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -85,10 +115,16 @@ def _qk_rope_store_kernel(
     width: tl.constexpr = (HQ + 2 * HKV) * D
     base = qkv_ptr + t * width + h * D
     x = tl.load(base + offs)
+    inv_x = 1.0
+    if SCALED:  # the input norm folded into the QKV GEMM: scale by the residual row's 1/RMS first
+        inv_x = _inv_rms(x_ptr, t, x_eps, HIDDEN, CHUNK)
+        x = (x.to(tl.float32) * inv_x).to(x.dtype)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if h < HQ + HKV:
         partner = (offs + half) % D
         xp = tl.load(base + partner)
+        if SCALED:
+            xp = (xp.to(tl.float32) * inv_x).to(xp.dtype)
         if HAS_NORM:
             xf = x.to(tl.float32)
             var = tl.sum(xf * xf, axis=0) / D
@@ -253,6 +289,11 @@ def _paged_attention_kernel(
 _COUNTERS = ArrivalCounters("split counters")  # the split-K merge of paged attention
 
 
+def _chunk(hidden: int) -> int:
+    """Columns per load of :func:`_inv_rms`: the row in a few wide loads, at most 1024 per load."""
+    return min(1024, triton.next_power_of_2(hidden))
+
+
 class TritonOps:
     """The fused operations as Triton kernels (same signatures as :class:`~.TorchOps`)."""
 
@@ -280,12 +321,17 @@ class TritonOps:
         return s, y
 
     @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(gate_up: torch.Tensor, rms_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         t, two_i = gate_up.shape
         n = two_i // 2
         out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
         block = min(2048, triton.next_power_of_2(n))
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+        x, x_eps = rms_of if rms_of is not None else (gate_up, 0.0)
+        hidden = x.shape[-1] if rms_of is not None else 1
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](
+            gate_up, out, x, x_eps, n, BLOCK=block, SCALED=rms_of is not None, HIDDEN=hidden,
+            CHUNK=_chunk(hidden), num_warps=4,
+        )  # fmt: skip
         return out
 
     @staticmethod
@@ -301,10 +347,13 @@ class TritonOps:
         v_cache: torch.Tensor,
         hq: int,
         hkv: int,
+        rms_of: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         t = qkv.shape[0]
         d = cos_table.shape[-1]
         q = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
+        x, x_eps = rms_of if rms_of is not None else (qkv, 0.0)
+        hidden = x.shape[-1] if rms_of is not None else 1
         _qk_rope_store_kernel[(t, hq + 2 * hkv)](
             qkv,
             qkv if qk_norm_weight is None else qk_norm_weight,
@@ -316,10 +365,15 @@ class TritonOps:
             k_cache,
             v_cache,
             eps,
+            x,
+            x_eps,
             HQ=hq,
             HKV=hkv,
             D=d,
             HAS_NORM=qk_norm_weight is not None,
+            SCALED=rms_of is not None,
+            HIDDEN=hidden,
+            CHUNK=_chunk(hidden),
             num_warps=1,
         )
         return q

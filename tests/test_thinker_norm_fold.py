@@ -1,0 +1,177 @@
+"""The folded-norm decode loop (services.thinker.fused_forward ``_folded_layers``) on CPU.
+
+The RMSNorm weights go into the QKV and gate|up GEMMs (``fold_norm_weights``); the kernels after those
+GEMMs scale each row by the residual row's ``1/RMS`` (``rms_of``). Checked here: the Triton kernels'
+scaled variants against the torch reference through Triton's interpreter; the folded module computing
+what the unfolded one did; the runner taking the folded loop for packed-row steps only, and its logits
+and greedy tokens (through emulated row graphs) against the torch backend on an unfolded copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on the CPU
+triton = pytest.importorskip("triton")
+
+from services.common.checkpoint import Checkpoint  # noqa: E402
+from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
+from services.thinker.kernels import TorchOps, norm_fold_enabled, rms_norm_ref, scale_rows_ref  # noqa: E402
+from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
+from tests.graph_emulation import emulated  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_scalars(triton_interpreter_scalars: None) -> None:
+    """Every test here runs the kernels through the interpreter (see ``conftest.py``)."""
+
+
+def test_norm_fold_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("MINICPMO_THINKER_NORM_FOLD", raising=False)
+    assert norm_fold_enabled(cuda, "triton") and not norm_fold_enabled(cpu, "triton")
+    assert not norm_fold_enabled(cuda, "torch", True)  # the torch backend runs the module's own order
+    assert norm_fold_enabled(cpu, "triton", True) and not norm_fold_enabled(cuda, "triton", False)
+    monkeypatch.setenv("MINICPMO_THINKER_NORM_FOLD", "0")
+    assert not norm_fold_enabled(cuda, "triton")
+    monkeypatch.setenv("MINICPMO_THINKER_NORM_FOLD", "1")
+    assert norm_fold_enabled(cpu, "triton")
+    monkeypatch.setenv("MINICPMO_THINKER_NORM_FOLD", "maybe")
+    with pytest.raises(ValueError, match="MINICPMO_THINKER_NORM_FOLD"):
+        norm_fold_enabled(cuda, "triton")
+
+
+def test_scaled_rows_are_the_folded_norm() -> None:
+    """``r * ((W * g) @ x)`` is ``W @ rms_norm(x, g)`` (fp32: to rounding)."""
+    g = torch.Generator().manual_seed(3)
+    x = 5 * torch.randn(4, 64, generator=g)
+    w, gamma = torch.randn(96, 64, generator=g), 1 + torch.rand(64, generator=g)
+    want = F.linear(rms_norm_ref(x, gamma, 1e-6), w)
+    got = scale_rows_ref(F.linear(x, w * gamma), (x, 1e-6))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scaled_kernels_match_reference(dtype: torch.dtype) -> None:
+    from services.thinker.kernels.triton_ops import TritonOps as tri
+
+    g = torch.Generator().manual_seed(0)
+    # one ulp in fp16: the row statistics are summed in another fp32 order than torch's mean
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    hidden = 80  # not a power of two: the statistics loop's masked tail
+    x = (3 * torch.randn(6, hidden, generator=g)).to(dtype)
+    gu = torch.randn(6, 512, generator=g).to(dtype)
+    got, want = tri.silu_mul(gu, rms_of=(x, 1e-6)), TorchOps.silu_mul(gu, rms_of=(x, 1e-6))
+    torch.testing.assert_close(got, want, **tol)
+    assert not torch.allclose(got, TorchOps.silu_mul(gu), atol=1e-2)  # the scale was applied
+
+    hq, hkv, dim = 4, 2, 32
+    qkv = torch.randn(6, (hq + 2 * hkv) * dim, generator=g).to(dtype)
+    wn = torch.randn(hq + hkv, dim, generator=g).to(dtype)
+    cos, sin = (torch.randn(100, dim, generator=g).to(dtype) for _ in range(2))
+    pos = torch.tensor([3, 7, 9, 10, 50, 2])
+    slots = torch.tensor([17, 18, 40, 41, 5, 33])
+    caches = [[torch.zeros(64, hkv, dim, dtype=dtype) for _ in range(2)] for _ in range(2)]
+    qa = TorchOps.qk_rope_store(qkv, wn, 1e-6, cos, sin, pos, slots, *caches[0], hq, hkv, (x, 1e-6))
+    qb = tri.qk_rope_store(qkv, wn, 1e-6, cos, sin, pos, slots, *caches[1], hq, hkv, (x, 1e-6))
+    torch.testing.assert_close(qb, qa, **tol)
+    torch.testing.assert_close(caches[1][0], caches[0][0], **tol)  # K: scaled, normed, rotated
+    torch.testing.assert_close(caches[1][1], caches[0][1], **tol)  # V: scaled
+    scale = scale_rows_ref(qkv, (x, 1e-6))[:, (hq + hkv) * dim :].reshape(6, hkv, dim)
+    torch.testing.assert_close(caches[0][1][slots], scale, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt: Path) -> torch.nn.Module:
+    ckpt = Checkpoint(tiny_ckpt)
+    tensors = ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=torch.float32)
+    llm = build_qwen3_llm(ckpt.config, tensors, torch.float32, "cpu")
+    # the tiny checkpoint's norm weights may be ones; make them matter so a missing fold shows
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in llm.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=gen))
+    return llm
+
+
+def _engine(llm: torch.nn.Module, kernels: str, fold: bool | None) -> ThinkerEngine:
+    engine = ThinkerEngine(
+        llm, EngineConfig(max_num_seqs=4, kv_budget_bytes=8 << 20, norm_fold=fold), torch.device("cpu")
+    )
+    engine.runner.set_kernels(kernels)
+    return engine
+
+
+def test_folded_module_computes_the_same(llm: torch.nn.Module) -> None:
+    folded = copy.deepcopy(llm)
+    ids = torch.tensor([[11, 500, 3, 77, 1024, 9]])
+    want = llm(input_ids=ids).logits
+    engine = _engine(folded, "triton", True)
+    assert engine.runner.norm_fold
+    layer = folded.model.layers[0]
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    torch.testing.assert_close(folded(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+    before = layer.self_attn.q_proj.weight.clone()
+    _engine(folded, "triton", True)  # a second runner over the folded module: no second fold
+    assert torch.equal(layer.self_attn.q_proj.weight, before)
+
+
+def test_runner_takes_folded_loop_for_packed_steps(llm: torch.nn.Module) -> None:
+    """Packed-row steps run the folded loop (eager steps do not); both give the unfolded torch outputs."""
+    ref_engine = _engine(llm, "torch", None)
+    engine = _engine(copy.deepcopy(llm), "triton", True)
+    outs = []
+    for eng in (ref_engine, engine):
+        blocks_a, blocks_b = eng.cache.pool.allocate(8), eng.cache.pool.allocate(8)
+        prefill = StepInput(
+            prefill=[
+                PrefillChunk(list(range(2000, 2070)), 0, blocks_a),
+                PrefillChunk(list(range(3000, 3030)), 0, blocks_b),
+            ]
+        )
+        eng.runner.step(prefill)
+        step = StepInput(
+            decode=[DecodeRow(7, 70, blocks_a)],
+            prefill=[PrefillChunk([5, 6, 8], 30, blocks_b, want_logits=True)],
+        )
+        outs.append(eng.runner.step(step) if eng is ref_engine else eng.runner.packed_step_eager(step))
+    fused = engine.runner.fused
+    assert fused.folded_passes == 1  # the packed step only; the eager prefill kept the norm kernels
+    ref, got = outs
+    torch.testing.assert_close(got.decode_logits, ref.decode_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.decode_hidden, ref.decode_hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.prefill_logits[0], ref.prefill_logits[0], rtol=1e-4, atol=1e-4)
+    engine.runner.set_norm_fold(False)  # the loop switch: the norm kernels again, on the folded weights
+    assert not engine.runner.norm_fold
+
+
+def _greedy_tokens(llm: torch.nn.Module, kernels: str, graphed: bool) -> tuple[list[list[int]], int]:
+    from services.thinker.sampling import Sampler, SamplingConfig
+    from services.thinker.scheduler import WorkItem
+
+    engine = _engine(llm, kernels, True if graphed else None)
+    if graphed:
+        engine.runner.use_cuda_graphs = True
+        engine.runner.graph_capture = emulated
+    tokens: list[list[int]] = [[] for _ in range(3)]
+    for i, n in enumerate((23, 9, 14)):
+        seq = engine.open(lambda ev, i=i: ev.token is not None and tokens[i].append(ev.token))
+        prompt = list(range(1000 + 37 * i, 1000 + 37 * i + n))
+        engine.submit(seq, WorkItem(prompt, sampler=Sampler(SamplingConfig(max_tokens=5, stop_token_ids=()))))
+        engine.step()  # staggered: later prompts prefill while earlier ones decode
+    engine.run_until_idle()
+    return tokens, engine.runner.fused.folded_passes
+
+
+def test_graphed_engine_with_folded_norms_gives_torch_tokens(llm: torch.nn.Module) -> None:
+    """Greedy decode through (emulated) row graphs on the folded loop equals the unfolded torch engine."""
+    want, _ = _greedy_tokens(llm, "torch", graphed=False)
+    got, passes = _greedy_tokens(copy.deepcopy(llm), "triton", graphed=True)
+    assert passes > 0 and got == want and all(len(t) == 5 for t in got)
