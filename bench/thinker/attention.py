@@ -4,7 +4,9 @@
 
 * ``gather_sdpa``: the pure-torch path (gather each row's slots into ``[B, L]``, mask, SDPA);
 * ``triton``: the paged kernel of ``services.thinker.kernels`` (no gather copy), with and without key
-  splits (what the runner picks for the bucket, and 1).
+  splits (what the runner picks for the bucket, and 1);
+* ``--sweep``: the kernel's launch parameters (key block, warps, pipeline stages) at the rule's split and
+  twice it, against the default launch, per point (where a decode step's attention time could go).
 
 Full-size head layout (32 query heads, 8 KV heads, head_dim 128, bf16 on CUDA), pages of 16 tokens
 scattered over a pool; each variant is recorded into one CUDA graph of 36 calls (one per layer) so
@@ -69,6 +71,33 @@ def _case(device: torch.device, ops, b: int, ctx: int, splits_for) -> dict:  # n
     return row
 
 
+SWEEP = [(bn, w, st) for bn in (32, 64) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def _sweep(device: torch.device, ops, b: int, ctx: int, rule: int) -> dict:  # noqa: ANN001
+    """µs per call of each launch in :data:`SWEEP` at ``rule`` and ``2 * rule`` splits (same pages)."""
+    hq, hkv, d, page = 32, 8, 128, 16
+    blocks = -(-ctx // page)
+    pool = b * blocks + 1
+    k_cache = torch.randn(pool * page, hkv, d, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn_like(k_cache)
+    table = (torch.randperm(pool - 1, device=device)[: b * blocks] + 1).view(b, blocks)
+    pos = torch.full((b,), ctx - 1, dtype=torch.long, device=device)
+    q = torch.randn(b, hq, d, dtype=torch.bfloat16, device=device)
+    rows, ones = torch.arange(b, device=device), torch.ones(b, dtype=torch.long, device=device)
+    results = []
+    for splits in sorted({rule, min(16, 2 * rule)}):
+        tiles = AttentionTiles(rows, ones, rows, pos, table, page, 1, splits)
+        default = _graph_us(lambda t=tiles: ops.paged_attention(q, k_cache, v_cache, t), device)
+        results.append({"splits": splits, "launch": None, "us": default})
+        for launch in SWEEP:
+            us = _graph_us(lambda t=tiles, lc=launch: ops.paged_attention(q, k_cache, v_cache, t, lc), device)
+            results.append({"splits": splits, "launch": list(launch), "us": us})
+    best = min(results, key=lambda r: r["us"])
+    return {"batch": b, "context": ctx, "rule_splits": rule, "default_us": results[0]["us"], "best": best,
+            "all": results}  # fmt: skip
+
+
 def run(device: torch.device, batches: list[int], contexts: list[int], splits_for) -> list[dict]:  # noqa: ANN001
     if device.type == "cuda":
         from services.thinker.kernels.triton_ops import TritonOps as ops
@@ -84,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", default="1,4,8,16,32")
     ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--sweep", action="store_true", help="sweep the Triton kernel's launch (CUDA only)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -91,6 +121,26 @@ def main(argv: list[str] | None = None) -> int:
     def splits_for(b: int, ctx: int) -> int:  # the runner's rule
         return key_splits(b, 8, ctx, sms)
 
+    if args.sweep:
+        from services.thinker.kernels.triton_ops import TritonOps
+
+        points = [
+            _sweep(device, TritonOps, b, ctx, splits_for(b, ctx))
+            for ctx in (int(x) for x in args.contexts.split(","))
+            for b in (int(x) for x in args.batches.split(","))
+        ]
+        print(json.dumps(points, indent=2))
+        print(
+            "\n| batch | context | rule's splits, default launch µs | best: splits, (block_n, warps, stages) µs |"
+        )
+        print("|---:|---:|---:|---|")
+        for p in points:
+            bst = p["best"]
+            print(
+                f"| {p['batch']} | {p['context']} | {p['rule_splits']}, {p['default_us']:.1f} "
+                f"| {bst['splits']}, {tuple(bst['launch']) if bst['launch'] else 'default'} {bst['us']:.1f} |"
+            )
+        return 0
     rows = run(
         device,
         [int(x) for x in args.batches.split(",")],

@@ -46,8 +46,9 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _inv_rms(x_ptr, row, eps, HIDDEN: tl.constexpr, CHUNK: tl.constexpr):
-    """``1 / RMS`` of row ``row`` of ``x [*, HIDDEN]`` in fp32 (the statistics of a folded RMSNorm)."""
+def _row_inv_rms(x_ptr, row, eps, HIDDEN: tl.constexpr, CHUNK: tl.constexpr):
+    """``1 / RMS`` of row ``row`` of ``x [*, HIDDEN]`` in fp32 (the statistics of a folded RMSNorm; one row
+    per program, where :mod:`.skinny`'s ``_inv_rms`` sums a block of rows with an optional residual add)."""
     acc = tl.zeros([CHUNK], tl.float32)
     for c in tl.static_range(0, HIDDEN, CHUNK):
         cols = c + tl.arange(0, CHUNK)
@@ -74,7 +75,7 @@ def _silu_mul_kernel(
     gate = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=m, other=0.0)
     up = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=m, other=0.0)
     if SCALED:  # the post-attention norm folded into gate|up: scale by the residual row's 1/RMS first
-        inv = _inv_rms(x_ptr, row, x_eps, HIDDEN, CHUNK)
+        inv = _row_inv_rms(x_ptr, row, x_eps, HIDDEN, CHUNK)
         gate = (gate.to(tl.float32) * inv).to(gate.dtype)
         up = (up.to(tl.float32) * inv).to(up.dtype)
     gf = gate.to(tl.float32)
@@ -117,7 +118,7 @@ def _qk_rope_store_kernel(
     x = tl.load(base + offs)
     inv_x = 1.0
     if SCALED:  # the input norm folded into the QKV GEMM: scale by the residual row's 1/RMS first
-        inv_x = _inv_rms(x_ptr, t, x_eps, HIDDEN, CHUNK)
+        inv_x = _row_inv_rms(x_ptr, t, x_eps, HIDDEN, CHUNK)
         x = (x.to(tl.float32) * inv_x).to(x.dtype)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if h < HQ + HKV:
@@ -290,7 +291,7 @@ _COUNTERS = ArrivalCounters("split counters")  # the split-K merge of paged atte
 
 
 def _chunk(hidden: int) -> int:
-    """Columns per load of :func:`_inv_rms`: the row in a few wide loads, at most 1024 per load."""
+    """Columns per load of :func:`_row_inv_rms`: the row in a few wide loads, at most 1024 per load."""
     return min(1024, triton.next_power_of_2(hidden))
 
 
@@ -380,14 +381,20 @@ class TritonOps:
 
     @staticmethod
     def paged_attention(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tiles: AttentionTiles,
+        launch: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
+        """``launch``: ``(BLOCK_N, num_warps, num_stages)`` instead of the default (the microbench's sweep,
+        ``python -m bench.thinker.attention --sweep``)."""
         t, hq, d = q.shape
         hkv = k_cache.shape[1]
         g = hq // hkv
         out = torch.empty_like(q)
         block_m = max(16, triton.next_power_of_2(tiles.block_t * g))
-        block_n = 64
+        block_n, warps, stages = launch or (64, 4, None)
         splits = tiles.splits
         if splits > 1:
             po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
@@ -424,6 +431,7 @@ class TritonOps:
             BLOCK_N=block_n,
             SPLITS=splits,
             IEEE=q.dtype == torch.float32,
-            num_warps=4,
+            num_warps=warps,
+            **({} if stages is None else {"num_stages": stages}),
         )
         return out
