@@ -170,7 +170,8 @@ def test_prefill_warm_up_leaves_every_slot_empty(model: MiniCPMTTS) -> None:
     def frames(warm: bool) -> list[int]:
         engine = TalkerEngine(model, max_streams=3)
         if warm:
-            assert engine.runner.warmup_prefill(rows=16) == 3 * 16
+            # bursts of 1, 2 and 3 streams at two widths
+            assert engine.runner.warmup_prefill(widths=(4, 16)) == (1 + 2 + 3) * (4 + 16)
             assert engine.runner.cache.lengths == [0, 0, 0]
         sink = Sink()
         greedy = engine.default_sampling(temperature=1.0, greedy=True)

@@ -100,6 +100,10 @@ def test_paged_attention_matches_reference(dtype: torch.dtype, splits: int) -> N
     torch.testing.assert_close(
         tri.paged_attention(q[:3], k_cache, v_cache, rows), want_rows, rtol=0, atol=atol
     )
+    # another launch (the microbench's sweep): 16-key blocks, so each split walks several blocks
+    torch.testing.assert_close(
+        tri.paged_attention(q[:3], k_cache, v_cache, rows, (16, 2, 2)), want_rows, rtol=0, atol=atol
+    )
     if splits > 1:
         # The last split to arrive merged the partials in the same launch and left its counter at zero,
         # so a second call (a graph replay, the next layer) merges again from a clean count.

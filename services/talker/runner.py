@@ -293,27 +293,37 @@ class TalkerRunner:
         return self.model.head_logits(last)
 
     @torch.inference_mode()
-    def warmup_prefill(self, streams: int | None = None, rows: int = 64) -> int:
-        """One batched prefill of ``streams`` slots (default: all) at once, then every slot empty again.
+    def warmup_prefill(self, streams: int | None = None, widths: tuple[int, ...] = (8, 16, 32, 64)) -> int:
+        """Batched prefills of 1, 2, 4, … up to ``streams`` slots (default: all) at each row width in
+        ``widths``, then every slot empty again; returns the rows fed.
 
-        Why: the first burst of streams that start together (c=8 chat requests) prefills them in one padded
-        forward (:meth:`prefill_batch`); run first while serving, that step pays the caching allocator's
-        new blocks and the eager kernels' first-call setup for its shapes. The thinker warms the same way
+        Why: the first burst of streams that start together (c=8 chat requests) prefills them in padded
+        forwards (:meth:`prefill_batch`) whose batch and width depend on when each condition arrived; run
+        first while serving, a new shape pays the caching allocator's new blocks and its GEMM and
+        attention kernels' first launch (their modules load lazily). On the H200 the first c=8 burst
+        after a one-shape warm-up still spent ~100 ms more between the first speech chunk and the first
+        codec window than later bursts (BENCHMARKS.md, session 9). The thinker warms the same way
         (``burst_warmup_step``). Slots are free at start; the rows written here lie beyond every later
-        stream's length, which masks them out until that stream overwrites them. Returns the rows fed.
+        stream's length, which masks them out until that stream overwrites them.
         """
         n = min(streams or self.cache.num_slots, self.cache.num_slots)
-        if n < 1 or rows < 1:
+        if n < 1:
             return 0
+        counts = sorted({min(1 << i, n) for i in range(n.bit_length() + 1)})
         saved = list(self.cache.lengths)
-        x = torch.zeros(rows, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        fed = 0
         try:
-            self.prefill_batch([(slot, x) for slot in range(n)])
+            for count in counts:
+                for width in widths:
+                    x = torch.zeros(width, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+                    self.prefill_batch([(slot, x) for slot in range(count)])
+                    self.cache.lengths[:] = saved
+                    fed += count * width
         finally:
             self.cache.lengths[:] = saved
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return n * rows
+        return fed
 
     # -------------------------------------------------------------------------------------- decode
     def _step_eager(
