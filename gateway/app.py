@@ -39,7 +39,7 @@ from gateway.openai.errors import APIError, error_body, error_response
 from gateway.runtime import GatewayRuntime
 from gateway.shutdown import GRACEFUL_SHUTDOWN_S, GatewayServer
 from services.common.deploy_profile import ProfileError, load_profile
-from services.common.heap import freeze_startup_heap
+from services.common.heap import prepare_heap_for_serving
 from services.common.tls import ClientTLS
 
 log = logging.getLogger(__name__)
@@ -318,5 +318,5 @@ def main(argv: list[str] | None = None) -> None:
         ),
         app,
     )
-    freeze_startup_heap()  # the imports and the app: out of the GC's full passes (services.common.heap)
+    prepare_heap_for_serving()  # imports and app out of the GC's full passes (services.common.heap)
     server.run()

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.deploy_profile import DEFAULT_STAGE_PORTS
-from services.common.heap import freeze_startup_heap
+from services.common.heap import prepare_heap_for_serving
 from services.common.metrics import DRAINING
 from services.common.tls import ServerTLS, server_tls_args
 
@@ -204,7 +204,7 @@ async def serve_forever(server: StageServer) -> None:
 
     The stage's model, warm-up and graphs exist by now: their objects leave the GC's full passes first
     (:mod:`services.common.heap`)."""
-    freeze_startup_heap()
+    prepare_heap_for_serving()
     await server.start()
     print(f"[{server.stage}] listening on {server.options.host}:{server.port}", flush=True)
     loop = asyncio.get_running_loop()

@@ -1,21 +1,49 @@
-"""Keep the start-up heap out of the garbage collector's full passes.
+"""Keep the start-up heap out of the garbage collector's full passes, and time every collection.
 
 Why: a stage process holds ~470k tracked Python objects once its model, kernels and graphs are built
 (transformers modules, imported libraries); a full (generation 2) collection walks all of them, ~220 ms
 on the CI box's CPU, and runs on whichever thread allocated last, holding the GIL: the engine thread
 stalls and every stream of a burst waits at once. Those objects live as long as the process, so after
 start-up they are moved to the permanent generation (``gc.freeze``) and later collections only walk what
-serving allocates. Servers call :func:`freeze_startup_heap` once, after their warm-up and before they
-take traffic.
+serving allocates. ``minicpmo_gc_pause_seconds`` (per generation) shows what collections still cost.
+
+Servers call :func:`prepare_heap_for_serving` once, after their warm-up and before they take traffic;
+``MINICPMO_GC_FREEZE=0`` leaves the heap unfrozen (the pauses are still timed), for A/B runs.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
+from typing import Any
+
+from prometheus_client import Histogram
 
 log = logging.getLogger(__name__)
+
+FREEZE_ENV = "MINICPMO_GC_FREEZE"
+GC_PAUSE = Histogram(
+    "minicpmo_gc_pause_seconds",
+    "Wall time of one Python garbage collection in this process (the GIL is held throughout)",
+    ["generation"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+)
+_started: list[float] = []
+
+
+def _on_gc(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _started.append(time.perf_counter())
+    elif _started:
+        GC_PAUSE.labels(str(info.get("generation", "?"))).observe(time.perf_counter() - _started.pop())
+
+
+def watch_gc_pauses() -> None:
+    """Time every collection into ``minicpmo_gc_pause_seconds`` (idempotent)."""
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
 
 
 def freeze_startup_heap() -> int:
@@ -26,3 +54,13 @@ def freeze_startup_heap() -> int:
     frozen = gc.get_freeze_count()
     log.info("froze %d start-up objects out of the GC (%.0f ms)", frozen, 1e3 * (time.perf_counter() - t0))
     return frozen
+
+
+def prepare_heap_for_serving() -> int:
+    """Time collections from now on and freeze the start-up heap (unless ``MINICPMO_GC_FREEZE=0``);
+    returns the frozen object count (0 when not frozen)."""
+    watch_gc_pauses()
+    if os.environ.get(FREEZE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        log.info("%s=0: the start-up heap stays in the GC's full passes", FREEZE_ENV)
+        return 0
+    return freeze_startup_heap()
