@@ -3,7 +3,7 @@
 set -uo pipefail
 source .gpu/env.sh || exit 1
 t0=$(date +%s)
-[ -f /tmp/ck/config.json ] || python3 -m services.common.checkpoint_tool make --size full --device cuda /tmp/ck > /tmp/ck.log 2>&1 || { tail -20 /tmp/ck.log; exit 1; }
+make_checkpoint || exit 1
 echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
 timeout 200 python3 -m bench.thinker --checkpoint /tmp/ck --device cuda --batches 1,16 --norm-fold both \
   --overlap both --profile --no-hf --decode-steps 128 --warmup-steps 16 --prefill-iters 2 \
@@ -15,10 +15,7 @@ timeout 120 python3 -m bench.cuda_smoke --checkpoint /tmp/ck --device cuda --sta
 echo "cuda_smoke rc=$? after $(( $(date +%s) - t0 )) s"
 cp /tmp/thinker_smoke/cuda_smoke.json "$OUT/thinker_smoke.json" 2>/dev/null; cp /tmp/thinker_smoke/cuda_smoke.md "$OUT/thinker_smoke.md" 2>/dev/null
 grep '^\[cuda_smoke\]' /tmp/thinker_smoke.log | tail -8; tail -5 /tmp/thinker_smoke.log
-timeout 170 python3 -m bench.e2e --checkpoint /tmp/ck --deploy-config configs/deploy/minicpmo_4_5.yaml --device cuda \
-  --concurrency 8,1 --bursts 4 --warmup 1 --warmup-rounds 0 --requests-per-level 5 --timeline-requests 3 \
-  --timeline-bursts 4 --max-seconds 120 --stage-args thinker=--graph-warmup-context=256 \
-  --out-dir /tmp/e2e > /tmp/e2e.log 2>&1
+run_e2e 170 8,1 4 120
 echo "e2e rc=$? after $(( $(date +%s) - t0 )) s"
 mkdir -p "$OUT/e2e"; cp /tmp/e2e/*.json /tmp/e2e/*.md "$OUT/e2e/" 2>/dev/null; sed -n '/^| c |/,/^$/p;/^| burst/,/^$/p' /tmp/e2e/e2e.md
 grep -h "folded\|thinker kernels" /tmp/e2e/logs/*thinker* 2>/dev/null | head -3

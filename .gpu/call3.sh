@@ -3,15 +3,12 @@
 set -uo pipefail
 source .gpu/env.sh || exit 1
 t0=$(date +%s)
-[ -f /tmp/ck/config.json ] || python3 -m services.common.checkpoint_tool make --size full --device cuda /tmp/ck > /tmp/ck.log 2>&1 || { tail -20 /tmp/ck.log; exit 1; }
+make_checkpoint || exit 1
 echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
 timeout 150 python3 -m bench.thinker.attention --device cuda --sweep --batches 1,16 --contexts 512,1024 \
   > "$OUT/attn_sweep.log" 2>&1
 echo "attention sweep rc=$? after $(( $(date +%s) - t0 )) s"; sed -n '/^| batch/,$p' "$OUT/attn_sweep.log"; tail -3 "$OUT/attn_sweep.log"
-timeout 170 python3 -m bench.e2e --checkpoint /tmp/ck --deploy-config configs/deploy/minicpmo_4_5.yaml --device cuda \
-  --concurrency 8,1 --bursts 4 --warmup 1 --warmup-rounds 0 --requests-per-level 5 --timeline-requests 3 \
-  --timeline-bursts 4 --timeline-first --max-seconds 120 --stage-args thinker=--graph-warmup-context=256 \
-  --out-dir /tmp/e2e > /tmp/e2e.log 2>&1
+run_e2e 170 8,1 4 120 --timeline-first
 echo "e2e rc=$? after $(( $(date +%s) - t0 )) s"
 mkdir -p "$OUT/e2e"; cp /tmp/e2e/*.json /tmp/e2e/*.md "$OUT/e2e/" 2>/dev/null; sed -n '/^| c |/,/^$/p;/^| burst/,/^$/p' /tmp/e2e/e2e.md
 for f in /tmp/e2e/logs/*.log; do echo "== $f"; grep -i "eager\|compil\|no graph\|slow\|warn" "$f" | tail -6; done 2>/dev/null | head -60

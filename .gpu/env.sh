@@ -11,3 +11,20 @@ fi
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-results}
 mkdir -p "$OUT"
+
+# The full-size random checkpoint at /tmp/ck (made once per machine, 40-55 s).
+make_checkpoint() {
+  [ -f /tmp/ck/config.json ] || python3 -m services.common.checkpoint_tool make --size full --device cuda /tmp/ck \
+    > /tmp/ck.log 2>&1 || { tail -20 /tmp/ck.log; return 1; }
+}
+
+# The chat-route e2e of issue 17 (c=8 bursts on fresh connections, the first burst after start counted):
+# run_e2e BUDGET_S CONCURRENCY TIMELINE_BURSTS MAX_SECONDS [more bench.e2e flags]; writes /tmp/e2e.
+run_e2e() {
+  local budget=$1 conc=$2 tl=$3 maxs=$4
+  shift 4
+  timeout "$budget" python3 -m bench.e2e --checkpoint /tmp/ck --deploy-config configs/deploy/minicpmo_4_5.yaml \
+    --device cuda --concurrency "$conc" --bursts 4 --warmup 1 --warmup-rounds 0 --requests-per-level 5 \
+    --timeline-requests 3 --timeline-bursts "$tl" --max-seconds "$maxs" \
+    --stage-args thinker=--graph-warmup-context=256 "$@" --out-dir /tmp/e2e > /tmp/e2e.log 2>&1
+}

@@ -4,7 +4,7 @@
 set -uo pipefail
 source .gpu/env.sh || exit 1
 t0=$(date +%s)
-[ -f /tmp/ck/config.json ] || python3 -m services.common.checkpoint_tool make --size full --device cuda /tmp/ck > /tmp/ck.log 2>&1 || { tail -20 /tmp/ck.log; exit 1; }
+make_checkpoint || exit 1
 echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
 ARMS=on ON_LEVELS=${LEVELS:-16} TAG=_plain bash .gpu/rt.sh
 if command -v nvidia-cuda-mps-control >/dev/null; then
@@ -20,10 +20,7 @@ else
 fi
 echo "elapsed $(( $(date +%s) - t0 )) s"
 if [ "${E2E:-1}" = 1 ]; then
-  timeout 200 python3 -m bench.e2e --checkpoint /tmp/ck --deploy-config configs/deploy/minicpmo_4_5.yaml --device cuda \
-    --concurrency 8,1 --bursts 4 --warmup 1 --warmup-rounds 0 --requests-per-level 5 --timeline-requests 3 \
-    --timeline-bursts 4 --timeline-first --max-seconds 120 --stage-args thinker=--graph-warmup-context=256 \
-    --out-dir /tmp/e2e > /tmp/e2e.log 2>&1
+  run_e2e 200 8,1 4 120 --timeline-first
   echo "e2e rc=$? elapsed $(( $(date +%s) - t0 )) s"
   mkdir -p $OUT/e2e; cp /tmp/e2e/*.json /tmp/e2e/*.md $OUT/e2e/ 2>/dev/null; tail -40 /tmp/e2e.log
 fi

@@ -3,7 +3,7 @@
 set -uo pipefail
 source .gpu/env.sh || exit 1
 t0=$(date +%s)
-[ -f /tmp/ck/config.json ] || python3 -m services.common.checkpoint_tool make --size full --device cuda /tmp/ck > /tmp/ck.log 2>&1 || { tail -20 /tmp/ck.log; exit 1; }
+make_checkpoint || exit 1
 echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
 run() {
   name=$1; shift

@@ -6,7 +6,7 @@
 set -uo pipefail
 source .gpu/env.sh || exit 1
 t0=$(date +%s)
-[ -f /tmp/ck/config.json ] || python3 -m services.common.checkpoint_tool make --size full --device cuda /tmp/ck > /tmp/ck.log 2>&1 || { tail -20 /tmp/ck.log; exit 1; }
+make_checkpoint || exit 1
 echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
 timeout "${TUNE_BUDGET:-170}" python3 -m bench.thinker.skinny --device cuda --rows "${TUNE_ROWS:-1,16}" \
   --json-out "$OUT/skinny.json" > "$OUT/skinny.md" 2> /tmp/skinny.err
@@ -17,10 +17,7 @@ LEVER="--skinny both" BENCH_BUDGET=${BENCH_BUDGET:-170} SMOKE_BUDGET=${SMOKE_BUD
 # A skinny path that failed on the GPU must not take the e2e and realtime runs down with it.
 grep -q "^## bench.thinker (rc=0)" "$OUT/thinker.md" || { export MINICPMO_THINKER_SKINNY_GEMM=0; echo "skinny off for the rest"; }
 echo "thinker done after $(( $(date +%s) - t0 )) s"
-timeout "${E2E_BUDGET:-150}" python3 -m bench.e2e --checkpoint /tmp/ck --deploy-config configs/deploy/minicpmo_4_5.yaml --device cuda \
-  --concurrency 8,1 --bursts 4 --warmup 1 --warmup-rounds 0 --requests-per-level 5 --timeline-requests 3 \
-  --timeline-bursts 4 --max-seconds 120 --stage-args thinker=--graph-warmup-context=256 \
-  --out-dir /tmp/e2e > /tmp/e2e.log 2>&1
+run_e2e ${E2E_BUDGET:-150} 8,1 4 120
 echo "e2e rc=$? after $(( $(date +%s) - t0 )) s"
 mkdir -p "$OUT/e2e"; cp /tmp/e2e/*.json /tmp/e2e/*.md "$OUT/e2e/" 2>/dev/null; sed -n '/^| c |/,/^$/p;/Bursts at/,/^$/p' /tmp/e2e/e2e.md
 left=$(( ${TOTAL:-585} - ($(date +%s) - t0) ))

@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from services.common.checkpoint import Checkpoint  # noqa: E402
 from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
-from services.thinker.kernels import AttentionTiles, TorchOps, select_backend  # noqa: E402
+from services.thinker.kernels import AttentionTiles, TorchOps, scale_rows_ref, select_backend  # noqa: E402
 from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
 from services.thinker.sampling import Sampler, SamplingConfig  # noqa: E402
 from services.thinker.scheduler import WorkItem  # noqa: E402
@@ -66,6 +66,22 @@ def test_norm_gate_and_rope_kernels_match_reference(dtype: torch.dtype) -> None:
     torch.testing.assert_close(caches[1][0], caches[0][0], **tol)  # K written at the slots, normed + rotated
     torch.testing.assert_close(caches[1][1], caches[0][1], rtol=0, atol=0)  # V copied as is
     assert caches[1][0][slots].abs().sum() > 0 and caches[1][0][0].abs().sum() == 0
+
+    # With a folded norm (``rms_of``): rows scaled by a residual row's 1/RMS first. One ulp in fp16: the
+    # row statistics are summed in another fp32 order than torch's mean. 80 columns: a masked tail.
+    x = (3 * torch.randn(6, 80, generator=g)).to(dtype)
+    stol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    got = tri.silu_mul(gu, rms_of=(x[:5], 1e-6))
+    torch.testing.assert_close(got, TorchOps.silu_mul(gu, rms_of=(x[:5], 1e-6)), **stol)
+    assert not torch.allclose(got, TorchOps.silu_mul(gu), atol=1e-2)  # the scale was applied
+    caches = [[torch.zeros(64, hkv, dim, dtype=dtype) for _ in range(2)] for _ in range(2)]
+    qa = TorchOps.qk_rope_store(qkv, wn, 1e-6, cos, sin, pos, slots, *caches[0], hq, hkv, (x, 1e-6))
+    qb = tri.qk_rope_store(qkv, wn, 1e-6, cos, sin, pos, slots, *caches[1], hq, hkv, (x, 1e-6))
+    torch.testing.assert_close(qb, qa, **stol)
+    for got_c, want_c in zip(caches[1], caches[0], strict=True):  # K scaled, normed, rotated; V scaled
+        torch.testing.assert_close(got_c, want_c, **stol)
+    v_scaled = scale_rows_ref(qkv, (x, 1e-6))[:, (hq + hkv) * dim :].reshape(6, hkv, dim)
+    torch.testing.assert_close(caches[0][1][slots], v_scaled, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,8 +1,8 @@
 """The folded-norm decode loop (services.thinker.fused_forward ``_folded_layers``) on CPU.
 
 The RMSNorm weights go into the QKV and gate|up GEMMs (``fold_norm_weights``); the kernels after those
-GEMMs scale each row by the residual row's ``1/RMS`` (``rms_of``). Checked here: the Triton kernels'
-scaled variants against the torch reference through Triton's interpreter; the folded module computing
+GEMMs scale each row by the residual row's ``1/RMS`` (``rms_of``; the Triton kernels' scaled variants are
+checked in ``test_thinker_kernels.py``). Checked here: the scaling is the norm; the folded module computing
 what the unfolded one did; the runner taking the folded loop for packed-row steps only, and its logits
 and greedy tokens (through emulated row graphs) against the torch backend on an unfolded copy.
 """
@@ -22,9 +22,9 @@ triton = pytest.importorskip("triton")
 
 from services.common.checkpoint import Checkpoint  # noqa: E402
 from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
-from services.thinker.kernels import TorchOps, norm_fold_enabled, rms_norm_ref, scale_rows_ref  # noqa: E402
+from services.thinker.kernels import norm_fold_enabled, rms_norm_ref, scale_rows_ref  # noqa: E402
 from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
-from tests.graph_emulation import emulated  # noqa: E402
+from tests.thinker_greedy import greedy_tokens  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -55,36 +55,6 @@ def test_scaled_rows_are_the_folded_norm() -> None:
     want = F.linear(rms_norm_ref(x, gamma, 1e-6), w)
     got = scale_rows_ref(F.linear(x, w * gamma), (x, 1e-6))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_scaled_kernels_match_reference(dtype: torch.dtype) -> None:
-    from services.thinker.kernels.triton_ops import TritonOps as tri
-
-    g = torch.Generator().manual_seed(0)
-    # one ulp in fp16: the row statistics are summed in another fp32 order than torch's mean
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
-    hidden = 80  # not a power of two: the statistics loop's masked tail
-    x = (3 * torch.randn(6, hidden, generator=g)).to(dtype)
-    gu = torch.randn(6, 512, generator=g).to(dtype)
-    got, want = tri.silu_mul(gu, rms_of=(x, 1e-6)), TorchOps.silu_mul(gu, rms_of=(x, 1e-6))
-    torch.testing.assert_close(got, want, **tol)
-    assert not torch.allclose(got, TorchOps.silu_mul(gu), atol=1e-2)  # the scale was applied
-
-    hq, hkv, dim = 4, 2, 32
-    qkv = torch.randn(6, (hq + 2 * hkv) * dim, generator=g).to(dtype)
-    wn = torch.randn(hq + hkv, dim, generator=g).to(dtype)
-    cos, sin = (torch.randn(100, dim, generator=g).to(dtype) for _ in range(2))
-    pos = torch.tensor([3, 7, 9, 10, 50, 2])
-    slots = torch.tensor([17, 18, 40, 41, 5, 33])
-    caches = [[torch.zeros(64, hkv, dim, dtype=dtype) for _ in range(2)] for _ in range(2)]
-    qa = TorchOps.qk_rope_store(qkv, wn, 1e-6, cos, sin, pos, slots, *caches[0], hq, hkv, (x, 1e-6))
-    qb = tri.qk_rope_store(qkv, wn, 1e-6, cos, sin, pos, slots, *caches[1], hq, hkv, (x, 1e-6))
-    torch.testing.assert_close(qb, qa, **tol)
-    torch.testing.assert_close(caches[1][0], caches[0][0], **tol)  # K: scaled, normed, rotated
-    torch.testing.assert_close(caches[1][1], caches[0][1], **tol)  # V: scaled
-    scale = scale_rows_ref(qkv, (x, 1e-6))[:, (hq + hkv) * dim :].reshape(6, hkv, dim)
-    torch.testing.assert_close(caches[0][1][slots], scale, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -152,26 +122,8 @@ def test_runner_takes_folded_loop_for_packed_steps(llm: torch.nn.Module) -> None
     assert not engine.runner.norm_fold
 
 
-def _greedy_tokens(llm: torch.nn.Module, kernels: str, graphed: bool) -> tuple[list[list[int]], int]:
-    from services.thinker.sampling import Sampler, SamplingConfig
-    from services.thinker.scheduler import WorkItem
-
-    engine = _engine(llm, kernels, True if graphed else None)
-    if graphed:
-        engine.runner.use_cuda_graphs = True
-        engine.runner.graph_capture = emulated
-    tokens: list[list[int]] = [[] for _ in range(3)]
-    for i, n in enumerate((23, 9, 14)):
-        seq = engine.open(lambda ev, i=i: ev.token is not None and tokens[i].append(ev.token))
-        prompt = list(range(1000 + 37 * i, 1000 + 37 * i + n))
-        engine.submit(seq, WorkItem(prompt, sampler=Sampler(SamplingConfig(max_tokens=5, stop_token_ids=()))))
-        engine.step()  # staggered: later prompts prefill while earlier ones decode
-    engine.run_until_idle()
-    return tokens, engine.runner.fused.folded_passes
-
-
 def test_graphed_engine_with_folded_norms_gives_torch_tokens(llm: torch.nn.Module) -> None:
     """Greedy decode through (emulated) row graphs on the folded loop equals the unfolded torch engine."""
-    want, _ = _greedy_tokens(llm, "torch", graphed=False)
-    got, passes = _greedy_tokens(copy.deepcopy(llm), "triton", graphed=True)
-    assert passes > 0 and got == want and all(len(t) == 5 for t in got)
+    want, _ = greedy_tokens(llm, "torch", graphed=False)
+    got, runner = greedy_tokens(copy.deepcopy(llm), "triton", graphed=True, norm_fold=True)
+    assert runner.fused.folded_passes > 0 and got == want and all(len(t) == 5 for t in got)

@@ -22,7 +22,7 @@ from services.common.checkpoint import Checkpoint  # noqa: E402
 from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
 from services.thinker.kernels import TorchOps, skinny_enabled  # noqa: E402
 from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
-from tests.graph_emulation import emulated  # noqa: E402
+from tests.thinker_greedy import greedy_tokens  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -237,29 +237,8 @@ def test_runner_selects_skinny_for_packed_decode_steps(
         torch.testing.assert_close(out.prefill_logits[0], ref.prefill_logits[0], rtol=1e-4, atol=1e-4)
 
 
-def _greedy_tokens(llm: torch.nn.Module, kernels: str, graphed: bool) -> tuple[list[list[int]], int]:
-    from services.thinker.sampling import Sampler, SamplingConfig
-    from services.thinker.scheduler import WorkItem
-
-    engine = ThinkerEngine(
-        llm, EngineConfig(max_num_seqs=4, kv_budget_bytes=8 << 20, skinny_gemm=graphed), torch.device("cpu")
-    )
-    engine.runner.set_kernels(kernels)
-    if graphed:
-        engine.runner.use_cuda_graphs = True
-        engine.runner.graph_capture = emulated
-    tokens: list[list[int]] = [[] for _ in range(3)]
-    for i, n in enumerate((23, 9, 14)):
-        seq = engine.open(lambda ev, i=i: ev.token is not None and tokens[i].append(ev.token))
-        prompt = list(range(1000 + 37 * i, 1000 + 37 * i + n))
-        engine.submit(seq, WorkItem(prompt, sampler=Sampler(SamplingConfig(max_tokens=5, stop_token_ids=()))))
-        engine.step()  # staggered: later prompts prefill while earlier ones decode
-    engine.run_until_idle()
-    return tokens, engine.runner.fused.skinny_passes
-
-
 def test_graphed_engine_with_skinny_gemms_gives_torch_tokens(llm: torch.nn.Module) -> None:
     """Greedy decode through (emulated) row graphs on the skinny path equals the eager torch engine."""
-    want, _ = _greedy_tokens(llm, "torch", graphed=False)
-    got, passes = _greedy_tokens(llm, "triton", graphed=True)
-    assert passes > 0 and got == want and all(len(t) == 5 for t in got)
+    want, _ = greedy_tokens(llm, "torch", graphed=False)
+    got, runner = greedy_tokens(llm, "triton", graphed=True, skinny_gemm=True)
+    assert runner.fused.skinny_passes > 0 and got == want and all(len(t) == 5 for t in got)
