@@ -176,16 +176,26 @@ def render_markdown(report: dict[str, Any], levels: list[LevelSummary]) -> str:
         lines += [
             f"Bursts at c={c} (all {c} requests sent at once, fresh connections per burst; ms):",
             "",
-            "| burst | ok | TTFP p50 | TTFP max | TTFT p50 | TTFT per request, in send order |",
-            "|---|---|---|---|---|---|",
+            "| burst | ok | TTFP p50 | TTFP max | TTFT p50 | TTFT per request, in send order "
+            "| full GCs (process: n, ms) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             per = ", ".join("-" if v is None else f"{v:.0f}" for v in r["ttft_ms_in_send_order"])
             cells = [r["ttfp_p50_ms"], r["ttfp_max_ms"], r["ttft_p50_ms"]]
+            gcs = r.get("full_gcs")
+            gc_cell = (
+                "–"
+                if gcs is None
+                else "; ".join(
+                    f"{k}: {int(v['full_collections'])}, {v['pause_ms']:.0f}" for k, v in sorted(gcs.items())
+                )
+                or "none"
+            )
             lines.append(
                 f"| {r['burst']} | {r['ok']} | "
                 + " | ".join("-" if v is None else f"{v:.0f}" for v in cells)
-                + f" | {per} |"
+                + f" | {per} | {gc_cell} |"
             )
         lines.append("")
     by_c = report.get("timeline_ms_by_concurrency") or {}
@@ -260,7 +270,10 @@ async def drive(
     prompts: list[str],
     deadline: float,
     metrics_urls: list[str] | None = None,
+    gc_urls: dict[str, str] | None = None,
 ) -> tuple[list[LevelResult], dict[int, list[dict[str, float]]]]:
+    """The warm-up, each level (bursts or a steady level) and the timelines; ``gc_urls`` (process name ->
+    ``/metrics``): the bursts also record each process's full garbage collections."""
     bodies = [request_body(p, w, model) for p in prompts]
     metrics_urls = metrics_urls if metrics_urls is not None else [url.rstrip("/") + "/metrics"]
     timeout = args.request_timeout
@@ -295,7 +308,14 @@ async def drive(
         if args.bursts and c > 1:
             print(f"[e2e] c={c}: {args.bursts} burst(s) of {c}, fresh connections each", flush=True)
             summary, reqs, bursts = await run_bursts(
-                url, c, args.bursts, timeout, bodies=bodies, deadline=deadline, require_audio=True
+                url,
+                c,
+                args.bursts,
+                timeout,
+                bodies=bodies,
+                deadline=deadline,
+                require_audio=True,
+                gc_urls=gc_urls,
             )
         else:
             print(f"[e2e] c={c}: {args.requests_per_level} request(s)", flush=True)
@@ -461,14 +481,19 @@ def main(argv: list[str] | None = None) -> int:
             url = pipeline.url
             from bench.cancel import stage_endpoints
 
+            endpoints = stage_endpoints(pipeline)
             metrics_urls = [url.rstrip("/") + "/metrics"] + [
-                ep.metrics_url for ep in stage_endpoints(pipeline) if ep.stage == "thinker"
+                ep.metrics_url for ep in endpoints if ep.stage == "thinker"
             ]
+            gc_urls = {"gateway": url.rstrip("/") + "/metrics"} | {
+                ep.name: ep.metrics_url for ep in endpoints
+            }
         else:
             metrics_urls = [url.rstrip("/") + "/metrics"]
+            gc_urls = {"gateway": metrics_urls[0]}
         report["url"] = url
         levels, marks = asyncio.run(
-            drive(args, url, w, profile.served_model_name, prompts, deadline, metrics_urls)
+            drive(args, url, w, profile.served_model_name, prompts, deadline, metrics_urls, gc_urls)
         )
         report["status"] = "ok" if levels and not any(lv.summary.failed for lv in levels) else "failures"
         if len(levels) < len(args.levels):

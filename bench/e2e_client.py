@@ -70,6 +70,33 @@ def histogram_sums(url: str, prefix: str) -> dict[str, float]:
     return out
 
 
+GC_FULL = 'minicpmo_gc_pause_seconds_{}{{generation="2"}}'  # services.common.heap, full collections
+
+
+def scrape_full_gcs(urls: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """``(count, seconds)`` of full (generation 2) garbage collections so far, per process name."""
+    out: dict[str, tuple[float, float]] = {}
+    for name, url in urls.items():
+        try:
+            sums = histogram_sums(url, "minicpmo_gc_pause_")
+        except OSError:
+            continue  # a process without a metrics port
+        out[name] = (sums.get(GC_FULL.format("count"), 0.0), sums.get(GC_FULL.format("sum"), 0.0))
+    return out
+
+
+def full_gcs_between(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """Per process with a full collection between two scrapes: how many, and their pause in ms."""
+    out: dict[str, dict[str, float]] = {}
+    for name, (count, seconds) in after.items():
+        c0, s0 = before.get(name, (0.0, 0.0))
+        if count > c0:
+            out[name] = {"full_collections": count - c0, "pause_ms": 1000.0 * (seconds - s0)}
+    return out
+
+
 def _wav_duration_s(raw: bytes) -> float:
     import soundfile as sf
 
@@ -218,6 +245,7 @@ async def run_bursts(
     deadline: float | None = None,
     require_audio: bool = False,
     gap_s: float = 0.5,
+    gc_urls: dict[str, str] | None = None,
 ) -> tuple[LevelSummary, list[RequestResult], list[dict[str, Any]]]:
     """``bursts`` rounds of ``concurrency`` requests sent together, each round on fresh connections.
 
@@ -226,9 +254,12 @@ async def run_bursts(
     pipeline is idle before the next. The first burst counts like the others (pass no warm-up rounds to
     include the first burst after start). Returns the level summary over all requests, the requests
     (``burst`` set) and one row per burst: its TTFP/TTFT medians and maxima and each request's TTFT in
-    send order, which shows whether one request was served ahead of the rest.
+    send order, which shows whether one request was served ahead of the rest. With ``gc_urls`` (process
+    name -> its ``/metrics``) a row also says which processes ran a full garbage collection during the
+    burst and for how long (a full collection holds the GIL: every stream of that process waits).
     """
     url = base_url.rstrip("/") + "/v1/chat/completions"
+    gcs = await asyncio.to_thread(scrape_full_gcs, gc_urls) if gc_urls else {}
     results: list[RequestResult] = []
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -260,6 +291,9 @@ async def run_bursts(
                 "ttfp_ms_in_send_order": [None if r.ttfp_s is None else r.ttfp_s * 1000 for r in got],
             }
         )
+        if gc_urls:
+            now = await asyncio.to_thread(scrape_full_gcs, gc_urls)
+            rows[-1]["full_gcs"], gcs = full_gcs_between(gcs, now), now
         print(
             f"  c={concurrency} burst {b}: TTFP p50 {rows[-1]['ttfp_p50_ms'] or float('nan'):.0f} ms, "
             f"max {rows[-1]['ttfp_max_ms'] or float('nan'):.0f} ms, {rows[-1]['failed']} failed",

@@ -102,6 +102,8 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
     # c=2 ran as one burst of 2 (--bursts 1): its row lists both requests' TTFT in send order.
     [burst] = report["bursts"]["2"]
     assert burst["ok"] == 2 and len(burst["ttft_ms_in_send_order"]) == 2
+    # every process's full collections during the burst (heap frozen at start: usually none)
+    assert set(burst["full_gcs"]) <= {"gateway", "thinker-0", "talker-0", "code2wav-0"}
     assert all(r["burst"] == 0 for r in report["requests"]["2"])
     # --timeline-first: the c=2 marks (one group of 2, on its own connections) were taken before the levels.
     assert report["timeline_first"] and [m["send_index"] for m in report["timeline_raw_ms"]["2"]] in (
@@ -112,6 +114,7 @@ def test_e2e_runs_on_cpu_and_writes_results(tiny_ckpt: Path, tmp_path: Path) -> 
     md = (out / "e2e.md").read_text()
     assert "| 1 | 2 | 0 |" in md and "| 2 | 2 | 0 |" in md
     assert "| c | client TTFT mean | gateway TTFT mean | thinker TTFT mean |" in md
+    assert "| full GCs (process: n, ms) |" in md
     # Teardown: every child the harness started is gone.
     pids = json.loads((out / "logs" / "pids.json").read_text())
     for pid in pids.values():
@@ -139,6 +142,32 @@ def test_inprocess_pipeline_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None
     for reqs in report["requests"].values():
         assert all(r["completion_tokens"] == 10 for r in reqs)
     assert report["workload"]["prompt_tokens_with_template"] > 64
+
+
+def test_full_gc_deltas_per_process(tmp_path: Path) -> None:
+    """The bursts' full-collection column: counts and pauses between two scrapes of each process's
+    ``minicpmo_gc_pause_seconds{generation="2"}``; other generations and unreachable processes left out."""
+    from bench.e2e_client import full_gcs_between, scrape_full_gcs
+
+    page = tmp_path / "metrics.txt"
+
+    def write(count: float, seconds: float) -> None:
+        page.write_text(
+            f'minicpmo_gc_pause_seconds_count{{generation="2"}} {count}\n'
+            f'minicpmo_gc_pause_seconds_sum{{generation="2"}} {seconds}\n'
+            'minicpmo_gc_pause_seconds_count{generation="0"} 50.0\n'
+        )
+
+    urls = {"talker-0": page.as_uri(), "gone": "http://127.0.0.1:9/metrics"}
+    write(3, 0.25)
+    before = scrape_full_gcs(urls)
+    assert before == {"talker-0": (3.0, 0.25)}
+    write(4, 0.4)
+    after = scrape_full_gcs(urls)
+    assert full_gcs_between(before, after) == {
+        "talker-0": {"full_collections": 1.0, "pause_ms": pytest.approx(150.0)}
+    }
+    assert full_gcs_between(after, after) == {}
 
 
 def test_bursts_send_together_on_fresh_connections() -> None:
