@@ -21,6 +21,11 @@ STALE_ITEMS = Counter(
     "Data messages of an older epoch dropped by the epoch fence (services.common.stage_stream)",
     ["stage"],
 )
+SLOW_STEPS = Counter(
+    "minicpmo_stage_slow_steps_total",
+    "Engine steps slower than MINICPMO_SLOW_STEP_MS, each logged with its phases (services.common.slow_steps)",
+    ["stage"],
+)
 BATCH_SIZE = Histogram(
     "minicpmo_stage_batch_size",
     "Rows per engine step",

@@ -72,6 +72,7 @@ from services.common.errors import (
     StageError,
 )
 from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH, STEP_SECONDS
+from services.common.slow_steps import StepTimer
 from services.talker import multistep
 from services.talker import sampling as smp
 from services.talker.model.config import DEFAULT_MAX_NEW_FRAMES, DEFAULT_MIN_NEW_FRAMES
@@ -154,6 +155,7 @@ class TalkerEngine:
         self._queue_depth = QUEUE_DEPTH.labels(STAGE)
         self._batch_size = BATCH_SIZE.labels(STAGE)
         self._step_seconds = STEP_SECONDS.labels(STAGE)
+        self._timer = StepTimer(STAGE)  # logs a step slower than MINICPMO_SLOW_STEP_MS with its phases
         # Optional tap on the raw fp32 logits each stream samples from (fidelity dumps, tests).
         self.logits_observer: Callable[[StreamState, torch.Tensor], None] | None = None
 
@@ -268,19 +270,25 @@ class TalkerEngine:
     # ------------------------------------------------------------------------------- scheduling
     def step(self) -> bool:
         """Apply commands, run ready prefills, then one batched decode step. True if anything happened."""
+        timer = self._timer
+        timer.start()
         did = self._drain_commands()
         if self._cancel_all.is_set():
             self._cancel_all.clear()
             self.cancel_all()
         self._admit()
+        timer.mark("commands")
         ready = [st for st in self._streams if st.phase is Phase.IDLE and st.slot is not None and st.queue]
         if ready:
             did = True
             self._start_segments(ready[: self.max_prefills_per_step])
+            timer.mark("prefill", streams=min(len(ready), self.max_prefills_per_step))
         decoding = [st for st in self._streams if st.phase is Phase.DECODE and st.slot is not None]
         if decoding:
             did = True
             self._decode(decoding)
+            timer.mark("decode", batch=len(decoding), steps=self.steps_per_replay)
+        timer.finish()
         for st in list(self._streams):
             if st.phase is Phase.IDLE and not st.queue:
                 self._maybe_finish_idle(st)

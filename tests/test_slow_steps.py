@@ -1,0 +1,72 @@
+"""services.common.slow_steps: a step over the threshold is logged with its phases and counted; the talker
+engine's steps go through it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common.metrics import SLOW_STEPS
+from services.common.slow_steps import ENV, StepTimer, threshold_ms
+
+
+def _count(stage: str) -> float:
+    return SLOW_STEPS.labels(stage)._value.get()
+
+
+def test_a_slow_step_is_logged_with_its_phases(caplog: pytest.LogCaptureFixture) -> None:
+    timer = StepTimer("unit-a", limit_ms=5.0)
+    before = _count("unit-a")
+    timer.start()
+    timer.mark("commands")
+    time.sleep(0.01)
+    timer.mark("decode", batch=8, steps=4)
+    with caplog.at_level(logging.WARNING, logger="services.common.slow_steps"):
+        ms = timer.finish()
+    assert ms is not None and ms >= 10
+    assert _count("unit-a") == before + 1
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "unit-a: slow engine step" in line and "decode" in line and "(batch 8, steps 4)" in line
+    timer.start()  # a fast step: nothing logged, nothing counted
+    timer.mark("commands")
+    assert timer.finish() is None and _count("unit-a") == before + 1
+
+
+def test_threshold_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    assert threshold_ms() == 50.0
+    monkeypatch.setenv(ENV, "0")
+    timer = StepTimer("unit-b")
+    timer.start()
+    time.sleep(0.002)
+    assert timer.finish() is None  # 0: off
+    monkeypatch.setenv(ENV, "soon")
+    with pytest.raises(ValueError, match=ENV):
+        threshold_ms()
+
+
+def test_talker_engine_logs_slow_steps(
+    tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a threshold below any step, the talker's prefill and decode steps are logged as such."""
+    from services.common.checkpoint import Checkpoint
+    from services.talker.engine import TalkerEngine
+    from services.talker.model.tts import MiniCPMTTS
+    from tests.test_talker_engine import Sink, cond_input
+
+    monkeypatch.setenv(ENV, "0.001")
+    ckpt = Checkpoint(tiny_ckpt)
+    model = MiniCPMTTS.from_checkpoint(ckpt)
+    engine = TalkerEngine(model, max_streams=2)
+    sink = Sink()
+    greedy = engine.default_sampling(temperature=1.0, greedy=True)
+    st = engine.open(engine.make_settings(sampling=greedy, fixed_frames=5), sink)
+    engine.chunk(st, cond_input(model, 6, 7))
+    with caplog.at_level(logging.WARNING, logger="services.common.slow_steps"):
+        engine.run_until_idle()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("talker: slow engine step" in m and "prefill" in m and "(streams 1)" in m for m in lines)
+    assert any("decode" in m and "(batch 1, steps 1)" in m for m in lines)
