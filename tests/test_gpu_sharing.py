@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,7 @@ def test_mps_profile_makes_the_gpu_stages_clients_of_a_private_daemon(fake_mps: 
     daemon.stop()
     daemon.stop()  # a second stop does nothing
     assert fake_mps.read_text().splitlines()[1:] == [f"argv= pipe={pipe}", "quit"]
+    assert not Path(pipe).parent.exists()  # its private directory went with it
 
 
 def test_time_slice_profile_starts_nothing(fake_mps: Path, tmp_path: Path) -> None:
@@ -94,8 +96,10 @@ def test_without_the_daemon_binary_the_stages_time_slice(
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
     monkeypatch.delenv(PIPE_ENV, raising=False)
     logged: list[str] = []
+    made = set(Path(tempfile.gettempdir()).glob("minicpmo-mps-*"))
     mode, daemon = start_sharing(load_profile("minicpmo_4_5"), log=logged.append)
     assert daemon is None
+    assert set(Path(tempfile.gettempdir()).glob("minicpmo-mps-*")) <= made  # no directory left behind
     assert "time-slicing cuda:0" in mode and "not on PATH" in mode
     assert len(logged) == 1 and "nvidia-cuda-mps-control is not on PATH" in logged[0]
 

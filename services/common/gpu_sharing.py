@@ -60,8 +60,9 @@ class MpsDaemon:
     """
 
     def __init__(self, root: Path | None = None) -> None:
-        root = root or Path(tempfile.mkdtemp(prefix="minicpmo-mps-"))
-        self.env = {PIPE_ENV: str(root / "pipe"), LOG_ENV: str(root / "log")}
+        self._own_root = root is None  # a directory made here is removed again by stop()
+        self.root = root or Path(tempfile.mkdtemp(prefix="minicpmo-mps-"))
+        self.env = {PIPE_ENV: str(self.root / "pipe"), LOG_ENV: str(self.root / "log")}
         self.started = False
 
     def start(self) -> str | None:
@@ -85,20 +86,22 @@ class MpsDaemon:
         return None
 
     def stop(self) -> None:
-        """Ask the daemon to quit (its server exits once the stages have); safe to call twice."""
-        if not self.started:
-            return
-        self.started = False
-        binary = shutil.which(CONTROL_BINARY) or CONTROL_BINARY
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(
-                [binary],
-                input="quit\n",
-                text=True,
-                env={**os.environ, **self.env},
-                timeout=START_TIMEOUT_S,
-                capture_output=True,
-            )
+        """Ask the daemon to quit (its server exits once the stages have), then remove the directory made
+        for it, if this object made it; safe to call twice."""
+        if self.started:
+            self.started = False
+            binary = shutil.which(CONTROL_BINARY) or CONTROL_BINARY
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run(
+                    [binary],
+                    input="quit\n",
+                    text=True,
+                    env={**os.environ, **self.env},
+                    timeout=START_TIMEOUT_S,
+                    capture_output=True,
+                )
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def start_sharing(
@@ -121,6 +124,7 @@ def start_sharing(
     daemon = MpsDaemon(root)
     reason = daemon.start()
     if reason is not None:
+        daemon.stop()  # removes its directory
         log(f"gpu_sharing mps: {reason}; the stages time-slice {', '.join(gpus)} instead")
         return f"separate processes time-slicing {', '.join(gpus)} (MPS unavailable: {reason})", None
     return f"MPS clients of a private daemon ({daemon.env[PIPE_ENV]})", daemon

@@ -301,8 +301,9 @@ class TalkerRunner:
         forwards (:meth:`prefill_batch`) whose batch and width depend on when each condition arrived; run
         first while serving, a new shape pays the caching allocator's new blocks and its GEMM and
         attention kernels' first launch (their modules load lazily). On the H200 the first c=8 burst
-        after a one-shape warm-up still spent ~100 ms more between the first speech chunk and the first
-        codec window than later bursts (BENCHMARKS.md, session 9). The thinker warms the same way
+        still spends ~120-180 ms more between the first speech chunk and the first codec window than
+        later bursts, after a one-shape warm-up and after this sweep alike (BENCHMARKS.md, session 9), so
+        prefill shapes are not that cause; the sweep stays because it is cheap. The thinker warms the same way
         (``burst_warmup_step``). Slots are free at start; the rows written here lie beyond every later
         stream's length, which masks them out until that stream overwrites them.
         """
