@@ -5,8 +5,9 @@
 * ``gather_sdpa``: the pure-torch path (gather each row's slots into ``[B, L]``, mask, SDPA);
 * ``triton``: the paged kernel of ``services.thinker.kernels`` (no gather copy), with and without key
   splits (what the runner picks for the bucket, and 1);
-* ``--sweep``: the kernel's launch parameters (key block, warps, pipeline stages) at the rule's split and
-  twice it, against the default launch, per point (where a decode step's attention time could go).
+* ``--sweep``: the kernel's launch parameters (key block, warps, pipeline stages) at half, once, twice and
+  four times the rule's splits, against the default launch, per point, under a decode step's conditions:
+  each layer its own pages (read from HBM, not L2), the block table padded to the graph's context bucket.
 
 Full-size head layout (32 query heads, 8 KV heads, head_dim 128, bf16 on CUDA), pages of 16 tokens
 scattered over a pool; each variant is recorded into one CUDA graph of 36 calls (one per layer) so
@@ -71,30 +72,52 @@ def _case(device: torch.device, ops, b: int, ctx: int, splits_for) -> dict:  # n
     return row
 
 
-SWEEP = [(bn, w, st) for bn in (32, 64) for w in (4, 8) for st in (2, 3, 4)]
+SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
 
 
-def _sweep(device: torch.device, ops, b: int, ctx: int, rule: int) -> dict:  # noqa: ANN001
-    """µs per call of each launch in :data:`SWEEP` at ``rule`` and ``2 * rule`` splits (same pages)."""
+def _sweep(device: torch.device, ops, b: int, ctx: int, splits_for, layers: int = 36) -> dict:  # noqa: ANN001
+    """µs per layer of each launch in :data:`SWEEP` at half, once, twice and four times the rule's splits.
+
+    As in a decode step: each of ``layers`` layers reads its own pages (a graph of all layers streams
+    them from HBM; one shared cache would sit in the 50 MB L2 and flatter long contexts), the block table
+    is padded to the graph's context bucket (the next power of two, at least 256) and the rule splits
+    for that width, while the rows attend to ``ctx`` keys.
+    """
     hq, hkv, d, page = 32, 8, 128, 16
+    width = max(256, 1 << (ctx - 1).bit_length()) // page
     blocks = -(-ctx // page)
     pool = b * blocks + 1
-    k_cache = torch.randn(pool * page, hkv, d, dtype=torch.bfloat16, device=device)
-    v_cache = torch.randn_like(k_cache)
-    table = (torch.randperm(pool - 1, device=device)[: b * blocks] + 1).view(b, blocks)
+    caches = [
+        (
+            torch.randn(pool * page, hkv, d, dtype=torch.bfloat16, device=device),
+            torch.randn(pool * page, hkv, d, dtype=torch.bfloat16, device=device),
+        )
+        for _ in range(layers)
+    ]
+    table = torch.zeros((b, width), dtype=torch.long, device=device)
+    table[:, :blocks] = (torch.randperm(pool - 1, device=device)[: b * blocks] + 1).view(b, blocks)
     pos = torch.full((b,), ctx - 1, dtype=torch.long, device=device)
     q = torch.randn(b, hq, d, dtype=torch.bfloat16, device=device)
     rows, ones = torch.arange(b, device=device), torch.ones(b, dtype=torch.long, device=device)
+    rule = splits_for(b, width * page)
+
+    def per_layer(tiles: AttentionTiles, launch: tuple[int, int, int] | None) -> float:
+        def body() -> None:
+            for k, v in caches:
+                ops.paged_attention(q, k, v, tiles, launch)
+
+        return _graph_us(body, device, layers=1) / layers
+
     results = []
-    for splits in sorted({rule, min(16, 2 * rule)}):
+    for splits in sorted({max(1, rule // 2), rule, min(16, 2 * rule), min(16, 4 * rule)}):
         tiles = AttentionTiles(rows, ones, rows, pos, table, page, 1, splits)
-        default = _graph_us(lambda t=tiles: ops.paged_attention(q, k_cache, v_cache, t), device)
-        results.append({"splits": splits, "launch": None, "us": default})
-        for launch in SWEEP:
-            us = _graph_us(lambda t=tiles, lc=launch: ops.paged_attention(q, k_cache, v_cache, t, lc), device)
-            results.append({"splits": splits, "launch": list(launch), "us": us})
+        results.append({"splits": splits, "launch": None, "us": per_layer(tiles, None)})
+        results += [{"splits": splits, "launch": list(lc), "us": per_layer(tiles, lc)} for lc in SWEEP]
+    default = next(r["us"] for r in results if r["splits"] == rule and r["launch"] is None)
     best = min(results, key=lambda r: r["us"])
-    return {"batch": b, "context": ctx, "rule_splits": rule, "default_us": results[0]["us"], "best": best,
+    kv_bytes = 2 * b * ctx * hkv * d * 2  # K and V of every row, bf16: the layer's HBM floor
+    return {"batch": b, "context": ctx, "table_width": width * page, "rule_splits": rule,
+            "default_us": default, "best": best, "hbm_floor_us": 1e6 * kv_bytes / floor.copy_bandwidth(device),
             "all": results}  # fmt: skip
 
 
@@ -125,20 +148,22 @@ def main(argv: list[str] | None = None) -> int:
         from services.thinker.kernels.triton_ops import TritonOps
 
         points = [
-            _sweep(device, TritonOps, b, ctx, splits_for(b, ctx))
+            _sweep(device, TritonOps, b, ctx, splits_for)
             for ctx in (int(x) for x in args.contexts.split(","))
             for b in (int(x) for x in args.batches.split(","))
         ]
         print(json.dumps(points, indent=2))
         print(
-            "\n| batch | context | rule's splits, default launch µs | best: splits, (block_n, warps, stages) µs |"
+            "\n| batch | context (table) | rule's splits, default launch µs "
+            "| best: splits, (block_n, warps, stages) µs | K/V at copy bandwidth µs |"
         )
-        print("|---:|---:|---:|---|")
+        print("|---:|---:|---:|---|---:|")
         for p in points:
             bst = p["best"]
             print(
-                f"| {p['batch']} | {p['context']} | {p['rule_splits']}, {p['default_us']:.1f} "
-                f"| {bst['splits']}, {tuple(bst['launch']) if bst['launch'] else 'default'} {bst['us']:.1f} |"
+                f"| {p['batch']} | {p['context']} ({p['table_width']}) | {p['rule_splits']}, {p['default_us']:.1f} "
+                f"| {bst['splits']}, {tuple(bst['launch']) if bst['launch'] else 'default'} {bst['us']:.1f} "
+                f"| {p['hbm_floor_us']:.1f} |"
             )
         return 0
     rows = run(
