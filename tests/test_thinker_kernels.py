@@ -219,23 +219,3 @@ def test_key_splits_rule() -> None:
     assert key_splits(1, 8, 512, 132) == 8  # 64 keys per split while 64 programs leave SMs idle
     assert key_splits(64, 8, 1024, 132) == 1  # 512 programs fill the GPU already
     assert key_splits(1, 8, 64, 132) == 1  # too short to split
-
-
-def test_dependent_launch_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Programmatic dependent launch: only Triton on a Hopper-or-newer CUDA device; the env var and the
-    request turn it off. The kernels' PDL branch itself needs the GPU (``bench.cuda_smoke`` runs it):
-    the interpreter cannot execute ``griddepcontrol``, so every test here runs with it off."""
-    from services.thinker.kernels import pdl_enabled
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    cap = {"v": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: cap["v"])
-    monkeypatch.delenv("MINICPMO_THINKER_PDL", raising=False)
-    assert pdl_enabled(cuda, "triton") and not pdl_enabled(cpu, "triton", True)
-    assert not pdl_enabled(cuda, "torch", True) and not pdl_enabled(cuda, "triton", False)
-    monkeypatch.setenv("MINICPMO_THINKER_PDL", "0")
-    assert not pdl_enabled(cuda, "triton") and pdl_enabled(cuda, "triton", True)
-    monkeypatch.delenv("MINICPMO_THINKER_PDL")
-    cap["v"] = (8, 0)  # Ampere has no griddepcontrol
-    assert not pdl_enabled(cuda, "triton", True)
-    assert not _triton_ops().pdl  # CPU runners never turn it on for the interpreter

@@ -37,13 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.thinker.fused_forward import FusedForward
-from services.thinker.kernels import (
-    get_ops,
-    norm_fold_enabled,
-    pdl_enabled,
-    select_backend,
-    skinny_enabled,
-)
+from services.thinker.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import (
     FusedLayer,
@@ -143,25 +137,16 @@ class ModelRunner:
         # norms and SwiGLU fused in (services.thinker.kernels.skinny); eager steps always keep cuBLAS.
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, self._skinny_request)
         self._apply_norm_fold()
-        self.set_pdl(None)
         if self.kernel_backend != "torch" and self._pre is not pre_attention:
             log.info(
                 "--compile has no effect with the %s kernels (they are fused already)", self.kernel_backend
             )
         log.info(
-            "thinker kernels: %s (skinny decode GEMMs %s, folded norms %s, dependent launch %s)",
+            "thinker kernels: %s (skinny decode GEMMs %s, folded norms %s)",
             self.kernel_backend,
             self.skinny_gemm,
             self.norm_fold,
-            self.pdl,
         )
-
-    def set_pdl(self, enabled: bool | None) -> None:
-        """Programmatic dependent launch of the Triton kernels on/off (None: the default; a benchmark A/B
-        drops its graphs first, as a captured graph keeps its launches)."""
-        self.pdl = pdl_enabled(self.device, self.kernel_backend, enabled)
-        if self.kernel_backend == "triton":
-            self.ops.set_pdl(self.pdl)
 
     def set_skinny_gemm(self, enabled: bool | None) -> None:
         """Turn the skinny decode GEMMs on/off (None: the environment's default), before any capture."""

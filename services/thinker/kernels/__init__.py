@@ -43,7 +43,6 @@ BACKENDS = ("torch", "triton")
 ENV_VAR = "MINICPMO_THINKER_KERNELS"
 SKINNY_ENV_VAR = "MINICPMO_THINKER_SKINNY_GEMM"
 NORM_FOLD_ENV_VAR = "MINICPMO_THINKER_NORM_FOLD"
-PDL_ENV_VAR = "MINICPMO_THINKER_PDL"
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -108,21 +107,6 @@ def norm_fold_enabled(device: torch.device, backend: str, requested: bool | None
         return bool(requested)
     env = _env_switch(NORM_FOLD_ENV_VAR)
     return device.type == "cuda" if env is None else env
-
-
-def pdl_enabled(device: torch.device, backend: str, requested: bool | None = None) -> bool:
-    """Whether the Triton kernels launch with programmatic dependent launch
-    (:meth:`~.triton_ops.TritonOps.set_pdl`): only with the Triton backend on a CUDA device of compute
-    capability 9.0 or newer (Hopper); ``requested`` wins, else ``MINICPMO_THINKER_PDL`` (0/1), else on.
-    """
-    if backend != "triton" or device.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    if requested is not None:
-        return bool(requested)
-    env = _env_switch(PDL_ENV_VAR)
-    return True if env is None else env
 
 
 def inv_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,7 +20,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from services.thinker.kernels.counters import ArrivalCounters
 from services.thinker.kernels.tiles import AttentionTiles
@@ -69,13 +68,10 @@ def _silu_mul_kernel(
     SCALED: tl.constexpr,
     HIDDEN: tl.constexpr,
     CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_cols
-    if PDL:  # launched early (programmatic dependent launch): the GEMM's output is ready after this
-        gdc_wait()
     gate = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=m, other=0.0)
     up = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=m, other=0.0)
     if SCALED:  # the post-attention norm folded into gate|up: scale by the residual row's 1/RMS first
@@ -112,13 +108,9 @@ def _qk_rope_store_kernel(
     SCALED: tl.constexpr,
     HIDDEN: tl.constexpr,
     CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    if PDL:  # wait for the QKV GEMM, then let the attention launch start its prologue beside this one
-        gdc_wait()
-        gdc_launch_dependents()
     half: tl.constexpr = D // 2
     offs = tl.arange(0, D)
     width: tl.constexpr = (HQ + 2 * HKV) * D
@@ -191,7 +183,6 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One (tile, KV head, key split) program: online-softmax attention over the tile's paged keys, then,
     for split-K, the last split to arrive merges every split's partial result.
@@ -206,8 +197,6 @@ def _paged_attention_kernel(
     n = tl.load(len_ptr + tile)
     seq = tl.load(seq_ptr + tile).to(tl.int64)
     p0 = tl.load(pos_ptr + tile)
-    if PDL:  # the tile metadata is the step's input; q and the new key/value come from the kernel before
-        gdc_wait()
     m_idx = tl.arange(0, BLOCK_M)
     t_idx = m_idx // G
     g_idx = m_idx % G
@@ -306,29 +295,10 @@ def _chunk(hidden: int) -> int:
     return min(1024, triton.next_power_of_2(hidden))
 
 
-def _pdl() -> dict:
-    """Launch options of the kernels that can start before the kernel ahead of them ends (see
-    :meth:`TritonOps.set_pdl`): ``launch_pdl`` only when on, so the interpreter never sees it."""
-    return {"launch_pdl": True} if TritonOps.pdl else {}
-
-
 class TritonOps:
     """The fused operations as Triton kernels (same signatures as :class:`~.TorchOps`)."""
 
     name = "triton"
-    pdl = False  # programmatic dependent launch (Hopper+): see set_pdl
-
-    @staticmethod
-    def set_pdl(enabled: bool) -> None:
-        """Launch rotary/cache-write, attention and SwiGLU with programmatic dependent launch.
-
-        Such a launch may start while the kernel ahead of it is still running; the kernel then waits for
-        it (``griddepcontrol.wait``) before reading anything that kernel wrote. Inside a CUDA graph this
-        hides most of the launch gap in front of each of these 3 x 36 kernels of a decode step; the
-        rotary kernel also lets the attention launch begin at once. Process-wide: one setting per
-        process (:func:`~services.thinker.kernels.pdl_enabled`), applied before graphs are captured.
-        """
-        TritonOps.pdl = bool(enabled)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -361,7 +331,7 @@ class TritonOps:
         hidden = x.shape[-1] if rms_of is not None else 1
         _silu_mul_kernel[(t, triton.cdiv(n, block))](
             gate_up, out, x, x_eps, n, BLOCK=block, SCALED=rms_of is not None, HIDDEN=hidden,
-            CHUNK=_chunk(hidden), PDL=TritonOps.pdl, num_warps=4, **_pdl(),
+            CHUNK=_chunk(hidden), num_warps=4,
         )  # fmt: skip
         return out
 
@@ -405,9 +375,7 @@ class TritonOps:
             SCALED=rms_of is not None,
             HIDDEN=hidden,
             CHUNK=_chunk(hidden),
-            PDL=TritonOps.pdl,
             num_warps=1,
-            **_pdl(),
         )
         return q
 
@@ -467,9 +435,7 @@ class TritonOps:
             BLOCK_N=block_n,
             SPLITS=splits,
             IEEE=q.dtype == torch.float32,
-            PDL=TritonOps.pdl,
             num_warps=warps,
             **({} if stages is None else {"num_stages": stages}),
-            **_pdl(),
         )
         return out
