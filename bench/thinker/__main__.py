@@ -18,6 +18,8 @@ bytes and FLOPs), in one process and one run:
 * the folded-norm loop A/B (``--norm-fold on|off|both``, :mod:`services.thinker.fused_forward`): the
   norm weights are folded once (one-way); the ``off`` arm runs the norm kernels on the folded weights,
   the same kernels and launches as an unfolded model; each arm recaptures the graphs;
+* the one-launch rotary + attention A/B (``--rope-attention on|off|both``,
+  :mod:`services.thinker.kernels.rope_attention`): each arm recaptures the graphs;
 * the same-run floors of :mod:`bench.thinker.floor`: the step's weight matmuls alone in one CUDA graph
   per batch (decode is reported as a ratio to it) and the dense matmul rate (prefill is reported as the
   share of it its matmul FLOPs reach).
@@ -41,6 +43,7 @@ import torch
 from bench.thinker import floor
 from services.common.checkpoint import Checkpoint
 from services.thinker.engine import EngineConfig, ThinkerEngine
+from services.thinker.kernels import rope_attention_enabled
 from services.thinker.runner import build_qwen3_llm
 from services.thinker.sampling import Sampler, SamplingConfig
 from services.thinker.scheduler import Sequence, WorkItem
@@ -117,6 +120,7 @@ def engine_decode(
         "overlap": engine.overlap,
         "skinny": engine.runner.skinny_gemm,
         "norm_fold": engine.runner.norm_fold,
+        "rope_attention": engine.runner.fused.rope_attention,
         "chained_steps": chained,
         "graph_replay_ms": replay_ms,
         "ms_per_step": 1e3 * dt / steps,
@@ -217,7 +221,7 @@ def markdown(result: dict[str, Any]) -> str:
         roof = r.get("roofline_ms")
         label = (
             f"{r['batch']}{' (overlap)' if r.get('overlap') else ''}{' (skinny)' if r.get('skinny') else ''}"
-            f"{' (folded)' if r.get('norm_fold') else ''}"
+            f"{' (folded)' if r.get('norm_fold') else ''}{' (rope+attn)' if r.get('rope_attention') else ''}"
         )
         lines.append(
             f"| {label} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} "
@@ -234,9 +238,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"Same-run floors: dense {result['dtype']} matmul {ref['matmul_tflop_s']:.0f} TFLOP/s, copy "
             f"{ref['copy_tb_s']:.2f} TB/s, weights {ref['weight_bytes'] / 1e9:.2f} GB per step.",
             "",
-            "| batch | overlap | skinny | folded norms | engine ms/step | graph replay ms "
+            "| batch | overlap | skinny | folded norms | rope+attention | engine ms/step | graph replay ms "
             "| matmul-stack floor ms | ratio | replay ratio | floor weight TB/s |",
-            "|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+            "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["engine_decode"]:
             f = stack.get(r["batch"])
@@ -246,8 +250,9 @@ def markdown(result: dict[str, Any]) -> str:
                 over = "on" if r.get("overlap") else "off"
                 skinny = "on" if r.get("skinny") else "off"
                 fold = "on" if r.get("norm_fold") else "off"
+                ra = "on" if r.get("rope_attention") else "off"
                 lines.append(
-                    f"| {r['batch']} | {over} | {skinny} | {fold} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
+                    f"| {r['batch']} | {over} | {skinny} | {fold} | {ra} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
                     f"| {f:.2f} | {r['ms_per_step'] / f:.2f}x | {'–' if rep is None else f'{rep / f:.2f}x'} "
                     f"| {tb:.2f} |"
                 )
@@ -308,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         help="folded-norm decode loop (Triton kernels only; on by default on CUDA): on, off, both A/B "
         "(each arm recaptures the graphs), or the engine's default",
     )
+    ap.add_argument(
+        "--rope-attention",
+        choices=["on", "off", "both", "default"],
+        default="default",
+        help="rotary + K/V write + attention in one launch in graphed steps (Triton kernels; on by "
+        "default): on, off, both A/B (each arm recaptures the graphs), or the engine's default",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -354,12 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     decode = []
     overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
     folds = {"on": [True], "off": [False], "both": [False, True], "default": [None]}[args.norm_fold]
-    arms = [(s, f) for s in {"on": [True], "off": [False], "both": [False, True]}[args.skinny] for f in folds]
-    for skinny, fold in arms:
+    ropes = {"on": [True], "off": [False], "both": [False, True], "default": [None]}[args.rope_attention]
+    skinnies = {"on": [True], "off": [False], "both": [False, True]}[args.skinny]
+    arms = [(s, f, ra) for s in skinnies for f in folds for ra in ropes]
+    for skinny, fold, rope in arms:
         # A captured graph keeps the GEMMs it recorded: each arm recaptures (lazily, at its first step).
         engine.runner.drop_graphs()
         engine.runner.set_skinny_gemm(skinny)
         engine.runner.set_norm_fold(fold)
+        engine.runner.fused.rope_attention = rope_attention_enabled(rope)
         for b in batches:
             for over in overlaps:
                 r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from services.thinker.kernels import AttentionTiles, key_splits
+from services.thinker.kernels import AttentionTiles, key_splits, rope_attention_enabled
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import FusedLayer
 
@@ -69,6 +69,8 @@ class FusedForward:
         self._row_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.skinny_passes = 0  # layer loops run through the skinny GEMMs (host count: captures, tests)
         self.folded_passes = 0  # layer loops run with the folded norms (host count: captures, tests)
+        # Packed-row steps: rotary + K/V write + attention in one launch (kernels.rope_attention).
+        self.rope_attention = rope_attention_enabled()
         dev = runner.device
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
 
@@ -104,7 +106,7 @@ class FusedForward:
             else:
                 x, h = ops.add_rms_norm(x, delta, lay.input_norm_weight, lay.input_eps)
             qkv = F.linear(h, lay.qkv_weight, lay.qkv_bias)
-            o = self._attention(idx, qkv, positions, write_slots, tiles)
+            o = self._attention(idx, qkv, positions, write_slots, tiles, one_launch=packed)
             attn_out = F.linear(o, lay.o_weight, lay.o_bias)
             x, h = ops.add_rms_norm(x, attn_out, lay.post_norm_weight, lay.post_eps)
             delta = F.linear(ops.silu_mul(F.linear(h, lay.gate_up_weight)), lay.down_weight)
@@ -123,7 +125,9 @@ class FusedForward:
         ops = r.ops
         for idx, lay in enumerate(r.layers):
             qkv = F.linear(x, lay.qkv_weight)
-            o = self._attention(idx, qkv, positions, write_slots, tiles, rms_of=(x, lay.input_eps))
+            o = self._attention(
+                idx, qkv, positions, write_slots, tiles, rms_of=(x, lay.input_eps), one_launch=True
+            )
             x = torch.addmm(x, o, lay.o_weight.t()) if idx == 0 else x.addmm_(o, lay.o_weight.t())
             act = ops.silu_mul(F.linear(x, lay.gate_up_weight), rms_of=(x, lay.post_eps))
             x.addmm_(act, lay.down_weight.t())
@@ -146,7 +150,7 @@ class FusedForward:
                 x, qkv = skinny.linear_add_rms_norm(
                     x, delta, lay.input_norm_weight, lay.input_eps, lay.qkv_weight, lay.qkv_bias
                 )
-            o = self._attention(idx, qkv, positions, write_slots, tiles)
+            o = self._attention(idx, qkv, positions, write_slots, tiles, one_launch=True)
             attn_out = skinny.linear(o, lay.o_weight, lay.o_bias)
             x, gate_up = skinny.linear_add_rms_norm(
                 x, attn_out, lay.post_norm_weight, lay.post_eps, lay.gate_up_weight
@@ -162,14 +166,23 @@ class FusedForward:
         write_slots: torch.Tensor,
         tiles: AttentionTiles,
         rms_of: tuple[torch.Tensor, float] | None = None,
+        one_launch: bool = False,
     ) -> torch.Tensor:
         """Layer ``idx``'s q/k norm + rotary + K/V write, then paged attention: ``[T, heads * head_dim]``.
 
-        ``rms_of``: the folded input norm's residual row and epsilon (see :meth:`_folded_layers`)."""
+        ``rms_of``: the folded input norm's residual row and epsilon (see :meth:`_folded_layers`).
+        ``one_launch``: a packed-row step's one-row tiles, run as one ``rope_attention`` launch when
+        :attr:`rope_attention` is on."""
         r = self.runner
         lay = r.layers[idx]
         hq, hkv, d = r.num_heads, r.num_kv_heads, r.head_dim
         k_cache, v_cache = r.cache.k[idx], r.cache.v[idx]
+        if one_launch and self.rope_attention:
+            o = r.ops.rope_attention(
+                qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, write_slots, k_cache, v_cache, tiles,
+                hq, rms_of,
+            )  # fmt: skip
+            return o.view(qkv.shape[0], hq * d)
         q = r.ops.qk_rope_store(
             qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, positions, write_slots,
             k_cache, v_cache, hq, hkv, rms_of,

@@ -10,7 +10,9 @@ one kernel and reads keys/values straight from the paged cache (no gather copy):
 * ``paged_attention``: causal attention of query tiles over their sequence's pages (flash-style online
   softmax, GQA folded into the tile rows, optional split over the keys for short batches, merged by
   the last split to finish in the same launch);
-* ``silu_mul``: the SwiGLU gate.
+* ``silu_mul``: the SwiGLU gate;
+* ``rope_attention``: ``qk_rope_store`` and ``paged_attention`` of a packed-row step's one-row tiles in
+  one launch (:mod:`.rope_attention`), the default for graphed steps.
 
 ``qk_rope_store`` and ``silu_mul`` can also take ``rms_of=(x, eps)``: they first scale each row by the
 inverse RMS of the residual row ``x``. That is the input (post-attention) RMSNorm with its weight folded
@@ -43,6 +45,7 @@ BACKENDS = ("torch", "triton")
 ENV_VAR = "MINICPMO_THINKER_KERNELS"
 SKINNY_ENV_VAR = "MINICPMO_THINKER_SKINNY_GEMM"
 NORM_FOLD_ENV_VAR = "MINICPMO_THINKER_NORM_FOLD"
+ROPE_ATTENTION_ENV_VAR = "MINICPMO_THINKER_ROPE_ATTENTION"
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -107,6 +110,15 @@ def norm_fold_enabled(device: torch.device, backend: str, requested: bool | None
         return bool(requested)
     env = _env_switch(NORM_FOLD_ENV_VAR)
     return device.type == "cuda" if env is None else env
+
+
+def rope_attention_enabled(requested: bool | None = None) -> bool:
+    """Whether packed-row steps run rotary + K/V write + attention as one launch (``rope_attention``,
+    :mod:`.rope_attention`): ``requested`` wins, else ``MINICPMO_THINKER_ROPE_ATTENTION`` (0/1), else on."""
+    if requested is not None:
+        return bool(requested)
+    env = _env_switch(ROPE_ATTENTION_ENV_VAR)
+    return True if env is None else env
 
 
 def inv_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,6 +205,28 @@ class TorchOps:
         k_cache.index_copy_(0, write_slots, qk[:, hq:])
         v_cache.index_copy_(0, write_slots, v)
         return qk[:, :hq]
+
+    @staticmethod
+    def rope_attention(
+        qkv: torch.Tensor,
+        qk_norm_weight: torch.Tensor | None,
+        eps: float,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        write_slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tiles: AttentionTiles,
+        hq: int,
+        rms_of: tuple[torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        """``qk_rope_store`` at the tiles' positions, then ``paged_attention`` (what the Triton kernel of
+        :mod:`.rope_attention` does in one launch for one-row tiles)."""
+        q = TorchOps.qk_rope_store(
+            qkv, qk_norm_weight, eps, cos_table, sin_table, tiles.pos, write_slots, k_cache, v_cache,
+            hq, k_cache.shape[1], rms_of,
+        )  # fmt: skip
+        return TorchOps.paged_attention(q, k_cache, v_cache, tiles)
 
     @staticmethod
     def paged_attention(

@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 from services.thinker.kernels.counters import ArrivalCounters
+from services.thinker.kernels.rope_attention import rope_attention
 from services.thinker.kernels.tiles import AttentionTiles
+from services.thinker.kernels.triton_parts import attend_pages, norm_rope_tile, row_inv_rms, write_output
 
 
 @triton.jit
@@ -46,18 +48,6 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _row_inv_rms(x_ptr, row, eps, HIDDEN: tl.constexpr, CHUNK: tl.constexpr):
-    """``1 / RMS`` of row ``row`` of ``x [*, HIDDEN]`` in fp32 (the statistics of a folded RMSNorm; one row
-    per program, where :mod:`.skinny`'s ``_inv_rms`` sums a block of rows with an optional residual add)."""
-    acc = tl.zeros([CHUNK], tl.float32)
-    for c in tl.static_range(0, HIDDEN, CHUNK):
-        cols = c + tl.arange(0, CHUNK)
-        v = tl.load(x_ptr + row * HIDDEN + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
-        acc += v * v
-    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / HIDDEN + eps)
-
-
-@triton.jit
 def _silu_mul_kernel(
     gu_ptr,
     out_ptr,
@@ -75,7 +65,7 @@ def _silu_mul_kernel(
     gate = tl.load(gu_ptr + row * 2 * n_cols + cols, mask=m, other=0.0)
     up = tl.load(gu_ptr + row * 2 * n_cols + n_cols + cols, mask=m, other=0.0)
     if SCALED:  # the post-attention norm folded into gate|up: scale by the residual row's 1/RMS first
-        inv = _row_inv_rms(x_ptr, row, x_eps, HIDDEN, CHUNK)
+        inv = row_inv_rms(x_ptr, row, x_eps, HIDDEN, CHUNK)
         gate = (gate.to(tl.float32) * inv).to(gate.dtype)
         up = (up.to(tl.float32) * inv).to(up.dtype)
     gf = gate.to(tl.float32)
@@ -112,43 +102,33 @@ def _qk_rope_store_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
-    offs = tl.arange(0, D)
+    offs = tl.arange(0, D)[None, :]  # one head as a [1, D] tile (norm_rope_tile works on tiles of heads)
     width: tl.constexpr = (HQ + 2 * HKV) * D
     base = qkv_ptr + t * width + h * D
     x = tl.load(base + offs)
     inv_x = 1.0
     if SCALED:  # the input norm folded into the QKV GEMM: scale by the residual row's 1/RMS first
-        inv_x = _row_inv_rms(x_ptr, t, x_eps, HIDDEN, CHUNK)
-        x = (x.to(tl.float32) * inv_x).to(x.dtype)
+        inv_x = row_inv_rms(x_ptr, t, x_eps, HIDDEN, CHUNK)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if h < HQ + HKV:
         partner = (offs + half) % D
         xp = tl.load(base + partner)
-        if SCALED:
-            xp = (xp.to(tl.float32) * inv_x).to(xp.dtype)
+        w = 0.0
+        wp = 0.0
         if HAS_NORM:
-            xf = x.to(tl.float32)
-            var = tl.sum(xf * xf, axis=0) / D
-            inv = 1.0 / tl.sqrt(var + eps)
             w = tl.load(w_ptr + h * D + offs).to(tl.float32)
             wp = tl.load(w_ptr + h * D + partner).to(tl.float32)
-            xn = (w * (xf * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
-            xpn = (wp * (xp.to(tl.float32) * inv).to(x.dtype).to(tl.float32)).to(x.dtype)
-        else:
-            xn = x
-            xpn = xp
-        rot = tl.where(offs < half, -xpn.to(tl.float32), xpn.to(tl.float32))
         pos = tl.load(pos_ptr + t).to(tl.int64)
         c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
         s = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
-        a = (xn.to(tl.float32) * c).to(x.dtype).to(tl.float32)
-        b = (rot * s).to(x.dtype).to(tl.float32)
-        out = (a + b).to(x.dtype)
+        out = norm_rope_tile(x, xp, inv_x, w, wp, c, s, eps, offs < half, SCALED, HAS_NORM, D)
         if h < HQ:
             tl.store(q_ptr + (t * HQ + h) * D + offs, out)
         else:
             tl.store(k_ptr + (slot * HKV + (h - HQ)) * D + offs, out)
     else:
+        if SCALED:
+            x = (x.to(tl.float32) * inv_x).to(x.dtype)
         tl.store(v_ptr + (slot * HKV + (h - HQ - HKV)) * D + offs, x)
 
 
@@ -185,11 +165,7 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr,
 ):
     """One (tile, KV head, key split) program: online-softmax attention over the tile's paged keys, then,
-    for split-K, the last split to arrive merges every split's partial result.
-
-    It is one long body on purpose: a Triton program keeps its running max, sum and accumulator in
-    registers across the key loop and the merge, and helpers would only be inlined back into it.
-    """
+    for split-K, the last split to arrive merges every split's partial result (:mod:`.triton_parts`)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -203,9 +179,10 @@ def _paged_attention_kernel(
     m_valid = (t_idx < n) & (t_idx < BLOCK_T)
     d_idx = tl.arange(0, D)
     q_rows = row0 + t_idx
-    q_off = (q_rows * HQ + kvh * G + g_idx) * D
-    q = tl.load(q_ptr + q_off[:, None] + d_idx[None, :], mask=m_valid[:, None], other=0.0)
-    q_pos = p0 + t_idx
+    head = kvh * G + g_idx
+    q = tl.load(
+        q_ptr + ((q_rows * HQ + head) * D)[:, None] + d_idx[None, :], mask=m_valid[:, None], other=0.0
+    )
     total = p0 + n
     per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
     start = split * per
@@ -213,78 +190,14 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    n_idx = tl.arange(0, BLOCK_N)
-    for kb in range(start, end, BLOCK_N):
-        j = kb + n_idx
-        j_valid = j < end
-        page = tl.load(table_ptr + seq * table_stride + j // PAGE, mask=j_valid, other=0).to(tl.int64)
-        slot = page * PAGE + j % PAGE
-        kv_off = (slot * HKV + kvh) * D
-        k = tl.load(k_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2
-        allowed = j_valid[None, :] & (j[None, :] <= q_pos[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    head = kvh * G + g_idx
-    if SPLITS == 1:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        tl.store(
-            o_ptr + q_off[:, None] + d_idx[None, :], out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None]
-        )
-    else:
-        part = (split * n_rows + q_rows) * HQ + head
-        tl.store(po_ptr + part[:, None] * D + d_idx[None, :], acc, mask=m_valid[:, None])
-        tl.store(pm_ptr + part, m_i, mask=m_valid)
-        tl.store(pl_ptr + part, l_i, mask=m_valid)
-        # The last split of this (tile, KV head) to finish merges all partials (no second launch): the
-        # barrier orders every thread's stores before the one thread's release; the acquire side loads
-        # the partials through L2 (.cg), never a stale L1 line. It resets its counter for the next call.
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + tile * HKV + kvh, 1, sem="acq_rel", scope="gpu")
-        if done == SPLITS - 1:
-            m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for s_i in tl.static_range(SPLITS):
-                ps = (s_i * n_rows + q_rows) * HQ + head
-                m_s = tl.load(pm_ptr + ps, mask=m_valid, other=float("-inf"), cache_modifier=".cg")
-                m_max = tl.maximum(m_max, m_s)
-            m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no row saw a key: weights 0, not NaN
-            num = tl.zeros([BLOCK_M, D], tl.float32)
-            den = tl.zeros([BLOCK_M], tl.float32)
-            for s_i in tl.static_range(SPLITS):
-                ps = (s_i * n_rows + q_rows) * HQ + head
-                m_s = tl.load(pm_ptr + ps, mask=m_valid, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(pl_ptr + ps, mask=m_valid, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(
-                    po_ptr + ps[:, None] * D + d_idx[None, :],
-                    mask=m_valid[:, None],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_max))
-                num += a_s * w[:, None]
-                den += l_s * w
-            den = tl.where(den == 0.0, 1.0, den)
-            tl.store(
-                o_ptr + q_off[:, None] + d_idx[None, :],
-                (num / den[:, None]).to(o_ptr.dtype.element_ty),
-                mask=m_valid[:, None],
-            )
-            tl.atomic_xchg(cnt_ptr + tile * HKV + kvh, 0, sem="relaxed", scope="gpu")
+    m_i, l_i, acc = attend_pages(
+        q, m_i, l_i, acc, table_ptr + seq * table_stride, start, end, p0 + t_idx, k_ptr, v_ptr, kvh,
+        scale_log2, HKV, D, PAGE, BLOCK_N, IEEE,
+    )  # fmt: skip
+    write_output(
+        acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr + tile * HKV + kvh, q_rows, head, m_valid,
+        split, n_rows, HQ, D, SPLITS,
+    )  # fmt: skip
 
 
 _COUNTERS = ArrivalCounters("split counters")  # the split-K merge of paged attention
@@ -299,6 +212,7 @@ class TritonOps:
     """The fused operations as Triton kernels (same signatures as :class:`~.TorchOps`)."""
 
     name = "triton"
+    rope_attention = staticmethod(rope_attention)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

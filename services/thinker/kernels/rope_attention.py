@@ -1,0 +1,198 @@
+"""Rotary, the K/V write and paged attention of a packed-row step in one Triton launch.
+
+Why: in a graphed decode step the rotary kernel (``qk_rope_store``) is a launch of its own between the
+QKV GEMM and attention in each of the 36 layers; at one row it costs ~2.4 µs of a ~4.8 ms step, mostly
+launch and dependency latency, not work. Here each attention program norms and rotates its own query
+heads from the QKV GEMM's output and takes the newest keys from there too, so the cache is only written,
+never read back, within the step.
+
+The catch is a packed step that holds several consecutive tokens of one sequence (a short prefill chunk
+packed as rows): row ``r`` must see the keys of the rows before it, which the programs of those rows
+write in this same launch. So every row finds its *fresh* rows (the rows before it in this step with the
+same first block and consecutive positions; blocks belong to one sequence, so that is exact), reads only
+the keys before them from the cache, and computes the fresh keys itself from the QKV output (one at a
+time, in the program of the last key split). A decode row has no fresh rows but its own token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from services.thinker.kernels.counters import ArrivalCounters
+from services.thinker.kernels.tiles import AttentionTiles
+from services.thinker.kernels.triton_parts import (
+    attend_one,
+    attend_pages,
+    norm_rope_tile,
+    row_inv_rms,
+    write_output,
+)
+
+LOOKBACK = 32  # rows a packed step holds at most (ModelRunner.PACKED_MAX_ROWS): how far fresh rows reach
+
+
+@triton.jit
+def _fresh_key(
+    qkv_ptr, w_ptr, cos_ptr, sin_ptr, row, pos, inv_x, eps, kh, vh, d_idx, lower,
+    D: tl.constexpr, WIDTH: tl.constexpr, HAS_NORM: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """Key head ``kh`` (normed, rotated at ``pos``) and value head ``vh`` of packed row ``row``, as
+    ``qk_rope_store`` writes them to the cache: ``[1, D]`` tiles in the activation dtype."""
+    half: tl.constexpr = D // 2
+    partner = (d_idx + half) % D
+    base = qkv_ptr + row * WIDTH
+    x = tl.load(base + kh * D + d_idx)
+    xp = tl.load(base + kh * D + partner)
+    w = 0.0
+    wp = 0.0
+    if HAS_NORM:
+        w = tl.load(w_ptr + kh * D + d_idx).to(tl.float32)
+        wp = tl.load(w_ptr + kh * D + partner).to(tl.float32)
+    c = tl.load(cos_ptr + pos * D + d_idx).to(tl.float32)
+    s = tl.load(sin_ptr + pos * D + d_idx).to(tl.float32)
+    k = norm_rope_tile(x, xp, inv_x, w, wp, c, s, eps, lower, SCALED, HAS_NORM, D)
+    v = tl.load(base + vh * D + d_idx)
+    if SCALED:
+        v = (v.to(tl.float32) * inv_x).to(v.dtype)
+    return k, v
+
+
+@triton.jit(
+    do_not_specialize=["table_stride", "n_rows"],
+    do_not_specialize_on_alignment=["pos_ptr", "slot_ptr", "table_ptr"],
+)
+def _rope_attention_kernel(
+    qkv_ptr, w_ptr, cos_ptr, sin_ptr, x_ptr, pos_ptr, slot_ptr, table_ptr, table_stride,
+    k_ptr, v_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, n_rows, eps, x_eps, scale_log2,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, LOOK: tl.constexpr,
+    HAS_NORM: tl.constexpr, SCALED: tl.constexpr, HIDDEN: tl.constexpr, CHUNK: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """One (row, KV head, key split) program: the row's query heads of this KV head, normed and rotated;
+    cached keys before the row's fresh rows; in the last split also the fresh keys and the K/V write."""
+    r = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    WIDTH: tl.constexpr = (HQ + 2 * HKV) * D
+    p = tl.load(pos_ptr + r)
+    back = tl.arange(0, LOOK) + 1
+    prev = r - back
+    ok = prev >= 0
+    first_block = tl.load(table_ptr + r * table_stride)
+    prev_block = tl.load(table_ptr + prev * table_stride, mask=ok, other=-1)
+    prev_pos = tl.load(pos_ptr + prev, mask=ok, other=-1)
+    fresh = tl.sum((ok & (prev_block == first_block) & (prev_pos == p - back)).to(tl.int32), axis=0)
+    inv_x = 1.0
+    if SCALED:  # the input norm folded into the QKV GEMM: the row's 1/RMS
+        inv_x = row_inv_rms(x_ptr, r, x_eps, HIDDEN, CHUNK)
+    half: tl.constexpr = D // 2
+    d_idx = tl.arange(0, D)[None, :]
+    lower = d_idx < half
+    m_idx = tl.arange(0, BLOCK_M)
+    m_valid = m_idx < G
+    head = kvh * G + m_idx
+    q_at = qkv_ptr + r * WIDTH + head[:, None] * D
+    qx = tl.load(q_at + d_idx, mask=m_valid[:, None], other=0.0)
+    qxp = tl.load(q_at + (d_idx + half) % D, mask=m_valid[:, None], other=0.0)
+    wq = 0.0
+    wqp = 0.0
+    if HAS_NORM:
+        w_at = w_ptr + head[:, None] * D
+        wq = tl.load(w_at + d_idx, mask=m_valid[:, None], other=0.0).to(tl.float32)
+        wqp = tl.load(w_at + (d_idx + half) % D, mask=m_valid[:, None], other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + p * D + d_idx).to(tl.float32)
+    s = tl.load(sin_ptr + p * D + d_idx).to(tl.float32)
+    q = norm_rope_tile(qx, qxp, inv_x, wq, wqp, c, s, eps, lower, SCALED, HAS_NORM, D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if split == SPLITS - 1:
+        # The row's own key and value first (their loads overlap the query's): into the cache for the
+        # steps after this one, and into this row's attention from registers.
+        kh = HQ + kvh
+        vh = HQ + HKV + kvh
+        k, v = _fresh_key(
+            qkv_ptr, w_ptr, cos_ptr, sin_ptr, r, p, inv_x, eps, kh, vh, d_idx, lower, D, WIDTH, HAS_NORM,
+            SCALED,
+        )  # fmt: skip
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        tl.store(k_ptr + (slot * HKV + kvh) * D + d_idx, k)
+        tl.store(v_ptr + (slot * HKV + kvh) * D + d_idx, v)
+        m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k, v, m_valid, scale_log2)
+        for i in range(0, fresh):  # earlier rows of this sequence in this step: their keys from qkv
+            row = r - fresh + i
+            inv_i = 1.0
+            if SCALED:
+                inv_i = row_inv_rms(x_ptr, row, x_eps, HIDDEN, CHUNK)
+            k, v = _fresh_key(
+                qkv_ptr, w_ptr, cos_ptr, sin_ptr, row, p - fresh + i, inv_i, eps, kh, vh, d_idx, lower, D,
+                WIDTH, HAS_NORM, SCALED,
+            )  # fmt: skip
+            m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k, v, m_valid, scale_log2)
+    total = p - fresh  # keys written by earlier steps
+    per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per
+    end = tl.minimum(total, start + per)
+    m_i, l_i, acc = attend_pages(
+        q, m_i, l_i, acc, table_ptr + r * table_stride, start, end, p + tl.zeros([BLOCK_M], tl.int64), k_ptr,
+        v_ptr, kvh, scale_log2, HKV, D, PAGE, BLOCK_N, IEEE,
+    )  # fmt: skip
+    write_output(
+        acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr + r * HKV + kvh, r + tl.zeros([BLOCK_M], tl.int64),
+        head, m_valid, split, n_rows, HQ, D, SPLITS,
+    )  # fmt: skip
+
+
+_COUNTERS = ArrivalCounters("rope-attention split counters")
+
+
+def rope_attention(
+    qkv: torch.Tensor,
+    qk_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    write_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tiles: AttentionTiles,
+    hq: int,
+    rms_of: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """``qk_rope_store`` then ``paged_attention`` over one-row tiles (a packed-row step), one launch.
+
+    ``tiles`` must be :meth:`~services.thinker.fused_forward.FusedForward.row_tiles` (row ``i`` is tile
+    ``i`` over block-table row ``i``); returns the attention output ``[T, hq, D]``.
+    """
+    if tiles.block_t != 1:
+        raise ValueError("rope_attention takes the one-row tiles of a packed-row step")
+    t = qkv.shape[0]
+    hkv = k_cache.shape[1]
+    d = cos_table.shape[-1]
+    g = hq // hkv
+    out = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
+    splits = tiles.splits
+    if splits > 1:
+        po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=qkv.device)
+        pm = torch.empty((splits, t, hq), dtype=torch.float32, device=qkv.device)
+        pl = torch.empty((splits, t, hq), dtype=torch.float32, device=qkv.device)
+    else:
+        po = pm = pl = out  # unused
+    counters = _COUNTERS.get(qkv.device, t * hkv) if splits > 1 else out
+    x, x_eps = rms_of if rms_of is not None else (qkv, 0.0)
+    hidden = x.shape[-1] if rms_of is not None else 1
+    _rope_attention_kernel[(t, hkv, splits)](
+        qkv, qkv if qk_norm_weight is None else qk_norm_weight, cos_table, sin_table, x, tiles.pos,
+        write_slots, tiles.table, tiles.table.stride(0), k_cache, v_cache, out, po, pm, pl, counters, t,
+        eps, x_eps, (1.0 / math.sqrt(d)) * 1.4426950408889634,
+        HQ=hq, HKV=hkv, G=g, D=d, PAGE=tiles.page_size, BLOCK_M=max(16, triton.next_power_of_2(g)),
+        BLOCK_N=64, SPLITS=splits, LOOK=LOOKBACK, HAS_NORM=qk_norm_weight is not None,
+        SCALED=rms_of is not None, HIDDEN=hidden, CHUNK=min(1024, triton.next_power_of_2(hidden)),
+        IEEE=qkv.dtype == torch.float32, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,104 @@
+"""The one-launch rotary + K/V write + attention kernel (``kernels.rope_attention``) on CPU.
+
+It runs through Triton's interpreter against ``TorchOps.rope_attention`` (``qk_rope_store`` then
+``paged_attention``) on a packed step that has every kind of row: decode rows of two sequences, a
+prefill chunk in the middle of a sequence, one from position 0 and a padded row. The cache slots this
+step writes start as garbage, so a kernel that read a fresh key back from the cache would fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on the CPU
+pytest.importorskip("triton")
+
+from services.thinker.kernels import AttentionTiles, TorchOps, rope_attention_enabled  # noqa: E402
+
+HQ, HKV, D, PAGE, HIDDEN = 4, 2, 32, 4, 80
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_scalars(triton_interpreter_scalars: None) -> None:
+    """Every test here runs the kernels through the interpreter (see ``conftest.py``)."""
+
+
+def _packed_step(dtype: torch.dtype, splits: int) -> dict:
+    """Rows ``[A@9 | B@3..7 | C@0..2 | D@6 | pad]`` over scattered pages, like ``ModelRunner.pack_rows``."""
+    g = torch.Generator().manual_seed(7)
+    blocks = {"A": [3, 9, 1], "B": [4, 11], "C": [6], "D": [8, 2]}
+    rows = [("A", 9)] + [("B", p) for p in range(3, 8)] + [("C", p) for p in range(3)] + [("D", 6)]
+    width = 4
+    table = torch.zeros(len(rows) + 1, width, dtype=torch.long)  # the pad row keeps the scratch block 0
+    pos = torch.zeros(len(rows) + 1, dtype=torch.long)
+    slots = torch.zeros(len(rows) + 1, dtype=torch.long)  # the pad row writes scratch slot 0
+    for i, (seq, p) in enumerate(rows):
+        used = p // PAGE + 1
+        table[i, :used] = torch.tensor(blocks[seq][:used])
+        pos[i] = p
+        slots[i] = blocks[seq][used - 1] * PAGE + p % PAGE
+    t = len(rows) + 1
+    return {
+        "qkv": torch.randn(t, (HQ + 2 * HKV) * D, generator=g).to(dtype),
+        "w": (1 + 0.1 * torch.randn(HQ + HKV, D, generator=g)).to(dtype),
+        "cos": torch.randn(16, D, generator=g).to(dtype),
+        "sin": torch.randn(16, D, generator=g).to(dtype),
+        "x": (3 * torch.randn(t, HIDDEN, generator=g)).to(dtype),
+        "k": torch.randn(12 * PAGE, HKV, D, generator=g).to(dtype),
+        "v": torch.randn(12 * PAGE, HKV, D, generator=g).to(dtype),
+        "slots": slots,
+        "tiles": AttentionTiles(torch.arange(t), torch.ones(t, dtype=torch.long), torch.arange(t), pos, table, PAGE, 1, splits),
+    }  # fmt: skip
+
+
+def _run(ops, s: dict, norm: bool, scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    k, v = s["k"].clone(), s["v"].clone()
+    out = ops.rope_attention(
+        s["qkv"], s["w"] if norm else None, 1e-6, s["cos"], s["sin"], s["slots"], k, v, s["tiles"], HQ,
+        (s["x"], 1e-6) if scaled else None,
+    )  # fmt: skip
+    return out, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_rope_attention_matches_rotary_then_attention(dtype: torch.dtype, splits: int) -> None:
+    from services.thinker.kernels.triton_ops import TritonOps
+
+    s = _packed_step(dtype, splits)
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=3e-3)
+    ctol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    for norm, scaled in [(True, True), (True, False), (False, False)]:
+        want, want_k, want_v = _run(TorchOps, s, norm, scaled)
+        got, got_k, got_v = _run(TritonOps, s, norm, scaled)
+        torch.testing.assert_close(got, want, **tol)
+        torch.testing.assert_close(got_k, want_k, **ctol)  # every row's K at its slot, nothing else
+        torch.testing.assert_close(got_v, want_v, **ctol)
+    # The fresh keys come from the QKV rows, never back from the cache: with every write sent to the
+    # scratch slot (so the fresh slots keep their garbage), the output is still the reference's. The
+    # interpreter runs programs one after another, so without this a kernel reading the cache would pass.
+    want = _run(TorchOps, s, True, True)[0]
+    s["slots"] = torch.zeros_like(s["slots"])
+    torch.testing.assert_close(_run(TritonOps, s, True, True)[0], want, **tol)
+    # A second launch (a graph replay, the next layer): the split counters were left at zero.
+    torch.testing.assert_close(_run(TritonOps, s, True, True)[0], want, **tol)
+
+
+def test_rope_attention_rejects_prefill_tiles() -> None:
+    from services.thinker.kernels.triton_ops import TritonOps
+
+    s = _packed_step(torch.float32, 1)
+    tiles = s["tiles"]
+    s["tiles"] = AttentionTiles(tiles.row, tiles.length, tiles.seq, tiles.pos, tiles.table, PAGE, 16)
+    with pytest.raises(ValueError, match="one-row tiles"):
+        _run(TritonOps, s, True, True)
+
+
+def test_rope_attention_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MINICPMO_THINKER_ROPE_ATTENTION", raising=False)
+    assert rope_attention_enabled() and not rope_attention_enabled(False)
+    monkeypatch.setenv("MINICPMO_THINKER_ROPE_ATTENTION", "0")
+    assert not rope_attention_enabled() and rope_attention_enabled(True)
