@@ -460,3 +460,31 @@ def test_empty_whole_utterance_finishes_without_audio(model: MiniCPMTTS) -> None
     engine.run_until_idle()
     assert sink.frames == [] and sink.done[0].frames == 0
     assert [w.window.codes for w in sink.windows] == [[SIL] * 3]  # one last window so Code2Wav can close
+
+
+def test_scratch_stream_warm_up_leaves_the_engine_empty(model: MiniCPMTTS) -> None:
+    """The server's start-up scratch streams (``warm_up_streams``, on CUDA) run bursts through the whole
+    engine path in both condition forms and close them: no stream and no used slot remain, and a stream
+    afterwards decodes exactly as on a cold engine."""
+    from services.talker.warmup import warm_up_streams
+
+    def frames(warm: bool) -> list[int]:
+        engine = TalkerEngine(model, max_streams=3)
+        if warm:
+            assert warm_up_streams(engine, (1, 3), max_frames=6) == 4
+            assert engine.num_streams == 0 and engine.runner.cache.free_slots == 3
+        sink = Sink()
+        greedy = engine.default_sampling(temperature=1.0, greedy=True)
+        st = engine.open(engine.make_settings(sampling=greedy, fixed_frames=30), sink)
+        engine.chunk(st, cond_input(model, 6, 7))
+        engine.run_until_idle()
+        return sink.frames
+
+    assert frames(True) == frames(False)
+    engine = TalkerEngine(model, max_streams=2)
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="before engine.start"):
+            warm_up_streams(engine, (1,))
+    finally:
+        engine.shutdown()

@@ -5,6 +5,8 @@
 * ``gather_sdpa``: the pure-torch path (gather each row's slots into ``[B, L]``, mask, SDPA);
 * ``triton``: the paged kernel of ``services.thinker.kernels`` (no gather copy), with and without key
   splits (what the runner picks for the bucket, and 1);
+* ``--rope``: rotary + attention as two kernels against the one-launch ``rope_attention`` at each of
+  its launches, same conditions as ``--sweep``;
 * ``--sweep``: the kernel's launch parameters (key block, warps, pipeline stages) at half, once, twice and
   four times the rule's splits, against the default launch, per point, under a decode step's conditions:
   each layer its own pages (read from HBM, not L2), the block table padded to the graph's context bucket.
@@ -121,6 +123,57 @@ def _sweep(device: torch.device, ops, b: int, ctx: int, splits_for, layers: int 
             "all": results}  # fmt: skip
 
 
+ROPE_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2)]
+
+
+def _rope_sweep(device: torch.device, b: int, ctx: int, splits_for, layers: int = 36) -> dict:  # noqa: ANN001
+    """µs per layer of rotary + attention of a decode step: the two kernels (``qk_rope_store`` then
+    ``paged_attention``, default launches) against the one-launch ``rope_attention`` at each launch of
+    :data:`ROPE_SWEEP`, under the conditions of :func:`_sweep` (own pages per layer, bucketed table,
+    folded input norm: each row scaled by its residual row's 1/RMS)."""
+    from services.thinker.kernels.triton_ops import TritonOps as ops
+
+    hq, hkv, d, page, hidden = 32, 8, 128, 16, 4096
+    bf = torch.bfloat16
+    width = max(256, 1 << (ctx - 1).bit_length()) // page
+    blocks = -(-ctx // page)
+    pool = b * blocks + 1
+    caches = [
+        (torch.randn(pool * page, hkv, d, dtype=bf, device=device), torch.randn(pool * page, hkv, d, dtype=bf, device=device))
+        for _ in range(layers)
+    ]  # fmt: skip
+    table = torch.zeros((b, width), dtype=torch.long, device=device)
+    table[:, :blocks] = (torch.randperm(pool - 1, device=device)[: b * blocks] + 1).view(b, blocks)
+    pos = torch.full((b,), ctx - 1, dtype=torch.long, device=device)
+    slots = table[:, (ctx - 1) // page] * page + (ctx - 1) % page
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, dtype=bf, device=device)
+    x = torch.randn(b, hidden, dtype=bf, device=device)
+    w = torch.ones(hq + hkv, d, dtype=bf, device=device)
+    cos, sin = (torch.randn(ctx + 1, d, dtype=bf, device=device) for _ in range(2))
+    rows, ones = torch.arange(b, device=device), torch.ones(b, dtype=torch.long, device=device)
+    tiles = AttentionTiles(rows, ones, rows, pos, table, page, 1, splits_for(b, width * page))
+
+    def per_layer(one_layer) -> float:  # noqa: ANN001
+        def body() -> None:
+            for k, v in caches:
+                one_layer(k, v)
+
+        return _graph_us(body, device, layers=1) / layers
+
+    def two(k: torch.Tensor, v: torch.Tensor) -> None:
+        q = ops.qk_rope_store(qkv, w, 1e-6, cos, sin, pos, slots, k, v, hq, hkv, (x, 1e-6))
+        ops.paged_attention(q, k, v, tiles)
+
+    result = {"batch": b, "context": ctx, "splits": tiles.splits, "two_kernels_us": per_layer(two)}
+    result["one_launch_us"] = {
+        str(lc): per_layer(lambda k, v, lc=lc: ops.rope_attention(qkv, w, 1e-6, cos, sin, slots, k, v, tiles, hq, (x, 1e-6), lc))
+        for lc in ROPE_SWEEP
+    }  # fmt: skip
+    best = min(result["one_launch_us"], key=result["one_launch_us"].get)
+    result["best"] = {"launch": best, "us": result["one_launch_us"][best]}
+    return result
+
+
 def run(device: torch.device, batches: list[int], contexts: list[int], splits_for) -> list[dict]:  # noqa: ANN001
     if device.type == "cuda":
         from services.thinker.kernels.triton_ops import TritonOps as ops
@@ -137,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,4,8,16,32")
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--sweep", action="store_true", help="sweep the Triton kernel's launch (CUDA only)")
+    ap.add_argument(
+        "--rope", action="store_true", help="rotary + attention: two kernels vs one launch (CUDA only)"
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -144,6 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     def splits_for(b: int, ctx: int) -> int:  # the runner's rule
         return key_splits(b, 8, ctx, sms)
 
+    if args.rope:
+        points = [
+            _rope_sweep(device, b, ctx, splits_for)
+            for ctx in (int(x) for x in args.contexts.split(","))
+            for b in (int(x) for x in args.batches.split(","))
+        ]
+        print(json.dumps(points, indent=2))
+        print("\n| batch | context | splits | two kernels µs | one launch, default µs | best one launch µs |")
+        print("|---:|---:|---:|---:|---:|---|")
+        for p in points:
+            print(
+                f"| {p['batch']} | {p['context']} | {p['splits']} | {p['two_kernels_us']:.1f} "
+                f"| {p['one_launch_us'][str((64, 4, 2))]:.1f} | {p['best']['launch']} {p['best']['us']:.1f} |"
+            )
+        return 0
     if args.sweep:
         from services.thinker.kernels.triton_ops import TritonOps
 

@@ -232,6 +232,11 @@ class TalkerEngine:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread drives :meth:`step` (else the caller does, e.g. warm-ups and tests)."""
+        return self._thread is not None
+
     # ------------------------------------------------------------------------------ loop thread
     def start(self) -> None:
         if self._thread is not None:

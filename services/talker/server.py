@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +52,7 @@ from services.talker.streams import (
     StreamState,
     WindowOut,
 )
+from services.talker.warmup import warm_up_streams
 
 log = logging.getLogger(__name__)
 
@@ -320,6 +322,10 @@ def main(argv: list[str] | None = None) -> None:
         graphs = engine.runner.warmup_graphs()
         if graphs:
             log.info("captured %d talker decode CUDA graphs", graphs)
+        if engine.runner.device.type == "cuda":  # the eager rest of the path (condition rows, sampling)
+            t0 = time.perf_counter()
+            n = warm_up_streams(engine, (1, engine.max_prefills_per_step))
+            log.info("talker warm-up: %d scratch streams in %.1f s", n, time.perf_counter() - t0)
     engine.start()
     server = make_server(engine, stage_info(engine, ckpt, args.device), serve_options_from_args(args))
     try:

@@ -163,11 +163,13 @@ def rope_attention(
     tiles: AttentionTiles,
     hq: int,
     rms_of: tuple[torch.Tensor, float] | None = None,
+    launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """``qk_rope_store`` then ``paged_attention`` over one-row tiles (a packed-row step), one launch.
 
     ``tiles`` must be :meth:`~services.thinker.fused_forward.FusedForward.row_tiles` (row ``i`` is tile
-    ``i`` over block-table row ``i``); returns the attention output ``[T, hq, D]``.
+    ``i`` over block-table row ``i``); returns the attention output ``[T, hq, D]``. ``launch``:
+    ``(BLOCK_N, num_warps, num_stages)`` instead of the default (``bench.thinker.attention --rope``).
     """
     if tiles.block_t != 1:
         raise ValueError("rope_attention takes the one-row tiles of a packed-row step")
@@ -186,13 +188,14 @@ def rope_attention(
     counters = _COUNTERS.get(qkv.device, t * hkv) if splits > 1 else out
     x, x_eps = rms_of if rms_of is not None else (qkv, 0.0)
     hidden = x.shape[-1] if rms_of is not None else 1
+    block_n, warps, stages = launch or (64, 4, 2)
     _rope_attention_kernel[(t, hkv, splits)](
         qkv, qkv if qk_norm_weight is None else qk_norm_weight, cos_table, sin_table, x, tiles.pos,
         write_slots, tiles.table, tiles.table.stride(0), k_cache, v_cache, out, po, pm, pl, counters, t,
         eps, x_eps, (1.0 / math.sqrt(d)) * 1.4426950408889634,
         HQ=hq, HKV=hkv, G=g, D=d, PAGE=tiles.page_size, BLOCK_M=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=64, SPLITS=splits, LOOK=LOOKBACK, HAS_NORM=qk_norm_weight is not None,
+        BLOCK_N=block_n, SPLITS=splits, LOOK=LOOKBACK, HAS_NORM=qk_norm_weight is not None,
         SCALED=rms_of is not None, HIDDEN=hidden, CHUNK=min(1024, triton.next_power_of_2(hidden)),
-        IEEE=qkv.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=qkv.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
