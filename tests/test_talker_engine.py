@@ -464,14 +464,20 @@ def test_empty_whole_utterance_finishes_without_audio(model: MiniCPMTTS) -> None
 
 def test_scratch_stream_warm_up_leaves_the_engine_empty(model: MiniCPMTTS) -> None:
     """The server's start-up scratch streams (``warm_up_streams``, on CUDA) run bursts through the whole
-    engine path in both condition forms and close them: no stream and no used slot remain, and a stream
-    afterwards decodes exactly as on a cold engine."""
+    engine path on its thread, in both condition forms, and wait until the engine closed them: no stream
+    and no used slot remain, and a stream afterwards decodes exactly as on a cold engine."""
     from services.talker.warmup import warm_up_streams
 
     def frames(warm: bool) -> list[int]:
         engine = TalkerEngine(model, max_streams=3)
         if warm:
-            assert warm_up_streams(engine, (1, 3), max_frames=6) == 4
+            with pytest.raises(RuntimeError, match="engine.start"):
+                warm_up_streams(engine, (1,))
+            engine.start()
+            try:
+                assert warm_up_streams(engine, (1, 3), max_frames=6) == 4
+            finally:
+                engine.shutdown()
             assert engine.num_streams == 0 and engine.runner.cache.free_slots == 3
         sink = Sink()
         greedy = engine.default_sampling(temperature=1.0, greedy=True)
@@ -481,10 +487,3 @@ def test_scratch_stream_warm_up_leaves_the_engine_empty(model: MiniCPMTTS) -> No
         return sink.frames
 
     assert frames(True) == frames(False)
-    engine = TalkerEngine(model, max_streams=2)
-    engine.start()
-    try:
-        with pytest.raises(RuntimeError, match="before engine.start"):
-            warm_up_streams(engine, (1,))
-    finally:
-        engine.shutdown()

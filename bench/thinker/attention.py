@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             for b in (int(x) for x in args.batches.split(","))
         ]
         print(json.dumps(points, indent=2))
-        print("\n| batch | context | splits | two kernels µs | one launch, default µs | best one launch µs |")
+        print(
+            "\n| batch | context | splits | two kernels µs | one launch (64, 4, 2) µs | best one launch µs |"
+        )
         print("|---:|---:|---:|---:|---:|---|")
         for p in points:
             print(

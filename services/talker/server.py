@@ -322,11 +322,11 @@ def main(argv: list[str] | None = None) -> None:
         graphs = engine.runner.warmup_graphs()
         if graphs:
             log.info("captured %d talker decode CUDA graphs", graphs)
-        if engine.runner.device.type == "cuda":  # the eager rest of the path (condition rows, sampling)
-            t0 = time.perf_counter()
-            n = warm_up_streams(engine, (1, engine.max_prefills_per_step))
-            log.info("talker warm-up: %d scratch streams in %.1f s", n, time.perf_counter() - t0)
     engine.start()
+    if not args.no_graph_warmup and engine.runner.device.type == "cuda":
+        t0 = time.perf_counter()  # the eager rest of the path (condition rows, sampling), on its thread
+        n = warm_up_streams(engine, (1, engine.max_prefills_per_step))
+        log.info("talker warm-up: %d scratch streams in %.1f s", n, time.perf_counter() - t0)
     server = make_server(engine, stage_info(engine, ckpt, args.device), serve_options_from_args(args))
     try:
         asyncio.run(serve_forever(server))

@@ -12,25 +12,34 @@ that here instead of inside the first requests.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 
 import torch
 
 from services.talker.engine import TalkerEngine
-from services.talker.streams import ConditionInput, Output
+from services.talker.streams import ClosedOut, ConditionInput, Output
 
 
 def warm_up_streams(
-    engine: TalkerEngine, bursts: Sequence[int], chunk_tokens: int = 12, max_frames: int = 24
+    engine: TalkerEngine,
+    bursts: Sequence[int],
+    chunk_tokens: int = 12,
+    max_frames: int = 24,
+    timeout_s: float = 120.0,
 ) -> int:
-    """Run bursts of ``bursts[i]`` scratch streams through ``engine`` (not yet started); returns the streams.
+    """Run bursts of ``bursts[i]`` scratch streams through the started ``engine``; returns the streams.
 
-    Even streams take the streaming form (a chunk, then the last chunk), odd ones the whole-utterance
-    form (one last chunk), each at most ``max_frames`` frames; every stream is closed again, so the
-    engine ends with all slots free and no stream. Its metrics count these streams like any other.
+    On the engine's own thread, through its public commands: torch keeps CUDA library handles (cuBLAS,
+    cuBLASLt and their workspaces) per thread, and a warm-up on the server's main thread measured no
+    gain for the engine thread's first request. Even streams take the streaming form (a chunk, then the
+    last chunk), odd ones the whole-utterance form (one last chunk), each at most ``max_frames`` frames;
+    every stream is ended and waited for until the engine has closed it, so the engine ends with all
+    slots free and no stream. Its metrics count these streams like any other.
     """
-    if engine.running:
-        raise RuntimeError("warm_up_streams drives the engine itself: call it before engine.start()")
+    if not engine.running:
+        raise RuntimeError("warm_up_streams runs on the engine thread: call engine.start() first")
     gen = torch.Generator().manual_seed(0)
     cfg = engine.cfg
     ran = 0
@@ -41,18 +50,26 @@ def warm_up_streams(
         return ConditionInput(ids, hidden, last, last, 0, 1, 0)
 
     for n in bursts:
-        sink: list[Output] = []
+        closed = threading.Semaphore(0)
+
+        def emit(out: Output, closed: threading.Semaphore = closed) -> None:
+            if isinstance(out, ClosedOut):
+                closed.release()
+
         streams = []
         for i in range(min(n, engine.runner.cache.num_slots)):
             settings = engine.make_settings(request_id=f"warm-up-{n}-{i}", max_new_frames=max_frames)
-            st = engine.open(settings, sink.append)
+            st = engine.open(settings, emit)
             if i % 2 == 0:
                 engine.chunk(st, condition(False))
             engine.chunk(st, condition(True))
+            engine.end(st)
             streams.append(st)
-        engine.run_until_idle()
-        for st in streams:
-            engine.close(st)
-        engine.run_until_idle()
+        deadline = time.monotonic() + timeout_s
+        for _ in streams:
+            if not closed.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                for st in streams:
+                    engine.close(st)
+                raise RuntimeError(f"talker warm-up: a burst of {len(streams)} streams did not finish")
         ran += len(streams)
     return ran

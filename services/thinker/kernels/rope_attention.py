@@ -151,6 +151,19 @@ def _rope_attention_kernel(
 _COUNTERS = ArrivalCounters("rope-attention split counters")
 
 
+def default_launch(rows: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for a step of ``rows`` rows: the best of
+    ``bench.thinker.attention --rope`` on the H200 at context 576 (µs per layer, one launch vs the two
+    kernels): 1 row (64, 8, 2) 7.6 vs 8.7; 4 rows (128, 4, 2) 10.0 vs 11.7; 16 rows (64, 2, 2) 16.7 vs
+    19.4 (the default (64, 4, 2) there: 19.4, no gain). Fewer warps at 16 rows: more programs resident
+    per SM, so more key loads in flight."""
+    if rows <= 2:
+        return 64, 8, 2
+    if rows <= 8:
+        return 128, 4, 2
+    return 64, 2, 2
+
+
 def rope_attention(
     qkv: torch.Tensor,
     qk_norm_weight: torch.Tensor | None,
@@ -188,7 +201,7 @@ def rope_attention(
     counters = _COUNTERS.get(qkv.device, t * hkv) if splits > 1 else out
     x, x_eps = rms_of if rms_of is not None else (qkv, 0.0)
     hidden = x.shape[-1] if rms_of is not None else 1
-    block_n, warps, stages = launch or (64, 4, 2)
+    block_n, warps, stages = launch or default_launch(t)
     _rope_attention_kernel[(t, hkv, splits)](
         qkv, qkv if qk_norm_weight is None else qk_norm_weight, cos_table, sin_table, x, tiles.pos,
         write_slots, tiles.table, tiles.table.stride(0), k_cache, v_cache, out, po, pm, pl, counters, t,
