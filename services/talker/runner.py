@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.talker import sampling as smp
 from services.talker.fused_decode import FusedDecode, select_backend
@@ -33,6 +34,10 @@ from services.talker.kv_cache import SlotKVCache
 from services.talker.model.tts import MiniCPMTTS
 
 log = logging.getLogger(__name__)
+
+# The eager (prefill) attention's SDPA backends: never cuDNN attention, which builds an execution plan for
+# every new (batch, rows, keys) shape on first use, and prefill shapes are new with almost every burst.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 MIN_LENGTH_BUCKET = 64
 
@@ -198,7 +203,8 @@ class TalkerRunner:
         vc.index_put_(kv_index, qkv[:, :, hq + hkv :])
         keys = kc[read_slots, :read_len].transpose(1, 2)  # [B, Hkv, read_len, D]
         values = vc[read_slots, :read_len].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=hkv != hq)
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=hkv != hq)
         out = out.transpose(1, 2).reshape(bsz, seq, hq * d)
         return attn.o_proj(out)
 
