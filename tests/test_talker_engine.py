@@ -487,3 +487,25 @@ def test_scratch_stream_warm_up_leaves_the_engine_empty(model: MiniCPMTTS) -> No
         return sink.frames
 
     assert frames(True) == frames(False)
+
+
+def test_prefill_attention_never_takes_cudnn(model: MiniCPMTTS, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager prefill's SDPA runs with cuDNN attention switched off: on the H200 cuDNN built a plan for
+    each new (batch, rows, keys) shape on first use, 60-1500 ms each (``.gpu/sdpa_probe.py``), and prefill
+    shapes change with every burst. The switch is checked where SDPA is called."""
+    from services.talker import runner as runner_mod
+
+    seen: list[bool] = []
+    sdpa = runner_mod.F.scaled_dot_product_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(runner_mod.F, "scaled_dot_product_attention", spy)
+    engine = TalkerEngine(model, max_streams=2)
+    for i in range(2):
+        engine.chunk(engine.open(engine.make_settings(fixed_frames=2), Sink()), cond_input(model, 5 + i, i))
+    engine.run_until_idle()
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # only inside the call: the process default is untouched

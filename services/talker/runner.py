@@ -26,18 +26,14 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from services.common.sdpa import attention
 from services.talker import sampling as smp
 from services.talker.fused_decode import FusedDecode, select_backend
 from services.talker.kv_cache import SlotKVCache
 from services.talker.model.tts import MiniCPMTTS
 
 log = logging.getLogger(__name__)
-
-# The eager (prefill) attention's SDPA backends: never cuDNN attention, which builds an execution plan for
-# every new (batch, rows, keys) shape on first use, and prefill shapes are new with almost every burst.
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 MIN_LENGTH_BUCKET = 64
 
@@ -203,8 +199,7 @@ class TalkerRunner:
         vc.index_put_(kv_index, qkv[:, :, hq + hkv :])
         keys = kc[read_slots, :read_len].transpose(1, 2)  # [B, Hkv, read_len, D]
         values = vc[read_slots, :read_len].transpose(1, 2)
-        with sdpa_kernel(SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=hkv != hq)
+        out = attention(q, keys, values, attn_mask=mask, enable_gqa=hkv != hq)  # never cuDNN: new shapes
         out = out.transpose(1, 2).reshape(bsz, seq, hq * d)
         return attn.o_proj(out)
 
@@ -305,12 +300,10 @@ class TalkerRunner:
 
         Why: the first burst of streams that start together (c=8 chat requests) prefills them in padded
         forwards (:meth:`prefill_batch`) whose batch and width depend on when each condition arrived; run
-        first while serving, a new shape pays the caching allocator's new blocks and its GEMM and
-        attention kernels' first launch (their modules load lazily). On the H200 the first c=8 burst
-        still spends ~120-180 ms more between the first speech chunk and the first codec window than
-        later bursts, after a one-shape warm-up and after this sweep alike (BENCHMARKS.md, session 9), so
-        prefill shapes are not that cause; the sweep stays because it is cheap. The thinker warms the same way
-        (``burst_warmup_step``). Slots are free at start; the rows written here lie beyond every later
+        first while serving, a new shape pays the caching allocator's new blocks and its GEMM kernels'
+        first launch (their modules load lazily). The big first-burst cost on the H200 was elsewhere:
+        cuDNN attention planned each new shape (:mod:`services.common.sdpa`, session 10). The thinker warms the
+        same way (``burst_warmup_step``). Slots are free at start; the rows written here lie beyond every later
         stream's length, which masks them out until that stream overwrites them.
         """
         n = min(streams or self.cache.num_slots, self.cache.num_slots)

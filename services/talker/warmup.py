@@ -1,13 +1,15 @@
 """Scratch streams through the whole talker engine before the server takes traffic.
 
 Why: the runner's start-up warm-ups (``warmup_prefill``, ``warmup_graphs``) cover the prefill forward and
-the decode graphs, yet on the H200 the first prefill *step* of a started server still took ~1 s (one
-stream) and the first c=8 burst's ~96 ms against ~65-73 ms for later bursts (BENCHMARKS.md, session 10,
-the talker's slow-step log). The rest of a prefill step runs eager torch code that no runner warm-up
-touches: building the condition rows (text embedding, the thinker-hidden projector), sampling after the
-prefill, cutting windows. Each CUDA kernel there loads lazily on its first launch and each new shape
-asks the allocator for new blocks; a stream that runs the engine's own path once per burst size pays
-that here instead of inside the first requests.
+the decode graphs, not the eager rest of a prefill step: building the condition rows (text embedding, the
+thinker-hidden projector), sampling after the prefill, cutting windows. Their CUDA kernels load lazily on
+first launch (the efficient-attention kernel's first call took 35 ms in ``.gpu/sdpa_probe.py``) and new
+shapes ask the allocator for blocks. Running the engine's own path once per burst size, on its thread,
+moves that to start-up (0.4-2.8 s on the H200).
+
+The large first-request stall of the talker (0.7-1.7 s for one stream, then 60 ms per new burst shape)
+was cuDNN attention planning every new prefill shape; :mod:`services.common.sdpa` keeps prefill off
+cuDNN, which no warm-up could have covered (the shapes are the requests').
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ def warm_up_streams(
 ) -> int:
     """Run bursts of ``bursts[i]`` scratch streams through the started ``engine``; returns the streams.
 
-    On the engine's own thread, through its public commands: torch keeps CUDA library handles (cuBLAS,
-    cuBLASLt and their workspaces) per thread, and a warm-up on the server's main thread measured no
-    gain for the engine thread's first request. Even streams take the streaming form (a chunk, then the
+    On the engine's own thread, through its public commands (torch keeps CUDA library handles such as
+    cuBLAS's per thread, so a warm-up on another thread would leave them to the first request). Even streams take the streaming form (a chunk, then the
     last chunk), odd ones the whole-utterance form (one last chunk), each at most ``max_frames`` frames;
     every stream is ended and waited for until the engine has closed it, so the engine ends with all
     slots free and no stream. Its metrics count these streams like any other.

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from services.common.sdpa import attention
 from services.thinker.model.config import AudioDims
 
 ENCODER_FRAMES_PER_SECOND = 50
@@ -73,7 +74,7 @@ class WhisperAttention(nn.Module):
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = attention(q, k, v, attn_mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d)), (k, v)
 
     def forward_streams(
@@ -97,7 +98,7 @@ class WhisperAttention(nn.Module):
             if past is not None:
                 ki = torch.cat([past[0], ki], dim=2)
                 vi = torch.cat([past[1], vi], dim=2)
-            outs.append(F.scaled_dot_product_attention(q[i : i + 1], ki, vi))
+            outs.append(attention(q[i : i + 1], ki, vi))
             kvs.append((ki, vi))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d)), kvs

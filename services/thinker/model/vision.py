@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from services.common.sdpa import attention
 from services.thinker.model.config import VisionDims
 
 
@@ -77,9 +77,7 @@ class VisionAttention(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(
-            heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), attn_mask=mask
-        )
+        out = attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), attn_mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
 
 
