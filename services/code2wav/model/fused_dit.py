@@ -15,7 +15,7 @@ the kernels and no step needs the host:
   per window.
 * **q/k/v as one GEMM**, the two per-head LayerNorms as one normalisation plus one ``addcmul``, the new
   keys/values written straight into the caller's cache tensor (``torch.cat(..., out=)``), attention
-  through ``F.scaled_dot_product_attention`` (flash kernels in bf16 on CUDA).
+  through SDPA (:mod:`services.common.sdpa`: flash kernels in bf16 on CUDA, never cuDNN attention).
 * **The causal convolutions as GEMMs** on the (rows, time, channels) layout: the cached 2 frames and
   the window are unfolded into [rows, T, C*3] and multiplied by the weight viewed as [out, C*3], instead
   of transposing to channels-first around a cuDNN conv (whose layout conversions cost 12% of device
@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from services.code2wav.model.time_grid import cosine_time_span
+from services.common.sdpa import attention
 
 
 @dataclass
@@ -175,7 +176,7 @@ class FusedDiTSolver:
             att_out.copy_(kv_new)
         else:
             torch.cat([kv_new, att_cache], dim=2, out=att_out)
-        o = F.scaled_dot_product_attention(qk[:, :, 0].transpose(1, 2), att_out[..., :hd], att_out[..., hd:])
+        o = attention(qk[:, :, 0].transpose(1, 2), att_out[..., :hd], att_out[..., hd:])  # never cuDNN
         o = F.linear(o.transpose(1, 2).reshape(rows, frames, heads * hd), p.w_proj, p.b_proj)
         x = torch.addcmul(x, mod[2], o)
         # causal conv block (caches are channels-first [R, 2h, 2] like the package's)
