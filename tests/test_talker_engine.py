@@ -167,20 +167,24 @@ def test_prefill_warm_up_leaves_every_slot_empty(model: MiniCPMTTS) -> None:
     and empties them again: a stream afterwards decodes exactly as on a cold engine (with the warm-up's
     rows left counted, its prefill would start behind them and attend to them)."""
 
-    def frames(warm: bool) -> list[int]:
-        engine = TalkerEngine(model, max_streams=3)
-        if warm:
-            # bursts of 1, 2 and 3 streams at two widths
-            assert engine.runner.warmup_prefill(widths=(4, 16)) == (1 + 2 + 3) * (4 + 16)
-            assert engine.runner.cache.lengths == [0, 0, 0]
-        sink = Sink()
-        greedy = engine.default_sampling(temperature=1.0, greedy=True)
-        st = engine.open(engine.make_settings(sampling=greedy, fixed_frames=30), sink)
-        engine.chunk(st, cond_input(model, 6, 7))
-        engine.run_until_idle()
-        return sink.frames
+    def warm(engine: TalkerEngine) -> None:  # bursts of 1, 2 and 3 streams at two widths
+        assert engine.runner.warmup_prefill(widths=(4, 16)) == (1 + 2 + 3) * (4 + 16)
+        assert engine.runner.cache.lengths == [0, 0, 0]
 
-    assert frames(True) == frames(False)
+    assert _frames_after(model, warm) == _frames_after(model, None)
+
+
+def _frames_after(model: MiniCPMTTS, warm: Callable[[TalkerEngine], None] | None) -> list[int]:
+    """The frames of one greedy stream on a 3-slot engine, after ``warm`` ran on it (None: cold)."""
+    engine = TalkerEngine(model, max_streams=3)
+    if warm is not None:
+        warm(engine)
+    sink = Sink()
+    greedy = engine.default_sampling(temperature=1.0, greedy=True)
+    st = engine.open(engine.make_settings(sampling=greedy, fixed_frames=30), sink)
+    engine.chunk(st, cond_input(model, 6, 7))
+    engine.run_until_idle()
+    return sink.frames
 
 
 def test_a_failed_batched_prefill_falls_back_to_one_prefill_per_stream(model: MiniCPMTTS) -> None:
@@ -468,25 +472,17 @@ def test_scratch_stream_warm_up_leaves_the_engine_empty(model: MiniCPMTTS) -> No
     and no used slot remain, and a stream afterwards decodes exactly as on a cold engine."""
     from services.talker.warmup import warm_up_streams
 
-    def frames(warm: bool) -> list[int]:
-        engine = TalkerEngine(model, max_streams=3)
-        if warm:
-            with pytest.raises(RuntimeError, match="engine.start"):
-                warm_up_streams(engine, (1,))
-            engine.start()
-            try:
-                assert warm_up_streams(engine, (1, 3), max_frames=6) == 4
-            finally:
-                engine.shutdown()
-            assert engine.num_streams == 0 and engine.runner.cache.free_slots == 3
-        sink = Sink()
-        greedy = engine.default_sampling(temperature=1.0, greedy=True)
-        st = engine.open(engine.make_settings(sampling=greedy, fixed_frames=30), sink)
-        engine.chunk(st, cond_input(model, 6, 7))
-        engine.run_until_idle()
-        return sink.frames
+    def warm(engine: TalkerEngine) -> None:
+        with pytest.raises(RuntimeError, match="engine.start"):
+            warm_up_streams(engine, (1,))
+        engine.start()
+        try:
+            assert warm_up_streams(engine, (1, 3), max_frames=6) == 4
+        finally:
+            engine.shutdown()
+        assert engine.num_streams == 0 and engine.runner.cache.free_slots == 3
 
-    assert frames(True) == frames(False)
+    assert _frames_after(model, warm) == _frames_after(model, None)
 
 
 def test_prefill_attention_never_takes_cudnn(model: MiniCPMTTS, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,3 +34,20 @@ class ArrivalCounters:
             buf = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
             self._buffers[device] = buf
         return buf
+
+
+def split_scratch(
+    counters: ArrivalCounters, out: torch.Tensor, splits: int, groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split-K scratch of an attention launch that writes ``out [T, heads, D]``: per split the fp32
+    partial outputs, running maxima and sums, and ``groups`` arrival counters (one per merged group).
+
+    With one split nothing is merged, and ``out`` stands in for all four (the kernel never touches them).
+    """
+    if splits == 1:
+        return out, out, out, out
+    t, h, d = out.shape
+    po = torch.empty((splits, t, h, d), dtype=torch.float32, device=out.device)
+    pm = torch.empty((splits, t, h), dtype=torch.float32, device=out.device)
+    pl = torch.empty((splits, t, h), dtype=torch.float32, device=out.device)
+    return po, pm, pl, counters.get(out.device, groups)

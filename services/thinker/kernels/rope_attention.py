@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.thinker.kernels.counters import ArrivalCounters
+from services.thinker.kernels.counters import ArrivalCounters, split_scratch
 from services.thinker.kernels.tiles import AttentionTiles
 from services.thinker.kernels.triton_parts import (
     attend_one,
@@ -192,13 +192,7 @@ def rope_attention(
     g = hq // hkv
     out = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
     splits = tiles.splits
-    if splits > 1:
-        po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=qkv.device)
-        pm = torch.empty((splits, t, hq), dtype=torch.float32, device=qkv.device)
-        pl = torch.empty((splits, t, hq), dtype=torch.float32, device=qkv.device)
-    else:
-        po = pm = pl = out  # unused
-    counters = _COUNTERS.get(qkv.device, t * hkv) if splits > 1 else out
+    po, pm, pl, counters = split_scratch(_COUNTERS, out, splits, t * hkv)
     x, x_eps = rms_of if rms_of is not None else (qkv, 0.0)
     hidden = x.shape[-1] if rms_of is not None else 1
     block_n, warps, stages = launch or default_launch(t)

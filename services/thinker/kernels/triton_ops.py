@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.thinker.kernels.counters import ArrivalCounters
+from services.thinker.kernels.counters import ArrivalCounters, split_scratch
 from services.thinker.kernels.rope_attention import rope_attention
 from services.thinker.kernels.tiles import AttentionTiles
 from services.thinker.kernels.triton_parts import attend_pages, norm_rope_tile, row_inv_rms, write_output
@@ -314,14 +314,8 @@ class TritonOps:
         # tiles keep the default (not swept).
         block_n, warps, stages = launch or ((64, 4, 2) if tiles.block_t == 1 else (64, 4, None))
         splits = tiles.splits
-        if splits > 1:
-            po = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
-            pm = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
-            pl = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
-        else:
-            po = pm = pl = out  # unused
         n_tiles = tiles.row.shape[0]
-        counters = _COUNTERS.get(q.device, n_tiles * hkv) if splits > 1 else out
+        po, pm, pl, counters = split_scratch(_COUNTERS, out, splits, n_tiles * hkv)
         _paged_attention_kernel[(n_tiles, hkv, splits)](
             q,
             k_cache,
