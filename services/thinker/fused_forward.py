@@ -22,6 +22,10 @@ and the next kernel (q/k norm + rotary, SwiGLU) scales each row by its ``1/RMS``
 into the residual in place (cuBLAS with beta = 1). Per layer that is seven launches with cuBLAS's own
 GEMMs, not nine: the 72 norm launches of a step and their gaps were what the replay spent beyond the
 matmuls and attention. Eager steps keep the norm kernels (with ones as weights once folded).
+
+In every packed-row step (with :attr:`FusedForward.rope_attention`, on unless
+``MINICPMO_THINKER_ROPE_ATTENTION=0``) the q/k norm + rotary + K/V write and the paged attention are one
+launch (:mod:`services.thinker.kernels.rope_attention`): six launches per layer on the folded path.
 """
 
 from __future__ import annotations
