@@ -23,10 +23,15 @@ def run(b: int, L: int, R: int) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
-for name, ctx in [("default", None), ("no cudnn", [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])]:
+for name, ctx in [
+    ("default", None),
+    ("no cudnn", [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]),
+]:
     base = 7 if ctx is None else 11
     rows = []
-    for i, (b, L) in enumerate([(1, base + 6), (1, base + 12), (7, base + 20), (2, base + 30), (1, base + 6)]):
+    for i, (b, L) in enumerate(
+        [(1, base + 6), (1, base + 12), (7, base + 20), (2, base + 30), (1, base + 6)]
+    ):
         R = L + 3 * i + 2
         if ctx is None:
             first, again = run(b, L, R), run(b, L, R)
