@@ -126,11 +126,16 @@ def _sweep(device: torch.device, ops, b: int, ctx: int, splits_for, layers: int 
 ROPE_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2)]
 
 
-def _rope_sweep(device: torch.device, b: int, ctx: int, splits_for, layers: int = 36) -> dict:  # noqa: ANN001
+def _rope_sweep(device: torch.device, b: int, ctx: int, splits_for, layers: int = 36, chunk: int = 0) -> dict:  # noqa: ANN001
     """µs per layer of rotary + attention of a decode step: the two kernels (``qk_rope_store`` then
     ``paged_attention``, default launches) against the one-launch ``rope_attention`` at each launch of
     :data:`ROPE_SWEEP`, under the conditions of :func:`_sweep` (own pages per layer, bucketed table,
-    folded input norm: each row scaled by its residual row's 1/RMS)."""
+    folded input norm: each row scaled by its residual row's 1/RMS).
+
+    ``chunk``: the last ``chunk`` rows are one sequence's consecutive tokens (a packed prefill chunk,
+    e.g. a duplex unit), whose one-launch programs compute the chunk's fresh keys one at a time; only the
+    default launch is timed then.
+    """
     from services.thinker.kernels.triton_ops import TritonOps as ops
 
     hq, hkv, d, page, hidden = 32, 8, 128, 16, 4096
@@ -145,7 +150,11 @@ def _rope_sweep(device: torch.device, b: int, ctx: int, splits_for, layers: int 
     table = torch.zeros((b, width), dtype=torch.long, device=device)
     table[:, :blocks] = (torch.randperm(pool - 1, device=device)[: b * blocks] + 1).view(b, blocks)
     pos = torch.full((b,), ctx - 1, dtype=torch.long, device=device)
-    slots = table[:, (ctx - 1) // page] * page + (ctx - 1) % page
+    if chunk:
+        first = b - chunk
+        table[first:] = table[first]
+        pos[first:] = torch.arange(ctx - chunk, ctx, device=device)
+    slots = table.gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
     qkv = torch.randn(b, (hq + 2 * hkv) * d, dtype=bf, device=device)
     x = torch.randn(b, hidden, dtype=bf, device=device)
     w = torch.ones(hq + hkv, d, dtype=bf, device=device)
@@ -164,10 +173,16 @@ def _rope_sweep(device: torch.device, b: int, ctx: int, splits_for, layers: int 
         q = ops.qk_rope_store(qkv, w, 1e-6, cos, sin, pos, slots, k, v, hq, hkv, (x, 1e-6))
         ops.paged_attention(q, k, v, tiles)
 
-    result = {"batch": b, "context": ctx, "splits": tiles.splits, "two_kernels_us": per_layer(two)}
+    result = {
+        "batch": b,
+        "context": ctx,
+        "chunk": chunk,
+        "splits": tiles.splits,
+        "two_kernels_us": per_layer(two),
+    }
     result["one_launch_us"] = {
         str(lc): per_layer(lambda k, v, lc=lc: ops.rope_attention(qkv, w, 1e-6, cos, sin, slots, k, v, tiles, hq, (x, 1e-6), lc))
-        for lc in ROPE_SWEEP
+        for lc in ([None] if chunk else ROPE_SWEEP)
     }  # fmt: skip
     best = min(result["one_launch_us"], key=result["one_launch_us"].get)
     result["best"] = {"launch": best, "us": result["one_launch_us"][best]}
@@ -193,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rope", action="store_true", help="rotary + attention: two kernels vs one launch (CUDA only)"
     )
+    ap.add_argument(
+        "--rope-chunk",
+        type=int,
+        default=0,
+        help="with --rope, also each batch of more rows with its last N rows one packed prefill chunk",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -216,6 +237,23 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {p['batch']} | {p['context']} | {p['splits']} | {p['two_kernels_us']:.1f} "
                 f"| {p['one_launch_us'][str((64, 4, 2))]:.1f} | {p['best']['launch']} {p['best']['us']:.1f} |"
             )
+        n = args.rope_chunk
+        mixed = [
+            _rope_sweep(device, b, ctx, splits_for, chunk=n)
+            for ctx in (int(x) for x in args.contexts.split(","))
+            for b in (int(x) for x in args.batches.split(","))
+            if n and b > n
+        ]
+        if mixed:
+            print(json.dumps(mixed, indent=2))
+            print(
+                f"\n| batch (last {n} rows one chunk) | context | two kernels µs | one launch, default µs |"
+            )
+            print("|---:|---:|---:|---:|")
+            for p in mixed:
+                print(
+                    f"| {p['batch']} | {p['context']} | {p['two_kernels_us']:.1f} | {p['best']['us']:.1f} |"
+                )
         return 0
     if args.sweep:
         from services.thinker.kernels.triton_ops import TritonOps
