@@ -102,3 +102,12 @@ def test_rope_attention_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rope_attention_enabled() and not rope_attention_enabled(False)
     monkeypatch.setenv("MINICPMO_THINKER_ROPE_ATTENTION", "0")
     assert not rope_attention_enabled() and rope_attention_enabled(True)
+
+
+def test_fresh_row_window_covers_every_packed_step() -> None:
+    """The kernel looks back ``LOOKBACK`` rows for fresh rows; a packed step may hold up to
+    ``PACKED_MAX_ROWS`` rows of one chunk, so a larger limit would silently drop keys."""
+    from services.thinker.kernels.rope_attention import LOOKBACK
+    from services.thinker.runner import ModelRunner
+
+    assert ModelRunner.PACKED_MAX_ROWS <= LOOKBACK

@@ -273,6 +273,16 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# A lever's arms: on, off, both (an A/B in one run; graph levers recapture per arm), or the engine's
+# default (None: its environment switch or device rule decides).
+ARMS: dict[str, list[bool | None]] = {"on": [True], "off": [False], "both": [False, True], "default": [None]}
+
+
+def lever(ap: argparse.ArgumentParser, flag: str, default: str, what: str) -> None:
+    """An ``on|off|both|default`` option for one lever of the engine (see :data:`ARMS`)."""
+    ap.add_argument(flag, choices=list(ARMS), default=default, help=f"{what}: on, off, both (A/B) or default")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.thinker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True)
@@ -293,32 +303,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one decode step (CUDA)")
     ap.add_argument("--no-floor", action="store_true", help="skip the matmul-stack / matmul-rate floors")
     ap.add_argument("--kernels", default=None, help="thinker kernel backend: torch | triton | auto")
-    ap.add_argument(
+    lever(
+        ap,
         "--overlap",
-        choices=["on", "off", "both"],
-        default="both",
-        help="overlapped decode (services.thinker.overlap): on, off, or both A/B per batch (same engine)",
+        "both",
+        "overlapped decode (services.thinker.overlap); both: A/B per batch, same engine",
     )
-    ap.add_argument(
+    lever(
+        ap,
         "--skinny",
-        choices=["on", "off", "both"],
-        default="off",
-        help="skinny Triton decode GEMMs with fused norms (Triton kernels only; off by default in the "
-        "engine): on, off, or both A/B (each arm recaptures the graphs)",
+        "off",
+        "skinny Triton decode GEMMs with fused norms (Triton kernels; off in the engine)",
     )
-    ap.add_argument(
-        "--norm-fold",
-        choices=["on", "off", "both", "default"],
-        default="default",
-        help="folded-norm decode loop (Triton kernels only; on by default on CUDA): on, off, both A/B "
-        "(each arm recaptures the graphs), or the engine's default",
-    )
-    ap.add_argument(
+    lever(ap, "--norm-fold", "default", "folded-norm decode loop (Triton kernels; on by default on CUDA)")
+    lever(
+        ap,
         "--rope-attention",
-        choices=["on", "off", "both", "default"],
-        default="default",
-        help="rotary + K/V write + attention in one launch in graphed steps (Triton kernels; on by "
-        "default): on, off, both A/B (each arm recaptures the graphs), or the engine's default",
+        "default",
+        "rotary + K/V write + attention in one launch (Triton; on by default)",
     )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
@@ -364,11 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = hbm_bandwidth(device, args.hbm_gbps)
     weights = weight_bytes_per_step(llm)
     decode = []
-    overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
-    folds = {"on": [True], "off": [False], "both": [False, True], "default": [None]}[args.norm_fold]
-    ropes = {"on": [True], "off": [False], "both": [False, True], "default": [None]}[args.rope_attention]
-    skinnies = {"on": [True], "off": [False], "both": [False, True]}[args.skinny]
-    arms = [(s, f, ra) for s in skinnies for f in folds for ra in ropes]
+    overlaps = ARMS[args.overlap]
+    arms = [
+        (s, f, ra)
+        for s in ARMS[args.skinny]
+        for f in ARMS[args.norm_fold]
+        for ra in ARMS[args.rope_attention]
+    ]
     for skinny, fold, rope in arms:
         # A captured graph keeps the GEMMs it recorded: each arm recaptures (lazily, at its first step).
         engine.runner.drop_graphs()
