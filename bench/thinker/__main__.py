@@ -43,7 +43,7 @@ import torch
 from bench.thinker import floor
 from services.common.checkpoint import Checkpoint
 from services.thinker.engine import EngineConfig, ThinkerEngine
-from services.thinker.kernels import l2_prefetch_enabled, rope_attention_enabled
+from services.thinker.kernels import rope_attention_enabled
 from services.thinker.runner import build_qwen3_llm
 from services.thinker.sampling import Sampler, SamplingConfig
 from services.thinker.scheduler import Sequence, WorkItem
@@ -121,7 +121,6 @@ def engine_decode(
         "skinny": engine.runner.skinny_gemm,
         "norm_fold": engine.runner.norm_fold,
         "rope_attention": engine.runner.fused.rope_attention,
-        "l2_prefetch": engine.runner.fused.l2_prefetch,
         "chained_steps": chained,
         "graph_replay_ms": replay_ms,
         "ms_per_step": 1e3 * dt / steps,
@@ -223,7 +222,6 @@ def markdown(result: dict[str, Any]) -> str:
         label = (
             f"{r['batch']}{' (overlap)' if r.get('overlap') else ''}{' (skinny)' if r.get('skinny') else ''}"
             f"{' (folded)' if r.get('norm_fold') else ''}{' (rope+attn)' if r.get('rope_attention') else ''}"
-            f"{' (L2 prefetch)' if r.get('l2_prefetch') else ''}"
         )
         lines.append(
             f"| {label} | {r['ms_per_step']:.2f} | {r['tok_s_per_stream']:.1f} | {r['tok_s_total']:.1f} "
@@ -240,9 +238,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"Same-run floors: dense {result['dtype']} matmul {ref['matmul_tflop_s']:.0f} TFLOP/s, copy "
             f"{ref['copy_tb_s']:.2f} TB/s, weights {ref['weight_bytes'] / 1e9:.2f} GB per step.",
             "",
-            "| batch | overlap | skinny | folded norms | rope+attention | L2 prefetch | engine ms/step "
-            "| graph replay ms | matmul-stack floor ms | ratio | replay ratio | floor weight TB/s |",
-            "|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+            "| batch | overlap | skinny | folded norms | rope+attention | engine ms/step | graph replay ms "
+            "| matmul-stack floor ms | ratio | replay ratio | floor weight TB/s |",
+            "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["engine_decode"]:
             f = stack.get(r["batch"])
@@ -253,11 +251,9 @@ def markdown(result: dict[str, Any]) -> str:
                 skinny = "on" if r.get("skinny") else "off"
                 fold = "on" if r.get("norm_fold") else "off"
                 ra = "on" if r.get("rope_attention") else "off"
-                pf = "on" if r.get("l2_prefetch") else "off"
                 lines.append(
-                    f"| {r['batch']} | {over} | {skinny} | {fold} | {ra} | {pf} | {r['ms_per_step']:.2f} "
-                    f"| {'–' if rep is None else f'{rep:.2f}'} "
-                    f"| {f:.2f} | {r['ms_per_step'] / f:.3f}x | {'–' if rep is None else f'{rep / f:.3f}x'} "
+                    f"| {r['batch']} | {over} | {skinny} | {fold} | {ra} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
+                    f"| {f:.2f} | {r['ms_per_step'] / f:.2f}x | {'–' if rep is None else f'{rep / f:.2f}x'} "
                     f"| {tb:.2f} |"
                 )
     p, hp = result["engine_prefill"], result.get("transformers_prefill")
@@ -326,9 +322,6 @@ def main(argv: list[str] | None = None) -> int:
         "default",
         "rotary + K/V write + attention in one launch (Triton; on by default)",
     )
-    lever(
-        ap, "--l2-prefetch", "default", "the attention launch prefetches the O weight into L2 (on by default)"
-    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -375,19 +368,17 @@ def main(argv: list[str] | None = None) -> int:
     decode = []
     overlaps = ARMS[args.overlap]
     arms = [
-        (s, f, ra, pf)
+        (s, f, ra)
         for s in ARMS[args.skinny]
         for f in ARMS[args.norm_fold]
         for ra in ARMS[args.rope_attention]
-        for pf in ARMS[args.l2_prefetch]
     ]
-    for skinny, fold, rope, prefetch in arms:
+    for skinny, fold, rope in arms:
         # A captured graph keeps the GEMMs it recorded: each arm recaptures (lazily, at its first step).
         engine.runner.drop_graphs()
         engine.runner.set_skinny_gemm(skinny)
         engine.runner.set_norm_fold(fold)
         engine.runner.fused.rope_attention = rope_attention_enabled(rope)
-        engine.runner.fused.l2_prefetch = l2_prefetch_enabled(prefetch)
         for b in batches:
             for over in overlaps:
                 r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)

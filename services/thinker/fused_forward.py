@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from services.thinker.kernels import AttentionTiles, key_splits, l2_prefetch_enabled, rope_attention_enabled
+from services.thinker.kernels import AttentionTiles, key_splits, rope_attention_enabled
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import FusedLayer
 
@@ -75,8 +75,6 @@ class FusedForward:
         self.folded_passes = 0  # layer loops run with the folded norms (host count: captures, tests)
         # Packed-row steps: rotary + K/V write + attention in one launch (kernels.rope_attention).
         self.rope_attention = rope_attention_enabled()
-        # ... and that launch asks L2 to fetch the O projection's weight meanwhile (kernels.prefetch).
-        self.l2_prefetch = l2_prefetch_enabled()
         dev = runner.device
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
 
@@ -186,7 +184,7 @@ class FusedForward:
         if one_launch and self.rope_attention:
             o = r.ops.rope_attention(
                 qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, write_slots, k_cache, v_cache, tiles,
-                hq, rms_of, prefetch=lay.o_weight if self.l2_prefetch else None,
+                hq, rms_of,
             )  # fmt: skip
             return o.view(qkv.shape[0], hq * d)
         q = r.ops.qk_rope_store(

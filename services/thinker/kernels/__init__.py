@@ -37,7 +37,6 @@ import os
 
 import torch
 
-from services.thinker.kernels.prefetch import L2_PREFETCH_ENV_VAR
 from services.thinker.kernels.tiles import AttentionTiles
 
 log = logging.getLogger(__name__)
@@ -119,16 +118,6 @@ def rope_attention_enabled(requested: bool | None = None) -> bool:
     if requested is not None:
         return bool(requested)
     env = _env_switch(ROPE_ATTENTION_ENV_VAR)
-    return True if env is None else env
-
-
-def l2_prefetch_enabled(requested: bool | None = None) -> bool:
-    """Whether the one-launch attention asks L2 to fetch the O projection's weight (:mod:`.prefetch`;
-    only where :func:`.prefetch.l2_prefetch_mode` allows): ``requested`` wins, else
-    ``MINICPMO_THINKER_L2_PREFETCH`` (0/1), else on."""
-    if requested is not None:
-        return bool(requested)
-    env = _env_switch(L2_PREFETCH_ENV_VAR)
     return True if env is None else env
 
 
@@ -230,10 +219,9 @@ class TorchOps:
         tiles: AttentionTiles,
         hq: int,
         rms_of: tuple[torch.Tensor, float] | None = None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``qk_rope_store`` at the tiles' positions, then ``paged_attention`` (what the Triton kernel of
-        :mod:`.rope_attention` does in one launch for one-row tiles). ``prefetch`` is a cache hint: no-op."""
+        :mod:`.rope_attention` does in one launch for one-row tiles)."""
         q = TorchOps.qk_rope_store(
             qkv, qk_norm_weight, eps, cos_table, sin_table, tiles.pos, write_slots, k_cache, v_cache,
             hq, k_cache.shape[1], rms_of,

@@ -23,12 +23,10 @@ import triton
 import triton.language as tl
 
 from services.thinker.kernels.counters import ArrivalCounters, split_scratch
-from services.thinker.kernels.prefetch import l2_prefetch_mode
 from services.thinker.kernels.tiles import AttentionTiles
 from services.thinker.kernels.triton_parts import (
     attend_one,
     attend_pages,
-    l2_prefetch,
     norm_rope_tile,
     row_inv_rms,
     write_output,
@@ -69,21 +67,17 @@ def _fresh_key(
 )
 def _rope_attention_kernel(
     qkv_ptr, w_ptr, cos_ptr, sin_ptr, x_ptr, pos_ptr, slot_ptr, table_ptr, table_stride,
-    k_ptr, v_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, n_rows, eps, x_eps, scale_log2, pf_ptr, pf_bytes,
+    k_ptr, v_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, n_rows, eps, x_eps, scale_log2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, LOOK: tl.constexpr,
     HAS_NORM: tl.constexpr, SCALED: tl.constexpr, HIDDEN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, PF: tl.constexpr, PF_VEC: tl.constexpr, PF_END: tl.constexpr, EVICT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head, key split) program: the row's query heads of this KV head, normed and rotated;
-    cached keys before the row's fresh rows; in the last split also the fresh keys and the K/V write.
-    With ``PF`` it also asks L2 to fetch its share of ``pf_bytes`` at ``pf_ptr`` (the next GEMM's
-    weights, :func:`l2_prefetch`)."""
+    cached keys before the row's fresh rows; in the last split also the fresh keys and the K/V write."""
     r = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if PF != 0 and not PF_END:
-        l2_prefetch(pf_ptr, pf_bytes, (r * HKV + kvh) * SPLITS + split, n_rows * HKV * SPLITS, PF, PF_VEC)
     WIDTH: tl.constexpr = (HQ + 2 * HKV) * D
     p = tl.load(pos_ptr + r)
     back = tl.arange(0, LOOK) + 1
@@ -146,10 +140,8 @@ def _rope_attention_kernel(
     end = tl.minimum(total, start + per)
     m_i, l_i, acc = attend_pages(
         q, m_i, l_i, acc, table_ptr + r * table_stride, start, end, p + tl.zeros([BLOCK_M], tl.int64), k_ptr,
-        v_ptr, kvh, scale_log2, HKV, D, PAGE, BLOCK_N, IEEE, EVICT,
+        v_ptr, kvh, scale_log2, HKV, D, PAGE, BLOCK_N, IEEE,
     )  # fmt: skip
-    if PF != 0 and PF_END:
-        l2_prefetch(pf_ptr, pf_bytes, (r * HKV + kvh) * SPLITS + split, n_rows * HKV * SPLITS, PF, PF_VEC)
     write_output(
         acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr + r * HKV + kvh, r + tl.zeros([BLOCK_M], tl.int64),
         head, m_valid, split, n_rows, HQ, D, SPLITS,
@@ -185,15 +177,12 @@ def rope_attention(
     hq: int,
     rms_of: tuple[torch.Tensor, float] | None = None,
     launch: tuple[int, int, int] | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``qk_rope_store`` then ``paged_attention`` over one-row tiles (a packed-row step), one launch.
 
     ``tiles`` must be :meth:`~services.thinker.fused_forward.FusedForward.row_tiles` (row ``i`` is tile
     ``i`` over block-table row ``i``); returns the attention output ``[T, hq, D]``. ``launch``:
     ``(BLOCK_N, num_warps, num_stages)`` instead of the default (``bench.thinker.attention --rope``).
-    ``prefetch``: a contiguous tensor (the O projection's weight) whose bytes the launch asks L2 to fetch
-    while it runs, on GPUs where :func:`~services.thinker.kernels.l2_prefetch_mode` allows it.
     """
     if tiles.block_t != 1:
         raise ValueError("rope_attention takes the one-row tiles of a packed-row step")
@@ -207,26 +196,13 @@ def rope_attention(
     x, x_eps = rms_of if rms_of is not None else (qkv, 0.0)
     hidden = x.shape[-1] if rms_of is not None else 1
     block_n, warps, stages = launch or default_launch(t)
-    pf_mode = l2_prefetch_mode(qkv.device) if prefetch is not None else 0
-    pf = prefetch.reshape(-1).view(torch.uint8) if prefetch is not None and pf_mode else qkv
-    pf_bytes = pf.numel() // 16 * 16 if pf_mode else 0
-    pf_end, evict = _experiment_knobs()
     _rope_attention_kernel[(t, hkv, splits)](
         qkv, qkv if qk_norm_weight is None else qk_norm_weight, cos_table, sin_table, x, tiles.pos,
         write_slots, tiles.table, tiles.table.stride(0), k_cache, v_cache, out, po, pm, pl, counters, t,
-        eps, x_eps, (1.0 / math.sqrt(d)) * 1.4426950408889634, pf, pf_bytes,
+        eps, x_eps, (1.0 / math.sqrt(d)) * 1.4426950408889634,
         HQ=hq, HKV=hkv, G=g, D=d, PAGE=tiles.page_size, BLOCK_M=max(16, triton.next_power_of_2(g)),
         BLOCK_N=block_n, SPLITS=splits, LOOK=LOOKBACK, HAS_NORM=qk_norm_weight is not None,
         SCALED=rms_of is not None, HIDDEN=hidden, CHUNK=min(1024, triton.next_power_of_2(hidden)),
-        IEEE=qkv.dtype == torch.float32, PF=pf_mode, PF_VEC=32 * warps, PF_END=pf_end, EVICT=evict,
-        num_warps=warps, num_stages=stages,
+        IEEE=qkv.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
-
-
-def _experiment_knobs() -> tuple[bool, str]:
-    import os
-
-    return os.environ.get("MINICPMO_L2PF_AT", "start") == "end", (
-        "evict_first" if os.environ.get("MINICPMO_KV_EVICT_FIRST") == "1" else ""
-    )

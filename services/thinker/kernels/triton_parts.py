@@ -69,11 +69,9 @@ def attend_pages(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
-    EVICT: tl.constexpr,
 ):
     """Online-softmax attention of ``q [M, D]`` (rows at positions ``q_pos``) over keys ``[start, end)`` of
-    one sequence's pages (``table_row_ptr``: its block-table row); returns the updated ``m, l, acc``.
-    ``EVICT``: the L2 eviction policy of the K/V loads (``""`` or ``"evict_first"``)."""
+    one sequence's pages (``table_row_ptr``: its block-table row); returns the updated ``m, l, acc``."""
     d_idx = tl.arange(0, D)
     n_idx = tl.arange(0, BLOCK_N)
     for kb in range(start, end, BLOCK_N):
@@ -82,9 +80,7 @@ def attend_pages(
         page = tl.load(table_row_ptr + j // PAGE, mask=j_valid, other=0).to(tl.int64)
         slot = page * PAGE + j % PAGE
         kv_off = (slot * HKV + kvh) * D
-        k = tl.load(
-            k_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0, eviction_policy=EVICT
-        )
+        k = tl.load(k_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -97,9 +93,7 @@ def attend_pages(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0, eviction_policy=EVICT
-        )
+        v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -193,39 +187,3 @@ def write_output(
                 mask=m_valid[:, None],
             )
             tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def l2_prefetch(base_ptr, n_bytes, prog, n_progs, MODE: tl.constexpr, VEC: tl.constexpr):
-    """Ask the L2 cache to fetch program ``prog``'s share (of ``n_progs``) of bytes ``[0, n_bytes)`` at
-    ``base_ptr`` (a byte pointer; ``n_bytes`` a multiple of 16): fire and forget, nothing waits for it.
-
-    Why: a latency-bound kernel (decode attention at few rows) leaves HBM idle for microseconds; the weights
-    of the GEMM that follows it can stream into L2 meanwhile, so that GEMM reads them from L2.
-    ``MODE`` 1: one bulk prefetch per element (``cp.async.bulk.prefetch.L2``, sm_90); 2: one
-    ``prefetch.global.L2`` per 128-byte line (sm_80). ``VEC`` elements per program (one per thread).
-    """
-    unit = 16 * VEC
-    per = tl.cdiv(tl.cdiv(n_bytes, n_progs), unit) * unit
-    sub = per // VEC
-    start = prog.to(tl.int64) * per + tl.arange(0, VEC).to(tl.int64) * sub
-    size = tl.maximum(tl.minimum(n_bytes - start, sub), 0).to(tl.int32)
-    if MODE == 1:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [base_ptr + start, size],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        for off in range(0, sub, 128):
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                "=r,l,r",
-                [base_ptr + start + off, size - off],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
