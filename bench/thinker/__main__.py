@@ -167,7 +167,13 @@ def engine_prefill(engine: ThinkerEngine, prompt_len: int, iters: int) -> dict[s
         if i:
             times.append(t)
     t = statistics.median(times)
-    return {"prompt_len": prompt_len, "ms": 1e3 * t, "tok_s": prompt_len / t}
+    # Every iteration too: the median of a few hides whether a slow figure is one outlier or a slow run.
+    return {
+        "prompt_len": prompt_len,
+        "ms": 1e3 * t,
+        "tok_s": prompt_len / t,
+        "times_ms": [1e3 * x for x in times],
+    }
 
 
 # --------------------------------------------------------------------------------------- transformers
@@ -270,6 +276,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"Prefill: {p['tflop'] * 1e3:.2f} GFLOP of matmuls in {p['ms']:.1f} ms = "
             f"{p['tflop_s']:.0f} TFLOP/s, {100 * p['matmul_share']:.0f}% of the same-run matmul rate.",
         ]
+    if p.get("times_ms"):
+        lines += ["", "Prefill iterations (ms): " + ", ".join(f"{x:.1f}" for x in p["times_ms"])]
     return "\n".join(lines)
 
 

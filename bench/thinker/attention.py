@@ -126,7 +126,16 @@ def _sweep(device: torch.device, ops, b: int, ctx: int, splits_for, layers: int 
 ROPE_SWEEP = [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2)]
 
 
-def _rope_sweep(device: torch.device, b: int, ctx: int, splits_for, layers: int = 36, chunk: int = 0) -> dict:  # noqa: ANN001
+def _rope_sweep(  # noqa: PLR0913
+    device: torch.device,
+    b: int,
+    ctx: int,
+    splits_for,  # noqa: ANN001
+    layers: int = 36,
+    chunk: int = 0,
+    split_factors: tuple[float, ...] = (1.0,),
+    launches: list[tuple[int, int, int]] | None = None,
+) -> dict:
     """µs per layer of rotary + attention of a decode step: the two kernels (``qk_rope_store`` then
     ``paged_attention``, default launches) against the one-launch ``rope_attention`` at each launch of
     :data:`ROPE_SWEEP`, under the conditions of :func:`_sweep` (own pages per layer, bucketed table,
@@ -134,7 +143,8 @@ def _rope_sweep(device: torch.device, b: int, ctx: int, splits_for, layers: int 
 
     ``chunk``: the last ``chunk`` rows are one sequence's consecutive tokens (a packed prefill chunk,
     e.g. a duplex unit), whose one-launch programs compute the chunk's fresh keys one at a time; only the
-    default launch is timed then.
+    default launch is timed then. ``split_factors``: the one launch also at these multiples of the rule's
+    key splits (keys ``"s=N (bn, w, st)"``); ``launches``: a subset of :data:`ROPE_SWEEP`.
     """
     from services.thinker.kernels.triton_ops import TritonOps as ops
 
@@ -182,8 +192,17 @@ def _rope_sweep(device: torch.device, b: int, ctx: int, splits_for, layers: int 
     }
     result["one_launch_us"] = {
         str(lc): per_layer(lambda k, v, lc=lc: ops.rope_attention(qkv, w, 1e-6, cos, sin, slots, k, v, tiles, hq, (x, 1e-6), lc))
-        for lc in ([None] if chunk else ROPE_SWEEP)
+        for lc in ([None] if chunk else launches or ROPE_SWEEP)
     }  # fmt: skip
+    for f in split_factors if not chunk else ():
+        n = max(1, round(tiles.splits * f))
+        if n == tiles.splits:
+            continue
+        other = AttentionTiles(rows, ones, rows, pos, table, page, 1, n)
+        for lc in launches or ROPE_SWEEP:
+            result["one_launch_us"][f"s={n} {lc}"] = per_layer(
+                lambda k, v, lc=lc, t=other: ops.rope_attention(qkv, w, 1e-6, cos, sin, slots, k, v, t, hq, (x, 1e-6), lc)
+            )  # fmt: skip
     best = min(result["one_launch_us"], key=result["one_launch_us"].get)
     result["best"] = {"launch": best, "us": result["one_launch_us"][best]}
     return result
@@ -214,6 +233,16 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="with --rope, also each batch of more rows with its last N rows one packed prefill chunk",
     )
+    ap.add_argument(
+        "--rope-splits",
+        default="1",
+        help="with --rope, multiples of the rule's key splits to time the one launch at (e.g. 0.5,1,2)",
+    )
+    ap.add_argument(
+        "--rope-launches",
+        default="",
+        help="with --rope, only these launches, as block_n:warps:stages,... (default: all of ROPE_SWEEP)",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -222,8 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         return key_splits(b, 8, ctx, sms)
 
     if args.rope:
+        factors = tuple(float(x) for x in args.rope_splits.split(","))
+        launches = [
+            (int(bn), int(w), int(st))
+            for bn, w, st in (x.split(":") for x in args.rope_launches.split(",") if x)
+        ] or None
         points = [
-            _rope_sweep(device, b, ctx, splits_for)
+            _rope_sweep(device, b, ctx, splits_for, split_factors=factors, launches=launches)
             for ctx in (int(x) for x in args.contexts.split(","))
             for b in (int(x) for x in args.batches.split(","))
         ]
@@ -235,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         for p in points:
             print(
                 f"| {p['batch']} | {p['context']} | {p['splits']} | {p['two_kernels_us']:.1f} "
-                f"| {p['one_launch_us'][str((64, 4, 2))]:.1f} | {p['best']['launch']} {p['best']['us']:.1f} |"
+                f"| {p['one_launch_us'].get(str((64, 4, 2)), float('nan')):.1f} "
+                f"| {p['best']['launch']} {p['best']['us']:.1f} |"
             )
         n = args.rope_chunk
         mixed = [
