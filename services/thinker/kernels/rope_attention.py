@@ -11,7 +11,7 @@ packed as rows): row ``r`` must see the keys of the rows before it, which the pr
 write in this same launch. So every row finds its *fresh* rows (the rows before it in this step with the
 same first block and consecutive positions; blocks belong to one sequence, so that is exact), reads only
 the keys before them from the cache, and computes the fresh keys itself from the QKV output (one at a
-time, in the program of the last key split). A decode row has no fresh rows but its own token.
+time, dealt round the row's key-split programs). A decode row has no fresh rows but its own token.
 """
 
 from __future__ import annotations
@@ -111,11 +111,11 @@ def _rope_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    kh = HQ + kvh
+    vh = HQ + HKV + kvh
     if split == SPLITS - 1:
         # The row's own key and value first (their loads overlap the query's): into the cache for the
         # steps after this one, and into this row's attention from registers.
-        kh = HQ + kvh
-        vh = HQ + HKV + kvh
         k, v = _fresh_key(
             qkv_ptr, w_ptr, cos_ptr, sin_ptr, r, p, inv_x, eps, kh, vh, d_idx, lower, D, WIDTH, HAS_NORM,
             SCALED,
@@ -124,16 +124,18 @@ def _rope_attention_kernel(
         tl.store(k_ptr + (slot * HKV + kvh) * D + d_idx, k)
         tl.store(v_ptr + (slot * HKV + kvh) * D + d_idx, v)
         m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k, v, m_valid, scale_log2)
-        for i in range(0, fresh):  # earlier rows of this sequence in this step: their keys from qkv
-            row = r - fresh + i
-            inv_i = 1.0
-            if SCALED:
-                inv_i = row_inv_rms(x_ptr, row, x_eps, HIDDEN, CHUNK)
-            k, v = _fresh_key(
-                qkv_ptr, w_ptr, cos_ptr, sin_ptr, row, p - fresh + i, inv_i, eps, kh, vh, d_idx, lower, D,
-                WIDTH, HAS_NORM, SCALED,
-            )  # fmt: skip
-            m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k, v, m_valid, scale_log2)
+    # Earlier rows of this sequence in this step: their keys from qkv, one at a time (a serial chain of
+    # loads), dealt round the key splits so that no program computes more than ceil(fresh / SPLITS).
+    for i in range(split, fresh, SPLITS):
+        row = r - fresh + i
+        inv_i = 1.0
+        if SCALED:
+            inv_i = row_inv_rms(x_ptr, row, x_eps, HIDDEN, CHUNK)
+        k, v = _fresh_key(
+            qkv_ptr, w_ptr, cos_ptr, sin_ptr, row, p - fresh + i, inv_i, eps, kh, vh, d_idx, lower, D,
+            WIDTH, HAS_NORM, SCALED,
+        )  # fmt: skip
+        m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k, v, m_valid, scale_log2)
     total = p - fresh  # keys written by earlier steps
     per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
     start = split * per
