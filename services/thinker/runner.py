@@ -421,7 +421,8 @@ class ModelRunner:
             if last_rows:
                 index = torch.tensor(list(range(b)) + last_rows, device=tokens.device)
                 greedy = tokens.index_select(0, index)
-        return StepOutput(decode_hidden, logits[:b].to(torch.float32, copy=clone), prefill_logits, greedy)
+        decode_logits = logits[:b].to(torch.float32, memory_format=torch.contiguous_format, copy=clone)
+        return StepOutput(decode_hidden, decode_logits, prefill_logits, greedy)
 
     def _eager_step(self, inp: StepInput) -> StepOutput:
         dev = self.device
@@ -572,6 +573,7 @@ class ModelRunner:
         else:
             tiles = self.fused.row_tiles(positions, table)
             hidden = self.fused.layers(x, positions, write, tiles, packed=True)
+            return hidden, self.fused.head_logits(hidden, self.llm.lm_head)
         return hidden, self.llm.lm_head(hidden)
 
 
