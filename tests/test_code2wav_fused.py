@@ -21,7 +21,7 @@ from services.code2wav.dump import talker_windows
 from services.code2wav.model.flow_step import FlowStepper
 from services.code2wav.model.loader import load_token2wav
 from services.code2wav.model.prompt import ReferenceVoiceEncoder
-from services.code2wav.runner import Code2WavRunner, WindowCursor
+from services.code2wav.runner import Code2WavRunner, WindowCursor, binary_parts
 from services.code2wav.service import dit_choice
 from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
 
@@ -257,7 +257,7 @@ def test_warm_up_covers_duplex_turn_ends_at_every_batch_size(stack) -> None:  # 
     ran = runner.warm_up_shapes(
         stack.prompt, max_batch=2, first_windows=(25,), steady_windows=1, last_windows=(0, 3)
     )
-    assert ran == 7  # batch 2: first, steady, empty last; batch 1: first, steady, two last windows
+    assert ran == 8  # per batch size (2 and 1, both powers of two): first, steady, two last windows
     codes = torch.randint(0, 6561, (50,), generator=torch.Generator().manual_seed(9)).tolist()
     w1 = [CODEC_SILENCE_ID] * 3 + codes[:25]
     w2 = w1[-3:] + codes[25:50]
@@ -268,3 +268,57 @@ def test_warm_up_covers_duplex_turn_ends_at_every_batch_size(stack) -> None:  # 
     eager = _batched(Code2WavRunner(stack.model, dit="fused"), stack.prompt, windows)
     for got, ref in zip(graphed, eager, strict=True):
         assert np.array_equal(got["mel"], ref["mel"]) and np.array_equal(got["wav"], ref["wav"])
+
+
+def test_binary_parts_are_the_fewest_power_of_two_sub_batches() -> None:
+    """Each batch size 1..16 splits into distinct powers of two, largest first, that add up to it."""
+    expected = {1: [1], 2: [2], 3: [2, 1], 4: [4], 5: [4, 1], 6: [4, 2], 7: [4, 2, 1], 8: [8]}
+    expected |= {9: [8, 1], 10: [8, 2], 11: [8, 2, 1], 12: [8, 4], 13: [8, 4, 1], 14: [8, 4, 2]}
+    expected |= {15: [8, 4, 2, 1], 16: [16]}
+    assert {size: binary_parts(size) for size in range(1, 17)} == expected
+    with pytest.raises(ValueError):
+        binary_parts(0)
+
+
+def test_replies_ending_together_replay_as_power_of_two_sub_batches(stack) -> None:  # noqa: ANN001
+    """Three replies ending together with a 3-code remainder: the warm-up captured that last window at
+    batch 2 and 1 (powers of two) but not 3, so the runner runs it as 2 + 1, each replaying its graphs,
+    instead of one eager batch of 3 (before: eager on every set). Steady windows, which have a graph at
+    batch 3, stay whole; each stream gets the eager runner's audio for its own seed, in input order."""
+    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
+
+    calls: list = []
+    capture, _ = _shared_capture(calls)
+    runner = Code2WavRunner(stack.model, dit="fused")
+    graphs = enable_cuda_graphs(runner, capture=capture)
+    ran = runner.warm_up_shapes(
+        stack.prompt, max_batch=3, first_windows=(25,), steady_windows=1, last_windows=(0, 3)
+    )
+    assert ran == 11  # first and steady at batch 3, 2, 1; the empty last at each; the 3-code one at 2, 1
+    codes = torch.randint(0, 6561, (53,), generator=torch.Generator().manual_seed(11)).tolist()
+    w1 = [CODEC_SILENCE_ID] * 3 + codes[:25]
+    w2 = w1[-3:] + codes[25:50]
+    windows = [(w1, False), (w2, False), (w2[-3:] + codes[50:], True)]
+    seeds = (1, 2, 3)
+    before = {name: g.eager_calls for name, g in graphs.items()}
+    graphed = _batched(runner, stack.prompt, windows, seeds)
+    assert {name: g.eager_calls - before[name] for name, g in graphs.items()} == dict.fromkeys(graphs, 0)
+    assert runner.last_batch_sizes == [3, 3, 2, 1]
+    eager_runner = Code2WavRunner(stack.model, dit="fused")
+    eager = _batched(eager_runner, stack.prompt, windows, seeds)
+    assert eager_runner.last_batch_sizes == [3, 3, 3]  # no graphs: never split
+    # The CPU's float rounding depends on the batch size, so the whole eager batch of 3 agrees to rounding
+    # and an eager runner made to split the same way agrees bit for bit.
+    split_runner = Code2WavRunner(stack.model, dit="fused")
+    split_runner.sub_batches = lambda key, size: binary_parts(size) if key[5] else [size]  # type: ignore[method-assign]
+    split = _batched(split_runner, stack.prompt, windows, seeds)
+    for got, ref, whole in zip(graphed, split, eager, strict=True):
+        assert np.array_equal(got["mel"], ref["mel"]) and np.array_equal(got["wav"], ref["wav"])
+        assert np.abs(got["mel"] - whole["mel"]).max() < MEL_ATOL
+        assert np.abs(got["wav"] - whole["wav"]).max() < WAV_ATOL
+    # The empty last window (3 context codes) has its own graph at batch 3: it stays one batch; a batch
+    # of 4 with a remainder has no graphed parts (the warm-up stopped at 3): one batch too.
+    (empty,) = {key for key, _ in runner.graphed_batches if key[5] and key[4] == 3}
+    (remainder,) = {key for key, _ in runner.graphed_batches if key[5] and key[4] == 6}
+    assert runner.sub_batches(empty, 3) == [3] and runner.sub_batches(remainder, 3) == [2, 1]
+    assert runner.sub_batches(remainder, 4) == [4]

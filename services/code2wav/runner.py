@@ -42,6 +42,14 @@ MAX_NEW_TOKENS = 50  # per window; bounds the noise table and the cache growth o
 DEFAULT_SEED = 0
 
 
+def binary_parts(size: int) -> list[int]:
+    """``size`` as a sum of distinct powers of two, largest first (7 -> [4, 2, 1], 16 -> [16]): the
+    fewest sub-batches of the power-of-two sizes the warm-up captures last windows at."""
+    if size < 1:
+        raise ValueError(f"batch size must be positive (got {size})")
+    return [1 << bit for bit in range(size.bit_length() - 1, -1, -1) if size >> bit & 1]
+
+
 def cfm_noise_table(seed: int, mel_bins: int, frames: int) -> torch.Tensor:
     """CFM noise exactly as the reference draws it, [1, 80, 30000] from a seeded CPU generator, cut to
     the ``frames`` a stream can ever read (offsets never pass prompt + 100 frames after trimming)."""
@@ -124,6 +132,8 @@ class Code2WavRunner:
         # Set by :func:`services.code2wav.model.cuda_graphs.enable_cuda_graphs` (GPU only).
         self.cuda_graphs = False
         self.graph_sets: dict[str, ShapeKeyedGraphs] = {}
+        # (batch_key, batch size) of every warm-up batch that replayed graphs only (see sub_batches).
+        self.graphed_batches: set[tuple[tuple, int]] = set()
 
     # ---------------------------------------------------------------- streams
     def noise_frames(self, prompt_frames: int) -> int:
@@ -207,16 +217,24 @@ class Code2WavRunner:
         ``steady_windows`` windows of ``steady_new`` codes (enough for the estimator caches to reach their
         trimmed steady length). After a first window shorter than ``steady_new``, one more window of the
         remaining ``steady_new - first`` codes runs from the first window's state on a copy: a realtime
-        speaking unit (25 frames) with a 10-frame first window flushes its other 15 frames as that window,
-        and without its graph it would run eager (slow, and it lengthens a barge-in's drain). Each new shape captures its graphs on first use; doing all of it before
-        the server reports serving keeps capture (hundreds of ms, and a cuDNN failure under GPU
-        time-slicing on the H200) away from live traffic, which after the freeze never captures: shapes
-        not covered here run eager. Largest batches go first so the shared graph arenas and memory pool
-        reach their final size at once. ``last_windows`` lists the new-code counts of last windows to
-        capture at batch 1 from the steady (trimmed) caches (the empty one, 0, at every batch size: the
-        end of a duplex turn), which is where a reply longer than the
-        warm-up's windows ends (default: 0..24, the talker's remainders, with the fused flow; none with
-        the package path, whose last windows run eager). Returns the number of windows run."""
+        speaking unit (25 frames) with a 10-frame first window flushes its other 15 frames as that
+        window, and without its graph it would run eager (slow, and it lengthens a barge-in's drain).
+        Each new shape captures its graphs on first use; doing all of it before the server reports
+        serving keeps capture (hundreds of ms, and a cuDNN failure under GPU time-slicing on the H200)
+        away from live traffic, which after the freeze never captures: shapes not covered here run eager.
+        Largest batches go first so the shared graph arenas and memory pool reach their final size at
+        once.
+
+        ``last_windows`` lists the new-code counts of last windows to capture from the steady (trimmed)
+        caches, which is where a reply longer than the warm-up's windows ends (default: 0..24, the
+        talker's remainders, with the fused flow; none with the package path, whose last windows run
+        eager). The empty one (0, the end of a duplex turn) is captured at every batch size; the others
+        at the power-of-two batch sizes 1, 2, 4, ... up to ``max_batch``, which :meth:`sub_batches` splits
+        any batch of them into (several replies ending together would otherwise run one eager batch).
+        Every size would add ``max_batch - 1`` windows per non-zero remainder; powers of two add
+        ``floor(log2(max_batch))``: with the defaults at ``max_batch`` 16 that is 96 more windows than
+        batch 1 alone (184 -> 280), where every size would be 360 more. Returns the number of windows
+        run; the (key, batch size) pairs that replayed without an eager call go to ``graphed_batches``."""
         if last_windows is None:
             last_windows = tuple(range(steady_new)) if self.flow.fused is not None else ()
         if not self.cuda_graphs:
@@ -225,38 +243,62 @@ class Code2WavRunner:
         reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         for graphs in self.graph_sets.values():
             graphs.frozen = False
+        self.graphed_batches.clear()
         ran = 0
-        codes = [CODEC_SILENCE_ID] * (max(first_windows) + steady_windows * steady_new)
         try:
             for batch in range(max(1, max_batch), 0, -1):
                 for first in first_windows:
-                    states = [self.open_stream(f"warm-up-{batch}-{first}-{i}", prompt) for i in range(batch)]
-                    window = [CODEC_SILENCE_ID] * self.lookahead + codes[:first]
-                    self.run_batch(states, [window] * batch, False)
-                    ran += 1
-                    if first < steady_new:  # a realtime unit's flush right after a short first window
-                        realign = window[-self.lookahead :] + codes[: steady_new - first]
-                        self.run_batch([replace(s) for s in states], [realign] * batch, False)
-                        ran += 1
-                    for _ in range(steady_windows):
-                        window = window[-self.lookahead :] + codes[:steady_new]
-                        self.run_batch(states, [window] * batch, False)
-                        ran += 1
-                    if first == max(first_windows):
-                        # Last windows, each on copies of the same steady states (caches are immutable):
-                        # every remainder at batch 1; at larger batches the empty one, which ends each duplex
-                        # turn (a unit is a whole window) and so comes from several sessions at once.
-                        for new in last_windows if batch == 1 else [n for n in last_windows if n == 0]:
-                            last = [replace(s) for s in states]
-                            self.run_batch(last, [window[-self.lookahead :] + codes[:new]] * batch, True)
-                            ran += 1
-                    del states  # free these caches before the next batch's windows run
+                    # The last windows come once per batch size, from the longest first window's states.
+                    last = last_windows if first == max(first_windows) else ()
+                    ran += self._warm_up_streams(prompt, batch, first, steady_windows, steady_new, last)
         finally:
             # Frozen even if the warm-up failed part-way: capturing under live traffic is the failure
             # this avoids, so a shape the warm-up did not reach runs eager rather than capturing later.
             self.last_batch_sizes.clear()
             for graphs in self.graph_sets.values():
                 graphs.frozen = True
+        self._log_warm_up(ran, max(1, max_batch), time.perf_counter() - t0, reserved)
+        return ran
+
+    def _warm_up_streams(
+        self,
+        prompt: PromptFeatures,
+        batch: int,
+        first: int,
+        steady_windows: int,
+        steady_new: int,
+        last_windows: tuple[int, ...],
+    ) -> int:
+        """One warm-up pass of ``batch`` throwaway streams (:meth:`warm_up_shapes`); returns its window count."""
+        states = [self.open_stream(f"warm-up-{batch}-{first}-{i}", prompt) for i in range(batch)]
+        window = [CODEC_SILENCE_ID] * (self.lookahead + first)
+        ran = self._warm_up_batch(states, window, False)
+        if first < steady_new:  # a realtime unit's flush right after a short first window
+            realign = [CODEC_SILENCE_ID] * (self.lookahead + steady_new - first)
+            ran += self._warm_up_batch([replace(s) for s in states], realign, False)
+        for _ in range(steady_windows):
+            window = [CODEC_SILENCE_ID] * (self.lookahead + steady_new)
+            ran += self._warm_up_batch(states, window, False)
+        # Last windows, each on copies of the same steady states (caches are immutable). The empty one
+        # ends each duplex turn (a unit is a whole window), so it comes from several sessions at once at
+        # any batch size; a remainder only at the power-of-two sizes :meth:`sub_batches` splits into.
+        power_of_two = batch & (batch - 1) == 0
+        for new in last_windows if power_of_two else [n for n in last_windows if n == 0]:
+            last = [replace(s) for s in states]
+            ran += self._warm_up_batch(last, [CODEC_SILENCE_ID] * (self.lookahead + new), True)
+        return ran
+
+    def _warm_up_batch(self, states: list[StreamState], window: list[int], is_last: bool) -> int:
+        """Run one warm-up batch (every stream the same window) and note whether it left any part eager:
+        only a batch whose graphs all captured may be a target of :meth:`sub_batches`. Returns 1."""
+        eager = sum(g.eager_calls for g in self.graph_sets.values())
+        key = self.batch_key(states[0], window, is_last)
+        self.run_batch(states, [window] * len(states), is_last)
+        if sum(g.eager_calls for g in self.graph_sets.values()) == eager:
+            self.graphed_batches.add((key, len(states)))
+        return 1
+
+    def _log_warm_up(self, ran: int, max_batch: int, seconds: float, reserved: int) -> None:
         memory = ""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -272,11 +314,10 @@ class Code2WavRunner:
             sum(g.captured for g in self.graph_sets.values()),
             ", ".join(parts),
             ran,
-            max(1, max_batch),
-            time.perf_counter() - t0,
+            max_batch,
+            seconds,
             memory,
         )
-        return ran
 
     # ---------------------------------------------------------------- validation
     def check_window(
@@ -376,7 +417,8 @@ class Code2WavRunner:
         return results
 
     def run(self, items: list[tuple[StreamState, list[int], bool]]) -> list[WindowResult]:
-        """Group windows by :meth:`batch_key`, run each group as one batch, return results in input order."""
+        """Group windows by :meth:`batch_key`, run each group as one batch (or as the graphed sub-batches
+        :meth:`sub_batches` picks), return results in input order."""
         groups: OrderedDict[tuple, list[int]] = OrderedDict()
         seen: set[int] = set()
         for idx, (state, tokens, last) in enumerate(items):
@@ -386,7 +428,30 @@ class Code2WavRunner:
             groups.setdefault(self.batch_key(state, tokens, last), []).append(idx)
         out: list[WindowResult | None] = [None] * len(items)
         for key, idxs in groups.items():
-            res = self.run_batch([items[i][0] for i in idxs], [items[i][1] for i in idxs], bool(key[5]))
-            for i, r in zip(idxs, res, strict=True):
-                out[i] = r
+            start = 0
+            for size in self.sub_batches(key, len(idxs)):
+                part = idxs[start : start + size]
+                start += size
+                res = self.run_batch([items[i][0] for i in part], [items[i][1] for i in part], bool(key[5]))
+                for i, r in zip(part, res, strict=True):
+                    out[i] = r
         return [r for r in out if r is not None]
+
+    def sub_batches(self, key: tuple, size: int) -> list[int]:
+        """Batch sizes to run ``size`` windows of one :meth:`batch_key` as: ``[size]``, or its
+        :func:`binary_parts` when the frozen graph sets replay each part but not the whole batch.
+
+        The warm-up captures last windows with a remainder only at power-of-two batch sizes (every size
+        would cost ~90 s of start-up), so a batch of, say, 7 replies ending together would run eager, which
+        is slow on the GPU and lengthens every one of those replies' tails; 4 + 2 + 1 replays instead.
+        Only pairs the warm-up ran graph-only count (``graphed_batches``): a batch that has its own graph
+        (steady windows, empty last windows), any batch without graphs (CPU) and a batch whose parts
+        would run eager anyway are never split. Unfrozen sets capture any new size, so no split either."""
+        if (key, size) in self.graphed_batches or not self.graph_sets:
+            return [size]
+        if not all(g.frozen for g in self.graph_sets.values()):
+            return [size]
+        parts = binary_parts(size)
+        if all((key, part) in self.graphed_batches for part in parts):
+            return parts
+        return [size]
