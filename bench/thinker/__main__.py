@@ -245,8 +245,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"{ref['copy_tb_s']:.2f} TB/s, weights {ref['weight_bytes'] / 1e9:.2f} GB per step.",
             "",
             "| batch | overlap | skinny | folded norms | rope+attention | engine ms/step | graph replay ms "
-            "| matmul-stack floor ms | ratio | replay ratio | floor weight TB/s |",
-            "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+            "| matmul-stack floor ms | ratio | replay ratio | floor weight TB/s "
+            "| floor, lm_head swapped ms | ratio to it |",
+            "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["engine_decode"]:
             f = stack.get(r["batch"])
@@ -259,8 +260,9 @@ def markdown(result: dict[str, Any]) -> str:
                 ra = "on" if r.get("rope_attention") else "off"
                 lines.append(
                     f"| {r['batch']} | {over} | {skinny} | {fold} | {ra} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
-                    f"| {f:.2f} | {r['ms_per_step'] / f:.2f}x | {'–' if rep is None else f'{rep / f:.2f}x'} "
-                    f"| {tb:.2f} |"
+                    f"| {f:.2f} | {r['ms_per_step'] / f:.3f}x | {'–' if rep is None else f'{rep / f:.3f}x'} "
+                    f"| {tb:.2f} | {r.get('floor_swapped_head_ms', float('nan')):.2f} "
+                    f"| {r.get('floor_swapped_head_ratio', float('nan')):.3f}x |"
                 )
     p, hp = result["engine_prefill"], result.get("transformers_prefill")
     lines += [
@@ -415,9 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         prefill["tflop_s"] = flops / (prefill["ms"] / 1e3) / 1e12
         prefill["matmul_share"] = prefill["tflop_s"] / ref["matmul_tflop_s"]
         stack = {r["batch"]: r["ms"] for r in ref["matmul_stack"]}
+        swapped = {r["batch"]: r["ms_swapped_head"] for r in ref["matmul_stack"]}
         for r in decode:
             r["floor_ms"] = stack[r["batch"]]
             r["floor_ratio"] = r["ms_per_step"] / stack[r["batch"]]
+            r["floor_swapped_head_ms"] = swapped[r["batch"]]
+            r["floor_swapped_head_ratio"] = r["ms_per_step"] / swapped[r["batch"]]
             if r.get("graph_replay_ms") is not None:
                 r["replay_floor_ratio"] = r["graph_replay_ms"] / stack[r["batch"]]
     result: dict[str, Any] = {

@@ -5,6 +5,9 @@
   activations, recorded into one CUDA graph and replayed (eager on CPU). No attention, norms, rotary,
   sampling or host work: what a decode step costs if everything else were free. A decode step is
   reported as a ratio to it.
+  The same stack with the lm_head's operands swapped (``W @ xᵀ``, the engine's graphed form, which
+  cuBLAS runs faster at several rows) is reported beside it (``ms_swapped_head``), so that a ratio can
+  be read against either.
 * **Dense bf16 matmul rate**: one large square product (8192³ on CUDA), the compute ceiling a prefill
   is reported as a share of (its matmul FLOPs ÷ its time ÷ this rate).
 """
@@ -46,15 +49,30 @@ def step_weights(runner) -> list[torch.Tensor]:  # noqa: ANN001 (ModelRunner)
 
 
 @torch.inference_mode()
-def matmul_stack_ms(weights: list[torch.Tensor], batch: int, device: torch.device, iters: int = 50) -> float:
-    """Milliseconds of one pass of ``x @ W.T`` over ``weights`` for ``batch`` rows (one graph on CUDA)."""
+def matmul_stack_ms(
+    weights: list[torch.Tensor],
+    batch: int,
+    device: torch.device,
+    iters: int = 50,
+    swap_last: bool = False,
+) -> float:
+    """Milliseconds of one pass of ``x @ W.T`` over ``weights`` for ``batch`` rows (one graph on CUDA).
+
+    ``swap_last``: the last product (the lm_head) as ``W @ x.T``, as the engine's graphed step computes it
+    (:meth:`~services.thinker.fused_forward.FusedForward.head_logits`); the floor proper is plain.
+    """
     dtype = weights[0].dtype
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype, device=device) for w in weights}
     outputs = [torch.empty(batch, w.shape[0], dtype=dtype, device=device) for w in weights]
+    if swap_last:
+        outputs[-1] = torch.empty(weights[-1].shape[0], batch, dtype=dtype, device=device)
 
     def body() -> None:
-        for w, out in zip(weights, outputs, strict=True):
-            torch.matmul(inputs[w.shape[1]], w.t(), out=out)
+        for i, (w, out) in enumerate(zip(weights, outputs, strict=True)):
+            if swap_last and i == len(weights) - 1:
+                torch.mm(w, inputs[w.shape[1]].t(), out=out)
+            else:
+                torch.matmul(inputs[w.shape[1]], w.t(), out=out)
 
     if device.type != "cuda":
         return 1e3 * time_per_call(body, device, max(1, iters // 25))
@@ -110,7 +128,10 @@ def reference(runner, batches: list[int], device: torch.device) -> dict:  # noqa
     """All floors of one run: matmul stack per batch, bf16 matmul rate, copy bandwidth."""
     weights = step_weights(runner)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    stack = [{"batch": b, "ms": matmul_stack_ms(weights, b, device)} for b in batches]
+    stack = [
+        {"batch": b, "ms": matmul_stack_ms(weights, b, device), "ms_swapped_head": matmul_stack_ms(weights, b, device, swap_last=True)}
+        for b in batches
+    ]  # fmt: skip
     for r in stack:
         r["weight_tb_s"] = nbytes / (r["ms"] / 1e3) / 1e12
     return {

@@ -77,10 +77,14 @@ def _time_us(fns: list[Callable[[], object]], device: torch.device) -> float:
     return us
 
 
-def run(device: torch.device, batches: list[int], layers: int, chunk_counts: list[int]) -> list[dict]:
+def run(
+    device: torch.device, batches: list[int], layers: int, chunk_counts: list[int], gemms: list[str]
+) -> list[dict]:
     dtype = torch.bfloat16
     rows = []
     for name, (n, k, acc) in SHAPES.items():
+        if name not in gemms:
+            continue
         weights = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(layers)]
         for b in batches:
             per_layer = [_variants(w, b, acc) for w in weights]
@@ -91,7 +95,7 @@ def run(device: torch.device, batches: list[int], layers: int, chunk_counts: lis
                 )
         del weights
     head = torch.randn(VOCAB, 4096, dtype=dtype, device=device)
-    for b in batches:
+    for b in batches if "lm_head" in gemms else ():
         variants: dict[str, Callable[[], object]] = {
             **_variants(head, b, False),
             **{f"chunks={c}": _lm_head_chunks(head, b, c) for c in chunk_counts},
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--layers", type=int, default=36, help="distinct weights per shape (one per layer)")
     ap.add_argument("--lm-head-chunks", default="2,4,8")
+    ap.add_argument("--gemms", default=",".join([*SHAPES, "lm_head"]), help="which GEMMs (comma-separated)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda":
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         [int(x) for x in args.batches.split(",")],
         args.layers,
         [int(x) for x in args.lm_head_chunks.split(",") if x],
+        args.gemms.split(","),
     )
     print(json.dumps(rows, indent=2))
     print("\n| GEMM | batch | variant | µs per call | weight TB/s |\n|---|---:|---|---:|---:|")
