@@ -122,6 +122,40 @@ def test_runner_takes_folded_loop_for_packed_steps(llm: torch.nn.Module) -> None
     assert not engine.runner.norm_fold
 
 
+def test_folded_loop_with_skinny_o_gives_the_torch_outputs(llm: torch.nn.Module) -> None:
+    """The folded loop with its O projection + residual add as ``skinny.linear_accumulate`` (the first
+    layer into a new tensor, the rest in place) gives the torch backend's outputs on a packed step."""
+    ref_engine = _engine(llm, "torch", None)
+    engine = _engine(copy.deepcopy(llm), "triton", True)
+    engine.runner.fused.skinny_o = True
+    from services.thinker.kernels import skinny
+
+    calls: list[bool] = []
+    real = skinny.linear_accumulate
+
+    def spy(h, w, residual, out=None, config=None):  # noqa: ANN001, ANN202
+        calls.append(out is residual)
+        return real(h, w, residual, out=out, config=config)
+
+    outs = []
+    for eng in (ref_engine, engine):
+        blocks = eng.cache.pool.allocate(8)
+        eng.runner.step(StepInput(prefill=[PrefillChunk(list(range(2000, 2040)), 0, blocks)]))
+        step = StepInput(decode=[DecodeRow(7, 40, blocks)])
+        if eng is engine:
+            skinny.linear_accumulate = spy
+            try:
+                outs.append(eng.runner.packed_step_eager(step))
+            finally:
+                skinny.linear_accumulate = real
+        else:
+            outs.append(eng.runner.step(step))
+    assert calls == [False] + [True] * (len(calls) - 1) and len(calls) == len(llm.model.layers)
+    ref, got = outs
+    torch.testing.assert_close(got.decode_logits, ref.decode_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.decode_hidden, ref.decode_hidden, rtol=1e-4, atol=1e-4)
+
+
 def test_graphed_engine_with_folded_norms_gives_torch_tokens(llm: torch.nn.Module) -> None:
     """Greedy decode through (emulated) row graphs on the folded loop equals the unfolded torch engine."""
     want, _ = greedy_tokens(llm, "torch", graphed=False)

@@ -116,6 +116,32 @@ def test_skinny_prologues_round_like_the_old_kernels(dtype: torch.dtype) -> None
     assert (h_new != h_old).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_linear_accumulate_is_addmm_into_the_residual(dtype: torch.dtype, m: int) -> None:
+    """``linear_accumulate`` = ``residual + h @ W.T`` rounded once, into a new tensor (residual untouched)
+    or into the residual itself, with and without split-K."""
+    sk = _sk()
+    g = torch.Generator().manual_seed(10 + m)
+    n, k = 80, 256
+    h = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / 8).to(dtype)
+    res = torch.randn(m, n, generator=g).to(dtype)
+    want = res.float() + F.linear(h.float(), w.float())
+    bound = _bound(h, w, F.linear(h.float(), w.float()), dtype) + torch.finfo(dtype).eps * want.abs()
+    for cfg in _configs():
+        before = res.clone()
+        got = sk.linear_accumulate(h, w, res, config=cfg)
+        assert torch.equal(res, before) and got.data_ptr() != res.data_ptr()
+        assert bool(((got.float() - want).abs() <= bound).all()), cfg
+        inplace = res.clone()
+        out = sk.linear_accumulate(h, w, inplace, out=inplace, config=cfg)
+        assert out.data_ptr() == inplace.data_ptr()
+        assert torch.equal(inplace, got)  # the same sums, whichever buffer they land in
+    with pytest.raises(ValueError, match="residual"):
+        sk.linear_accumulate(h, w, res[:, :40])
+
+
 def test_split_counters_are_left_zeroed() -> None:
     """The last split resets its tile's counter, so the next call (a replay, the next layer) starts clean."""
     sk = _sk()

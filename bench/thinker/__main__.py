@@ -43,7 +43,7 @@ import torch
 from bench.thinker import floor
 from services.common.checkpoint import Checkpoint
 from services.thinker.engine import EngineConfig, ThinkerEngine
-from services.thinker.kernels import rope_attention_enabled
+from services.thinker.kernels import rope_attention_enabled, skinny_o_enabled
 from services.thinker.runner import build_qwen3_llm
 from services.thinker.sampling import Sampler, SamplingConfig
 from services.thinker.scheduler import Sequence, WorkItem
@@ -121,6 +121,7 @@ def engine_decode(
         "skinny": engine.runner.skinny_gemm,
         "norm_fold": engine.runner.norm_fold,
         "rope_attention": engine.runner.fused.rope_attention,
+        "skinny_o": engine.runner.fused.skinny_o,
         "chained_steps": chained,
         "graph_replay_ms": replay_ms,
         "ms_per_step": 1e3 * dt / steps,
@@ -244,10 +245,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"Same-run floors: dense {result['dtype']} matmul {ref['matmul_tflop_s']:.0f} TFLOP/s, copy "
             f"{ref['copy_tb_s']:.2f} TB/s, weights {ref['weight_bytes'] / 1e9:.2f} GB per step.",
             "",
-            "| batch | overlap | skinny | folded norms | rope+attention | engine ms/step | graph replay ms "
+            "| batch | overlap | skinny | folded norms | rope+attention | skinny O | engine ms/step | graph replay ms "
             "| matmul-stack floor ms | ratio | replay ratio | floor weight TB/s "
             "| floor, lm_head swapped ms | ratio to it |",
-            "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["engine_decode"]:
             f = stack.get(r["batch"])
@@ -258,8 +259,9 @@ def markdown(result: dict[str, Any]) -> str:
                 skinny = "on" if r.get("skinny") else "off"
                 fold = "on" if r.get("norm_fold") else "off"
                 ra = "on" if r.get("rope_attention") else "off"
+                so = "on" if r.get("skinny_o") else "off"
                 lines.append(
-                    f"| {r['batch']} | {over} | {skinny} | {fold} | {ra} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
+                    f"| {r['batch']} | {over} | {skinny} | {fold} | {ra} | {so} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
                     f"| {f:.2f} | {r['ms_per_step'] / f:.3f}x | {'–' if rep is None else f'{rep / f:.3f}x'} "
                     f"| {tb:.2f} | {r.get('floor_swapped_head_ms', float('nan')):.2f} "
                     f"| {r.get('floor_swapped_head_ratio', float('nan')):.3f}x |"
@@ -332,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "default",
         "rotary + K/V write + attention in one launch (Triton; on by default)",
     )
+    lever(ap, "--skinny-o", "default", "the O projection + residual add as one skinny Triton launch")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -378,17 +381,19 @@ def main(argv: list[str] | None = None) -> int:
     decode = []
     overlaps = ARMS[args.overlap]
     arms = [
-        (s, f, ra)
+        (s, f, ra, so)
         for s in ARMS[args.skinny]
         for f in ARMS[args.norm_fold]
         for ra in ARMS[args.rope_attention]
+        for so in ARMS[args.skinny_o]
     ]
-    for skinny, fold, rope in arms:
+    for skinny, fold, rope, skinny_o in arms:
         # A captured graph keeps the GEMMs it recorded: each arm recaptures (lazily, at its first step).
         engine.runner.drop_graphs()
         engine.runner.set_skinny_gemm(skinny)
         engine.runner.set_norm_fold(fold)
         engine.runner.fused.rope_attention = rope_attention_enabled(rope)
+        engine.runner.fused.skinny_o = skinny_o_enabled(skinny_o)
         for b in batches:
             for over in overlaps:
                 r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)

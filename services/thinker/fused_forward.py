@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from services.thinker.kernels import AttentionTiles, key_splits, rope_attention_enabled
+from services.thinker.kernels import AttentionTiles, key_splits, rope_attention_enabled, skinny_o_enabled
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import FusedLayer
 
@@ -75,6 +75,8 @@ class FusedForward:
         self.folded_passes = 0  # layer loops run with the folded norms (host count: captures, tests)
         # Packed-row steps: rotary + K/V write + attention in one launch (kernels.rope_attention).
         self.rope_attention = rope_attention_enabled()
+        # Folded packed-row steps of few rows: the O projection + residual add as one skinny launch.
+        self.skinny_o = skinny_o_enabled()
         dev = runner.device
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
 
@@ -123,16 +125,23 @@ class FusedForward:
 
         ``x`` is the residual stream throughout: the QKV and gate|up GEMMs read it as it is, the kernel
         after each scales by the row's ``1/RMS`` (``rms_of``), and the O and down GEMMs accumulate into it
-        (the first O GEMM writes a new tensor, so the caller's embeddings are never overwritten).
+        (the first O GEMM writes a new tensor, so the caller's embeddings are never overwritten). With
+        :attr:`skinny_o` the O GEMM and its residual add are ``skinny.linear_accumulate`` at ≤ 16 rows.
         """
         r = self.runner
         ops = r.ops
+        skinny_o = self.skinny_o and x.shape[0] <= SKINNY_MAX_ROWS
+        if skinny_o:
+            from services.thinker.kernels import skinny
         for idx, lay in enumerate(r.layers):
             qkv = F.linear(x, lay.qkv_weight)
             o = self._attention(
                 idx, qkv, positions, write_slots, tiles, rms_of=(x, lay.input_eps), one_launch=True
             )
-            x = torch.addmm(x, o, lay.o_weight.t()) if idx == 0 else x.addmm_(o, lay.o_weight.t())
+            if skinny_o:  # idx 0 writes a new tensor, so the caller's embeddings are never overwritten
+                x = skinny.linear_accumulate(o, lay.o_weight, x, out=None if idx == 0 else x)
+            else:
+                x = torch.addmm(x, o, lay.o_weight.t()) if idx == 0 else x.addmm_(o, lay.o_weight.t())
             act = ops.silu_mul(F.linear(x, lay.gate_up_weight), rms_of=(x, lay.post_eps))
             x.addmm_(act, lay.down_weight.t())
         return self._final_norm(x, None)

@@ -46,6 +46,7 @@ ENV_VAR = "MINICPMO_THINKER_KERNELS"
 SKINNY_ENV_VAR = "MINICPMO_THINKER_SKINNY_GEMM"
 NORM_FOLD_ENV_VAR = "MINICPMO_THINKER_NORM_FOLD"
 ROPE_ATTENTION_ENV_VAR = "MINICPMO_THINKER_ROPE_ATTENTION"
+SKINNY_O_ENV_VAR = "MINICPMO_THINKER_SKINNY_O"
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -119,6 +120,15 @@ def rope_attention_enabled(requested: bool | None = None) -> bool:
         return bool(requested)
     env = _env_switch(ROPE_ATTENTION_ENV_VAR)
     return True if env is None else env
+
+
+def skinny_o_enabled(requested: bool | None = None) -> bool:
+    """Whether the folded decode loop's O projection (with its residual add) is the skinny Triton GEMM
+    (``skinny.linear_accumulate``: one launch, no split-K reduce kernel) rather than cuBLAS's ``addmm_``:
+    ``requested`` wins, else ``MINICPMO_THINKER_SKINNY_O`` (0/1), else off."""
+    if requested is not None:
+        return bool(requested)
+    return bool(_env_switch(SKINNY_O_ENV_VAR))
 
 
 def inv_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:

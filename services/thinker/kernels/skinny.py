@@ -157,14 +157,16 @@ def _operand(a_ptr, d_ptr, nw_ptr, rows, row_ok, k, k_ok, inv, K: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["m"])
 def _skinny_kernel(
-    a_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, xo_ptr, ws_ptr, cnt_ptr, m, eps,
-    N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    a_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, xo_ptr, ws_ptr, cnt_ptr, res_ptr, m, eps,
+    N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAT_K: tl.constexpr, SPLIT_K: tl.constexpr, K_PER: tl.constexpr, EVEN: tl.constexpr,
     DOT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One (column tile, K split) program: ``out[:, tile] = prologue(a)[:, split] @ W[tile, split].T``,
-    the last split of a tile to finish adding every split's partial in split order."""
+    the last split of a tile to finish adding every split's partial in split order. ``HAS_RES``: the
+    output is ``res + product`` (the residual add in fp32, rounded once, as cuBLAS's beta = 1 does); ``res``
+    may be ``out`` itself, since each element is read and then written by the one program that owns it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -204,6 +206,8 @@ def _skinny_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            acc += tl.load(res_ptr + out_off, mask=out_msk, other=0.0).to(tl.float32)
         tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_msk)
     else:
         tl.store(ws_ptr + pid_k * BLOCK_M * N + out_off, acc, mask=out_msk)
@@ -219,6 +223,10 @@ def _skinny_kernel(
                 )
             if HAS_BIAS:
                 total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if HAS_RES:
+                total += tl.load(res_ptr + out_off, mask=out_msk, other=0.0, cache_modifier=".cg").to(
+                    tl.float32
+                )
             tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=out_msk)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
@@ -236,6 +244,8 @@ def _launch(
     eps: float = 0.0,
     x_out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shapes, config and buffers of one launch (host metadata only: graph-safe)."""
     n, k = weight.shape
@@ -250,7 +260,12 @@ def _launch(
     k_per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)  # no empty split: every one arrives at the counter with real work
     tiles = triton.cdiv(n, cfg.block_n)
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    elif out.shape != (m, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor")
+    if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous [{m}, {n}] tensor")
     ws = torch.empty((split, block_m, n), dtype=torch.float32, device=a.device) if split > 1 else out
     cnt = _COUNTERS.get(a.device, tiles) if split > 1 else out
     _skinny_kernel[(tiles, split)](
@@ -263,12 +278,14 @@ def _launch(
         out if x_out is None else x_out,
         ws,
         cnt,
+        out if residual is None else residual,
         m,
         eps,
         N=n,
         K=k,
         PROLOGUE=prologue,
         HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
         ROWS=rows,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
@@ -293,6 +310,19 @@ def linear(
 ) -> torch.Tensor:
     """``h @ weight.T (+ bias)`` for ``h [M ≤ 32, K]``."""
     return _launch(PLAIN, h, weight, bias, config=config)
+
+
+def linear_accumulate(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """``residual + h @ weight.T`` for ``h [M ≤ 32, K]``, into ``out`` (a new tensor if None; may be
+    ``residual`` itself): the folded decode loop's O projection, ``x.addmm_(o, W.T)`` in one launch with no
+    split-K reduce kernel after it."""
+    return _launch(PLAIN, h, weight, config=config, residual=residual, out=out)
 
 
 def linear_rms_norm(
