@@ -142,6 +142,23 @@ def test_linear_accumulate_is_addmm_into_the_residual(dtype: torch.dtype, m: int
         sk.linear_accumulate(h, w, res[:, :40])
 
 
+def test_skinny_o_switch_and_its_tuned_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The skinny O projection is on unless ``MINICPMO_THINKER_SKINNY_O=0``; the built-in table holds its
+    H200 configs (1 and 16 rows), so the engine never runs it on the untuned default config."""
+    from services.thinker.kernels import SKINNY_O_ENV_VAR, skinny_o_enabled
+
+    monkeypatch.delenv(SKINNY_O_ENV_VAR, raising=False)
+    assert skinny_o_enabled() and not skinny_o_enabled(False)
+    monkeypatch.setenv(SKINNY_O_ENV_VAR, "0")
+    assert not skinny_o_enabled() and skinny_o_enabled(True)
+    monkeypatch.setenv(SKINNY_O_ENV_VAR, "maybe")
+    with pytest.raises(ValueError):
+        skinny_o_enabled()
+    sk = _sk()
+    assert {(1, 4096, 4096), (16, 4096, 4096)} <= set(sk.SKINNY_CONFIGS)
+    assert sk.config_for(8, 4096, 4096) is sk.SKINNY_CONFIGS[(16, 4096, 4096)]
+
+
 def test_split_counters_are_left_zeroed() -> None:
     """The last split resets its tile's counter, so the next call (a replay, the next layer) starts clean."""
     sk = _sk()

@@ -58,7 +58,11 @@ class SkinnyConfig(NamedTuple):
 # (row bucket, N, K) -> config, from ``python -m bench.thinker.skinny --device cuda`` on the GPU host
 # (it prints this literal). Row buckets are powers of two; a missing bucket takes the nearest one above
 # (else below) for the same (N, K); a missing shape takes ``default_config``.
-SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
+    # The O projection (2026-12-04, `--rows 1,16 --shapes o`): 11.5 / 11.8 µs vs cuBLAS 13.1 / 13.2 µs.
+    (1, 4096, 4096): SkinnyConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4, dot=True),
+    (16, 4096, 4096): SkinnyConfig(block_n=32, block_k=256, split_k=2, num_warps=4, num_stages=3, dot=True),
+}
 TABLE_ENV = "MINICPMO_THINKER_SKINNY_TABLE"  # a ``bench.thinker.skinny --json-out`` file: its best configs
 
 
