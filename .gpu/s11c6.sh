@@ -10,9 +10,9 @@ timeout 80 python3 -m bench.thinker --checkpoint /tmp/ck --device cuda --batches
   --decode-steps 64 --warmup-steps 8 --prefill-iters 3 --json-out "$OUT/thinker.json" > "$OUT/thinker.log" 2>&1
 echo "bench.thinker rc=$? after $(( $(date +%s) - t0 )) s"
 sed -n '/^| batch | overlap/,/^$/p' "$OUT/thinker.log"; grep -E "^Prefill" "$OUT/thinker.log"
-left=$(( 385 - ($(date +%s) - t0) ))
+left=$(( 335 - ($(date +%s) - t0) ))
 echo "e2e budget $left s"
-[ "$left" -gt 200 ] || exit 0
+[ "$left" -gt 180 ] || exit 0
 run_e2e "$left" 8,1 4 $(( left - 10 )) --timeline-first
 echo "e2e rc=$? after $(( $(date +%s) - t0 )) s"
 mkdir -p "$OUT/e2e"; cp /tmp/e2e/*.json /tmp/e2e/*.md "$OUT/e2e/" 2>/dev/null
