@@ -26,7 +26,9 @@ transformers modules; it is the CPU/CI path and the reference the Triton path is
 ``select_backend`` picks: ``MINICPMO_THINKER_KERNELS`` = ``torch`` | ``triton`` | ``auto`` (default:
 Triton on CUDA when it imports, torch otherwise). With Triton, packed-row decode steps of few rows can
 run their GEMMs through :mod:`.skinny` (the norms and SwiGLU fused into the GEMMs' prologues);
-``skinny_enabled`` decides: off unless ``MINICPMO_THINKER_SKINNY_GEMM=1`` (it measured slower).
+``skinny_enabled`` decides: off unless ``MINICPMO_THINKER_SKINNY_GEMM=1`` (it measured slower). The one
+skinny GEMM that beats cuBLAS, the O projection with the residual add in its merge, is on by itself
+(``skinny_o_enabled``, ``MINICPMO_THINKER_SKINNY_O``).
 """
 
 from __future__ import annotations
