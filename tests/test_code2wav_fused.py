@@ -243,20 +243,26 @@ def test_warm_up_covers_a_realtime_units_flush_after_a_short_first_window(stack)
     assert np.array_equal(graphed["mel"], eager["mel"]) and np.array_equal(graphed["wav"], eager["wav"])
 
 
+def _warmed_up(stack, max_batch: int):  # noqa: ANN001, ANN202
+    """A fused runner on emulated graphs after a small warm-up (first and steady windows of 25 codes, last
+    windows of 0 and 3): ``(runner, graph sets, windows run)``."""
+    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
+
+    capture, _ = _shared_capture([])
+    runner = Code2WavRunner(stack.model, dit="fused")
+    graphs = enable_cuda_graphs(runner, capture=capture)
+    ran = runner.warm_up_shapes(
+        stack.prompt, max_batch=max_batch, first_windows=(25,), steady_windows=1, last_windows=(0, 3)
+    )
+    return runner, graphs, ran
+
+
 def test_warm_up_covers_duplex_turn_ends_at_every_batch_size(stack) -> None:  # noqa: ANN001
     """A duplex turn ends with an empty last window (its units are whole windows), and with many sessions
     several end together: the warm-up captures that window at every batch size, not only at batch 1
     (on the H200 at 16 sessions such batches of 2, 4 and 8 ran eager), and a batch of two turn ends
     replays with the eager runner's audio."""
-    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
-
-    calls: list = []
-    capture, _ = _shared_capture(calls)
-    runner = Code2WavRunner(stack.model, dit="fused")
-    graphs = enable_cuda_graphs(runner, capture=capture)
-    ran = runner.warm_up_shapes(
-        stack.prompt, max_batch=2, first_windows=(25,), steady_windows=1, last_windows=(0, 3)
-    )
+    runner, graphs, ran = _warmed_up(stack, max_batch=2)
     assert ran == 8  # per batch size (2 and 1, both powers of two): first, steady, two last windows
     codes = torch.randint(0, 6561, (50,), generator=torch.Generator().manual_seed(9)).tolist()
     w1 = [CODEC_SILENCE_ID] * 3 + codes[:25]
@@ -285,15 +291,7 @@ def test_replies_ending_together_replay_as_power_of_two_sub_batches(stack) -> No
     batch 2 and 1 (powers of two) but not 3, so the runner runs it as 2 + 1, each replaying its graphs,
     instead of one eager batch of 3 (before: eager on every set). Steady windows, which have a graph at
     batch 3, stay whole; each stream gets the eager runner's audio for its own seed, in input order."""
-    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
-
-    calls: list = []
-    capture, _ = _shared_capture(calls)
-    runner = Code2WavRunner(stack.model, dit="fused")
-    graphs = enable_cuda_graphs(runner, capture=capture)
-    ran = runner.warm_up_shapes(
-        stack.prompt, max_batch=3, first_windows=(25,), steady_windows=1, last_windows=(0, 3)
-    )
+    runner, graphs, ran = _warmed_up(stack, max_batch=3)
     assert ran == 11  # first and steady at batch 3, 2, 1; the empty last at each; the 3-code one at 2, 1
     codes = torch.randint(0, 6561, (53,), generator=torch.Generator().manual_seed(11)).tolist()
     w1 = [CODEC_SILENCE_ID] * 3 + codes[:25]
