@@ -28,3 +28,32 @@ run_e2e() {
     --timeline-requests 3 --timeline-bursts "$tl" --max-seconds "$maxs" \
     --stage-args thinker=--graph-warmup-context=256 "$@" --out-dir /tmp/e2e > /tmp/e2e.log 2>&1
 }
+
+# A call's start: t0 (for the elapsed-seconds lines) and the checkpoint.
+start_call() {
+  t0=$(date +%s)
+  make_checkpoint || return 1
+  echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
+}
+
+# run_e2e at c=8,1 in what is left of CALL_S seconds since t0 (skipped under MIN_S), then its tables to
+# $OUT/e2e and stdout, with the stage-log lines matching PATTERN; bench.e2e's --max-seconds is the budget
+# less MARGIN_S (default 10): e2e_rest CALL_S MIN_S PATTERN [MARGIN_S].
+e2e_rest() {
+  local left=$(( $1 - ($(date +%s) - t0) )) min=$2 pattern=$3 margin=${4:-10}
+  echo "e2e budget $left s"
+  [ "$left" -gt "$min" ] || return 0
+  run_e2e "$left" 8,1 4 $(( left - margin )) --timeline-first
+  echo "e2e rc=$? after $(( $(date +%s) - t0 )) s"
+  mkdir -p "$OUT/e2e"; cp /tmp/e2e/*.json /tmp/e2e/*.md "$OUT/e2e/" 2>/dev/null
+  sed -n '/^| c |/,/^$/p;/^| burst/,/^$/p;/^| mark/,/^$/p' /tmp/e2e/e2e.md
+  grep -h "$pattern" /tmp/e2e/logs/*.log /tmp/e2e.log 2>/dev/null | cut -c1-260 | head -14
+}
+
+# .gpu/thinker.sh with LEVER's arms and BUDGET_S for bench.thinker, its log kept under $OUT:
+# thinker_ab LEVER BUDGET_S.
+thinker_ab() {
+  LEVER="$1" BENCH_BUDGET="$2" bash .gpu/thinker.sh
+  cp /tmp/thinker_bench.log "$OUT/" 2>/dev/null
+  echo "thinker done after $(( $(date +%s) - t0 )) s"
+}

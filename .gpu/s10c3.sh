@@ -3,12 +3,8 @@
 # 16), cuda_smoke on the default (one launch on), then the chat e2e at c=8,1 (4 bursts, timelines).
 set -uo pipefail
 source .gpu/env.sh || exit 1
-t0=$(date +%s)
-make_checkpoint || exit 1
-echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
-LEVER="--overlap on --rope-attention both" BENCH_BUDGET=200 bash .gpu/thinker.sh
-cp /tmp/thinker_bench.log "$OUT/" 2>/dev/null
-echo "thinker done after $(( $(date +%s) - t0 )) s"
+start_call || exit 1
+thinker_ab "--overlap on --rope-attention both" 200
 run_e2e 170 8,1 4 120 --timeline-first
 echo "e2e rc=$? after $(( $(date +%s) - t0 )) s"
 mkdir -p "$OUT/e2e"; cp /tmp/e2e/*.json /tmp/e2e/*.md "$OUT/e2e/" 2>/dev/null

@@ -4,12 +4,8 @@
 # and a second c=8 e2e if the call has time left.
 set -uo pipefail
 source .gpu/env.sh || exit 1
-t0=$(date +%s)
-make_checkpoint || exit 1
-echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
-LEVER="--overlap on --rope-attention both" BENCH_BUDGET=200 bash .gpu/thinker.sh
-cp /tmp/thinker_bench.log "$OUT/" 2>/dev/null
-echo "thinker done after $(( $(date +%s) - t0 )) s"
+start_call || exit 1
+thinker_ab "--overlap on --rope-attention both" 200
 for run in 1 2; do
   [ $run -eq 2 ] && [ $(( $(date +%s) - t0 )) -gt 300 ] && break
   conc=8,1; [ $run -eq 2 ] && conc=8

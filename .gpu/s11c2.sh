@@ -4,9 +4,7 @@
 # key splits (batch 16 and 1, context 576), and the packed-chunk case (last 13 rows one chunk).
 set -uo pipefail
 source .gpu/env.sh || exit 1
-t0=$(date +%s)
-make_checkpoint || exit 1
-echo "checkpoint after $(( $(date +%s) - t0 )) s"
+start_call || exit 1
 timeout 150 python3 -m bench.thinker --checkpoint /tmp/ck --device cuda --batches 1,16 --overlap on --no-hf \
   --decode-steps 64 --warmup-steps 8 --prefill-iters 10 --profile --json-out "$OUT/thinker_prof.json" \
   > "$OUT/thinker_prof.log" 2>&1

@@ -4,9 +4,7 @@
 # (code2wav's remainder last windows graphed: warm-up time and any eager window).
 set -uo pipefail
 source .gpu/env.sh || exit 1
-t0=$(date +%s)
-make_checkpoint || exit 1
-echo "checkpoint after $(( $(date +%s) - t0 )) s"
+start_call || exit 1
 timeout 100 python3 -m bench.thinker.skinny --device cuda --rows 1,16 --shapes o --json-out "$OUT/skinny_o.json" \
   > "$OUT/skinny_o.log" 2>&1
 echo "skinny tune rc=$? after $(( $(date +%s) - t0 )) s"; grep -E "^\[skinny\]|SKINNY_CONFIGS|^    \(" "$OUT/skinny_o.log" | head -8
@@ -20,11 +18,4 @@ MINICPMO_THINKER_SKINNY_O=1 timeout 70 python3 -m bench.cuda_smoke --checkpoint 
 echo "cuda_smoke rc=$? after $(( $(date +%s) - t0 )) s"
 cp /tmp/thinker_smoke/cuda_smoke.md "$OUT/thinker_smoke.md" 2>/dev/null
 grep '^\[cuda_smoke\]' /tmp/thinker_smoke.log | grep -v "engine steps" | tail -9
-left=$(( 575 - ($(date +%s) - t0) ))
-echo "e2e budget $left s"
-[ "$left" -gt 200 ] || exit 0
-run_e2e "$left" 8,1 4 $(( left - 15 )) --timeline-first
-echo "e2e rc=$? after $(( $(date +%s) - t0 )) s"
-mkdir -p "$OUT/e2e"; cp /tmp/e2e/*.json /tmp/e2e/*.md "$OUT/e2e/" 2>/dev/null
-sed -n '/^| c |/,/^$/p;/^| burst/,/^$/p' /tmp/e2e/e2e.md
-grep -h "code2wav warm-up\|no graph for\|warm-up\|healthy after" /tmp/e2e/logs/*.log /tmp/e2e.log 2>/dev/null | cut -c1-260 | head -14
+e2e_rest 575 200 "code2wav warm-up\|no graph for\|warm-up\|healthy after" 15
