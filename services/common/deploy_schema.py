@@ -91,6 +91,7 @@ def _sampling(kind: str) -> BeforeValidator:
 
 PositiveInt = Annotated[int, _rule(lambda v: v > 0, "must be positive, got {v}")]
 PositiveNumber = Annotated[float, _rule(lambda v: v > 0, "must be positive, got {v}")]
+NonNegativeNumber = Annotated[float, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
 Count = Annotated[int, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
 Device = Annotated[str, BeforeValidator(_device)]
 DType = Annotated[str, _rule(lambda v: v in DTYPES, f"expected one of {sorted(DTYPES)}, got {{v!r}}")]
@@ -258,6 +259,7 @@ class GatewayDoc(_Doc):
     max_realtime_sessions: PositiveInt | None = None
     max_body_bytes: PositiveInt | None = None
     request_timeout_s: PositiveNumber | None = None
+    drain_grace_s: NonNegativeNumber | None = None
     media: MediaDoc | None = None
 
 
