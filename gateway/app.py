@@ -217,7 +217,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500)
+        # Answered outside the request middleware: the request id header is added here.
+        request_id = logs.current_request_id()
+        headers = {"x-request-id": request_id} if request_id else None
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500, headers=headers)
 
 
 def _declare_body_schemas(app: FastAPI) -> None:

@@ -551,6 +551,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def gateway_options(
+    args: argparse.Namespace, grace_s: float, api_key: str | None
+) -> tuple[list[str], dict[str, str]]:
+    """The gateway child's extra flags and environment. The API key goes into its environment (readable
+    only by its own user), never onto its command line; without a key it must not inherit a
+    ``MINICPMO_API_KEY`` from the launcher's environment either."""
+    flags: list[str] = []
+    for flag, value in (
+        ("--served-model-name", args.served_model_name),
+        ("--allowed-media-root", args.allowed_media_root),
+        ("--drain-grace", f"{grace_s:g}"),
+    ):
+        if value:
+            flags += [flag, value]
+    if args.enable_http_fetch:
+        flags.append("--enable-http-fetch")
+    if args.allow_insecure:
+        flags.append("--allow-insecure")
+    return flags, {API_KEY_ENV: api_key or ""}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure("info", process="launcher", stream=sys.stdout)
@@ -580,18 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     profile_file = log_dir / "profile.yaml"
     profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
     port = args.port or profile.gateway.port
-    gateway_args: list[str] = []
-    for flag, value in (
-        ("--served-model-name", args.served_model_name),
-        ("--allowed-media-root", args.allowed_media_root),
-        ("--drain-grace", f"{grace_s:g}"),
-    ):
-        if value:
-            gateway_args += [flag, value]
-    if args.enable_http_fetch:
-        gateway_args.append("--enable-http-fetch")
-    if args.allow_insecure:
-        gateway_args.append("--allow-insecure")
+    gateway_args, gateway_env = gateway_options(args, grace_s, api_key)
     stage_ports = pick_free_stage_ports(profile) if args.stage_ports == "auto" else None
     children = plan_children(
         profile,
@@ -602,9 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_ports=stage_ports,
         gateway_args=gateway_args,
     )
-    # The key reaches the gateway in its environment (readable only by its user), never on its argv;
-    # without one the gateway must not inherit a MINICPMO_API_KEY of the launcher's environment either.
-    children[-1].env[API_KEY_ENV] = api_key or ""
+    children[-1].env.update(gateway_env)
     sup = Supervisor(children, None if args.verbose else log_dir, verbose=args.verbose, tls=profile.tls)
     sharing, mps = share_gpus(profile, children, lambda m: _say(f"[minicpmo-serve] {m}"))
 
