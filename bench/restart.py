@@ -1,6 +1,7 @@
 """Restart time of every stage under load, through the embedded launcher's own supervision.
 
     python -m bench.restart --runs 2 --streams 4 --out results/restart
+    python -m bench.restart --checkpoint DIR --deploy-config minicpmo_4_5 --device cuda --out results/restart
 
 Starts ``python -m gateway.launcher`` on the tiny checkpoint on CPU (``--deploy-config cpu``, free stage
 ports), keeps ``--streams`` streaming speech chats running in a loop (text + audio, so every stage
@@ -61,7 +62,7 @@ def _serving(port: int, stage: str) -> bool:
 
 
 class Launcher:
-    def __init__(self, out: Path, port: int, checkpoint: str | None) -> None:
+    def __init__(self, out: Path, port: int, args: argparse.Namespace) -> None:
         from gateway.launcher import ensure_tiny_checkpoint
 
         self.out = out
@@ -72,11 +73,11 @@ class Launcher:
             "-m",
             "gateway.launcher",
             "--checkpoint",
-            checkpoint or str(ensure_tiny_checkpoint()),
+            args.checkpoint or str(ensure_tiny_checkpoint()),
             "--deploy-config",
-            "cpu",
+            args.deploy_config,
             "--device",
-            "cpu",
+            args.device,
             "--stage-ports",
             "auto",
             "--port",
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bound-s", type=float, default=10.0)
     p.add_argument("--port", type=int, default=0, help="gateway port (0: a free one)")
     p.add_argument("--checkpoint", default=None, help="default: the launcher's cached tiny checkpoint")
+    p.add_argument("--deploy-config", default="cpu", help="launcher profile (a GPU run: minicpmo_4_5)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default="results/restart")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    launcher = Launcher(out, port, args.checkpoint)
+    launcher = Launcher(out, port, args)
     try:
         launcher.wait_ready()
         report = asyncio.run(run(args, launcher))
