@@ -263,6 +263,25 @@ def test_openapi_declares_the_chat_body(gateway: ThreadedGateway, conn: http.cli
     chat = schemas[ref.rsplit("/", 1)[-1]]
     assert "messages" in chat["required"] and chat["properties"]["messages"]["minItems"] == 1
     assert chat["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 2**32 - 1
+    # the OpenAI fields the validation layer parses are declared (schemathesis generates from these)
+    for name in (
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "max_completion_tokens",
+        "audio",
+    ):
+        assert name in chat["properties"], name
+    assert chat["properties"]["top_logprobs"]["anyOf"][0]["maximum"] == 20
+    assert "tool" in schemas["ChatMessageSchema"]["properties"]["role"]["enum"]
+    assert "schema" in schemas["JSONSchemaFormat"]["properties"]
     # every $ref in the document resolves
     for target in re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)):
         assert target in schemas, target
