@@ -548,6 +548,8 @@ def _check_json_schema(schema: Any, param: str) -> dict[str, Any]:
         raise _bad(
             f"'{param}' is not a valid JSON Schema: {exc.message[:200]} (at '/{where}')", param
         ) from exc
+    except (TypeError, AttributeError, ValueError) as exc:  # e.g. a "$schema" that is not a string
+        raise _bad(f"'{param}' is not a valid JSON Schema: {type(exc).__name__}", param) from exc
     return schema
 
 
