@@ -4,13 +4,14 @@
 # text and audio out, 4 bursts at each concurrency of CONCURRENCY (default "8,1") on fresh connections,
 # the first burst after start counted. Reports per concurrency TTFT, TTFP (time to first audio) p50/p90,
 # E2E and RTF, a row per burst, and the per-stage marks of the first burst's requests.
-# Env: CONCURRENCY, BUDGET (seconds for the whole run, 300).
+# Env: CONCURRENCY, BUDGET (seconds for the whole run, 300), EXTRA (more bench.e2e flags).
 # Writes $OUT/e2e/ (e2e.json, e2e.md, the stage logs). Run from the repository root.
 set -uo pipefail
 source bench/gpu/env.sh || exit 1
 make_checkpoint || exit 1
 budget=${BUDGET:-300}
-run_e2e "$budget" "${CONCURRENCY:-8,1}" 4 $(( budget - 30 )) --timeline-first
+# shellcheck disable=SC2086  # EXTRA is a list of flags
+run_e2e "$budget" "${CONCURRENCY:-8,1}" 4 $(( budget - 30 )) --timeline-first ${EXTRA:-}
 rc=$?
 echo "bench.e2e rc=$rc after $(elapsed) s"
 mkdir -p "$OUT/e2e"

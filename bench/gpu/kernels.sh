@@ -5,8 +5,10 @@
 #      at 0.5x/1x/2x the key-split rule, batch 1 and 16, context 576;
 #   3. bench.thinker.skinny: tunes the skinny O-projection GEMM at rows 1 and 16 and prints the table
 #      (compare with the built-in table in the thinker's kernels before changing it);
-#   4. bench/gpu/sdpa_probe.py: whether eager SDPA pays a first-call cost per new shape (talker prefill).
-# Writes $OUT/gemm.log, $OUT/rope.log, $OUT/skinny_o.json, $OUT/skinny_o.log, $OUT/sdpa_probe.log.
+#   4. bench/gpu/sdpa_probe.py: whether eager SDPA pays a first-call cost per new shape (talker prefill);
+#   5. bench.duplex_policy: the duplex decision policy per step, eager batched ops vs the captured replay.
+# Writes $OUT/gemm.log, $OUT/rope.log, $OUT/skinny_o.json, $OUT/skinny_o.log, $OUT/sdpa_probe.log,
+# $OUT/duplex_policy.log.
 # Run from the repository root.
 set -uo pipefail
 source bench/gpu/env.sh || exit 1
@@ -20,3 +22,5 @@ timeout 100 "$PY" -m bench.thinker.skinny --device cuda --rows 1,16 --shapes o -
 echo "skinny tune rc=$? after $(elapsed) s"; grep -E "^\[skinny\]|^    \(" "$OUT/skinny_o.log" | head -8
 timeout 60 "$PY" bench/gpu/sdpa_probe.py > "$OUT/sdpa_probe.log" 2>&1
 echo "sdpa probe rc=$? after $(elapsed) s"; tail -8 "$OUT/sdpa_probe.log"
+timeout 90 "$PY" -m bench.duplex_policy --rows 1,4,16 --iters 200 > "$OUT/duplex_policy.log" 2>&1
+echo "duplex policy rc=$? after $(elapsed) s"; grep -E "^\|" "$OUT/duplex_policy.log" | tail -10

@@ -6,7 +6,8 @@
 #   2. bench.cuda_smoke --stages thinker: the graphed Triton engine against the eager torch engine,
 #      tokens equal within bf16 near-ties.
 # Env: LEVER (bench.thinker flags for an A/B in the same run, default "--overlap on"; e.g.
-# "--skinny-o both", "--rope-attention both"), STEPS (decode steps, 128), PREFILL_ITERS (5),
+# "--skinny-o both", "--rope-attention both"), STEPS (decode steps, 128), WARMUP (warm-up steps, 16),
+# PREFILL_ITERS (timed prefills, 5),
 # BENCH_BUDGET / SMOKE_BUDGET (seconds, 150 / 90).
 # Writes $OUT/thinker.json, $OUT/thinker.md, $OUT/thinker_smoke.json. Run from the repository root.
 set -uo pipefail
@@ -16,7 +17,7 @@ md="$OUT/thinker.md"
 : > "$md"
 # shellcheck disable=SC2086  # LEVER is a list of flags
 timeout "${BENCH_BUDGET:-150}" "$PY" -m bench.thinker --checkpoint "$CKPT" --device cuda --batches 1,16 \
-  ${LEVER:---overlap on} --no-hf --decode-steps "${STEPS:-128}" --warmup-steps 16 \
+  ${LEVER:---overlap on} --no-hf --decode-steps "${STEPS:-128}" --warmup-steps "${WARMUP:-16}" \
   --prefill-iters "${PREFILL_ITERS:-5}" --json-out "$OUT/thinker.json" > /tmp/thinker.log 2>&1
 rc=$?
 echo "bench.thinker rc=$rc after $(elapsed) s"

@@ -3,7 +3,7 @@
 Why: the batched policy of :mod:`services.thinker.duplex_policy` is ~100 small torch ops a step (masks,
 penalties, the raw first draw, top-k/top-p, two Gumbel draws, their per-row parameter copies). Each is a
 few microseconds of GPU work and ~10 µs of host dispatch, so a duplex step spent more host time on them
-than the GPU spent (BENCHMARKS.md, realtime: 2.7 ms of host per step at one session, 6.5 ms at 16,
+than the GPU spent (BENCHMARKS.md, "Duplex policy graph": 2.7 ms of host per step at one session, 6.5 ms at 16,
 against a 5 ms decode step). Captured once per row bucket, the step's host work is two small copies into
 static buffers, one replay and the read-back of the tokens.
 
