@@ -2,7 +2,7 @@
 
 Why: a decode step of the full-size model spends as long outside its weight matmuls as in them when
 every norm, rotary, cache write and attention gather is its own handful of small kernels (see
-BENCHMARKS.md, "matmul-stack floor"). The Triton backend (:mod:`.triton_ops`) does each of those jobs in
+BENCHMARKS.md, Thinker: the matmul-stack floor). The Triton backend (:mod:`.triton_ops`) does each of those jobs in
 one kernel and reads keys/values straight from the paged cache (no gather copy):
 
 * ``rms_norm`` / ``add_rms_norm``: the residual add and the next RMSNorm in one pass;
