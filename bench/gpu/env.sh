@@ -2,9 +2,8 @@
 #   source bench/gpu/env.sh
 # The host is a fresh H100 or H200 machine with torch (and CUDA) preinstalled and no network. The
 # project is installed with --no-deps so the host's torch is kept; any Python dependency the host lacks
-# travels with the repository as wheels in .whl/ (made on a networked machine with
-# `pip wheel --no-deps -w .whl <package>==<version>` for each package pinned in pyproject.toml that the
-# host does not have) and is installed from there, also with --no-deps.
+# travels with the working tree as wheels in .whl/ (made on a networked machine by bench/gpu/wheels.sh)
+# and is installed from there into /tmp/site, also with --no-deps.
 # Afterwards: the repository is importable, $OUT exists (default bench-results/), and
 #   make_checkpoint   writes the full-size random-weight checkpoint to $CKPT (default /tmp/ck) once;
 #   elapsed           prints seconds since this file was sourced;
