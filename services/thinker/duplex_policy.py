@@ -157,8 +157,8 @@ class DuplexPolicy(Sampler):
             return token  # the model's own stop (first draw): the turn state is untouched
         # Matches upstream (StreamDecoder.decode): every id the draw returns enters the penalty history,
         # special ids included, and it enters before the listen -> <|tts_bos|> replacement below (which
-        # upstream's streaming_generate applies after decode returned). Before 2026-12-03 we kept only
-        # ids below the first special id (151643), after the replacement (docs/fidelity.md, duplex).
+        # upstream's streaming_generate applies after decode returned). Keeping only ids below the first
+        # special id (151643), after the replacement, diverges from it (docs/fidelity.md, duplex).
         self.state.history.append(token)
         window = self.sampling.penalty_window
         if len(self.state.history) > 4 * window:
