@@ -129,7 +129,7 @@ async def create_chat_completion(request: Request) -> Response:
     runtime = _runtime(request)
     body = await read_json_body(request, runtime.config.body_limit)
     max_model_len = runtime.config.profile.stage("thinker").max_model_len
-    # The served default output stays text + audio (wire-protocol §2.1) until the deploy profile names one.
+    # The served default output stays text + audio (docs/protocol.md) until the deploy profile names one.
     req = parse_chat_request(body, runtime.config.model_name, max_model_len, OUTPUT_MODALITIES)
     runtime.acquire()
     released = False
