@@ -1,4 +1,4 @@
-"""Graceful drain of the gateway process on SIGTERM / SIGINT (anchors §C.6, docs/reliability.md "Drain").
+"""Graceful drain of the gateway process on SIGTERM / SIGINT (docs/reliability.md, "Drain").
 
 uvicorn's own shutdown closes the listening socket, waits up to ``timeout_graceful_shutdown`` for open
 HTTP requests, then cuts whatever is still open, and closes every WebSocket with 1012 at once: a client
@@ -47,6 +47,7 @@ def shutdown_error() -> APIError:
         "the server is shutting down; the request was ended before it finished, retry it",
         None,
         headers={"Retry-After": "3"},
+        code="server_shutdown",
     )
 
 

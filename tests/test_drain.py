@@ -168,7 +168,7 @@ def test_sigterm_drains_then_ends_what_is_left_with_a_final_event(tiny_ckpt: Pat
             assert s.lines[-1] == "data: [DONE]", s.lines[-3:]
             last = json.loads(s.lines[-2].removeprefix("data: "))
             assert "error" in last, last
-            assert "shutting down" in last["error"]["message"]
+            assert "shutting down" in last["error"]["message"] and last["error"]["code"] == "server_shutdown"
             assert s.ended_at is not None
             ended_s = s.ended_at - sigterm_at
             assert GRACE_S - 0.5 <= ended_s <= GRACE_S + 5, ended_s
