@@ -42,8 +42,8 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_rounds_like_the_torch_path(dtype: torch.dtype) -> None:
     """fp16 stands in for bf16: Triton's interpreter (numpy) does not round bf16 casts to nearest."""
-    from services.thinker.kernels import TorchOps
-    from services.thinker.kernels.triton_ops import TritonOps
+    from services.common.kernels import TorchOps
+    from services.common.kernels.triton_ops import TritonOps
 
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, slots, rows = 4, 2, 16, 3, 9

@@ -1,6 +1,6 @@
-"""The skinny decode GEMMs (services.thinker.kernels.skinny) against the torch composition, on CPU.
+"""The skinny decode GEMMs (services.common.kernels.skinny) against the torch composition, on CPU.
 
-As in ``test_thinker_kernels.py`` the Triton kernels run through Triton's interpreter (fp32 and fp16: the
+As in ``test_common_kernels.py`` the Triton kernels run through Triton's interpreter (fp32 and fp16: the
 interpreter has no bf16 arithmetic). Each op is compared with TorchOps' norm/gate followed by an fp32
 ``F.linear``; the residual must be the old one bit for bit. Then the runner must pick the skinny path for a
 packed-row step of few rows, and only then, and give the torch backend's logits and tokens through it.
@@ -19,8 +19,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: ker
 triton = pytest.importorskip("triton")
 
 from services.common.checkpoint import Checkpoint  # noqa: E402
+from services.common.kernels import TorchOps, skinny_enabled  # noqa: E402
 from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
-from services.thinker.kernels import TorchOps, skinny_enabled  # noqa: E402
 from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
 from tests.thinker_greedy import greedy_tokens  # noqa: E402
 
@@ -31,7 +31,7 @@ def _interpreter_scalars(triton_interpreter_scalars: None) -> None:
 
 
 def _sk():  # noqa: ANN202
-    from services.thinker.kernels import skinny
+    from services.common.kernels import skinny
 
     return skinny
 
@@ -101,7 +101,7 @@ def test_skinny_prologues_round_like_the_old_kernels(dtype: torch.dtype) -> None
     k = 192
     eye = torch.eye(k, dtype=dtype)
     cfg = sk.SkinnyConfig(64, 64, 3, 4, 1, True)  # split: each output column still has one nonzero term
-    from services.thinker.kernels.triton_ops import TritonOps
+    from services.common.kernels.triton_ops import TritonOps
 
     gate_up = torch.randn(3, 2 * k, generator=g).to(dtype)
     assert torch.equal(sk.linear_silu_mul(gate_up, eye, config=cfg), TritonOps.silu_mul(gate_up))
@@ -145,7 +145,7 @@ def test_linear_accumulate_is_addmm_into_the_residual(dtype: torch.dtype, m: int
 def test_skinny_o_switch_and_its_tuned_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The skinny O projection is on unless ``MINICPMO_THINKER_SKINNY_O=0``; the built-in table holds its
     H200 configs (1 and 16 rows), so the engine never runs it on the untuned default config."""
-    from services.thinker.kernels import SKINNY_O_ENV_VAR, skinny_o_enabled
+    from services.common.kernels import SKINNY_O_ENV_VAR, skinny_o_enabled
 
     monkeypatch.delenv(SKINNY_O_ENV_VAR, raising=False)
     assert skinny_o_enabled() and not skinny_o_enabled(False)

@@ -4,7 +4,7 @@ Why: a talker decode step moves ~0.2 GB of weights (≈ 50 µs of HBM time) yet 
 the H200 as ~580 kernels of 1–8 µs each (BENCHMARKS.md, Talker). Per layer this path runs: RMSNorm (the
 residual add of the previous MLP folded in), the q|k|v GEMM, one kernel for rotary on q/k plus the K/V
 store, paged attention straight over the slot cache, the o GEMM, residual add + RMSNorm, the gate|up
-GEMM, SiLU·up, the down GEMM. Every kernel is the thinker's (:mod:`services.thinker.kernels`; its
+GEMM, SiLU·up, the down GEMM. Every kernel is shared with the thinker (:mod:`services.common.kernels`; its
 rotary+store without the q/k norms Qwen3 has and Llama lacks): the talker cache ``[slots, context + 1, kv_heads, D]``
 per layer is the thinker's token-major layout with one page of ``context + 1`` rows per slot, so its
 paged kernel reads it through a one-column block table (page = slot).
@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from services.common.kernels import AttentionTiles, get_ops, key_splits, triton_usable
 from services.talker.kv_cache import SlotKVCache
-from services.thinker.kernels import AttentionTiles, get_ops, key_splits, triton_usable
 
 ENV_VAR = "MINICPMO_TALKER_KERNELS"
 BACKENDS = ("torch", "triton")

@@ -77,7 +77,7 @@ class EngineConfig:
     reserve_bytes: int = 0
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
-    # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.thinker.kernels.skinny);
+    # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.common.kernels.skinny);
     # None: MINICPMO_THINKER_SKINNY_GEMM decides, else off (measured slower than cuBLAS on the H200).
     skinny_gemm: bool | None = None
     # Graphed decode steps without RMSNorm kernels: the norm weights folded into the QKV and gate|up GEMMs,

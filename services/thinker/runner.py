@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
 from services.thinker.fused_forward import FusedForward
-from services.thinker.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import (
     FusedLayer,
@@ -125,7 +125,7 @@ class ModelRunner:
         self.graph_capture: Capture | None = None  # None: real CUDA graphs (tests emulate them on CPU)
 
     def set_kernels(self, kernels: str | None) -> None:
-        """Choose the kernel backend (``torch`` | ``triton`` | ``auto``/None, see services.thinker.kernels).
+        """Choose the kernel backend (``torch`` | ``triton`` | ``auto``/None, see services.common.kernels).
 
         Only before any graph is captured: a captured graph keeps the kernels it recorded.
         """
@@ -134,7 +134,7 @@ class ModelRunner:
         self.kernel_backend = select_backend(self.device, kernels)
         self.ops = get_ops(self.kernel_backend)
         # When on (opt-in), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
-        # norms and SwiGLU fused in (services.thinker.kernels.skinny); eager steps always keep cuBLAS.
+        # norms and SwiGLU fused in (services.common.kernels.skinny); eager steps always keep cuBLAS.
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, self._skinny_request)
         self._apply_norm_fold()
         if self.kernel_backend != "torch" and self._pre is not pre_attention:

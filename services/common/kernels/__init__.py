@@ -1,4 +1,9 @@
-"""Fused kernels of the thinker step, with a pure-torch reference for every one of them.
+"""Fused decoder-layer kernels, with a pure-torch reference for every one of them.
+
+Shared by the stages that run a Qwen/Llama-style decoder: the thinker's step (:mod:`services.thinker.fused_forward`)
+and the talker's fused decode (:mod:`services.talker.fused_decode`). They live here, not in either stage, so
+that each stage stands alone (a stage never imports another) and a kernel change is tested once, here
+(``tests/test_common_kernels*.py``).
 
 Why: a decode step of the full-size model spends as long outside its weight matmuls as in them when
 every norm, rotary, cache write and attention gather is its own handful of small kernels (see
@@ -39,7 +44,7 @@ import os
 
 import torch
 
-from services.thinker.kernels.tiles import AttentionTiles
+from services.common.kernels.tiles import AttentionTiles
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +301,7 @@ def get_ops(backend: str):  # noqa: ANN201 (TorchOps or the Triton module's ops 
     if backend == "torch":
         return TorchOps
     if backend == "triton":
-        from services.thinker.kernels.triton_ops import TritonOps
+        from services.common.kernels.triton_ops import TritonOps
 
         return TritonOps
     raise ValueError(f"unknown kernel backend {backend!r}")
