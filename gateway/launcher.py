@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -464,17 +465,25 @@ class Supervisor:
                 proc.wait(timeout=5)
 
 
+def _cuda_device_count() -> int:
+    """CUDA devices the driver shows this process (``CUDA_VISIBLE_DEVICES`` applies), asked through the
+    driver library itself: the launcher stays free of torch, like the gateway it starts."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
 def _default_profile_name(device: str | None) -> str:
     if device == "cpu":
         return "cpu"
     if device == "cuda":
         return "minicpmo_4_5"
-    try:
-        import torch
-
-        return "minicpmo_4_5" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
+    return "minicpmo_4_5" if _cuda_device_count() > 0 else "cpu"
 
 
 def build_parser() -> argparse.ArgumentParser:

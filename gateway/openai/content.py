@@ -14,7 +14,7 @@ from gateway.media import MediaError, MediaPolicy, check_image, decode_audio, de
 from gateway.openai.errors import APIError
 from gateway.openai.protocol import ContentPart, Message
 from services.common.pb import common_pb2, thinker_pb2
-from services.common.tensors import pcm_from_float
+from services.common.pcm import pcm_from_float
 
 
 def _media_api_error(exc: MediaError) -> APIError:

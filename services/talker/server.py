@@ -34,7 +34,7 @@ from services.common.grpc_server import (
     serve_forever,
     serve_options_from_args,
 )
-from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
+from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
 from services.common.stage_stream import Inbox, Interrupted, StageServicer, StageStream, StageStreamDriver
 from services.common.tensors import TORCH_DTYPES, compute_dtype, dtype_to_proto, tensor_from_proto
@@ -141,7 +141,7 @@ class TalkerServicer(StageServicer, talker_pb2_grpc.TalkerServiceServicer):
         return self.engine.make_settings(
             request_id=msg.id.request_id,
             session_id=msg.id.session_id,
-            duplex=msg.mode == thinker_pb2.STREAM_MODE_DUPLEX,
+            duplex=msg.mode == common_pb2.STREAM_MODE_DUPLEX,
             sampling=sampling,
             min_new_frames=sp.min_new_frames if sp.HasField("min_new_frames") else None,
             max_new_frames=sp.max_new_frames if sp.HasField("max_new_frames") else None,

@@ -39,7 +39,7 @@ class ThinkerServicer(StageServicer, thinker_pb2_grpc.ThinkerServiceServicer):
         return self.driver.draining
 
     def _stream_for(self, open_msg: thinker_pb2.ThinkerOpen) -> StageStream[thinker_pb2.ThinkerResponse]:
-        if open_msg.mode == thinker_pb2.STREAM_MODE_DUPLEX:
+        if open_msg.mode == common_pb2.STREAM_MODE_DUPLEX:
             return DuplexStream(self.backend, open_msg)
         return TurnStream(self.backend, open_msg)
 

@@ -8,20 +8,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class StreamMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    STREAM_MODE_UNSPECIFIED: _ClassVar[StreamMode]
-    STREAM_MODE_TURN: _ClassVar[StreamMode]
-    STREAM_MODE_DUPLEX: _ClassVar[StreamMode]
-
 class UnitDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     UNIT_DECISION_UNSPECIFIED: _ClassVar[UnitDecision]
     UNIT_DECISION_LISTEN: _ClassVar[UnitDecision]
     UNIT_DECISION_SPEAK: _ClassVar[UnitDecision]
-STREAM_MODE_UNSPECIFIED: StreamMode
-STREAM_MODE_TURN: StreamMode
-STREAM_MODE_DUPLEX: StreamMode
 UNIT_DECISION_UNSPECIFIED: UnitDecision
 UNIT_DECISION_LISTEN: UnitDecision
 UNIT_DECISION_SPEAK: UnitDecision
@@ -105,7 +96,7 @@ class ThinkerOpen(_message.Message):
     FORCE_SPEAK_FIELD_NUMBER: _ClassVar[int]
     FORCE_LISTEN_UNITS_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
-    mode: StreamMode
+    mode: _common_pb2.StreamMode
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     use_tts_template: bool
@@ -118,7 +109,7 @@ class ThinkerOpen(_message.Message):
     instructions: str
     force_speak: bool
     force_listen_units: int
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ...) -> None: ...
 
 class ThinkerUnit(_message.Message):
     __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn")
