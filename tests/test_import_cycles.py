@@ -7,8 +7,8 @@ stage's code and changing one stage's internals cannot break another. ``services
 import no stage at all. The same holds for the wire contract: each stage's proto imports only
 ``common.proto``.
 
-An edge ``a -> b`` is any ``import``/``from ... import`` in ``a`` of a module of these packages: at module
-level, inside functions (a function-local import only defers a cycle, it does not break it) and under
+An edge ``a -> b`` is any ``import``/``from ... import`` (or ``importlib.import_module`` of a literal name)
+in ``a`` of a module of these packages: at module level, inside functions (a function-local import only defers a cycle, it does not break it) and under
 ``if TYPE_CHECKING:`` (such an import never runs, but two modules whose annotations name each other still
 each need the other to be understood; a part that calls back into its owner names a protocol instead,
 e.g. ``gateway.realtime.host``). ``from pkg import name`` is an edge to ``pkg.name`` when that is a
@@ -47,15 +47,29 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The module of ``importlib.import_module("a.b")`` / ``import_module("a.b")`` with a literal name."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    value = node.args[0].value
+    return value if name == "import_module" and isinstance(value, str) and not value.startswith(".") else None
+
+
 def _imports(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
     """Every import node that can execute (``if TYPE_CHECKING:`` bodies skipped, their ``else`` kept);
-    with ``type_checking``, the annotation-only ones too."""
+    with ``type_checking``, the annotation-only ones too. ``importlib.import_module`` of a literal name
+    counts as ``import name``."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
             continue
+        dynamic = _dynamic_import(node)
+        if dynamic is not None:
+            yield ast.Import(names=[ast.alias(name=dynamic)])
         if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
@@ -199,10 +213,12 @@ def test_a_cross_stage_import_is_found(tmp_path: Path) -> None:
             "services/talker/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.code2wav import c\n",
             "services/code2wav/__init__.py": "",
             "services/code2wav/c.py": "from services.common.k import f\n",
+            "services/code2wav/d.py": "import importlib\nm = importlib.import_module('services.talker.a')\n",
         },
     )
     graph = import_graph(tmp_path, ("services",), type_checking=True)
     assert cross_stage_imports(graph) == [
+        "services.code2wav.d -> services.talker.a",
         "services.common.k -> services.thinker.t",
         "services.talker.a -> services.thinker.u",
         "services.talker.b -> services.code2wav.c",
