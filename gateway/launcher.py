@@ -5,7 +5,7 @@
                    [--max-concurrent-requests N] [--max-realtime-sessions N]
 
 * Without ``--checkpoint`` it generates the tiny random-weight checkpoint once
-  (``minicpmo-checkpoint make --size tiny``) and caches it under ``$MINICPMO_CACHE_DIR`` (default
+  (``minicpmo-checkpoint make --size tiny``) and caches it under ``$XDG_CACHE_HOME/minicpmo`` (default
   ``~/.cache/minicpmo``), so a newcomer sees the whole pipeline answer on a laptop.
 * Without ``--deploy-config`` it uses the 1-GPU profile when CUDA is available, else the CPU profile.
 * Every stage replica is a child process ``python -m services.<stage> --checkpoint DIR --device D
@@ -107,7 +107,16 @@ def stage_flags(sp: StageProfile) -> list[str]:
     The stage would also take them from ``MINICPMO_STAGE_SETTINGS``; spelling them out keeps the child's
     command line (``ps``, the log) self-explanatory.
     """
-    memory = ["--memory-fraction", f"{sp.memory_fraction:g}"] if sp.memory_fraction is not None else []
+    extra = ["--memory-fraction", f"{sp.memory_fraction:g}"] if sp.memory_fraction is not None else []
+    # Keys the bundled profiles leave at their defaults: spelled out only when a profile sets them.
+    if sp.slow_step_ms != StageProfile.slow_step_ms:
+        extra = ["--slow-step-ms", f"{sp.slow_step_ms:g}", *extra]
+    if sp.name != "code2wav" and sp.kernels != "auto":
+        extra = ["--kernels", sp.kernels, *extra]
+    if sp.name == "thinker" and sp.kernel_table:
+        extra = ["--kernel-table", sp.kernel_table, *extra]
+    if sp.name == "talker" and sp.steps_per_replay is not None:
+        extra = ["--steps-per-replay", str(sp.steps_per_replay), *extra]
     if sp.name == "thinker":
         flags = ["--dtype", sp.dtype, "--max-num-seqs", str(sp.max_num_seqs)]
         if sp.max_model_len:
@@ -120,10 +129,10 @@ def stage_flags(sp: StageProfile) -> list[str]:
                 "--duplex-window-low",
                 str(sp.duplex_window_low),
             ]
-        return flags + memory
+        return flags + extra
     if sp.name == "talker":
-        return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *memory]
-    return ["--max-batch", str(sp.max_num_seqs), *memory]  # code2wav: windows vocoded per engine step
+        return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *extra]
+    return ["--max-batch", str(sp.max_num_seqs), *extra]  # code2wav: windows vocoded per engine step
 
 
 def tls_flags(tls: TLSProfile | None) -> list[str]:
@@ -218,7 +227,10 @@ def share_gpus(
 
 # ---- checkpoint ---------------------------------------------------------------------------------
 def cache_dir() -> Path:
-    return Path(os.environ.get("MINICPMO_CACHE_DIR", Path.home() / ".cache" / "minicpmo")).expanduser()
+    """Where the tiny checkpoint is cached: ``$XDG_CACHE_HOME/minicpmo`` (the XDG base-directory rule
+    every Linux tool follows; default ``~/.cache/minicpmo``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "minicpmo"
 
 
 def ensure_tiny_checkpoint(log: Callable[..., None] = print) -> Path:

@@ -97,11 +97,8 @@ def test_rope_attention_rejects_prefill_tiles() -> None:
         _run(TritonOps, s, True, True)
 
 
-def test_rope_attention_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MINICPMO_THINKER_ROPE_ATTENTION", raising=False)
-    assert rope_attention_enabled() and not rope_attention_enabled(False)
-    monkeypatch.setenv("MINICPMO_THINKER_ROPE_ATTENTION", "0")
-    assert not rope_attention_enabled() and rope_attention_enabled(True)
+def test_rope_attention_is_the_default() -> None:
+    assert rope_attention_enabled() and rope_attention_enabled(True) and not rope_attention_enabled(False)
 
 
 def test_fresh_row_window_covers_every_packed_step() -> None:

@@ -142,18 +142,12 @@ def test_linear_accumulate_is_addmm_into_the_residual(dtype: torch.dtype, m: int
         sk.linear_accumulate(h, w, res[:, :40])
 
 
-def test_skinny_o_switch_and_its_tuned_configs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The skinny O projection is on unless ``MINICPMO_THINKER_SKINNY_O=0``; the built-in table holds its
+def test_skinny_o_is_on_and_has_tuned_configs() -> None:
+    """The skinny O projection is the default (a benchmark may turn it off); the built-in table holds its
     H200 configs (1 and 16 rows), so the engine never runs it on the untuned default config."""
-    from services.common.kernels import SKINNY_O_ENV_VAR, skinny_o_enabled
+    from services.common.kernels import skinny_o_enabled
 
-    monkeypatch.delenv(SKINNY_O_ENV_VAR, raising=False)
-    assert skinny_o_enabled() and not skinny_o_enabled(False)
-    monkeypatch.setenv(SKINNY_O_ENV_VAR, "0")
-    assert not skinny_o_enabled() and skinny_o_enabled(True)
-    monkeypatch.setenv(SKINNY_O_ENV_VAR, "maybe")
-    with pytest.raises(ValueError):
-        skinny_o_enabled()
+    assert skinny_o_enabled() and not skinny_o_enabled(False) and skinny_o_enabled(True)
     sk = _sk()
     assert {(1, 4096, 4096), (16, 4096, 4096)} <= set(sk.SKINNY_CONFIGS)
     assert sk.config_for(8, 4096, 4096) is sk.SKINNY_CONFIGS[(16, 4096, 4096)]
@@ -204,23 +198,17 @@ def test_microbench_table_file_feeds_the_lookup(tmp_path: Path, monkeypatch: pyt
         (4, 6144, 4096): sk.SkinnyConfig(32, 256, 2, 4, 3, False),
     }
     monkeypatch.setattr(sk, "SKINNY_CONFIGS", {})
-    monkeypatch.setenv(sk.TABLE_ENV, str(path))
-    sk._load_env_table()
+    assert sk.use_table(path) == 2
     assert sk.config_for(9, 4096, 12288) == sk.SkinnyConfig(128, 128, 4, 8, 4, True)
     assert sk.config_for(1, 24576, 4096) == sk.default_config(1, 24576, 4096)
 
 
-def test_skinny_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_skinny_switch() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv("MINICPMO_THINKER_SKINNY_GEMM", raising=False)
     # off unless asked: it measured slower than norm kernels + cuBLAS on the H200
     assert not skinny_enabled(cuda, "triton") and not skinny_enabled(cpu, "triton")
     assert not skinny_enabled(cuda, "torch", True)  # the torch backend never takes it
     assert skinny_enabled(cpu, "triton", True) and not skinny_enabled(cuda, "triton", False)
-    monkeypatch.setenv("MINICPMO_THINKER_SKINNY_GEMM", "0")
-    assert not skinny_enabled(cuda, "triton")
-    monkeypatch.setenv("MINICPMO_THINKER_SKINNY_GEMM", "1")
-    assert skinny_enabled(cpu, "triton") and skinny_enabled(cuda, "triton")
 
 
 @pytest.fixture(scope="module")
@@ -245,12 +233,9 @@ def _prefilled(llm: torch.nn.Module) -> tuple[ThinkerEngine, list[int], list[int
     return engine, blocks_a, blocks_b
 
 
-def test_runner_selects_skinny_for_packed_decode_steps(
-    llm: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_runner_selects_skinny_for_packed_decode_steps(llm: torch.nn.Module) -> None:
     """Packed-row steps of ≤ 16 rows take the skinny GEMMs when on; eager steps, big packed steps, the
-    env switch and the torch backend do not. Through them the step gives the torch backend's outputs."""
-    monkeypatch.delenv("MINICPMO_THINKER_SKINNY_GEMM", raising=False)
+    default and the torch backend do not. Through them the step gives the torch backend's outputs."""
     engine, blocks_a, blocks_b = _prefilled(llm)
     runner = engine.runner
     assert not runner.skinny_gemm  # CPU: off unless asked for
@@ -268,8 +253,7 @@ def test_runner_selects_skinny_for_packed_decode_steps(
     )
     runner.packed_step_eager(big)  # 18 rows: above the skinny limit
     assert fused.skinny_passes == before + 1
-    monkeypatch.setenv("MINICPMO_THINKER_SKINNY_GEMM", "0")
-    runner.set_skinny_gemm(None)
+    runner.set_skinny_gemm(None)  # the default: off
     plain_out = runner.packed_step_eager(step)
     assert fused.skinny_passes == before + 1 and not runner.skinny_gemm
     runner.set_kernels("torch")

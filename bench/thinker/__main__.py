@@ -286,7 +286,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 # A lever's arms: on, off, both (an A/B in one run; graph levers recapture per arm), or the engine's
-# default (None: its environment switch or device rule decides).
+# default (None: its device rule decides).
 ARMS: dict[str, list[bool | None]] = {"on": [True], "off": [False], "both": [False, True], "default": [None]}
 
 

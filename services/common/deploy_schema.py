@@ -108,6 +108,11 @@ CodecOnlyTalker = Annotated[None, _refuse("codec windows are a talker setting")]
 NoSampling = Annotated[None, _refuse("code2wav has no sampling parameters")]
 WindowOnlyThinker = Annotated[None, _refuse("the duplex context window is a thinker setting")]
 WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+Kernels = Annotated[
+    str, _rule(lambda v: v in KERNEL_BACKENDS, f"expected one of {list(KERNEL_BACKENDS)}, got {{v!r}}")
+]
+Milliseconds = Annotated[float, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
 
 
 class _Doc(BaseModel):
@@ -171,6 +176,8 @@ class _StageDoc(_Doc):
     max_num_seqs: PositiveInt | None = None
     max_model_len: PositiveInt | None = None
     dtype: DType | None = None
+    # An engine step slower than this many ms is logged with its phases (services/common/slow_steps.py); 0: off.
+    slow_step_ms: Milliseconds | None = None
     notes: str | None = None
 
     @model_validator(mode="before")
@@ -199,6 +206,11 @@ class ThinkerDoc(_StageDoc):
     duplex_window: WindowMode | None = None
     duplex_window_high: PositiveInt | None = None
     duplex_window_low: PositiveInt | None = None
+    # Decode kernels (services/common/kernels): auto = Triton on CUDA, torch elsewhere.
+    kernels: Kernels | None = None
+    # A `bench.thinker.skinny --json-out` table of skinny-GEMM configs for a GPU the built-in one was not
+    # measured on (services/common/kernels/skinny.py); a path as the thinker process sees it.
+    kernel_table: str | None = None
     codec: CodecOnlyTalker = None
 
     @model_validator(mode="after")
@@ -227,6 +239,10 @@ class _NoHiddenDoc(_StageDoc):
 class TalkerDoc(_NoHiddenDoc):
     sampling: TalkerSamplingDoc | None = None
     codec: CodecDoc | None = None
+    # Fused decode kernels (services/talker/fused_decode.py): auto = Triton on CUDA, torch elsewhere.
+    kernels: Kernels | None = None
+    # Decode steps per CUDA-graph replay (services/talker/multistep.py); default 4 with graphs, 1 without.
+    steps_per_replay: PositiveInt | None = None
 
 
 class Code2WavDoc(_NoHiddenDoc):

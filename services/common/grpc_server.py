@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import slow_steps
 from services.common.deploy_profile import DEFAULT_STAGE_PORTS
 from services.common.heap import prepare_heap_for_serving
 from services.common.metrics import DRAINING
@@ -91,21 +91,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to let in-flight streams finish on SIGTERM"
     )
-    env = os.environ.get
     parser.add_argument(
-        "--tls-cert",
-        default=env("MINICPMO_TLS_CERT") or None,
-        help="serve gRPC over TLS with this certificate chain (PEM; env MINICPMO_TLS_CERT)",
+        "--slow-step-ms",
+        type=float,
+        default=slow_steps.DEFAULT_MS,
+        metavar="MS",
+        help="log an engine step slower than this with its phases (0: off; profile slow_step_ms)",
     )
     parser.add_argument(
-        "--tls-key",
-        default=env("MINICPMO_TLS_KEY") or None,
-        help="private key of --tls-cert (PEM; env MINICPMO_TLS_KEY)",
+        "--tls-cert", default=None, help="serve gRPC over TLS with this certificate chain (PEM)"
     )
+    parser.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
     parser.add_argument(
         "--tls-client-ca",
-        default=env("MINICPMO_TLS_CLIENT_CA") or None,
-        help="mutual TLS: require client certificates signed by this CA (PEM; env MINICPMO_TLS_CLIENT_CA)",
+        default=None,
+        help="mutual TLS: require client certificates signed by this CA (PEM)",
     )
 
 

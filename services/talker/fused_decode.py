@@ -11,14 +11,13 @@ paged kernel reads it through a one-column block table (page = slot).
 
 The per-element arithmetic rounds where :meth:`TalkerRunner._layers` rounds (residual sums, the
 normalised row before its weight, each rotary product, the SiLU before ·up); only attention differs by
-its fp32 summation order (online softmax). ``MINICPMO_TALKER_KERNELS`` = ``torch`` | ``triton`` |
-``auto`` picks the backend (see :func:`select_backend`); the torch path stays the CPU/CI path and the
+its fp32 summation order (online softmax). The talker's ``kernels`` profile key (``--kernels``) =
+``torch`` | ``triton`` | ``auto`` picks the backend (see :func:`select_backend`); the torch path stays the CPU/CI path and the
 reference that tests and ``bench.cuda_smoke`` compare this one with.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol
 
 import torch
@@ -27,24 +26,24 @@ import torch.nn.functional as F
 from services.common.kernels import AttentionTiles, get_ops, key_splits, triton_usable
 from services.talker.kv_cache import SlotKVCache
 
-ENV_VAR = "MINICPMO_TALKER_KERNELS"
 BACKENDS = ("torch", "triton")
 # What ``auto`` picks on CUDA: the fused path, since the H200 run of ``bench.talker --kernels auto,triton``
 # and ``bench.cuda_smoke --stages talker --graph-kernels triton`` (BENCHMARKS.md, Talker, session 6) found
 # it 19 % / 11 % faster per stream at batch 1 / 16 and every difference a bf16 near-tie;
-# ``MINICPMO_TALKER_KERNELS=torch`` keeps the torch path.
+# ``kernels: torch`` in the profile keeps the torch path.
 AUTO_ON_CUDA = "triton"
 
 
 def select_backend(device: torch.device, requested: str | None = None) -> str:
-    """The talker's decode kernel backend for ``device``: ``requested``, else the environment, else auto.
+    """The talker's decode kernel backend for ``device``: ``requested`` (the profile's ``kernels`` key,
+    ``--kernels``), else auto.
 
     ``auto`` is :data:`AUTO_ON_CUDA` on CUDA (when Triton imports) and ``torch`` elsewhere; ``triton`` on
     CPU needs ``TRITON_INTERPRET=1`` (tests).
     """
-    want = (requested or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    want = (requested or "auto").strip().lower()
     if want not in (*BACKENDS, "auto"):
-        raise ValueError(f"{ENV_VAR} must be one of torch, triton, auto (got {want!r})")
+        raise ValueError(f"kernels must be one of torch, triton, auto (got {want!r})")
     if want == "auto":
         return AUTO_ON_CUDA if device.type == "cuda" and triton_usable(device) else "torch"
     if want == "triton" and not triton_usable(device):

@@ -91,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--duplex-window-high", type=int, default=8000, help="tokens that trigger a trim (basic)")
     ap.add_argument("--duplex-window-low", type=int, default=6000, help="tokens kept after a trim (basic)")
+    ap.add_argument(
+        "--kernels",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="decode kernels: auto = Triton on CUDA, torch elsewhere (profile kernels)",
+    )
+    ap.add_argument(
+        "--kernel-table",
+        default=None,
+        metavar="JSON",
+        help="skinny-GEMM configs measured by `bench.thinker.skinny --json-out` for this GPU (profile kernel_table)",
+    )
     ap.add_argument("--log-level", default="INFO")
     add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
@@ -116,6 +128,14 @@ def serve(argv: list[str]) -> int:
         backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
     except KVBudgetError as exc:
         raise SystemExit(f"thinker: {exc}") from None
+    if args.kernels != "auto":
+        backend.engine.runner.set_kernels(args.kernels)
+    if args.kernel_table:
+        from services.common.kernels import skinny
+
+        log.info(
+            "thinker: %d skinny-GEMM configs from %s", skinny.use_table(args.kernel_table), args.kernel_table
+        )
     if args.duplex_window == "basic":
         try:
             window = DuplexWindow(args.duplex_window_high, args.duplex_window_low)

@@ -52,7 +52,6 @@ from services.thinker.overlap import (
     copy_to_host,
     deferrable,
     launch_successor,
-    overlap_enabled,
     prefetch,
 )
 from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
@@ -78,11 +77,11 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
     # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.common.kernels.skinny);
-    # None: MINICPMO_THINKER_SKINNY_GEMM decides, else off (measured slower than cuBLAS on the H200).
+    # None: off (measured slower than cuBLAS on the H200; a benchmark arm turns it on).
     skinny_gemm: bool | None = None
     # Graphed decode steps without RMSNorm kernels: the norm weights folded into the QKV and gate|up GEMMs,
-    # residual adds inside the O and down GEMMs (services.thinker.fused_forward). None:
-    # MINICPMO_THINKER_NORM_FOLD decides, else on with CUDA and the Triton kernels.
+    # residual adds inside the O and down GEMMs (services.thinker.fused_forward). None: on with CUDA and
+    # the Triton kernels.
     norm_fold: bool | None = None
     # The process's GIL switch interval while the engine thread runs (None: Python's 5 ms). Each CUDA sync
     # of a step drops the GIL; getting it back from a thread busy in pure Python (the event loop encoding
@@ -90,7 +89,7 @@ class EngineConfig:
     # cost ~10 ms of host time with 16 duplex sessions. At 1 ms a wait costs ~0.5 ms (measured on CPU).
     gil_switch_interval_s: float | None = 0.001
     # Launch the next all-greedy decode step before reading this one's tokens (services.thinker.overlap);
-    # only graph steps qualify. MINICPMO_THINKER_OVERLAP=0 turns it off.
+    # only graph steps qualify.
     overlap_decode: bool = True
 
 
@@ -161,7 +160,7 @@ class ThinkerEngine:
         self._sequences: dict[int, Sequence] = {}
         self.max_kv_used_bytes = 0  # high-water mark, for tests and capacity planning
         self._pending_metrics: tuple | None = None  # the last step's, observed after the next launch
-        self.overlap = overlap_enabled(config.overlap_decode)
+        self.overlap = config.overlap_decode
         self._inflight: InFlight | None = None  # a launched decode step whose tokens are not consumed yet
         self.chained_steps = 0  # steps launched before their predecessor was consumed (tests, bench)
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)

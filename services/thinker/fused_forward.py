@@ -23,8 +23,8 @@ into the residual in place (cuBLAS with beta = 1). Per layer that is seven launc
 GEMMs, not nine: the 72 norm launches of a step and their gaps were what the replay spent beyond the
 matmuls and attention. Eager steps keep the norm kernels (with ones as weights once folded).
 
-In every packed-row step (with :attr:`FusedForward.rope_attention`, on unless
-``MINICPMO_THINKER_ROPE_ATTENTION=0``) the q/k norm + rotary + K/V write and the paged attention are one
+In every packed-row step (with :attr:`FusedForward.rope_attention`, on unless a benchmark arm turns it
+off) the q/k norm + rotary + K/V write and the paged attention are one
 launch (:mod:`services.common.kernels.rope_attention`): six launches per layer on the folded path.
 """
 

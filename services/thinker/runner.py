@@ -115,8 +115,8 @@ class ModelRunner:
             self._post = torch.compile(post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
-        self._skinny_request = skinny_gemm  # None: MINICPMO_THINKER_SKINNY_GEMM, else off
-        self._fold_request = norm_fold  # None: MINICPMO_THINKER_NORM_FOLD, else on with CUDA + Triton
+        self._skinny_request = skinny_gemm  # None: off
+        self._fold_request = norm_fold  # None: on with CUDA + Triton
         self.set_kernels(kernels)
         self.fused = FusedForward(self)
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
@@ -133,7 +133,7 @@ class ModelRunner:
             raise RuntimeError("set_kernels after a CUDA graph was captured")
         self.kernel_backend = select_backend(self.device, kernels)
         self.ops = get_ops(self.kernel_backend)
-        # When on (opt-in), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
+        # When on (opt-in, a benchmark arm), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
         # norms and SwiGLU fused in (services.common.kernels.skinny); eager steps always keep cuBLAS.
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, self._skinny_request)
         self._apply_norm_fold()
@@ -149,14 +149,14 @@ class ModelRunner:
         )
 
     def set_skinny_gemm(self, enabled: bool | None) -> None:
-        """Turn the skinny decode GEMMs on/off (None: the environment's default), before any capture."""
+        """Turn the skinny decode GEMMs on/off (None: the default, off), before any capture."""
         if self._graphs:
             raise RuntimeError("set_skinny_gemm after a CUDA graph was captured (drop_graphs first)")
         self._skinny_request = enabled
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, enabled)
 
     def set_norm_fold(self, enabled: bool | None) -> None:
-        """Turn the folded-norm decode loop on/off (None: the environment's default), before any capture.
+        """Turn the folded-norm decode loop on/off (None: the default, on with CUDA), before any capture.
 
         Folding the weights is one-way (the module keeps computing the same function); turning the loop
         off again runs the norm kernels with the folded weights and ones as norm weights (same kernels and
