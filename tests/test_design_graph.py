@@ -112,18 +112,18 @@ def test_module_map_names_real_paths_and_every_part() -> None:
     rows = _table_rows(DESIGN.read_text(encoding="utf-8"), "Module map")
     named = [p for row in rows for p in _paths(row[0])]
     assert named, "no paths in the module map"
-    for path in named:
-        target = ROOT / path.replace("*.proto", "")
-        assert target.exists(), f"docs/design.md module map names a missing path: {path}"
+    for name in named:
+        target = ROOT / name.replace("*.proto", "")
+        assert target.exists(), f"docs/design.md module map names a missing path: {name}"
     dirs = {p.rstrip("/") for p in named if p.endswith("/")}
     files = {p for p in named if not p.endswith("/")}
     for part in PARTS:
         folder = part.replace(".", "/")
         assert folder in dirs or part in ("gateway", "services.common"), f"no module map row for {folder}/"
     common = ROOT / "services" / "common"
-    for path in sorted(common.glob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        assert path.name == "__init__.py" or rel in files, f"no module map row for {rel}"
+    for module in sorted(common.glob("*.py")):
+        rel = module.relative_to(ROOT).as_posix()
+        assert module.name == "__init__.py" or rel in files, f"no module map row for {rel}"
 
 
 def _defined(path: Path, dotted: str) -> bool:
