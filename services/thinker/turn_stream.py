@@ -99,6 +99,8 @@ def messages_from_proto(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOp
 class TurnPrompt:
     ids: list[int]
     embeds: torch.Tensor | None
+    # Teacher-forced speech: how many of ``ids`` (at the end) are the forced spoken tokens.
+    forced: int = 0
 
 
 def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> TurnPrompt:
@@ -106,15 +108,26 @@ def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen
     if not open_msg.messages:
         raise StageError(INVALID_ARGUMENT, "messages must not be empty", "messages")
     messages = messages_from_proto(backend, open_msg)
-    use_tts = True if (open_msg.use_tts_template or open_msg.want_speech) else None
+    teacher = bool(open_msg.teacher_text)
+    use_tts = True if (open_msg.use_tts_template or open_msg.want_speech or teacher) else None
     processed = backend.processor(
         messages, enable_thinking=open_msg.enable_thinking, use_tts_template=use_tts
     )
-    backend.engine.check_prompt_length(processed.num_tokens)
+    ids = processed.input_ids.tolist()
+    forced: list[int] = []
+    if teacher:
+        forced = list(backend.tokenizer.encode(open_msg.teacher_text, add_special_tokens=False))
+        if not forced:
+            raise StageError(INVALID_ARGUMENT, "teacher_text has no tokens", "teacher_text")
+    backend.engine.check_prompt_length(len(ids) + len(forced))
     embeds = None
     if processed.image_bounds.numel() or processed.audio_bounds.numel():
         embeds = backend.model.embed_prompt(processed).detach()
-    return TurnPrompt(processed.input_ids.tolist(), embeds)
+        if forced:  # the forced tokens are plain text rows
+            with torch.inference_mode():
+                text_rows = backend.model.embed_tokens(torch.tensor(forced, device=embeds.device))
+            embeds = torch.cat([embeds, text_rows.to(embeds.dtype)])
+    return TurnPrompt(ids + forced, embeds, len(forced))
 
 
 class TurnStream(StageStream[Response]):
@@ -146,9 +159,11 @@ class TurnStream(StageStream[Response]):
         except Exception as exc:  # encoder/processor bug: typed INTERNAL, never a bare gRPC failure
             log.exception("thinker prompt build failed")
             raise failure("prompt build failed", exc) from exc
-        sampling = sampling_from_proto(open_msg.sampling, engine.max_context - len(prompt.ids))
+        teacher = prompt.forced > 0
+        room = engine.max_context - len(prompt.ids)
+        sampling = sampling_from_proto(open_msg.sampling, max(room, 1) if teacher else room)
         hidden_dtype = dtype_from_proto(open_msg.hidden_dtype) if open_msg.hidden_dtype else None
-        want_speech = bool(open_msg.want_speech)
+        want_speech = bool(open_msg.want_speech) or teacher
         self.prompt_tokens = len(prompt.ids)
         self.turn = TurnOutput(
             backend.tokenizer,
@@ -156,7 +171,7 @@ class TurnStream(StageStream[Response]):
             self.outbox.append,
             hidden_size=backend.hidden_size,
             want_speech=want_speech,
-            prompt_ends_with_tts_bos=bool(prompt.ids) and prompt.ids[-1] == TTS_BOS_ID,
+            prompt_ends_with_tts_bos=bool(prompt.ids) and prompt.ids[-1 - prompt.forced] == TTS_BOS_ID,
             first_chunk_tokens=open_msg.first_chunk_tokens or open_msg.chunk_tokens or DEFAULT_CHUNK_TOKENS,
             chunk_tokens=open_msg.chunk_tokens or DEFAULT_CHUNK_TOKENS,
             hidden_dtype=hidden_dtype,
@@ -164,9 +179,14 @@ class TurnStream(StageStream[Response]):
             prompt_tokens=len(prompt.ids),
         )
         self.seq = engine.open(inbox.post_threadsafe)
-        work = WorkItem(
-            prompt.ids, prompt.embeds, Sampler(sampling), emit_hidden=want_speech, feed_last=want_speech
-        )
+        if teacher:  # prefill only: the forced tokens' rows come back as they are prefilled
+            self.prompt_tokens -= prompt.forced
+            self.turn.prompt_tokens = self.prompt_tokens
+            work = WorkItem(prompt.ids, prompt.embeds, None, export_from=len(prompt.ids) - prompt.forced)
+        else:
+            work = WorkItem(
+                prompt.ids, prompt.embeds, Sampler(sampling), emit_hidden=want_speech, feed_last=want_speech
+            )
         engine.submit(self.seq, work)
         return ()
 
@@ -190,12 +210,15 @@ class TurnStream(StageStream[Response]):
         assert self.turn is not None
         if ev.error is not None:
             raise ev.error
+        if ev.prompt_rows is not None and ev.prompt_row_ids is not None:
+            self.turn.on_forced(ev.prompt_row_ids, ev.prompt_rows)
         if ev.hidden is not None and ev.fed_token is not None:
             self.turn.on_row(ev.fed_token, ev.hidden)
         if ev.token is not None:
             self.turn.on_token(ev.token, ev.finish_reason)
         if ev.finish_reason is not None:
-            self.turn.finish(ev.finish_reason, self.prompt_tokens)
+            reason = "stop" if ev.finish_reason == "prefilled" else ev.finish_reason
+            self.turn.finish(reason, self.prompt_tokens)
             self.finished = True
         return self._drain_outbox()
 
