@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
+from gateway.audio import router as audio_router
 from gateway.auth import check_api_key
 from gateway.config import GatewayConfig
 from gateway.openai.chat import OPENAPI_COMPONENTS
@@ -161,6 +162,7 @@ def create_app(
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(chat_router)
+    app.include_router(audio_router)
     _declare_body_schemas(app)
     for router in extra_routers:
         app.include_router(router)

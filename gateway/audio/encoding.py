@@ -60,8 +60,14 @@ class _Sink(io.RawIOBase):
 def wav_stream_header(sample_rate: int) -> bytes:
     """A 16-bit mono RIFF header whose RIFF and data sizes are 0xFFFFFFFF (length unknown, streaming)."""
     fmt = struct.pack("<HHIIHH", 1, 1, sample_rate, sample_rate * 2, 2, 16)
-    return b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVEfmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack(
-        "<I", 0xFFFFFFFF
+    return (
+        b"RIFF"
+        + struct.pack("<I", 0xFFFFFFFF)
+        + b"WAVEfmt "
+        + struct.pack("<I", 16)
+        + fmt
+        + b"data"
+        + struct.pack("<I", 0xFFFFFFFF)
     )
 
 

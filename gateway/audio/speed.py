@@ -42,7 +42,9 @@ class TimeStretch:
             import av.filter
 
             graph = av.filter.Graph()
-            src = graph.add_abuffer(format="flt", sample_rate=sample_rate, layout="mono", time_base=f"1/{sample_rate}")
+            src = graph.add_abuffer(
+                format="flt", sample_rate=sample_rate, layout="mono", time_base=f"1/{sample_rate}"
+            )
             node = src
             for factor in atempo_chain(speed):
                 nxt = graph.add("atempo", f"{factor:.6f}")

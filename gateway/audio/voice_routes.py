@@ -1,0 +1,119 @@
+"""``/v1/audio/voices``: register (multipart ``name``, ``file``, optional ``ref_text``), list and delete.
+
+Registration checks the clip here (decodable by soundfile or PyAV, 1-30 s of sound after trimming
+leading and trailing silence), asks the code2wav stage once for the features it derives from a
+reference (``EncodeVoice``: S3 prompt tokens, prompt mel, speaker x-vector) and stores them beside the
+clip (:mod:`gateway.audio.voices`). Requests naming the voice then send the stored features.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+import grpc
+import numpy as np
+from fastapi import APIRouter, File, Form, Request, UploadFile
+from pydantic import BaseModel
+
+from gateway.audio.common import require_stages, runtime_of, stage_api_error, voice_registry
+from gateway.audio.voices import check_clip
+from gateway.media import MediaError, decode_audio
+from gateway.openai.errors import APIError
+from gateway.stage_failure import StageFailure
+from services.common.deploy_profile import MediaLimits
+from services.common.pb import code2wav_pb2
+from services.common.tensors import pcm_from_float
+
+router = APIRouter()
+ENCODE_TIMEOUT_S = 60.0
+MAX_REF_TEXT = 4096
+
+
+class VoiceObject(BaseModel):
+    """One voice of the list (built-in voices have only name, type and description)."""
+
+    name: str
+    type: str
+    description: str | None = None
+    created_at: int | None = None
+    duration_s: float | None = None
+    sample_rate: int | None = None
+    ref_text: str | None = None
+    digest: str | None = None
+
+
+class VoiceList(BaseModel):
+    object: str = "list"
+    data: list[VoiceObject]
+
+
+class VoiceDeleted(BaseModel):
+    name: str
+    object: str = "voice"
+    deleted: bool = True
+
+
+async def read_upload(file: UploadFile, limit: int, param: str = "file") -> bytes:
+    """The uploaded file's bytes: 400 when empty, 413 over ``limit``."""
+    data = await file.read(limit + 1)
+    if len(data) > limit:
+        raise APIError(413, f"{param} is over the limit of {limit} bytes", param)
+    if not data:
+        raise APIError(400, f"{param} is empty", param)
+    return data
+
+
+def decode_upload(data: bytes, limits: MediaLimits, param: str = "file") -> tuple[np.ndarray, int]:
+    """Decoded mono float samples and rate; a file that is not audio is a 400 naming ``param``."""
+    try:
+        audio = decode_audio(data, limits, param)
+    except MediaError as exc:
+        raise APIError(400 if exc.status != 413 else 413, exc.message, param) from exc
+    return audio.samples, audio.sample_rate
+
+
+@router.post("/v1/audio/voices", response_model=VoiceObject)
+async def create_voice(
+    request: Request,
+    name: Annotated[str, Form(description="the voice's name (letters, digits, '_', '-', '.')")],
+    file: Annotated[
+        UploadFile, File(description="a 1-30 s reference clip (any format PyAV or soundfile reads)")
+    ],
+    ref_text: Annotated[
+        str | None, Form(max_length=MAX_REF_TEXT, description="what the clip says (kept as metadata)")
+    ] = None,
+) -> VoiceObject:
+    runtime = runtime_of(request)
+    registry = voice_registry(request)
+    registry.check_name(name)
+    root = registry.require_root()
+    if (root / name).exists():
+        raise APIError(409, f"voice {name!r} already exists; DELETE /v1/audio/voices/{name} first", "name")
+    data = await read_upload(file, runtime.config.body_limit)
+    samples, rate = await asyncio.to_thread(decode_upload, data, runtime.media_policy.limits)
+    clip = check_clip(samples, rate)
+    require_stages(runtime, ("code2wav",))
+    client = runtime.stages["code2wav"]
+    req = code2wav_pb2.Code2WavVoiceRequest(ref_audio=pcm_from_float(clip, rate))
+    try:
+        features = await client.pick().stub.EncodeVoice(req, timeout=ENCODE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise APIError(400, f"the voice clip cannot be used: {err.details()}", "file") from err
+        raise stage_api_error(StageFailure.from_rpc_error("code2wav", client.target, err)) from err
+    meta = await asyncio.to_thread(registry.store, name, clip, rate, features, ref_text)
+    return VoiceObject(**meta)  # type: ignore[arg-type]
+
+
+@router.get("/v1/audio/voices", response_model=VoiceList)
+async def list_voices(request: Request) -> VoiceList:
+    registry = voice_registry(request)
+    items = await asyncio.to_thread(registry.list)
+    return VoiceList(data=[VoiceObject(**item) for item in items])  # type: ignore[arg-type]
+
+
+@router.delete("/v1/audio/voices/{name}", response_model=VoiceDeleted)
+async def delete_voice(request: Request, name: str) -> VoiceDeleted:
+    await asyncio.to_thread(voice_registry(request).delete, name)
+    return VoiceDeleted(name=name)
