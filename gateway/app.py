@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.audio import router as audio_router
+from gateway.audio.voices import VoiceRegistry
 from gateway.auth import check_api_key
 from gateway.config import GatewayConfig
 from gateway.openai.chat import OPENAPI_COMPONENTS
@@ -117,6 +118,7 @@ def create_app(
 
     app = FastAPI(title="MiniCPM-o 4.5 gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
+    app.state.voices = VoiceRegistry(config.profile.gateway.voice_dir)  # before the realtime mount
 
     _install_error_handlers(app)
     app.add_middleware(_AuthAndCountMiddleware, config=config)

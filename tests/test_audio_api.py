@@ -307,3 +307,47 @@ def test_openapi_declares_the_audio_routes(gateway: ThreadedGateway) -> None:
         body = paths[path]["post"]["requestBody"]["content"]
         assert "multipart/form-data" in body
     assert "get" in paths["/v1/audio/voices"] and "delete" in paths["/v1/audio/voices/{name}"]
+
+
+# ------------------------------------------------------------------------------------------- realtime
+def test_realtime_session_voice_uses_a_registered_voice(stages: list[StageProcess], tmp_path: Path) -> None:
+    from gateway_server import serve_in_thread
+    from realtime_helpers import pcm16_b64, session_body, tone
+    from realtime_stages import Conn
+
+    from gateway.app import create_app
+
+    app = create_app(_config(stages, tmp_path / "voices"))
+    app.state.realtime_settings.seed = 0
+    app.state.realtime_settings.max_response_units = 3
+    with serve_in_thread(app) as port:
+        url = f"http://127.0.0.1:{port}"
+        files = {"file": ("clip.flac", _voice_clip(), "audio/flac")}
+        assert httpx.post(
+            f"{url}/v1/audio/voices", data={"name": "host"}, files=files, timeout=120
+        ).is_success
+
+        body = session_body(voice="host")
+        del body["ref_audio"]  # the registered voice supplies the reference
+        conn = Conn(f"ws://127.0.0.1:{port}/v1/realtime?duplex=1")
+        try:
+            conn.send({"type": "session.update", "session": body})
+            conn.until("session.updated", 60)
+            conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(tone(1.5))})
+            conn.send({"type": "input_audio_buffer.commit"})
+            conn.until("conversation.item.done", 60)
+            conn.send({"type": "response.create"})
+            delta = conn.until("response.output_audio.delta", 300)
+            assert delta["delta"]
+        finally:
+            conn.close()
+
+        bad = session_body(voice="nobody")
+        del bad["ref_audio"]
+        conn = Conn(f"ws://127.0.0.1:{port}/v1/realtime?duplex=1")
+        try:
+            conn.send({"type": "session.update", "session": bad})
+            err = conn.until("error", 60)["error"]
+            assert err["code"] == "invalid_voice" and err["param"] == "voice" and "nobody" in err["message"]
+        finally:
+            conn.close()

@@ -181,6 +181,19 @@ class VoiceRegistry:
         self._cache[name] = (stamp, voice)
         return voice
 
+    def realtime_voice(self, name: str) -> tuple[np.ndarray, code2wav_pb2.VoicePrompt] | None:
+        """A registered voice for a realtime session: (clip at 16 kHz mono float32, code2wav features)."""
+        if self.root is None or not _NAME.match(name):
+            return None
+        voice = self._load(name)
+        if voice is None:
+            return None
+        from services.common.audio import resample
+        from services.common.tensors import pcm_to_float
+
+        samples, rate = pcm_to_float(voice.thinker_ref)
+        return resample(samples, rate, 16_000), voice.code2wav
+
     def list(self) -> list[dict[str, object]]:
         out: list[dict[str, object]] = [
             {"name": DEFAULT_VOICE, "type": "builtin", "description": "the checkpoint's default voice"}
