@@ -252,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument(
+        "--voice-dir",
+        default=None,
+        help="directory of registered voices (/v1/audio/voices; default: the profile's gateway.voice_dir)",
+    )
+    p.add_argument(
         "--request-timeout", type=float, default=None, help="seconds per request (stage deadlines)"
     )
     p.add_argument(
@@ -277,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _profile(args: argparse.Namespace) -> Any:
+    profile = load_profile(args.deploy_config)
+    if getattr(args, "voice_dir", None):
+        profile = profile.with_overrides({"gateway": {"voice_dir": args.voice_dir}})
+    return profile
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         stage_addrs={
@@ -284,7 +296,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             "talker": args.talker_addr,
             "code2wav": args.code2wav_addr,
         },
-        profile=load_profile(args.deploy_config),
+        profile=_profile(args),
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         allowed_media_root=Path(args.allowed_media_root) if args.allowed_media_root else None,

@@ -128,7 +128,14 @@ class VoiceRegistry:
                 "the voice registry is not configured on this server (deploy profile gateway.voice_dir)",
                 None,
             )
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise APIError(
+                503,
+                f"the voice directory is not usable on this server ({exc.strerror}); see gateway.voice_dir",
+                None,
+            ) from exc
         return self.root
 
     @staticmethod
