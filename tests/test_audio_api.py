@@ -351,3 +351,62 @@ def test_realtime_session_voice_uses_a_registered_voice(stages: list[StageProces
             assert err["code"] == "invalid_voice" and err["param"] == "voice" and "nobody" in err["message"]
         finally:
             conn.close()
+
+
+# ------------------------------------------------------------------------------------------- examples
+def test_example_clients_with_the_stock_sdk(gateway: ThreadedGateway, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    base = f"{gateway.url}/v1"
+    clip = tmp_path / "me.flac"
+    clip.write_bytes(_voice_clip())
+    out = tmp_path / "hello.wav"
+    run = subprocess.run(
+        [sys.executable, "examples/speech_client.py", "Hello there.", "--base-url", base, "--format", "wav"]
+        + [
+            "--output",
+            str(out),
+            "--register-voice",
+            "sdkvoice",
+            "--voice-clip",
+            str(clip),
+            "--voice",
+            "sdkvoice",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "registered voice 'sdkvoice'" in run.stdout and "first byte" in run.stdout
+    frames, rate = _decoded_samples(out.read_bytes())
+    assert frames > 2400 and rate == 24000
+    listed = subprocess.run(
+        [sys.executable, "examples/speech_client.py", "--base-url", base, "--list-voices"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "sdkvoice" in listed.stdout and "alloy" in listed.stdout
+    assert httpx.delete(f"{gateway.url}/v1/audio/voices/sdkvoice", timeout=30).is_success
+
+    audio = tmp_path / "speech.wav"
+    audio.write_bytes(_speechy_wav(3.0))
+    for extra in (["--format", "verbose_json"], ["--format", "srt"], ["--stream"], ["--translate"]):
+        run = subprocess.run(
+            [sys.executable, "examples/transcribe_client.py", str(audio), "--base-url", base, *extra],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, (extra, run.stderr)
+        assert run.stdout.strip(), extra
+        if extra[-1] == "verbose_json":
+            assert json.loads(run.stdout)["segments"][0]["end"] == pytest.approx(3.0, abs=0.01)
+        if extra[-1] == "srt":
+            assert run.stdout.startswith("1\n00:00:00,000 --> 00:00:03,000")
