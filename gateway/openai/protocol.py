@@ -1,4 +1,5 @@
-"""Validation of ``POST /v1/chat/completions`` bodies (wire-protocol §2.1) into a :class:`ChatRequest`.
+"""Validation of ``POST /v1/chat/completions`` bodies (docs/protocol.md, Chat request) into a
+:class:`ChatRequest`.
 
 Validation is explicit rather than a pydantic model because every refusal must name the offending
 field (``param``) in the error envelope and pick the right status (400 bad value, 404 unknown model),
