@@ -26,7 +26,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Literal
 
 import numpy as np
@@ -186,7 +186,7 @@ class SegmentedSpeech:
             task.cancel()
 
 
-async def _encoded(speech: SegmentedSpeech, req: SpeechRequest) -> AsyncIterator[bytes]:
+async def _encoded(speech: SegmentedSpeech, req: SpeechRequest) -> AsyncGenerator[bytes, None]:
     """Encoded bytes as they form (empty pieces skipped); the tail after the last segment."""
     encoder = StreamEncoder(req.response_format, OUTPUT_SAMPLE_RATE)
     stretch = TimeStretch(req.speed, OUTPUT_SAMPLE_RATE)

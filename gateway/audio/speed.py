@@ -9,6 +9,7 @@ rest, so a streamed response stays streamed. ``speed == 1`` bypasses the filter 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ class TimeStretch:
 
             graph = av.filter.Graph()
             src = graph.add_abuffer(
-                format="flt", sample_rate=sample_rate, layout="mono", time_base=f"1/{sample_rate}"
+                format="flt", sample_rate=sample_rate, layout="mono", time_base=Fraction(1, sample_rate)
             )
             node = src
             for factor in atempo_chain(speed):

@@ -19,7 +19,7 @@ import contextlib
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -153,7 +153,7 @@ class WindowedTranscript:
                 await queue.put(exc)
             await queue.put(None)
 
-    async def pieces(self) -> AsyncIterator[tuple[int, str]]:
+    async def pieces(self) -> AsyncGenerator[tuple[int, str], None]:
         try:
             self.tasks = [asyncio.create_task(self._run(i)) for i in range(len(self.jobs))]
             for index, queue in enumerate(self.queues):
