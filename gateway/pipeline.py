@@ -65,7 +65,9 @@ class ChatJob:
     deadline_s: float = 600.0
     # /v1/audio/speech: the spoken reply is exactly this text (the thinker is teacher-forced over it).
     teacher_text: str | None = None
-    # A registered voice's stored code2wav features (sent instead of ref_audio to code2wav).
+    # A registered voice's stored features, sent instead of ref_audio: the thinker's audio-encoder rows
+    # for its speech system prompt and code2wav's prompt.
+    thinker_voice: thinker_pb2.VoiceEmbedding | None = None
     voice_prompt: code2wav_pb2.VoicePrompt | None = None
 
 
@@ -210,7 +212,9 @@ class PipelineRun:
             first_chunk_tokens=job.first_hidden_chunk_tokens,
             hidden_dtype=job.hidden_dtype,
         )
-        if job.ref_audio is not None:
+        if job.thinker_voice is not None:
+            open_msg.voice.CopyFrom(job.thinker_voice)
+        elif job.ref_audio is not None:
             open_msg.ref_audio.CopyFrom(job.ref_audio)
         if job.teacher_text:
             open_msg.teacher_text = job.teacher_text

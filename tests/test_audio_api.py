@@ -171,6 +171,7 @@ def test_voice_registry_end_to_end(
         "clip.wav",
         "code2wav.pb",
         "meta.json",
+        "thinker.pb",
     ]
     assert "exists" in _error(register("narrator", _voice_clip()), 409, "name")
     _error(register("alloy", _voice_clip()), 409, "name")

@@ -16,7 +16,7 @@ from gateway.audio.text import split_segments, split_sentences
 from gateway.audio.transcribe import render_srt, render_vtt, split_windows
 from gateway.audio.voices import VoiceRegistry, check_clip, trim_silence
 from gateway.openai.errors import APIError
-from services.common.pb import code2wav_pb2, common_pb2
+from services.common.pb import code2wav_pb2, common_pb2, thinker_pb2
 
 
 def test_sentences_and_segments() -> None:
@@ -79,13 +79,18 @@ def _features() -> code2wav_pb2.VoicePrompt:
     return code2wav_pb2.VoicePrompt(tokens=t, mel=t, spk_emb=t, digest="abc")
 
 
+def _rows() -> thinker_pb2.VoiceEmbedding:
+    t = common_pb2.Tensor(dtype=common_pb2.DTYPE_FLOAT32, shape=[2, 4], data=np.ones(8, "<f4").tobytes())
+    return thinker_pb2.VoiceEmbedding(embeds=t, digest="def")
+
+
 def test_registry_files_names_and_resolution(tmp_path: Path) -> None:
     registry = VoiceRegistry(tmp_path)
     clip = (0.2 * np.sin(np.arange(32000) * 0.1)).astype(np.float32)
-    meta = registry.store("v1", clip, 16000, _features(), "hello")
+    meta = registry.store("v1", clip, 16000, _features(), _rows(), "hello")
     assert meta["duration_s"] == 2.0 and meta["ref_text"] == "hello"
     with pytest.raises(APIError) as err:
-        registry.store("v1", clip, 16000, _features(), None)
+        registry.store("v1", clip, 16000, _features(), _rows(), None)
     assert err.value.status == 409
     assert (
         registry.resolve(None) is None
@@ -93,7 +98,14 @@ def test_registry_files_names_and_resolution(tmp_path: Path) -> None:
         and registry.resolve("default") is None
     )
     voice = registry.resolve("v1")
-    assert voice is not None and voice.code2wav.digest == "abc" and voice.thinker_ref.sample_rate == 16000
+    assert voice is not None and voice.code2wav.digest == "abc" and voice.thinker.digest == "def"
+    assert voice.clip.sample_rate == 16000
+    assert sorted(p.name for p in (tmp_path / "v1").iterdir()) == [
+        "clip.wav",
+        "code2wav.pb",
+        "meta.json",
+        "thinker.pb",
+    ]
     # another replica over the same directory
     other = VoiceRegistry(tmp_path)
     assert [v["name"] for v in other.list() if v["type"] == "uploaded"] == ["v1"]
@@ -113,7 +125,7 @@ def test_registry_files_names_and_resolution(tmp_path: Path) -> None:
     assert err.value.status == 404
     assert not any(tmp_path.iterdir())
     with pytest.raises(APIError) as err:
-        VoiceRegistry(None).store("x", clip, 16000, _features(), None)
+        VoiceRegistry(None).store("x", clip, 16000, _features(), _rows(), None)
     assert err.value.status == 400
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.common.errors import INVALID_ARGUMENT
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
 from services.common.tensors import pcm_from_float, tensor_from_proto
 from services.thinker.backend import build_backend
@@ -102,3 +103,50 @@ def test_teacher_forced_span_is_the_text_with_prefill_rows(backend, with_audio: 
     hidden, _ = backend.model.forward_hidden(full)
     rows = torch.cat([tensor_from_proto(c.hidden) for c in speech])
     assert torch.allclose(rows, hidden[len(prompt) :], atol=2e-3, rtol=1e-3)  # chunked vs one pass
+
+
+def test_registered_voice_rows_stand_in_for_the_clip(backend) -> None:  # noqa: ANN001
+    """EncodeVoice's rows in ThinkerOpen.voice give the prompt and spoken rows a ref_audio gives."""
+    rate = 22050
+    t = np.arange(int(2.5 * rate)) / rate
+    clip = (0.2 * np.sin(2 * np.pi * 170 * t) * (1 + 0.4 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    ref = pcm_from_float(clip, rate)
+    parts = [thinker_pb2.ContentPart(text="Please read the text below."), thinker_pb2.ContentPart(text=TEXT)]
+
+    async def scenario() -> tuple[thinker_pb2.VoiceEmbedding, list, list]:  # noqa: ANN001
+        import grpc
+
+        from services.common.grpc_server import ServeOptions
+        from services.thinker.server import make_server
+
+        server = make_server(backend, ServeOptions(host="127.0.0.1", port=0, metrics_port=0))
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = thinker_pb2_grpc.ThinkerServiceStub(ch)
+                voice = await stub.EncodeVoice(thinker_pb2.ThinkerVoiceRequest(ref_audio=ref), timeout=60)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.EncodeVoice(thinker_pb2.ThinkerVoiceRequest(), timeout=60)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+                async def run(open_msg: thinker_pb2.ThinkerOpen) -> list:
+                    async def gen():  # noqa: ANN202
+                        yield thinker_pb2.ThinkerRequest(open=open_msg)
+
+                    return [r async for r in stub.Generate(gen(), timeout=60)]
+
+                with_clip = await run(_open(parts, ref_audio=ref))
+                with_rows = await run(_open(parts, voice=voice))
+                both = await run(_open(parts, voice=voice, ref_audio=ref))
+                assert both[-1].error.code == INVALID_ARGUMENT and both[-1].error.param == "voice"
+                return voice, with_clip, with_rows
+        finally:
+            await server.stop(grace=0.5)
+
+    voice, with_clip, with_rows = asyncio.run(scenario())
+    rows = tensor_from_proto(voice.embeds)
+    assert rows.shape == (25, backend.hidden_size)  # 2.5 s at 10 rows per second
+    assert with_clip[-1].done.usage.prompt_tokens == with_rows[-1].done.usage.prompt_tokens
+    clip_rows = torch.cat([tensor_from_proto(r.speech.hidden) for r in with_clip if r.HasField("speech")])
+    voice_rows = torch.cat([tensor_from_proto(r.speech.hidden) for r in with_rows if r.HasField("speech")])
+    assert torch.allclose(clip_rows, voice_rows, atol=2e-3, rtol=1e-3)

@@ -6,7 +6,8 @@ pipeline (:mod:`gateway.pipeline`) whose thinker is teacher-forced over the segm
 the talker and code2wav see exactly what a spoken chat reply of that text would give them. The prompt is
 the model's read-aloud template: a user turn ``["Please read the text below.", <segment>]``, the TTS
 generation prompt ending in ``<|tts_bos|>``, and, when the request names a registered voice, the speech
-system prompt with that voice's clip (the thinker builds it); ``instructions`` is a system message.
+system prompt with that voice's stored audio rows (the thinker builds it); ``instructions`` is a system
+message.
 
 Segments play back to back without gaps: segment k+1's run starts as soon as segment k produces its
 first audio, and its output waits in a bounded queue until segment k is finished.
@@ -103,7 +104,7 @@ def _job(runtime: GatewayRuntime, req: SpeechRequest, segment: str, voice: Regis
         want_speech=True,
         use_tts_template=True,
         enable_thinking=False,
-        ref_audio=voice.thinker_ref if voice is not None else None,
+        thinker_voice=voice.thinker if voice is not None else None,
         voice_prompt=voice.code2wav if voice is not None else None,
         hidden_chunk_tokens=thinker_p.hidden_chunk_tokens,
         first_hidden_chunk_tokens=thinker_p.first_hidden_chunk_tokens,

@@ -1,15 +1,16 @@
 """``/v1/audio/voices``: register (multipart ``name``, ``file``, optional ``ref_text``), list and delete.
 
 Registration checks the clip here (decodable by soundfile or PyAV, 1-30 s of sound after trimming
-leading and trailing silence), asks the code2wav stage once for the features it derives from a
-reference (``EncodeVoice``: S3 prompt tokens, prompt mel, speaker x-vector) and stores them beside the
-clip (:mod:`gateway.audio.voices`). Requests naming the voice then send the stored features.
+leading and trailing silence), asks the stages once for what they derive from a reference (both
+``EncodeVoice`` RPCs, concurrently: code2wav's S3 prompt tokens, prompt mel and speaker x-vector, the
+thinker's audio-encoder rows for its speech system prompt) and stores them beside the clip
+(:mod:`gateway.audio.voices`). Requests naming the voice then send the stored features.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, Any
 
 import grpc
 import numpy as np
@@ -22,7 +23,7 @@ from gateway.media import MediaError, decode_audio
 from gateway.openai.errors import APIError
 from gateway.stage_failure import StageFailure
 from services.common.deploy_profile import MediaLimits
-from services.common.pb import code2wav_pb2
+from services.common.pb import code2wav_pb2, thinker_pb2
 from services.common.tensors import pcm_from_float
 
 router = APIRouter()
@@ -93,16 +94,23 @@ async def create_voice(
     data = await read_upload(file, runtime.config.body_limit)
     samples, rate = await asyncio.to_thread(decode_upload, data, runtime.media_policy.limits)
     clip = check_clip(samples, rate)
-    require_stages(runtime, ("code2wav",))
-    client = runtime.stages["code2wav"]
-    req = code2wav_pb2.Code2WavVoiceRequest(ref_audio=pcm_from_float(clip, rate))
-    try:
-        features = await client.pick().stub.EncodeVoice(req, timeout=ENCODE_TIMEOUT_S)
-    except grpc.aio.AioRpcError as err:
-        if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise APIError(400, f"the voice clip cannot be used: {err.details()}", "file") from err
-        raise stage_api_error(StageFailure.from_rpc_error("code2wav", client.target, err)) from err
-    meta = await asyncio.to_thread(registry.store, name, clip, rate, features, ref_text)
+    require_stages(runtime, ("thinker", "code2wav"))
+    pcm = pcm_from_float(clip, rate)
+
+    async def encode(stage: str, request: object) -> Any:
+        client = runtime.stages[stage]
+        try:
+            return await client.pick().stub.EncodeVoice(request, timeout=ENCODE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise APIError(400, f"the voice clip cannot be used: {err.details()}", "file") from err
+            raise stage_api_error(StageFailure.from_rpc_error(stage, client.target, err)) from err
+
+    features, rows = await asyncio.gather(
+        encode("code2wav", code2wav_pb2.Code2WavVoiceRequest(ref_audio=pcm)),
+        encode("thinker", thinker_pb2.ThinkerVoiceRequest(ref_audio=pcm)),
+    )
+    meta = await asyncio.to_thread(registry.store, name, clip, rate, features, rows, ref_text)
     return VoiceObject(**meta)  # type: ignore[arg-type]
 
 

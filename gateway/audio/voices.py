@@ -5,14 +5,17 @@ Layout (``gateway.voice_dir`` of the deploy profile, a volume every gateway repl
     <voice_dir>/<name>/clip.wav      the trimmed reference clip (16-bit mono, its own rate)
     <voice_dir>/<name>/code2wav.pb   code2wav's ``VoicePrompt`` for it (S3 prompt tokens, prompt mel,
                                      CAM++ x-vector), computed by the code2wav stage's ``EncodeVoice``
+    <voice_dir>/<name>/thinker.pb    the thinker's ``VoiceEmbedding`` (the audio encoder's rows for the
+                                     clip), computed by the thinker stage's ``EncodeVoice``
     <voice_dir>/<name>/meta.json     name, created_at, duration, sample rate, ref_text, feature digest
 
 A voice is written into a hidden temporary directory and renamed into place, so a reader (any replica)
 sees a voice completely or not at all, and two replicas registering one name race on the rename: one
-wins, the other answers 409. The gateway never runs a model: the features come from the stage, and a
-request naming the voice sends them as they are (``Code2WavOpen.voice``), so a registered voice costs
-no featurisation per request. The thinker receives the stored clip as its reference audio (it places
-the clip in the speech system prompt, as for an inline ``ref_audio``).
+wins, the other answers 409. The gateway never runs a model: the features come from the stages, and a
+request naming the voice sends them as they are (``ThinkerOpen.voice``: the rows the thinker's speech
+system prompt holds for the clip; ``Code2WavOpen.voice``: code2wav's prompt), so a registered voice is
+never decoded, encoded or featurised per request. The talker takes nothing from a reference. The clip
+itself is kept for realtime sessions (the duplex prefix is built from audio) and for re-deriving.
 
 Names: OpenAI's built-in voice names (:data:`BUILTIN_VOICES`) and ``default`` are the checkpoint's
 default voice and cannot be registered; an uploaded name is 1-64 characters of letters, digits, ``_``,
@@ -34,7 +37,7 @@ import numpy as np
 
 from gateway.openai.errors import APIError
 from services.common.audio import read_audio, wav_bytes
-from services.common.pb import code2wav_pb2, common_pb2
+from services.common.pb import code2wav_pb2, common_pb2, thinker_pb2
 from services.common.tensors import pcm_from_float
 
 DEFAULT_VOICE = "default"
@@ -66,7 +69,8 @@ class RegisteredVoice:
     """A stored voice, as the request paths use it."""
 
     name: str
-    thinker_ref: common_pb2.Pcm  # the trimmed clip, for the thinker's speech system prompt
+    clip: common_pb2.Pcm  # the trimmed clip (realtime sessions build their duplex prefix from audio)
+    thinker: thinker_pb2.VoiceEmbedding  # the thinker's stored audio-encoder rows
     code2wav: code2wav_pb2.VoicePrompt  # code2wav's stored features
     meta: dict[str, object]
 
@@ -181,10 +185,11 @@ class VoiceRegistry:
         try:
             meta = json.loads((folder / "meta.json").read_text())
             features = code2wav_pb2.VoicePrompt.FromString((folder / "code2wav.pb").read_bytes())
+            rows = thinker_pb2.VoiceEmbedding.FromString((folder / "thinker.pb").read_bytes())
             samples, rate = read_audio(folder / "clip.wav")
         except (OSError, ValueError, RuntimeError):
             return None  # half-deleted by another replica: as good as gone
-        voice = RegisteredVoice(name, pcm_from_float(samples, rate), features, meta)
+        voice = RegisteredVoice(name, pcm_from_float(samples, rate), rows, features, meta)
         self._cache[name] = (stamp, voice)
         return voice
 
@@ -198,7 +203,7 @@ class VoiceRegistry:
         from services.common.audio import resample
         from services.common.tensors import pcm_to_float
 
-        samples, rate = pcm_to_float(voice.thinker_ref)
+        samples, rate = pcm_to_float(voice.clip)
         return resample(samples, rate, 16_000), voice.code2wav
 
     def list(self) -> list[dict[str, object]]:
@@ -228,6 +233,7 @@ class VoiceRegistry:
         clip: np.ndarray,
         sample_rate: int,
         features: code2wav_pb2.VoicePrompt,
+        thinker_rows: thinker_pb2.VoiceEmbedding,
         ref_text: str | None,
     ) -> dict[str, object]:
         """Write the voice atomically; 409 when the name exists (here or on another replica)."""
@@ -249,6 +255,7 @@ class VoiceRegistry:
         try:
             (tmp / "clip.wav").write_bytes(wav_bytes(clip, sample_rate))
             (tmp / "code2wav.pb").write_bytes(features.SerializeToString())
+            (tmp / "thinker.pb").write_bytes(thinker_rows.SerializeToString())
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             try:
                 os.rename(tmp, root / name)

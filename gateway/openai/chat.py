@@ -135,11 +135,9 @@ async def create_chat_completion(request: Request) -> Response:
         messages = await build_thinker_messages(req.messages, runtime.media_policy)
         ref = await load_ref_audio(req.ref_audio, runtime.media_policy) if req.ref_audio else None
         voice = resolve_chat_voice(request, body) if req.want_audio else None
-        if voice is not None and ref is None:  # a registered voice: its clip and stored features
-            ref = voice.thinker_ref
         job = _build_job(runtime, req, messages, ref)
-        if voice is not None and not req.ref_audio:
-            job.voice_prompt = voice.code2wav
+        if voice is not None and ref is None:  # a registered voice: the stages' stored features
+            job.thinker_voice, job.voice_prompt = voice.thinker, voice.code2wav
         try:  # a stage known down: 503 + Retry-After now (after input checks), not an SSE error after a 200
             runtime.monitor.require(("thinker", "talker", "code2wav") if req.want_audio else ("thinker",))
         except StageFailure as exc:

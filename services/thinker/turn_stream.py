@@ -29,6 +29,7 @@ from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig
 from services.thinker.scheduler import Sequence as EngineSequence
 from services.thinker.scheduler import WorkItem
 from services.thinker.turn import TTS_BOS_ID, TurnOutput
+from services.thinker.voice import speech_system_prefix, voice_rows
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def messages_from_proto(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOp
     from services.thinker.processor.chat import speech_system_message
 
     out: list[Any] = []
-    if open_msg.want_speech and open_msg.ref_audio.data:
+    if (open_msg.want_speech or open_msg.teacher_text) and open_msg.ref_audio.data:
         samples, rate = pcm_to_float(open_msg.ref_audio)
         out.append(speech_system_message(AudioClip(samples, rate)))
     for i, m in enumerate(open_msg.messages):
@@ -109,7 +110,9 @@ def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen
         raise StageError(INVALID_ARGUMENT, "messages must not be empty", "messages")
     messages = messages_from_proto(backend, open_msg)
     teacher = bool(open_msg.teacher_text)
-    use_tts = True if (open_msg.use_tts_template or open_msg.want_speech or teacher) else None
+    speaking = bool(open_msg.want_speech) or teacher
+    voice = voice_rows(backend, open_msg) if speaking else None
+    use_tts = True if (open_msg.use_tts_template or speaking) else None
     processed = backend.processor(
         messages, enable_thinking=open_msg.enable_thinking, use_tts_template=use_tts
     )
@@ -119,15 +122,26 @@ def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen
         forced = list(backend.tokenizer.encode(open_msg.teacher_text, add_special_tokens=False))
         if not forced:
             raise StageError(INVALID_ARGUMENT, "teacher_text has no tokens", "teacher_text")
-    backend.engine.check_prompt_length(len(ids) + len(forced))
+    prefix_ids: list[int] = []
+    prefix_embeds = None
+    if voice is not None:  # a registered voice: its stored rows stand where the clip's would
+        prefix_ids, prefix_embeds = speech_system_prefix(backend, voice)
+    backend.engine.check_prompt_length(len(prefix_ids) + len(ids) + len(forced))
     embeds = None
     if processed.image_bounds.numel() or processed.audio_bounds.numel():
         embeds = backend.model.embed_prompt(processed).detach()
-        if forced:  # the forced tokens are plain text rows
-            with torch.inference_mode():
+    if embeds is not None or prefix_embeds is not None:
+        with torch.inference_mode():
+            if embeds is None:
+                embeds = backend.model.embed_tokens(torch.tensor(ids, device=backend.model.device))
+            parts = [embeds]
+            if prefix_embeds is not None:
+                parts.insert(0, prefix_embeds.to(embeds.dtype))
+            if forced:  # the forced tokens are plain text rows
                 text_rows = backend.model.embed_tokens(torch.tensor(forced, device=embeds.device))
-            embeds = torch.cat([embeds, text_rows.to(embeds.dtype)])
-    return TurnPrompt(ids + forced, embeds, len(forced))
+                parts.append(text_rows.to(embeds.dtype))
+            embeds = torch.cat(parts).detach()
+    return TurnPrompt(prefix_ids + ids + forced, embeds, len(forced))
 
 
 class TurnStream(StageStream[Response]):
