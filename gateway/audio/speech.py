@@ -40,7 +40,7 @@ from gateway.audio.encoding import MIME_TYPES, StreamEncoder
 from gateway.audio.speed import MAX_SPEED, MIN_SPEED, TimeStretch
 from gateway.audio.text import split_segments
 from gateway.audio.voices import RegisteredVoice
-from gateway.openai.errors import APIError, error_body
+from gateway.openai.errors import error_body, invalid_request
 from gateway.pipeline import OUTPUT_SAMPLE_RATE, AudioEvent, ChatJob, FinishEvent, PipelineRun
 from gateway.runtime import GatewayRuntime
 from gateway.stage_failure import StageFailure
@@ -227,7 +227,7 @@ async def create_speech(request: Request, body: SpeechRequest) -> Response:
     check_model(runtime, body.model)
     text = body.input.strip()
     if not text:
-        raise APIError(400, "input must contain text to speak", "input")
+        raise invalid_request("input must contain text to speak", "input")
     voice = voice_registry(request).resolve(body.voice, "voice")
     jobs = [_job(runtime, body, segment, voice) for segment in split_segments(text)]
     require_stages(runtime, ("thinker", "talker", "code2wav"))

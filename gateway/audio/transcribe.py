@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from gateway.audio.common import check_model, require_stages, runtime_of, stage_api_error
 from gateway.audio.voice_routes import decode_upload, read_upload
-from gateway.openai.errors import APIError, error_body
+from gateway.openai.errors import error_body, invalid_request
 from gateway.pipeline import ChatJob, FinishEvent, PipelineRun, TextEvent
 from gateway.runtime import GatewayRuntime
 from gateway.stage_failure import StageFailure
@@ -226,19 +226,18 @@ async def _handle(
     runtime = runtime_of(request)
     check_model(runtime, model)
     if response_format not in RESPONSE_FORMATS:
-        raise APIError(
-            400,
+        raise invalid_request(
             f"response_format must be one of {list(RESPONSE_FORMATS)} (got {response_format!r})",
             "response_format",
         )
     if not 0.0 <= temperature <= 2.0:
-        raise APIError(400, f"temperature must be in [0, 2] (got {temperature:g})", "temperature")
+        raise invalid_request(f"temperature must be in [0, 2] (got {temperature:g})", "temperature")
     data = await read_upload(file, runtime.config.body_limit)
     samples, rate = await asyncio.to_thread(decode_upload, data, runtime.media_policy.limits)
     audio16 = await asyncio.to_thread(resample, samples, rate, ENCODER_RATE)
     duration = audio16.size / ENCODER_RATE
     if duration < 0.1:
-        raise APIError(400, f"the audio lasts {duration * 1000:.0f} ms; at least 100 ms is needed", "file")
+        raise invalid_request(f"the audio lasts {duration * 1000:.0f} ms; at least 100 ms is needed", "file")
     windows = split_windows(audio16)
     jobs = [_job(runtime, w, task, language, prompt, temperature) for w in windows]
     require_stages(runtime, ("thinker",))

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from gateway.audio.common import require_stages, runtime_of, stage_api_error, voice_registry
 from gateway.audio.voices import check_clip
 from gateway.media import MediaError, decode_audio
-from gateway.openai.errors import APIError
+from gateway.openai.errors import invalid_request
 from gateway.stage_failure import StageFailure
 from services.common.deploy_profile import MediaLimits
 from services.common.pb import code2wav_pb2, thinker_pb2
@@ -59,9 +59,9 @@ async def read_upload(file: UploadFile, limit: int, param: str = "file") -> byte
     """The uploaded file's bytes: 400 when empty, 413 over ``limit``."""
     data = await file.read(limit + 1)
     if len(data) > limit:
-        raise APIError(413, f"{param} is over the limit of {limit} bytes", param)
+        raise invalid_request(f"{param} is over the limit of {limit} bytes", param, "file_too_large", 413)
     if not data:
-        raise APIError(400, f"{param} is empty", param)
+        raise invalid_request(f"{param} is empty", param, "empty_file")
     return data
 
 
@@ -70,7 +70,9 @@ def decode_upload(data: bytes, limits: MediaLimits, param: str = "file") -> tupl
     try:
         audio = decode_audio(data, limits, param)
     except MediaError as exc:
-        raise APIError(400 if exc.status != 413 else 413, exc.message, param) from exc
+        if exc.status == 413:
+            raise invalid_request(exc.message, param, "audio_too_long", 413) from exc
+        raise invalid_request(exc.message, param, "invalid_audio") from exc
     return audio.samples, audio.sample_rate
 
 
@@ -90,7 +92,12 @@ async def create_voice(
     registry.check_name(name)
     root = registry.require_root()
     if (root / name).exists():
-        raise APIError(409, f"voice {name!r} already exists; DELETE /v1/audio/voices/{name} first", "name")
+        raise invalid_request(
+            f"voice {name!r} already exists; DELETE /v1/audio/voices/{name} first",
+            "name",
+            "voice_exists",
+            409,
+        )
     data = await read_upload(file, runtime.config.body_limit)
     samples, rate = await asyncio.to_thread(decode_upload, data, runtime.media_policy.limits)
     clip = check_clip(samples, rate)
@@ -103,7 +110,9 @@ async def create_voice(
             return await client.pick().stub.EncodeVoice(request, timeout=ENCODE_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise APIError(400, f"the voice clip cannot be used: {err.details()}", "file") from err
+                raise invalid_request(
+                    f"the voice clip cannot be used: {err.details()}", "file", "invalid_audio"
+                ) from err
             raise stage_api_error(StageFailure.from_rpc_error(stage, client.target, err)) from err
 
     features, rows = await asyncio.gather(

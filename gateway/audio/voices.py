@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.openai.errors import APIError
+from gateway.openai.errors import APIError, invalid_request
 from services.common.audio import read_audio, wav_bytes
 from services.common.pb import code2wav_pb2, common_pb2, thinker_pb2
 from services.common.tensors import pcm_from_float
@@ -100,16 +100,16 @@ def check_clip(samples: np.ndarray, sample_rate: int) -> np.ndarray:
     trimmed = trim_silence(samples, sample_rate)
     seconds = trimmed.size / float(sample_rate)
     if seconds < MIN_CLIP_S:
-        raise APIError(
-            400,
+        raise invalid_request(
             f"the voice clip has {seconds:.2f} s of sound after trimming silence; at least {MIN_CLIP_S:g} s is needed",
             "file",
+            "audio_too_short",
         )
     if seconds > MAX_CLIP_S:
-        raise APIError(
-            400,
+        raise invalid_request(
             f"the voice clip has {seconds:.1f} s of sound after trimming silence; at most {MAX_CLIP_S:g} s is allowed",
             "file",
+            "audio_too_long",
         )
     return trimmed
 
@@ -127,8 +127,7 @@ class VoiceRegistry:
 
     def require_root(self) -> Path:
         if self.root is None:
-            raise APIError(
-                400,
+            raise invalid_request(
                 "the voice registry is not configured on this server (deploy profile gateway.voice_dir)",
                 None,
             )
@@ -145,13 +144,12 @@ class VoiceRegistry:
     @staticmethod
     def check_name(name: str, param: str = "name") -> str:
         if not _NAME.match(name or ""):
-            raise APIError(
-                400,
+            raise invalid_request(
                 f"invalid voice name {name!r}: 1-64 letters, digits, '_', '-' or '.', starting with a letter or digit",
                 param,
             )
         if is_builtin(name.lower()):
-            raise APIError(409, f"voice {name!r} is a built-in voice name", param)
+            raise invalid_request(f"voice {name!r} is a built-in voice name", param, "voice_exists", 409)
         return name
 
     # ---------------------------------------------------------------- reads
@@ -163,11 +161,11 @@ class VoiceRegistry:
         name = str(name)
         voice = self._load(name) if self.root is not None and _NAME.match(name) else None
         if voice is None:
-            raise APIError(
-                400,
+            raise invalid_request(
                 f"unknown voice {name!r}: use a built-in voice ({', '.join(BUILTIN_VOICES)}) or one registered "
                 "with POST /v1/audio/voices",
                 param,
+                "voice_not_found",
             )
         return voice
 
@@ -239,8 +237,11 @@ class VoiceRegistry:
         """Write the voice atomically; 409 when the name exists (here or on another replica)."""
         root = self.require_root()
         if (root / name).exists():
-            raise APIError(
-                409, f"voice {name!r} already exists; DELETE /v1/audio/voices/{name} first", "name"
+            raise invalid_request(
+                f"voice {name!r} already exists; DELETE /v1/audio/voices/{name} first",
+                "name",
+                "voice_exists",
+                409,
             )
         meta: dict[str, object] = {
             "name": name,
@@ -260,7 +261,7 @@ class VoiceRegistry:
             try:
                 os.rename(tmp, root / name)
             except OSError as exc:  # the name appeared meanwhile (another replica)
-                raise APIError(409, f"voice {name!r} already exists", "name") from exc
+                raise invalid_request(f"voice {name!r} already exists", "name", "voice_exists", 409) from exc
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -268,7 +269,7 @@ class VoiceRegistry:
 
     def delete(self, name: str) -> None:
         if is_builtin(name.lower()):
-            raise APIError(400, f"voice {name!r} is built in and cannot be deleted", "name")
+            raise invalid_request(f"voice {name!r} is built in and cannot be deleted", "name")
         root = self.require_root()
         folder = root / name
         if not _NAME.match(name) or not (folder / "meta.json").is_file():

@@ -137,7 +137,8 @@ async def create_chat_completion(request: Request) -> Response:
     try:
         messages = await build_thinker_messages(req.messages, runtime.media_policy)
         ref = await load_ref_audio(req.ref_audio, runtime.media_policy) if req.ref_audio else None
-        voice = resolve_chat_voice(request, body) if req.want_audio else None
+        named = req.openai_audio.voice if req.openai_audio is not None else None
+        voice = resolve_chat_voice(request, named) if req.want_audio else None
         job = _build_job(runtime, req, messages, ref)
         if voice is not None and ref is None:  # a registered voice: the stages' stored features
             job.thinker_voice, job.voice_prompt = voice.thinker, voice.code2wav
