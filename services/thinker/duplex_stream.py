@@ -108,6 +108,7 @@ class DuplexStream(StageStream[Response]):
         self.busy = True  # the engine computes something of this session (the prefix at first)
         self.ending = False
         self.context_tokens = 0
+        self.cached_tokens = 0  # prompt tokens of this session's prefills found in the prefix cache
 
     def identity(self) -> common_pb2.Identity:
         if self.session is not None:
@@ -295,6 +296,7 @@ class DuplexStream(StageStream[Response]):
             prompt_tokens=fed - session.total_generated,
             completion_tokens=session.total_generated,
             total_tokens=fed,
+            cached_tokens=self.cached_tokens,
         )
         usage.extra["units"] = session.units_done
         if record is not None:
@@ -307,6 +309,8 @@ class DuplexStream(StageStream[Response]):
         self.context_tokens = ev.context_tokens
         if ev.error is not None:
             raise ev.error
+        if ev.finish_reason == "prefilled":
+            self.cached_tokens += ev.cached_tokens  # a prefix (or trimmed re-prefill) found in the cache
         if ev.finish_reason == "prefilled" and self.deferred is not None:
             deferred, self.deferred = self.deferred, None
             self._submit(deferred, ev.context_tokens)

@@ -25,6 +25,7 @@ from services.common.tensors import dtype_from_proto, pcm_to_float
 from services.thinker.backend import ThinkerBackend
 from services.thinker.engine import EngineEvent
 from services.thinker.errors import failure
+from services.thinker.prefix_hash import MediaSpan
 from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig
 from services.thinker.scheduler import Sequence as EngineSequence
 from services.thinker.scheduler import WorkItem
@@ -99,6 +100,7 @@ def messages_from_proto(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOp
 class TurnPrompt:
     ids: list[int]
     embeds: torch.Tensor | None
+    media: list[MediaSpan] | None = None  # the embedded rows' content keys (prefix caching)
 
 
 def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> TurnPrompt:
@@ -114,7 +116,9 @@ def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen
     embeds = None
     if processed.image_bounds.numel() or processed.audio_bounds.numel():
         embeds = backend.model.embed_prompt(processed).detach()
-    return TurnPrompt(processed.input_ids.tolist(), embeds)
+    return TurnPrompt(
+        processed.input_ids.tolist(), embeds, processed.media_spans if embeds is not None else None
+    )
 
 
 class TurnStream(StageStream[Response]):
@@ -129,6 +133,7 @@ class TurnStream(StageStream[Response]):
         self.seq: EngineSequence | None = None
         self.turn: TurnOutput | None = None
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt, found in the prefix cache (the engine's events say)
         self.outbox: list[Response] = []
 
     def identity(self) -> common_pb2.Identity:
@@ -165,7 +170,12 @@ class TurnStream(StageStream[Response]):
         )
         self.seq = engine.open(inbox.post_threadsafe)
         work = WorkItem(
-            prompt.ids, prompt.embeds, Sampler(sampling), emit_hidden=want_speech, feed_last=want_speech
+            prompt.ids,
+            prompt.embeds,
+            Sampler(sampling),
+            emit_hidden=want_speech,
+            feed_last=want_speech,
+            media=prompt.media,
         )
         engine.submit(self.seq, work)
         return ()
@@ -190,12 +200,13 @@ class TurnStream(StageStream[Response]):
         assert self.turn is not None
         if ev.error is not None:
             raise ev.error
+        self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
         if ev.hidden is not None and ev.fed_token is not None:
             self.turn.on_row(ev.fed_token, ev.hidden)
         if ev.token is not None:
             self.turn.on_token(ev.token, ev.finish_reason)
         if ev.finish_reason is not None:
-            self.turn.finish(ev.finish_reason, self.prompt_tokens)
+            self.turn.finish(ev.finish_reason, self.prompt_tokens, self.cached_tokens)
             self.finished = True
         return self._drain_outbox()
 
