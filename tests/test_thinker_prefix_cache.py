@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -319,3 +320,56 @@ def test_cached_tokens_through_the_server_and_repeated_image(backend) -> None:  
         assert other.usage.cached_tokens < again.usage.cached_tokens
 
     asyncio.run(body())
+
+
+# ------------------------------------------------------------------------------- real process + gateway
+@pytest.mark.slow
+def test_cached_tokens_in_chat_usage_through_a_thinker_process(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A real thinker process behind the gateway: the second request with the same long system prompt
+    reports the shared blocks in ``usage.prompt_tokens_details.cached_tokens`` (non-streamed and
+    streamed), and the thinker's /metrics counts the hit."""
+    import httpx
+    from gateway_server import ThreadedGateway
+    from stage_processes import dead_address, start_stages, stop_all
+
+    from gateway.config import GatewayConfig
+    from services.common.deploy_profile import load_profile
+
+    (thinker,) = start_stages(tiny_ckpt, tmp_path, [("thinker", ["--max-context", "1024"])])
+    try:
+        addrs = {"thinker": thinker.addr, "talker": dead_address(), "code2wav": dead_address()}
+        system = "You are a careful assistant. " * 20
+        with ThreadedGateway(GatewayConfig(stage_addrs=addrs, profile=load_profile("cpu"))) as gw:
+
+            def chat(question: str, **extra: object) -> httpx.Response:
+                body = {
+                    "model": "openbmb/MiniCPM-o-4_5",
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": question},
+                    ],
+                    "modalities": ["text"],
+                    "max_tokens": 3,
+                    **extra,
+                }
+                r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                return r
+
+            first = chat("Hello?").json()["usage"]
+            second = chat("Why?").json()["usage"]
+            assert first["prompt_tokens_details"]["cached_tokens"] == 0
+            cached = second["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 128 and cached % BS == 0 and cached < second["prompt_tokens"]
+            lines = chat("How?", stream=True, stream_options={"include_usage": True}).text.splitlines()
+            chunks = [json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: {")]
+            assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+        metrics = httpx.get(f"http://127.0.0.1:{thinker.metrics_port}/metrics", timeout=10).text
+        hits = [
+            ln
+            for ln in metrics.splitlines()
+            if ln.startswith("minicpmo_thinker_prefix_cache_hit_tokens_total")
+        ]
+        assert hits and float(hits[0].split()[-1]) >= 2 * cached
+    finally:
+        stop_all([thinker])
