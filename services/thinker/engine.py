@@ -48,7 +48,7 @@ from services.thinker.engine_metrics import (
     observe_step,
 )
 from services.thinker.errors import failure
-from services.thinker.kv_cache import KVLayout, PagedKVCache, default_kv_budget
+from services.thinker.kv_cache import KVLayout, PagedKVCache, check_explicit_kv_budget, default_kv_budget
 from services.thinker.overlap import (
     InFlight,
     Prefetched,
@@ -135,7 +135,11 @@ class ThinkerEngine:
         )
         self.max_context = min(int(config.max_context), int(cfg.max_position_embeddings))
         budget = config.kv_budget_bytes
-        if budget is None:
+        if budget is not None:
+            check_explicit_kv_budget(
+                budget, self.device, config.memory_fraction, config.memory_fraction_key, config.reserve_bytes
+            )
+        else:
             budget = default_kv_budget(
                 self.layout,
                 self.device,

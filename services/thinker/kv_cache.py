@@ -185,12 +185,18 @@ class PagedKVCache:
         shape = (num_slots, layout.num_kv_heads, layout.head_dim)
         # Uninitialised storage (pages are touched only when used); only the scratch block must hold
         # finite values, because padded rows attend to it and NaN * 0 would still be NaN.
-        self.k: list[torch.Tensor] = [
-            torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
-        ]
-        self.v: list[torch.Tensor] = [
-            torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
-        ]
+        try:
+            self.k: list[torch.Tensor] = [
+                torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
+            ]
+            self.v: list[torch.Tensor] = [
+                torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
+            ]
+        except torch.OutOfMemoryError as exc:  # a last line behind check_kv_budget: a startup error, typed
+            raise KVBudgetError(
+                f"the KV cache of {_gib(budget_bytes)} does not fit in the device memory this process may use "
+                f"({str(exc).splitlines()[0]}); give --kv-budget auto or a smaller budget"
+            ) from None
         scratch = slice(
             BlockPool.SCRATCH_BLOCK * layout.block_size, (BlockPool.SCRATCH_BLOCK + 1) * layout.block_size
         )
@@ -243,7 +249,7 @@ def kv_budget_for_memory_fraction(
     ``key`` names the setting to change in the error.
     """
     cap = int(fraction * total_bytes)
-    budget = cap - int(held_bytes) - int(headroom_bytes)
+    budget = kv_budget_room(fraction, total_bytes, held_bytes, headroom_bytes)
     if budget < min_bytes:
         # rounded up, so the suggested value is really enough
         needed = math.ceil(1000 * (int(held_bytes) + int(headroom_bytes) + min_bytes) / total_bytes) / 1000
@@ -253,6 +259,76 @@ def kv_budget_for_memory_fraction(
             f"for activations, CUDA-graph pools and duplex audio caches. Raise {key} to at least {needed:.3f}, or give --kv-budget."
         )
     return budget
+
+
+def kv_budget_room(
+    fraction: float, total_bytes: int, held_bytes: int, headroom_bytes: int = KV_HEADROOM_BYTES
+) -> int:
+    """Bytes a KV pool may take inside a per-process cap: ``fraction × total − held − headroom``."""
+    return int(fraction * total_bytes) - int(held_bytes) - int(headroom_bytes)
+
+
+def check_kv_budget(
+    budget_bytes: int,
+    *,
+    total_bytes: int,
+    held_bytes: int,
+    fraction: float | None = None,
+    free_bytes: int | None = None,
+    headroom_bytes: int = KV_HEADROOM_BYTES,
+    key: str = "stages.thinker.memory_fraction",
+) -> None:
+    """An explicit ``--kv-budget`` must fit what the stage may hold, or the pool's allocation (or the first
+    prefill after it) dies with an out-of-memory error instead of a clear startup message.
+
+    With a memory ``fraction`` the room is the cap minus what the process holds (the weights) minus the
+    headroom; without one it is the device's free memory minus the headroom.
+    """
+    if fraction is not None:
+        room = kv_budget_room(fraction, total_bytes, held_bytes, headroom_bytes)
+        if budget_bytes <= room:
+            return
+        needed = math.ceil(1000 * (int(held_bytes) + int(headroom_bytes) + budget_bytes) / total_bytes) / 1000
+        cap = int(fraction * total_bytes)
+        raise KVBudgetError(
+            f"--kv-budget {_gib(budget_bytes)} does not fit the thinker's memory cap: {key} = {fraction:g} of "
+            f"{_gib(total_bytes)} is {_gib(cap)}, the weights already hold {_gib(held_bytes)} and "
+            f"{_gib(headroom_bytes)} is kept for activations, CUDA-graph pools and duplex audio caches, which "
+            f"leaves {_gib(max(0, room))} for the KV cache. Give --kv-budget auto (sized from the cap) or at "
+            f"most {_gib(max(0, room))}, or raise {key} to at least {needed:.3f}."
+        )
+    if free_bytes is not None and budget_bytes > free_bytes - headroom_bytes:
+        raise KVBudgetError(
+            f"--kv-budget {_gib(budget_bytes)} does not fit the free device memory: {_gib(free_bytes)} of "
+            f"{_gib(total_bytes)} is free and {_gib(headroom_bytes)} is kept for activations and CUDA-graph "
+            f"pools, which leaves {_gib(max(0, free_bytes - headroom_bytes))}. Give --kv-budget auto or a "
+            "smaller budget."
+        )
+
+
+def check_explicit_kv_budget(
+    budget_bytes: int,
+    device: torch.device,
+    memory_fraction: float | None = None,
+    memory_fraction_key: str = "stages.thinker.memory_fraction",
+    reserve_bytes: int = 0,
+) -> None:
+    """:func:`check_kv_budget` with the device's numbers (CUDA only; a CPU budget is the operator's call)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    held = max(torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
+    free = None if memory_fraction is not None else torch.cuda.mem_get_info(device)[0]
+    check_kv_budget(
+        budget_bytes,
+        total_bytes=total,
+        held_bytes=held,
+        fraction=memory_fraction,
+        free_bytes=free,
+        headroom_bytes=KV_HEADROOM_BYTES + reserve_bytes,
+        key=memory_fraction_key,
+    )
 
 
 def default_kv_budget(
