@@ -308,3 +308,51 @@ def test_launch_passes_no_kv_budget_unless_asked() -> None:
     )
     args = p.parse_args(["--checkpoint", "x", "--thinker-kv-budget", "12G"])
     assert stage_args_for(args, profile)["thinker"] == ["--kv-budget", "12G"]
+
+
+def test_prefix_cache_bench_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """``bench.prefix_cache`` end to end on the tiny checkpoint (text only, short prompts): the second
+    request with a shared prefix and the repeated image report cached tokens, the JSON is written."""
+    out = tmp_path / "prefix"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.prefix_cache",
+        "--checkpoint",
+        str(tiny_ckpt),
+        "--deploy-config",
+        "cpu",
+        "--device",
+        "cpu",
+        "--modalities",
+        "text",
+        "--prefix-tokens",
+        "200",
+        "--short-tokens",
+        "32",
+        "--turn-system-tokens",
+        "60",
+        "--turn-user-tokens",
+        "20",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--spoken-tokens",
+        "3",
+        "--out-dir",
+        str(out),
+    ]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "prefix_cache.json").read_text())
+    r = report["results"]
+    assert r["shared_prefix"]["first_cached_tokens"] == [0]
+    assert r["shared_prefix"]["second_cached_tokens"][0] >= 192  # 200 system tokens + template, whole blocks
+    assert r["repeated_image"]["cached_tokens"][1] > r["repeated_image"]["cached_tokens"][0]
+    assert r["three_turn_chat"][1]["cached_tokens"] >= 64  # at least the system prompt and the first question
+    assert report["thinker_counters_delta"]["minicpmo_thinker_prefix_cache_hit_tokens_total"] > 0
+    assert (out / "logs" / "thinker-0.log").exists() and (out / "prefix_cache.md").exists()

@@ -373,3 +373,31 @@ def test_cached_tokens_in_chat_usage_through_a_thinker_process(tiny_ckpt: Path, 
         assert hits and float(hits[0].split()[-1]) >= 2 * cached
     finally:
         stop_all([thinker])
+
+
+def test_reopened_duplex_session_hits_its_prefix_and_decides_the_same(backend) -> None:  # noqa: ANN001
+    """A realtime session opened again with the same instructions and reference voice (a resumed or
+    reconnected session) finds its prefix cached; its units decide exactly as the first session's did."""
+    from test_thinker_duplex import END, _session, duplex_open, unit
+
+    from services.common.tensors import pcm_from_float
+
+    voice = pcm_from_float((0.2 * np.sin(np.arange(32000) / 7.0)).astype(np.float32), 16000)
+    other = pcm_from_float((0.2 * np.sin(np.arange(32000) / 3.0)).astype(np.float32), 16000)
+    instructions = "You are a friendly voice assistant. Keep answers short. " * 4
+
+    def run(ref: common_pb2.Pcm) -> list[thinker_pb2.ThinkerResponse]:
+        opened = duplex_open(instructions=instructions, force_listen_units=1)
+        opened.open.ref_audio.CopyFrom(ref)
+        return asyncio.run(_session(backend, [opened, unit(0), unit(1), unit(2), END]))
+
+    first, again, changed = run(voice), run(voice), run(other)
+
+    def decisions(got: list[thinker_pb2.ThinkerResponse]) -> list[tuple[int, list[int]]]:
+        return [(r.unit.decision, list(r.unit.token_ids)) for r in got if r.HasField("unit")]
+
+    assert decisions(first) == decisions(again) and len(decisions(first)) == 3
+    cached = [got[-1].done.usage.cached_tokens for got in (first, again, changed)]
+    # The voice's 20 rows (2 s) sit after the instructions and reach into the last full block: another
+    # voice shares only the blocks before them.
+    assert cached[1] >= 112 and cached[1] % BS == 0 and cached[2] < cached[1]
