@@ -397,6 +397,11 @@ def test_reopened_duplex_session_hits_its_prefix_and_decides_the_same(backend) -
         return [(r.unit.decision, list(r.unit.token_ids)) for r in got if r.HasField("unit")]
 
     assert decisions(first) == decisions(again) and len(decisions(first)) == 3
+    # Each unit says how much context the session already held when it was fed (realtime usage's cached
+    # input): the prefix for the first unit, then the context after the unit before it.
+    units = [r.unit for r in again if r.HasField("unit")]
+    assert units[0].context_before > 100
+    assert [u.context_before for u in units[1:]] == [u.context_tokens for u in units[:-1]]
     cached = [got[-1].done.usage.cached_tokens for got in (first, again, changed)]
     # The voice's 20 rows (2 s) sit after the instructions and reach into the last full block: another
     # voice shares only the blocks before them.

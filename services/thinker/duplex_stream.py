@@ -72,6 +72,7 @@ class RunningUnit:
     epoch: int
     outcome: UnitOutcome
     submitted: float  # perf_counter when it went to the engine
+    context_before: int = 0  # the session's context when it was submitted (held in the KV)
 
 
 UNIT_PERIOD_S = 1.0  # a unit is 1 s of audio: its decision is due before the next one arrives
@@ -279,7 +280,7 @@ class DuplexStream(StageStream[Response]):
         if self.record is not None:
             self.record.record(start, encoded.work)
         self.engine.submit(self.seq, encoded.work)
-        self.current = RunningUnit(encoded.unit_seq, session.epoch, UnitOutcome(), submitted)
+        self.current = RunningUnit(encoded.unit_seq, session.epoch, UnitOutcome(), submitted, start)
         self.busy = True
 
     def _fail(self, err: StageError, unit_seq: int) -> list[Response]:
@@ -328,7 +329,11 @@ class DuplexStream(StageStream[Response]):
         self.busy, self.current = False, None
         if current.epoch < session.epoch:
             return ()  # finished just before an interrupt was applied: drop its output
-        return session.unit_responses(current.unit_seq, current.outcome, self.context_tokens)
+        responses = session.unit_responses(current.unit_seq, current.outcome, self.context_tokens)
+        for r in responses:
+            if r.HasField("unit"):
+                r.unit.context_before = current.context_before
+        return responses
 
     async def close(self) -> None:
         for task in (self.ahead.task if self.ahead is not None else None, self.dropped_ahead):
