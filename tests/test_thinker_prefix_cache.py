@@ -406,3 +406,19 @@ def test_reopened_duplex_session_hits_its_prefix_and_decides_the_same(backend) -
     # The voice's 20 rows (2 s) sit after the instructions and reach into the last full block: another
     # voice shares only the blocks before them.
     assert cached[1] >= 112 and cached[1] % BS == 0 and cached[2] < cached[1]
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_shared_blocks_through_the_triton_kernels(
+    llm: torch.nn.Module, graphed: bool, triton_interpreter_scalars: None
+) -> None:
+    """The fused Triton attention (interpreted on CPU) reads shared blocks and prefills from a cached
+    position exactly as the torch path computes the whole prompt."""
+    prompts = [SYSTEM[:40] + ids(700 + 30 * k, 4 + k) for k in range(3)]
+    ref = make_engine(llm, cache=False)
+    want = [solo(ref, p, max_tokens=3).tokens for p in prompts]
+    eng = make_engine(llm, cache=True, graphed=graphed)
+    eng.runner.set_kernels("triton")
+    got = [solo(eng, p, max_tokens=3) for p in prompts]
+    assert [r.tokens for r in got] == want
+    assert [r.cached for r in got] == [0, 32, 32]
