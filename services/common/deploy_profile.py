@@ -23,7 +23,8 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
                  first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16,
-                 duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000}
+                 duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000,
+                 prefix_caching: true}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
                  codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25}}
       code2wav: {devices, memory_fraction, max_num_seqs, dtype, port}
@@ -112,6 +113,8 @@ class StageProfile:
     duplex_window: str = "basic"
     duplex_window_high: int = 8000
     duplex_window_low: int = 6000
+    # thinker only: automatic prefix caching (full KV blocks shared by content hash), on by default
+    prefix_caching: bool = True
     # talker only
     codec: CodecWindows = field(default_factory=CodecWindows)
 
@@ -241,6 +244,7 @@ class DeployProfile:
                     "hidden_chunk_tokens",
                     "first_hidden_chunk_tokens",
                     "hidden_dtype",
+                    "prefix_caching",
                     *THINKER_WINDOW_KEYS,
                 ):
                     sp.pop(key)
