@@ -129,6 +129,7 @@ def stage_flags(sp: StageProfile) -> list[str]:
                 "--duplex-window-low",
                 str(sp.duplex_window_low),
             ]
+        flags += ["--prefix-caching" if sp.prefix_caching else "--no-prefix-caching"]
         return flags + extra
     if sp.name == "talker":
         return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *extra]

@@ -29,6 +29,7 @@ PARTS = (
     "gateway.realtime.pipeline",
     "gateway.realtime",
     "gateway.openai",
+    "gateway.audio",
     "gateway",
     "services.common.kernels",
     "services.common.pb",

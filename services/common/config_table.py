@@ -91,6 +91,8 @@ _GATEWAY_FLAGS = {
     "max_realtime_sessions": "`--max-realtime-sessions` (both)",
     "max_body_bytes": "`python -m gateway --max-body-bytes`",
     "request_timeout_s": "`python -m gateway --request-timeout`",
+    "voice_dir": "`python -m gateway --voice-dir`",
+    "drain_grace_s": "`--drain-grace` (both)",
 }
 _TOP_FLAGS = {"served_model_name": "`--served-model-name` (both)"}
 _STAGE_CLI = {"thinker": "python -m services.thinker", "talker": "python -m services.talker"}

@@ -16,14 +16,15 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     description: free text
     served_model_name: openbmb/MiniCPM-o-4_5
     gpu_sharing: mps   # or time_slice (default): how stages placed on one GPU share it (gpu_sharing.py)
-    gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, media: {...}}
+    gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, media: {...},
+                voice_dir}
     tls:       {ca_file, cert_file, key_file, client_cert_file, client_key_file, require_client_cert}  # optional
     stages:
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
                  first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16,
                  duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000,
-                 kernels: auto, kernel_table: null, slow_step_ms: 50}
+                 prefix_caching: true, kernels: auto, kernel_table: null, slow_step_ms: 50}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
                  codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25},
                  kernels: auto, steps_per_replay: 4, slow_step_ms: 50}
@@ -124,6 +125,8 @@ class StageProfile:
     duplex_window: str = "basic"
     duplex_window_high: int = 8000
     duplex_window_low: int = 6000
+    # thinker only: automatic prefix caching (full KV blocks shared by content hash), on by default
+    prefix_caching: bool = True
     # talker only
     codec: CodecWindows = field(default_factory=CodecWindows)
 
@@ -166,6 +169,9 @@ class GatewayProfile:
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout_s: float = 600.0
     media: MediaLimits = field(default_factory=MediaLimits)
+    # Registered voices (/v1/audio/voices): one sub-directory per voice holding the clip and the stage
+    # features derived from it once. Shared by every gateway replica (a volume); None: registry off.
+    voice_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +257,7 @@ class DeployProfile:
                     "first_hidden_chunk_tokens",
                     "hidden_dtype",
                     "kernel_table",
+                    "prefix_caching",
                     *THINKER_WINDOW_KEYS,
                 ):
                     sp.pop(key)

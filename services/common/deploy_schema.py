@@ -13,7 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
 
 STAGES: tuple[str, ...] = ("thinker", "talker", "code2wav")
 DTYPES = frozenset({"bfloat16", "float16", "float32"})
@@ -107,6 +115,7 @@ HiddenOnlyThinker = Annotated[None, _refuse("only the thinker exports hidden sta
 CodecOnlyTalker = Annotated[None, _refuse("codec windows are a talker setting")]
 NoSampling = Annotated[None, _refuse("code2wav has no sampling parameters")]
 WindowOnlyThinker = Annotated[None, _refuse("the duplex context window is a thinker setting")]
+PrefixOnlyThinker = Annotated[None, _refuse("prefix caching is a thinker setting")]
 WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 Kernels = Annotated[
@@ -212,6 +221,8 @@ class ThinkerDoc(_StageDoc):
     # A `bench.thinker.skinny --json-out` table of skinny-GEMM configs for a GPU the built-in one was not
     # measured on (services/common/kernels/skinny.py); a path as the thinker process sees it.
     kernel_table: str | None = None
+    # Automatic prefix caching of full KV blocks (on unless a profile says false).
+    prefix_caching: StrictBool | None = None
     codec: CodecOnlyTalker = None
 
     @model_validator(mode="after")
@@ -235,6 +246,7 @@ class _NoHiddenDoc(_StageDoc):
     duplex_window: WindowOnlyThinker = None
     duplex_window_high: WindowOnlyThinker = None
     duplex_window_low: WindowOnlyThinker = None
+    prefix_caching: PrefixOnlyThinker = None
 
 
 class TalkerDoc(_NoHiddenDoc):
@@ -276,6 +288,7 @@ class GatewayDoc(_Doc):
     max_body_bytes: PositiveInt | None = None
     request_timeout_s: PositiveNumber | None = None
     media: MediaDoc | None = None
+    voice_dir: Annotated[str, _rule(bool, "must not be empty")] | None = None
 
 
 class TLSDoc(_Doc):

@@ -42,6 +42,7 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "kernels": "kernels",
         "kernel_table": "kernel_table",
         "slow_step_ms": "slow_step_ms",
+        "prefix_caching": "prefix_caching",
     },
     "talker": {
         "max_num_seqs": "max_streams",

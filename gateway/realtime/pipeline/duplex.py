@@ -263,6 +263,8 @@ class GrpcDuplexPipeline:
                 bool(unit.turn_end),
                 int(unit.context_tokens),
                 self._unit_turn.pop(int(unit.id.unit_seq), 0),
+                output_tokens=len(unit.token_ids),
+                context_before=int(unit.context_before),
             )
         )
 
@@ -302,6 +304,7 @@ class GrpcDuplexPipeline:
             stages=self.stages,
             settings=self.settings,
             ref_pcm=self.ref_pcm,
+            voice_prompt=self.host.cfg.voice_prompt,
             report=self.host.post_pipeline,
             on_failure=self._turn_failed,
             on_finished=self._turn_finished,
