@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import metrics
+from gateway.audio.chat_voice import resolve_chat_voice
 from gateway.audio_encoding import encode_audio
 from gateway.openai.body import read_json_body
 from gateway.openai.content import build_thinker_messages, load_ref_audio
@@ -98,10 +99,16 @@ def _audio_metadata(fmt: str, frames: int) -> dict[str, Any]:
     return {"format": fmt, "sample_rate_hz": OUTPUT_SAMPLE_RATE, "frame_count": frames, "channels": 1}
 
 
-def _usage(finish: FinishEvent | None) -> dict[str, int]:
+def _usage(finish: FinishEvent | None) -> dict[str, Any]:
     prompt = finish.prompt_tokens if finish else 0
     completion = finish.completion_tokens if finish else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = finish.cached_tokens if finish else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _observe(finish: FinishEvent) -> None:
@@ -136,7 +143,11 @@ async def create_chat_completion(request: Request) -> Response:
     try:
         messages = await build_thinker_messages(req.messages, runtime.media_policy)
         ref = await load_ref_audio(req.ref_audio, runtime.media_policy) if req.ref_audio else None
+        named = req.openai_audio.voice if req.openai_audio is not None else None
+        voice = resolve_chat_voice(request, named) if req.want_audio else None
         job = _build_job(runtime, req, messages, ref)
+        if voice is not None and ref is None:  # a registered voice: the stages' stored features
+            job.thinker_voice, job.voice_prompt = voice.thinker, voice.code2wav
         try:  # a stage known down: 503 + Retry-After now (after input checks), not an SSE error after a 200
             runtime.monitor.require(("thinker", "talker", "code2wav") if req.want_audio else ("thinker",))
         except StageFailure as exc:
@@ -274,6 +285,7 @@ class _Chunks:
         # The thinker repeats the prompt length on each TextDelta, so it is known from the first chunk on.
         self.prompt_tokens = first.prompt_tokens if isinstance(first, TextEvent) else 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # known with the thinker's Done
 
     def count(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens or self.prompt_tokens
@@ -293,6 +305,7 @@ class _Chunks:
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             }
         return _sse(body)
 
@@ -343,6 +356,7 @@ async def _stream_body(
                     break
                 _observe(event)
                 out.prompt_tokens, out.completion_tokens = event.prompt_tokens, event.completion_tokens
+                out.cached_tokens = event.cached_tokens
                 last_modality = "audio" if req.want_audio else "text"
                 yield chunk(last_modality, {}, finish_reason=event.finish_reason)
                 if req.include_usage:

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StreamMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STREAM_MODE_UNSPECIFIED: _ClassVar[StreamMode]
+    STREAM_MODE_TURN: _ClassVar[StreamMode]
+    STREAM_MODE_DUPLEX: _ClassVar[StreamMode]
+
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
@@ -36,6 +42,9 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_UNSUPPORTED_MEDIA: _ClassVar[ErrorCode]
     ERROR_CODE_BAD_REFERENCE_AUDIO: _ClassVar[ErrorCode]
     ERROR_CODE_FAILED_PRECONDITION: _ClassVar[ErrorCode]
+STREAM_MODE_UNSPECIFIED: StreamMode
+STREAM_MODE_TURN: StreamMode
+STREAM_MODE_DUPLEX: StreamMode
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType
@@ -147,7 +156,7 @@ class Error(_message.Message):
     def __init__(self, id: _Optional[_Union[Identity, _Mapping]] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "extra")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "extra", "cached_tokens")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -159,11 +168,13 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     extra: _containers.ScalarMap[str, int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("id", "finish_reason", "usage")
