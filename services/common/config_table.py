@@ -66,6 +66,7 @@ IMAGE_ENVIRONMENT: dict[str, str] = {
 _RANGES: list[tuple[Any, str]] = [
     (ds.PositiveInt, "integer ≥ 1"),
     (ds.PositiveNumber, "number > 0"),
+    (ds.NonNegativeNumber, "number ≥ 0"),
     (ds.Count, "integer ≥ 0"),
     (ds.Device, "`cpu`, `cuda` or `cuda:N`"),
     (ds.DType, "`bfloat16`, `float16`, `float32`"),
