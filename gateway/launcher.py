@@ -114,6 +114,7 @@ def stage_flags(sp: StageProfile) -> list[str]:
                 "--duplex-window-low",
                 str(sp.duplex_window_low),
             ]
+        flags += ["--weights", sp.weights]
         return flags + memory
     if sp.name == "talker":
         return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *memory]

@@ -22,7 +22,8 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
                  first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16,
-                 duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000}
+                 duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000,
+                 weights: bf16}   # or fp8: e4m3 projection weights quantized at load
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
                  codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25}}
       code2wav: {devices, memory_fraction, max_num_seqs, dtype, port}
@@ -109,6 +110,8 @@ class StageProfile:
     duplex_window: str = "basic"
     duplex_window_high: int = 8000
     duplex_window_low: int = 6000
+    # thinker only: the projection weights, "bf16" (the checkpoint's dtype) or "fp8" (e4m3 per-channel)
+    weights: str = "bf16"
     # talker only
     codec: CodecWindows = field(default_factory=CodecWindows)
 
@@ -235,6 +238,7 @@ class DeployProfile:
                     "hidden_chunk_tokens",
                     "first_hidden_chunk_tokens",
                     "hidden_dtype",
+                    "weights",
                     *THINKER_WINDOW_KEYS,
                 ):
                     sp.pop(key)

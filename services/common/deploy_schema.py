@@ -108,6 +108,8 @@ CodecOnlyTalker = Annotated[None, _refuse("codec windows are a talker setting")]
 NoSampling = Annotated[None, _refuse("code2wav has no sampling parameters")]
 WindowOnlyThinker = Annotated[None, _refuse("the duplex context window is a thinker setting")]
 WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
+WeightFormat = Annotated[str, _rule(lambda v: v in ("bf16", "fp8"), "expected 'bf16' or 'fp8', got {v!r}")]
+WeightsOnlyThinker = Annotated[None, _refuse("fp8 weights are a thinker setting")]
 
 
 class _Doc(BaseModel):
@@ -199,6 +201,8 @@ class ThinkerDoc(_StageDoc):
     duplex_window: WindowMode | None = None
     duplex_window_high: PositiveInt | None = None
     duplex_window_low: PositiveInt | None = None
+    # The projection weights: bf16 (the checkpoint's) or fp8 (e4m3, per-channel scales; services/thinker/fp8_weights.py).
+    weights: WeightFormat | None = None
     codec: CodecOnlyTalker = None
 
     @model_validator(mode="after")
@@ -222,6 +226,7 @@ class _NoHiddenDoc(_StageDoc):
     duplex_window: WindowOnlyThinker = None
     duplex_window_high: WindowOnlyThinker = None
     duplex_window_low: WindowOnlyThinker = None
+    weights: WeightsOnlyThinker = None
 
 
 class TalkerDoc(_NoHiddenDoc):

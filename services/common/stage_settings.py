@@ -38,6 +38,7 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "duplex_window": "duplex_window",
         "duplex_window_high": "duplex_window_high",
         "duplex_window_low": "duplex_window_low",
+        "weights": "weights",
     },
     "talker": {"max_num_seqs": "max_streams", "dtype": "dtype"},
     "code2wav": {"max_num_seqs": "max_batch"},

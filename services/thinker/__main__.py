@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--duplex-window-high", type=int, default=8000, help="tokens that trigger a trim (basic)")
     ap.add_argument("--duplex-window-low", type=int, default=6000, help="tokens kept after a trim (basic)")
+    ap.add_argument(
+        "--weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="projection weights: bf16 (the checkpoint's dtype) or fp8 (e4m3 with per-channel scales, "
+        "quantized at load; the Triton kernels on CUDA)",
+    )
     ap.add_argument("--log-level", default="INFO")
     add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
@@ -111,6 +118,7 @@ def serve(argv: list[str]) -> int:
         compile_layers=args.compile,
         memory_fraction=apply_memory_cap(STAGE, args.device, fraction, log),
         memory_fraction_key=fraction.key,
+        weights=args.weights,
     )
     try:
         backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)

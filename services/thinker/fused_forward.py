@@ -54,6 +54,7 @@ class LayerHost(Protocol):
     ops: Any  # the kernel backend's ops (``kernels.get_ops``)
     skinny_gemm: bool  # packed-row steps of few rows use the skinny Triton GEMMs
     norm_fold: bool  # packed-row steps run the folded-norm loop (norm weights inside the GEMMs)
+    head_fp8: Any  # the lm_head in fp8 (a kernels.fp8_gemm.Fp8Weight) when the GEMMs run in fp8, else None
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -97,6 +98,10 @@ class FusedForward:
 
         ``packed``: a packed-row step (the graph body), which may take the skinny GEMMs.
         """
+        if self.runner.head_fp8 is not None:  # weights: fp8 (services.thinker.fp8_weights)
+            from services.thinker.fp8_weights import fp8_layers
+
+            return fp8_layers(self, x, positions, write_slots, tiles, packed)
         if self.uses_skinny(x.shape[0], packed):
             self.skinny_passes += 1
             return self._skinny_layers(x, positions, write_slots, tiles)
