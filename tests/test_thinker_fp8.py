@@ -197,3 +197,24 @@ def test_triton_fp8_step_gives_the_torch_fp8_logits(tiny_ckpt: Path, fold: bool)
             torch.testing.assert_close(q, r, rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="kernel backend"):
         runner.set_kernels("torch")
+
+
+def test_fidelity_command_reports_fp8_against_bf16(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """``python -m bench.thinker.fp8_fidelity`` on the tiny checkpoint (CPU): per prompt the teacher-forced
+    logit error is positive and small against the logits' spread, agreements are shares."""
+    import json
+
+    from bench.thinker.fp8_fidelity import main
+
+    out = tmp_path / "fid.json"
+    argv = ["--checkpoint", str(tiny_ckpt), "--device", "cpu", "--prompts", "2", "--tokens", "4"]
+    assert main([*argv, "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["prompts"]) == 2 and result["tokens"] == 4
+    for r in result["prompts"]:
+        assert 0 < r["logit_mean_abs_err"] <= r["logit_max_abs_err"]
+        assert r["logit_mean_abs_err_over_std"] < 0.1
+        assert (
+            0 <= r["teacher_forced_top1_agreement"] <= 1
+            and 0 <= r["greedy_tokens_before_first_difference"] <= 4
+        )
