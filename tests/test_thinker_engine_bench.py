@@ -70,4 +70,5 @@ def test_fp8_matmul_stack_floor_runs_the_fp8_gemms(triton_interpreter_scalars: N
 
     weights = [quantize_fp8(torch.randn(96, 64)), quantize_fp8(torch.randn(64, 96))]
     assert fp8.matmul_stack_ms(weights, 2, torch.device("cpu"), torch.float32, iters=1) > 0
-    assert fp8.candidates(1, 4096) and not fp8.candidates(64, 4096)
+    assert fp8.candidates(1, 4096, 4096) and not fp8.candidates(64, 4096, 4096)
+    assert all(c.split_k == 1 for c in fp8.candidates(1, 151748, 4096))  # the lm_head: tiles fill the card

@@ -74,8 +74,8 @@ def reference(runner, batches: list[int], device: torch.device) -> dict:  # noqa
     return {"matmul_stack": stack, "weight_bytes": nbytes}
 
 
-def candidates(rows: int, k: int) -> list:
-    """The sweep's configs for ``rows`` (decode layouts only: ≤ 32 rows) and depth ``k``."""
+def candidates(rows: int, n: int, k: int, sms: int = 132) -> list:
+    """The sweep's configs for ``rows`` (decode layouts only: ≤ 32 rows) and shape ``[n, k]``."""
     from services.thinker.kernels.fp8_gemm import SKINNY_ROWS, Fp8Config
 
     if rows > SKINNY_ROWS:
@@ -86,6 +86,11 @@ def candidates(rows: int, k: int) -> list:
     # bench's time budget. Four warps and four stages measured as the skinny GEMMs' usual winners.
     for bn, bk, split in product((32, 64, 128), (128, 256), (1, 2, 4, 8)):
         if k // split < 2 * bk or (bn == 32 and bk == 128):
+            continue
+        tiles = -(-n // bn)
+        if split > 1 and tiles >= 2 * sms:  # the column tiles alone fill the card twice over
+            continue
+        if tiles * split < sms // 2:  # too few programs to stream from every SM
             continue
         out.append(Fp8Config(block_m, bn, bk, split, 4, 4))
     return out
@@ -116,7 +121,7 @@ def tune(
         out = torch.empty(m, n, device=device, dtype=dtype)
         default = fp8_gemm.default_config(m, n, k, fp8_gemm._sm_count(device))
         timed: list[tuple[float, tuple]] = []
-        for cfg in [default, *candidates(m, k)]:
+        for cfg in [default, *candidates(m, n, k, fp8_gemm._sm_count(device))]:
             try:
                 graph = capture_graph(partial(_eight, a, w, out, cfg), device)
                 us = 1e6 * time_per_call(graph.replay, device, iters) / 8
