@@ -107,13 +107,13 @@ def quantize_runner(runner: ModelRunner) -> None:
         if head.weight is not llm.model.embed_tokens.weight:
             head.weight = nn.Parameter(_empty_like(head.weight), requires_grad=False)
         llm._thinker_fp8 = (layers, head_fp8)  # type: ignore[assignment]
-        if runner.device.type == "cuda":
-            torch.cuda.empty_cache()
     for lay, q in zip(runner.layers, layers, strict=True):
         lay.fp8 = q
         empty = _empty_like(lay.o_weight)
         lay.qkv_weight = lay.o_weight = lay.gate_up_weight = lay.down_weight = empty
     runner.head_fp8 = head_fp8
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()  # the released bf16 weights go back to the device
     log.info(
         "thinker weights: fp8 (e4m3, per-channel scales), %.2f GB of projection weights",
         (sum(sum(w.nbytes() for w in (q.qkv, q.o, q.gate_up, q.down)) for q in layers) + head_fp8.nbytes())
