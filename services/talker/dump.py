@@ -1,7 +1,7 @@
 """Fidelity dump: the Talker arrays of the numerical oracle, produced by this service's own code path.
 
 ``python -m services.talker dump --checkpoint DIR --out FILE.npz`` writes the ``talker.*`` keys the
-oracle's ``reference.py`` writes (see the oracle README §4b), for the same fixed condition:
+reference harness writes (docs/fidelity.md, Dump keys), for the same fixed condition:
 
 * the first 10 token ids of :data:`CONDITION_TEXT` under the checkpoint tokenizer;
 * 10 hidden rows drawn N(0, 1) in fp32 from a CPU ``torch.Generator`` whose seed is the first 8 bytes
@@ -114,5 +114,5 @@ def main(argv: list[str] | None = None) -> None:
     arrays = run_dump(ckpt, ids, hidden, dtype=dtype, device=args.device, steps=args.steps)
     meta = {"stage": "talker", "checkpoint": str(ckpt.root), "dtype": args.dtype, "device": args.device}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out, meta_json=np.asarray(json.dumps(meta)), **arrays)
+    np.savez(args.out, meta_json=np.asarray(json.dumps(meta)), **arrays)  # type: ignore[arg-type]
     print(f"wrote {args.out}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items()))

@@ -20,7 +20,7 @@ Cache layout per stream (batch dimension of size 1, or 2 for the estimator's con
 After each window both attention caches are trimmed exactly like the reference streaming driver: when
 longer than ``prompt_frames + 100`` keep the first ``prompt_frames`` and the last 100 entries. The CFM
 noise of a window is read from the stream's noise table at offset = estimator cache length (0 during
-prompt setup), which is the reference's offset rule (oracle README §5).
+prompt setup), which is the reference's offset rule (docs/model.md, Code2Wav).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -165,14 +166,14 @@ def max_cache_bytes(
     return conformer * dtype.itemsize + estimator * est_elem
 
 
-def timestep_embedding(dit: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+def timestep_embedding(dit: Any, t: torch.Tensor) -> torch.Tensor:
     """DiT time conditioning [R] -> [R, 1, hidden]. Kept out of CUDA graphs: the package builds its
     frequency table on the host and copies it to the device on every call."""
     return dit.t_embedder(t).unsqueeze(1)
 
 
 def dit_blocks_chunk(
-    dit: torch.nn.Module,
+    dit: Any,
     x: torch.Tensor,
     mu: torch.Tensor,
     temb: torch.Tensor,
