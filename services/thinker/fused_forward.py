@@ -26,6 +26,9 @@ matmuls and attention. Eager steps keep the norm kernels (with ones as weights o
 In every packed-row step (with :attr:`FusedForward.rope_attention`, on unless
 ``MINICPMO_THINKER_ROPE_ATTENTION=0``) the q/k norm + rotary + K/V write and the paged attention are one
 launch (:mod:`services.thinker.kernels.rope_attention`): six launches per layer on the folded path.
+
+With fp8 weights (``weights: fp8``) every step's layer loop is :func:`services.thinker.fp8_weights.fp8_layers`
+instead: the same loops with the fp8 GEMMs of :mod:`services.thinker.kernels.fp8_gemm`.
 """
 
 from __future__ import annotations
