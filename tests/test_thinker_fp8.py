@@ -111,6 +111,22 @@ def test_split_counters_are_left_zeroed() -> None:
     assert torch.equal(fp8_gemm.fp8_linear(a, w, config=cfg), first)  # partials added in split order
 
 
+def test_config_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode row counts take the nearest tuned bucket (above, else below) with a row tile that holds
+    them; other shapes and prefill row counts take the default rule."""
+    from services.thinker.kernels import fp8_gemm
+
+    a, b = fp8_gemm.Fp8Config(16, 64, 256, 4, 4, 4), fp8_gemm.Fp8Config(16, 128, 128, 2, 4, 4)
+    monkeypatch.setattr(fp8_gemm, "FP8_CONFIGS", {(1, 4096, 4096): a, (16, 4096, 4096): b})
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda device: 132)
+    assert fp8_gemm.config_for(1, 4096, 4096, cuda) == a
+    assert fp8_gemm.config_for(5, 4096, 4096, cuda) == b  # bucket 8: the nearest above is 16
+    assert fp8_gemm.config_for(24, 4096, 4096, cuda) == b._replace(block_m=32)  # none above: below, 32 rows
+    assert fp8_gemm.config_for(1, 6144, 4096, cuda) == fp8_gemm.default_config(1, 6144, 4096)
+    assert fp8_gemm.config_for(300, 4096, 4096, cuda) == fp8_gemm.default_config(300, 4096, 4096)
+
+
 def test_default_config_splits_decode_and_tiles_prefill() -> None:
     from services.thinker.kernels import fp8_gemm
 

@@ -88,9 +88,18 @@ INTERPRETER_CONFIG = Fp8Config(16, 512, 128, 1, 4, 1)
 
 
 def config_for(m: int, n: int, k: int, device: torch.device | None = None) -> Fp8Config:
-    """The table's config of the shape (its row bucket), else :func:`default_config`."""
+    """The table's config of the shape (the nearest row bucket above, else below, among the decode
+    buckets ≤ 32 rows), else :func:`default_config`."""
     if device is not None and device.type == "cpu":
         return INTERPRETER_CONFIG._replace(block_m=min(64, max(16, triton.next_power_of_2(m))))
+    if m <= SKINNY_ROWS:
+        b = row_bucket(m)
+        buckets = sorted(bb for bb, nn, kk in FP8_CONFIGS if (nn, kk) == (n, k) and bb <= SKINNY_ROWS)
+        if buckets:
+            pick = next((bb for bb in buckets if bb >= b), buckets[-1])
+            cfg = FP8_CONFIGS[(pick, n, k)]
+            # a config tuned for 16 rows serves up to 16 (the row tile holds them); 17..32 need 32
+            return cfg._replace(block_m=max(cfg.block_m, 16 if m <= 16 else 32))
     return FP8_CONFIGS.get((row_bucket(m), n, k)) or default_config(m, n, k, _sm_count(device))
 
 
