@@ -93,6 +93,9 @@ FROM python-gateway AS gateway
 COPY --from=build-gateway /opt/venv /opt/venv
 COPY docker/http_health_probe.py docker/entrypoint.py /opt/minicpmo/docker/
 COPY configs/deploy/ /opt/minicpmo/configs/deploy/
+# The voice registry's directory (deploy profile gateway.voice_dir), owned by the runtime user so a
+# fresh named volume mounted there inherits a writable owner.
+RUN mkdir -p /var/lib/minicpmo/voices && chown 10001:10001 /var/lib/minicpmo/voices
 ENV PATH=/opt/venv/bin:$PATH HOME=/home/minicpmo PYTHONUNBUFFERED=1 MINICPMO_HTTP_PORT=8099
 WORKDIR /home/minicpmo
 USER 10001:10001

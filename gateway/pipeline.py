@@ -63,6 +63,12 @@ class ChatJob:
     first_window_frames: int = 25
     seed: int | None = None
     deadline_s: float = 600.0
+    # /v1/audio/speech: the spoken reply is exactly this text (the thinker is teacher-forced over it).
+    teacher_text: str | None = None
+    # A registered voice's stored features, sent instead of ref_audio: the thinker's audio-encoder rows
+    # for its speech system prompt and code2wav's prompt.
+    thinker_voice: thinker_pb2.VoiceEmbedding | None = None
+    voice_prompt: code2wav_pb2.VoicePrompt | None = None
 
 
 @dataclass
@@ -206,8 +212,12 @@ class PipelineRun:
             first_chunk_tokens=job.first_hidden_chunk_tokens,
             hidden_dtype=job.hidden_dtype,
         )
-        if job.ref_audio is not None:
+        if job.thinker_voice is not None:
+            open_msg.voice.CopyFrom(job.thinker_voice)
+        elif job.ref_audio is not None:
             open_msg.ref_audio.CopyFrom(job.ref_audio)
+        if job.teacher_text:
+            open_msg.teacher_text = job.teacher_text
         return thinker_pb2.ThinkerRequest(open=open_msg)
 
     async def _thinker_pump(self) -> None:
@@ -295,7 +305,9 @@ class PipelineRun:
         c2w_open = code2wav_pb2.Code2WavOpen(id=open_id, output_format=common_pb2.PCM_FORMAT_S16LE)
         if job.seed is not None:
             c2w_open.seed = job.seed
-        if job.ref_audio is not None:
+        if job.voice_prompt is not None:
+            c2w_open.voice.CopyFrom(job.voice_prompt)
+        elif job.ref_audio is not None:
             c2w_open.ref_audio.CopyFrom(job.ref_audio)
         await talker.write(talker_pb2.TalkerRequest(open=talker_open))
         await code2wav.write(code2wav_pb2.Code2WavRequest(open=c2w_open))

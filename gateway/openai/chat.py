@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import metrics
+from gateway.audio.chat_voice import resolve_chat_voice
 from gateway.audio_encoding import encode_audio
 from gateway.openai.body import read_json_body
 from gateway.openai.content import build_thinker_messages, load_ref_audio
@@ -136,7 +137,11 @@ async def create_chat_completion(request: Request) -> Response:
     try:
         messages = await build_thinker_messages(req.messages, runtime.media_policy)
         ref = await load_ref_audio(req.ref_audio, runtime.media_policy) if req.ref_audio else None
+        named = req.openai_audio.voice if req.openai_audio is not None else None
+        voice = resolve_chat_voice(request, named) if req.want_audio else None
         job = _build_job(runtime, req, messages, ref)
+        if voice is not None and ref is None:  # a registered voice: the stages' stored features
+            job.thinker_voice, job.voice_prompt = voice.thinker, voice.code2wav
         try:  # a stage known down: 503 + Retry-After now (after input checks), not an SSE error after a 200
             runtime.monitor.require(("thinker", "talker", "code2wav") if req.want_audio else ("thinker",))
         except StageFailure as exc:

@@ -16,7 +16,8 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     description: free text
     served_model_name: openbmb/MiniCPM-o-4_5
     gpu_sharing: mps   # or time_slice (default): how stages placed on one GPU share it (gpu_sharing.py)
-    gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, media: {...}}
+    gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, media: {...},
+                voice_dir}
     tls:       {ca_file, cert_file, key_file, client_cert_file, client_key_file, require_client_cert}  # optional
     stages:
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
@@ -156,6 +157,9 @@ class GatewayProfile:
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout_s: float = 600.0
     media: MediaLimits = field(default_factory=MediaLimits)
+    # Registered voices (/v1/audio/voices): one sub-directory per voice holding the clip and the stage
+    # features derived from it once. Shared by every gateway replica (a volume); None: registry off.
+    voice_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -265,6 +265,7 @@ class GatewayDoc(_Doc):
     max_body_bytes: PositiveInt | None = None
     request_timeout_s: PositiveNumber | None = None
     media: MediaDoc | None = None
+    voice_dir: Annotated[str, _rule(bool, "must not be empty")] | None = None
 
 
 class TLSDoc(_Doc):

@@ -111,6 +111,9 @@ class EngineEvent:
     context_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Prefill rows a work item asked for (``WorkItem.export_from``): ids and their hidden rows (CPU).
+    prompt_row_ids: list[int] | None = None
+    prompt_rows: torch.Tensor | None = None
 
 
 Sink = Callable[[EngineEvent], None]
@@ -423,6 +426,7 @@ class ThinkerEngine:
             if seq.prompt_embeds is not None:
                 embeds = seq.prompt_embeds[seq.prompt_offset : seq.prompt_offset + n]
             finishes_prompt = n == len(seq.prompt)
+            export = seq.work.export_from
             inp.prefill.append(
                 PrefillChunk(
                     seq.prompt[:n],
@@ -430,6 +434,7 @@ class ThinkerEngine:
                     seq.blocks,
                     embeds=embeds,
                     want_logits=finishes_prompt and seq.work.sampler is not None,
+                    want_hidden=export is not None and seq.prompt_offset + n > export,
                 )
             )
         return inp
@@ -458,9 +463,12 @@ class ThinkerEngine:
             to_sample.append((seq, None if host is not None else out.decode_logits[i], fed, row))
             greedy_index.append(i)
         k = len(plan.decode)
-        for (seq, n), logits in zip(plan.prefill, out.prefill_logits, strict=True):
+        prefill_hidden = out.prefill_hidden or [None] * len(plan.prefill)
+        for (seq, n), logits, rows in zip(plan.prefill, out.prefill_logits, prefill_hidden, strict=True):
             assert seq.work is not None
             k += logits is not None
+            if rows is not None and seq.work.export_from is not None:
+                self._export_rows(seq, n, rows)
             seq.tokens.extend(seq.prompt[:n])
             seq.prompt = seq.prompt[n:]
             seq.prompt_offset += n
@@ -515,6 +523,16 @@ class ThinkerEngine:
                 self._emit(seq, ev)
             else:
                 self._finish(seq, ev, reason)
+
+    def _export_rows(self, seq: Sequence, n: int, rows: torch.Tensor) -> None:
+        """Emit the hidden rows of this prefill chunk that lie at or after ``work.export_from``."""
+        assert seq.work is not None and seq.work.export_from is not None
+        skip = max(0, seq.work.export_from - seq.prompt_offset)
+        if skip >= n:
+            return
+        ids = seq.prompt[skip:n]
+        host = rows[skip:n].to("cpu", copy=True)
+        self._emit(seq, EngineEvent(seq.seq_id, prompt_row_ids=list(ids), prompt_rows=host))
 
     def _finish(self, seq: Sequence, ev: EngineEvent, reason: str) -> None:
         ev.finish_reason = reason

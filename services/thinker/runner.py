@@ -449,10 +449,13 @@ class ModelRunner:
         b = len(inp.decode)
         prefill_logits: list[torch.Tensor | None] = []
         last_rows: list[int] = []
+        prefill_hidden: list[torch.Tensor | None] = []
         row = b
         for chunk in inp.prefill:
+            start = row
             row += len(chunk.token_ids)
             prefill_logits.append(logits[row - 1].to(torch.float32, copy=True) if chunk.want_logits else None)
+            prefill_hidden.append(hidden[start:row].clone() if chunk.want_hidden else None)
             if chunk.want_logits:
                 last_rows.append(row - 1)
         decode_hidden = hidden[:b].clone() if clone else hidden[:b]
@@ -463,7 +466,7 @@ class ModelRunner:
                 index = torch.tensor(list(range(b)) + last_rows, device=tokens.device)
                 greedy = tokens.index_select(0, index)
         decode_logits = logits[:b].to(torch.float32, memory_format=torch.contiguous_format, copy=clone)
-        return StepOutput(decode_hidden, decode_logits, prefill_logits, greedy)
+        return StepOutput(decode_hidden, decode_logits, prefill_logits, greedy, prefill_hidden)
 
     def _eager_step(self, inp: StepInput) -> StepOutput:
         dev = self.device
@@ -522,8 +525,13 @@ class ModelRunner:
                 want.append(row - 1)
         logits = self.head(hidden[want]).float() if want else hidden.new_zeros((0, 1))
         prefill_logits: list[torch.Tensor | None] = []
+        prefill_hidden: list[torch.Tensor | None] = []
         k = b
+        row = b
         for chunk in inp.prefill:
+            n = len(chunk.token_ids)
+            prefill_hidden.append(hidden[row : row + n] if chunk.want_hidden else None)
+            row += n
             if chunk.want_logits:
                 prefill_logits.append(logits[k])
                 k += 1
@@ -533,6 +541,7 @@ class ModelRunner:
             decode_hidden=hidden[:b],
             decode_logits=logits[:b],
             prefill_logits=prefill_logits,
+            prefill_hidden=prefill_hidden,
         )
 
     # ------------------------------------------------------------------------------------ cuda graphs

@@ -62,6 +62,9 @@ class WorkItem:
     # time.perf_counter() by which the item's result is due (a duplex unit: arrival + the unit period);
     # None: no deadline (best effort after deadlined work)
     deadline: float | None = None
+    # Teacher-forced speech: emit the final-norm hidden rows of ``token_ids[export_from:]`` as they are
+    # prefilled (events carry ``prompt_rows``); None exports nothing.
+    export_from: int | None = None
 
 
 _ids = itertools.count(1)

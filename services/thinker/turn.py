@@ -173,6 +173,24 @@ class TurnOutput:
                 ids, hidden = self.chunker.take(self.hidden_size)
                 self._send_speech(ids, hidden, is_last=False)
 
+    def on_forced(self, token_ids: list[int], rows: torch.Tensor) -> None:
+        """Teacher-forced tokens with their prefill rows: text, then spoken rows, as sampled ones would be."""
+        for token, row in zip(token_ids, rows, strict=True):
+            self.generated.append(int(token))
+            text = self.detok.push(int(token))
+            self._emit(
+                thinker_pb2.ThinkerResponse(
+                    text=thinker_pb2.TextDelta(
+                        id=self._id(), token_ids=[int(token)], text=text, prompt_tokens=self.prompt_tokens
+                    )
+                )
+            )
+            self.chunker.add(int(token), row)
+            self.speech_tokens += 1
+            while self.chunker.ready():
+                ids, hidden = self.chunker.take(self.hidden_size)
+                self._send_speech(ids, hidden, is_last=False)
+
     def finish(self, reason: str, prompt_tokens: int) -> None:
         tail = self.detok.flush()
         if tail:

@@ -302,6 +302,7 @@ class GrpcDuplexPipeline:
             stages=self.stages,
             settings=self.settings,
             ref_pcm=self.ref_pcm,
+            voice_prompt=self.host.cfg.voice_prompt,
             report=self.host.post_pipeline,
             on_failure=self._turn_failed,
             on_finished=self._turn_finished,

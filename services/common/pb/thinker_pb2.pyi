@@ -89,7 +89,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class ThinkerOpen(_message.Message):
-    __slots__ = ("id", "mode", "messages", "sampling", "use_tts_template", "enable_thinking", "want_speech", "ref_audio", "chunk_tokens", "first_chunk_tokens", "hidden_dtype", "instructions", "force_speak", "force_listen_units")
+    __slots__ = ("id", "mode", "messages", "sampling", "use_tts_template", "enable_thinking", "want_speech", "ref_audio", "chunk_tokens", "first_chunk_tokens", "hidden_dtype", "instructions", "force_speak", "force_listen_units", "teacher_text", "voice")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class ThinkerOpen(_message.Message):
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     FORCE_SPEAK_FIELD_NUMBER: _ClassVar[int]
     FORCE_LISTEN_UNITS_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TEXT_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     mode: StreamMode
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -118,7 +120,23 @@ class ThinkerOpen(_message.Message):
     instructions: str
     force_speak: bool
     force_listen_units: int
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ...) -> None: ...
+    teacher_text: str
+    voice: VoiceEmbedding
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ..., teacher_text: _Optional[str] = ..., voice: _Optional[_Union[VoiceEmbedding, _Mapping]] = ...) -> None: ...
+
+class VoiceEmbedding(_message.Message):
+    __slots__ = ("embeds", "digest")
+    EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    embeds: _common_pb2.Tensor
+    digest: str
+    def __init__(self, embeds: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class ThinkerVoiceRequest(_message.Message):
+    __slots__ = ("ref_audio",)
+    REF_AUDIO_FIELD_NUMBER: _ClassVar[int]
+    ref_audio: _common_pb2.Pcm
+    def __init__(self, ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ...) -> None: ...
 
 class ThinkerUnit(_message.Message):
     __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn")
