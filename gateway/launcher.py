@@ -115,6 +115,7 @@ def stage_flags(sp: StageProfile) -> list[str]:
                 str(sp.duplex_window_low),
             ]
         flags += ["--weights", sp.weights]
+        flags += ["--prefix-caching" if sp.prefix_caching else "--no-prefix-caching"]
         return flags + memory
     if sp.name == "talker":
         return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *memory]

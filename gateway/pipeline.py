@@ -94,6 +94,7 @@ class FinishEvent:
     completion_tokens: int
     audio_samples: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens the thinker found in its prefix cache
 
 
 PipelineEvent = TextEvent | AudioEvent | FinishEvent
@@ -192,6 +193,7 @@ class PipelineRun:
             completion_tokens=int(usage.completion_tokens),
             audio_samples=self.audio_samples,
             timings=dict(self.timings),
+            cached_tokens=int(usage.cached_tokens),
         )
 
     def _text_event(self, text: str, token_count: int) -> TextEvent:

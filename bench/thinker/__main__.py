@@ -469,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_budget_bytes=budget,
             use_cuda_graphs=not args.no_cuda_graphs,
             compile_layers=args.compile,
+            # The engine's compute is measured: prompts repeated by the profiler pass must not hit a cache.
+            prefix_caching=False,
         ),
         device,
     )

@@ -99,10 +99,16 @@ def _audio_metadata(fmt: str, frames: int) -> dict[str, Any]:
     return {"format": fmt, "sample_rate_hz": OUTPUT_SAMPLE_RATE, "frame_count": frames, "channels": 1}
 
 
-def _usage(finish: FinishEvent | None) -> dict[str, int]:
+def _usage(finish: FinishEvent | None) -> dict[str, Any]:
     prompt = finish.prompt_tokens if finish else 0
     completion = finish.completion_tokens if finish else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = finish.cached_tokens if finish else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _observe(finish: FinishEvent) -> None:
@@ -266,6 +272,7 @@ class _Chunks:
         # The thinker repeats the prompt length on each TextDelta, so it is known from the first chunk on.
         self.prompt_tokens = first.prompt_tokens if isinstance(first, TextEvent) else 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # known with the thinker's Done
 
     def count(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens or self.prompt_tokens
@@ -285,6 +292,7 @@ class _Chunks:
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             }
         return _sse(body)
 
@@ -335,6 +343,7 @@ async def _stream_body(
                     break
                 _observe(event)
                 out.prompt_tokens, out.completion_tokens = event.prompt_tokens, event.completion_tokens
+                out.cached_tokens = event.cached_tokens
                 last_modality = "audio" if req.want_audio else "text"
                 yield chunk(last_modality, {}, finish_reason=event.finish_reason)
                 if req.include_usage:

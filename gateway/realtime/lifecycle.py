@@ -210,6 +210,7 @@ class ResponseLifecycle:
         if resp.thinker_turn_ended:
             return  # a decision after the turn ended belongs to no response (the talker is finishing)
         resp.units_seen += 1
+        resp.count_unit(out.context_before, out.context_tokens, out.output_tokens)
         if speak:
             if not resp.spoke:
                 resp.spoke = True
@@ -427,6 +428,7 @@ class ResponseLifecycle:
                 "output": [item],
                 "modalities": resp.modalities,
                 "metadata": ev.string_metadata(metadata),
+                "usage": resp.usage(),
             },
         )
         s.emit("rate_limits.updated", rate_limits=[])

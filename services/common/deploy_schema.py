@@ -13,7 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
 
 STAGES: tuple[str, ...] = ("thinker", "talker", "code2wav")
 DTYPES = frozenset({"bfloat16", "float16", "float32"})
@@ -107,6 +115,7 @@ HiddenOnlyThinker = Annotated[None, _refuse("only the thinker exports hidden sta
 CodecOnlyTalker = Annotated[None, _refuse("codec windows are a talker setting")]
 NoSampling = Annotated[None, _refuse("code2wav has no sampling parameters")]
 WindowOnlyThinker = Annotated[None, _refuse("the duplex context window is a thinker setting")]
+PrefixOnlyThinker = Annotated[None, _refuse("prefix caching is a thinker setting")]
 WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
 WeightFormat = Annotated[str, _rule(lambda v: v in ("bf16", "fp8"), "expected 'bf16' or 'fp8', got {v!r}")]
 WeightsOnlyThinker = Annotated[None, _refuse("fp8 weights are a thinker setting")]
@@ -204,6 +213,8 @@ class ThinkerDoc(_StageDoc):
     duplex_window_low: PositiveInt | None = None
     # The projection weights: bf16 (the checkpoint's) or fp8 (e4m3, per-channel scales; services/thinker/fp8_weights.py).
     weights: WeightFormat | None = None
+    # Automatic prefix caching of full KV blocks (on unless a profile says false).
+    prefix_caching: StrictBool | None = None
     codec: CodecOnlyTalker = None
 
     @model_validator(mode="after")
@@ -228,6 +239,7 @@ class _NoHiddenDoc(_StageDoc):
     duplex_window_high: WindowOnlyThinker = None
     duplex_window_low: WindowOnlyThinker = None
     weights: WeightsOnlyThinker = None
+    prefix_caching: PrefixOnlyThinker = None
 
 
 class TalkerDoc(_NoHiddenDoc):

@@ -39,6 +39,7 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "duplex_window_high": "duplex_window_high",
         "duplex_window_low": "duplex_window_low",
         "weights": "weights",
+        "prefix_caching": "prefix_caching",
     },
     "talker": {"max_num_seqs": "max_streams", "dtype": "dtype"},
     "code2wav": {"max_num_seqs": "max_batch"},

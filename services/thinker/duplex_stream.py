@@ -72,6 +72,7 @@ class RunningUnit:
     epoch: int
     outcome: UnitOutcome
     submitted: float  # perf_counter when it went to the engine
+    context_before: int = 0  # the session's context when it was submitted (held in the KV)
 
 
 UNIT_PERIOD_S = 1.0  # a unit is 1 s of audio: its decision is due before the next one arrives
@@ -108,6 +109,7 @@ class DuplexStream(StageStream[Response]):
         self.busy = True  # the engine computes something of this session (the prefix at first)
         self.ending = False
         self.context_tokens = 0
+        self.cached_tokens = 0  # prompt tokens of this session's prefills found in the prefix cache
 
     def identity(self) -> common_pb2.Identity:
         if self.session is not None:
@@ -278,7 +280,7 @@ class DuplexStream(StageStream[Response]):
         if self.record is not None:
             self.record.record(start, encoded.work)
         self.engine.submit(self.seq, encoded.work)
-        self.current = RunningUnit(encoded.unit_seq, session.epoch, UnitOutcome(), submitted)
+        self.current = RunningUnit(encoded.unit_seq, session.epoch, UnitOutcome(), submitted, start)
         self.busy = True
 
     def _fail(self, err: StageError, unit_seq: int) -> list[Response]:
@@ -295,6 +297,7 @@ class DuplexStream(StageStream[Response]):
             prompt_tokens=fed - session.total_generated,
             completion_tokens=session.total_generated,
             total_tokens=fed,
+            cached_tokens=self.cached_tokens,
         )
         usage.extra["units"] = session.units_done
         if record is not None:
@@ -307,6 +310,8 @@ class DuplexStream(StageStream[Response]):
         self.context_tokens = ev.context_tokens
         if ev.error is not None:
             raise ev.error
+        if ev.finish_reason == "prefilled":
+            self.cached_tokens += ev.cached_tokens  # a prefix (or trimmed re-prefill) found in the cache
         if ev.finish_reason == "prefilled" and self.deferred is not None:
             deferred, self.deferred = self.deferred, None
             self._submit(deferred, ev.context_tokens)
@@ -324,7 +329,11 @@ class DuplexStream(StageStream[Response]):
         self.busy, self.current = False, None
         if current.epoch < session.epoch:
             return ()  # finished just before an interrupt was applied: drop its output
-        return session.unit_responses(current.unit_seq, current.outcome, self.context_tokens)
+        responses = session.unit_responses(current.unit_seq, current.outcome, self.context_tokens)
+        for r in responses:
+            if r.HasField("unit"):
+                r.unit.context_before = current.context_before
+        return responses
 
     async def close(self) -> None:
         for task in (self.ahead.task if self.ahead is not None else None, self.dropped_ahead):

@@ -37,6 +37,10 @@ from services.common.metrics import IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH
 from services.thinker.engine_metrics import (
     KV_BUDGET_BYTES,
     KV_USED_BYTES,
+    PREFIX_CACHED_BLOCKS,
+    PREFIX_EVICTIONS,
+    PREFIX_HITS,
+    PREFIX_MISSES,
     RUNNING,
     SESSIONS,
     STAGE,
@@ -44,7 +48,7 @@ from services.thinker.engine_metrics import (
     observe_step,
 )
 from services.thinker.errors import failure
-from services.thinker.kv_cache import KVLayout, PagedKVCache, default_kv_budget
+from services.thinker.kv_cache import KVLayout, PagedKVCache, check_explicit_kv_budget, default_kv_budget
 from services.thinker.overlap import (
     InFlight,
     Prefetched,
@@ -95,6 +99,9 @@ class EngineConfig:
     # Launch the next all-greedy decode step before reading this one's tokens (services.thinker.overlap);
     # only graph steps qualify. MINICPMO_THINKER_OVERLAP=0 turns it off.
     overlap_decode: bool = True
+    # Automatic prefix caching: full KV blocks shared by content hash across sequences
+    # (services.thinker.scheduler); the deploy profile's stages.thinker.prefix_caching turns it off.
+    prefix_caching: bool = True
 
 
 @dataclass
@@ -114,6 +121,7 @@ class EngineEvent:
     # Prefill rows a work item asked for (``WorkItem.export_from``): ids and their hidden rows (CPU).
     prompt_row_ids: list[int] | None = None
     prompt_rows: torch.Tensor | None = None
+    cached_tokens: int = 0  # prompt tokens of the work item found in the prefix cache (not computed)
 
 
 Sink = Callable[[EngineEvent], None]
@@ -133,7 +141,11 @@ class ThinkerEngine:
         )
         self.max_context = min(int(config.max_context), int(cfg.max_position_embeddings))
         budget = config.kv_budget_bytes
-        if budget is None:
+        if budget is not None:
+            check_explicit_kv_budget(
+                budget, self.device, config.memory_fraction, config.memory_fraction_key, config.reserve_bytes
+            )
+        else:
             budget = default_kv_budget(
                 self.layout,
                 self.device,
@@ -143,7 +155,7 @@ class ThinkerEngine:
                 memory_fraction_key=config.memory_fraction_key,
                 reserve_bytes=config.reserve_bytes,
             )
-        self.cache = PagedKVCache(self.layout, budget, self.device)
+        self.cache = PagedKVCache(self.layout, budget, self.device, prefix_caching=config.prefix_caching)
         self.runner = ModelRunner(
             llm,
             self.cache,
@@ -172,6 +184,7 @@ class ThinkerEngine:
         self._inflight: InFlight | None = None  # a launched decode step whose tokens are not consumed yet
         self.chained_steps = 0  # steps launched before their predecessor was consumed (tests, bench)
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)
+        self._exported = (0, 0, 0)  # prefix hits, misses, evictions already added to the counters
         self._update_gauges()
 
     # ------------------------------------------------------------------------------------ public API
@@ -456,6 +469,7 @@ class ThinkerEngine:
             assert fed is not None and seq.work is not None
             seq.tokens.append(fed)
             seq.next_token = None
+            self.scheduler.commit_blocks(seq)
             row = hidden_cpu[i] if hidden_cpu is not None and seq.work.emit_hidden else None
             if seq.finishing is not None:  # emitted once the rows have landed (below)
                 finishing.append((seq, EngineEvent(seq.seq_id, fed_token=fed, hidden=row)))
@@ -472,6 +486,7 @@ class ThinkerEngine:
             seq.tokens.extend(seq.prompt[:n])
             seq.prompt = seq.prompt[n:]
             seq.prompt_offset += n
+            self.scheduler.commit_blocks(seq)
             if seq.prompt:
                 continue
             seq.prompt_embeds = None
@@ -546,6 +561,7 @@ class ThinkerEngine:
         if seq.work is not None:
             ev.tag = seq.work.tag if ev.tag is None else ev.tag
             ev.prompt_tokens = len(seq.work.token_ids)
+            ev.cached_tokens = seq.cached_tokens
         ev.completion_tokens = len(seq.generated)
         ev.context_tokens = len(seq.tokens)
         if seq.sink is not None:
@@ -562,3 +578,13 @@ class ThinkerEngine:
         RUNNING.set(len(self.scheduler.running))
         IN_FLIGHT.labels(STAGE).set(len(self.scheduler.running) + self.scheduler.queue_depth)
         SESSIONS.set(len(self._sequences))
+        sched, pool = self.scheduler, self.cache.pool
+        now = (sched.hit_tokens, sched.miss_tokens, pool.evictions)
+        if now != self._exported:
+            for counter, new, old in zip(
+                (PREFIX_HITS, PREFIX_MISSES, PREFIX_EVICTIONS), now, self._exported, strict=True
+            ):
+                if new > old:
+                    counter.inc(new - old)
+            self._exported = now
+        PREFIX_CACHED_BLOCKS.set(pool.cached_blocks)

@@ -191,7 +191,7 @@ class TurnOutput:
                 ids, hidden = self.chunker.take(self.hidden_size)
                 self._send_speech(ids, hidden, is_last=False)
 
-    def finish(self, reason: str, prompt_tokens: int) -> None:
+    def finish(self, reason: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
         tail = self.detok.flush()
         if tail:
             delta = thinker_pb2.TextDelta(id=self._id(), text=tail, prompt_tokens=self.prompt_tokens)
@@ -201,7 +201,10 @@ class TurnOutput:
             self._send_speech(ids, hidden, is_last=True)
         completion = len(self.generated)
         usage = common_pb2.Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+            cached_tokens=cached_tokens,
         )
         if self.want_speech:
             usage.extra["speech_tokens"] = self.speech_tokens

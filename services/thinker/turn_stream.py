@@ -11,6 +11,7 @@ Half-closing the request side does not stop generation. The stream skeleton is
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from services.common.tensors import dtype_from_proto, pcm_to_float
 from services.thinker.backend import ThinkerBackend
 from services.thinker.engine import EngineEvent
 from services.thinker.errors import failure
+from services.thinker.prefix_hash import MediaSpan
 from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig
 from services.thinker.scheduler import Sequence as EngineSequence
 from services.thinker.scheduler import WorkItem
@@ -102,6 +104,7 @@ class TurnPrompt:
     embeds: torch.Tensor | None
     # Teacher-forced speech: how many of ``ids`` (at the end) are the forced spoken tokens.
     forced: int = 0
+    media: list[MediaSpan] | None = None  # the embedded rows' content keys (prefix caching)
 
 
 def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> TurnPrompt:
@@ -141,7 +144,15 @@ def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen
                 text_rows = backend.model.embed_tokens(torch.tensor(forced, device=embeds.device))
                 parts.append(text_rows.to(embeds.dtype))
             embeds = torch.cat(parts).detach()
-    return TurnPrompt(prefix_ids + ids + forced, embeds, len(forced))
+    media: list[MediaSpan] | None = None
+    if (
+        embeds is not None
+    ):  # every embedded row named by content: a cached block is reused only for equal rows
+        media = [span.shifted(len(prefix_ids)) for span in processed.media_spans]
+        if prefix_embeds is not None:  # a registered voice's stored rows (with the text around them)
+            digest = hashlib.blake2b(prefix_embeds.float().cpu().numpy().tobytes(), digest_size=16).digest()
+            media.insert(0, MediaSpan(0, len(prefix_ids), digest))
+    return TurnPrompt(prefix_ids + ids + forced, embeds, len(forced), media)
 
 
 class TurnStream(StageStream[Response]):
@@ -156,6 +167,7 @@ class TurnStream(StageStream[Response]):
         self.seq: EngineSequence | None = None
         self.turn: TurnOutput | None = None
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt, found in the prefix cache (the engine's events say)
         self.outbox: list[Response] = []
 
     def identity(self) -> common_pb2.Identity:
@@ -196,10 +208,21 @@ class TurnStream(StageStream[Response]):
         if teacher:  # prefill only: the forced tokens' rows come back as they are prefilled
             self.prompt_tokens -= prompt.forced
             self.turn.prompt_tokens = self.prompt_tokens
-            work = WorkItem(prompt.ids, prompt.embeds, None, export_from=len(prompt.ids) - prompt.forced)
+            work = WorkItem(
+                prompt.ids,
+                prompt.embeds,
+                None,
+                export_from=len(prompt.ids) - prompt.forced,
+                media=prompt.media,
+            )
         else:
             work = WorkItem(
-                prompt.ids, prompt.embeds, Sampler(sampling), emit_hidden=want_speech, feed_last=want_speech
+                prompt.ids,
+                prompt.embeds,
+                Sampler(sampling),
+                emit_hidden=want_speech,
+                feed_last=want_speech,
+                media=prompt.media,
             )
         engine.submit(self.seq, work)
         return ()
@@ -224,6 +247,7 @@ class TurnStream(StageStream[Response]):
         assert self.turn is not None
         if ev.error is not None:
             raise ev.error
+        self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
         if ev.prompt_rows is not None and ev.prompt_row_ids is not None:
             self.turn.on_forced(ev.prompt_row_ids, ev.prompt_rows)
         if ev.hidden is not None and ev.fed_token is not None:
@@ -232,7 +256,7 @@ class TurnStream(StageStream[Response]):
             self.turn.on_token(ev.token, ev.finish_reason)
         if ev.finish_reason is not None:
             reason = "stop" if ev.finish_reason == "prefilled" else ev.finish_reason
-            self.turn.finish(reason, self.prompt_tokens)
+            self.turn.finish(reason, self.prompt_tokens, self.cached_tokens)
             self.finished = True
         return self._drain_outbox()
 

@@ -263,6 +263,8 @@ class GrpcDuplexPipeline:
                 bool(unit.turn_end),
                 int(unit.context_tokens),
                 self._unit_turn.pop(int(unit.id.unit_seq), 0),
+                output_tokens=len(unit.token_ids),
+                context_before=int(unit.context_before),
             )
         )
 
