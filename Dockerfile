@@ -76,18 +76,19 @@ FROM ${GATEWAY_BASE_IMAGE} AS python-gateway
 COPY docker/ensure-python.sh /usr/local/sbin/ensure-python.sh
 RUN sh /usr/local/sbin/ensure-python.sh
 
+# The gateway forwards tensors' bytes and never imports torch: its venv has no torch, transformers or
+# CUDA wheels (pyproject.toml [tool.minicpmo] gateway-dependencies), and the build checks that it starts.
 FROM python-gateway AS build-gateway
 ARG PIP_OFFLINE=0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY constraints/ constraints/
 COPY docker/pip-install.sh docker/pip-install.sh
 COPY docker/wheelhouse/ docker/wheelhouse/
-RUN PIP_OFFLINE=${PIP_OFFLINE} TORCH_INDEX_URL=${TORCH_INDEX_URL} sh docker/pip-install.sh deps
+RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh deps-gateway
 COPY services/ services/
 COPY gateway/ gateway/
-RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh project
+RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh project-gateway
 
 FROM python-gateway AS gateway
 COPY --from=build-gateway /opt/venv /opt/venv

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -284,22 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--openai-audio-delta", action="store_true", help="also stream audio in delta.audio (OpenAI)"
     )
-    env = os.environ.get
     p.add_argument(
         "--stage-tls-ca",
-        default=env("MINICPMO_STAGE_TLS_CA") or None,
+        default=None,
         help="connect to the stages over TLS, verifying them against this CA (PEM; default: profile tls)",
     )
     p.add_argument(
-        "--stage-tls-cert",
-        default=env("MINICPMO_STAGE_TLS_CERT") or None,
-        help="mutual TLS: the gateway's client certificate (PEM)",
+        "--stage-tls-cert", default=None, help="mutual TLS: the gateway's client certificate (PEM)"
     )
-    p.add_argument(
-        "--stage-tls-key",
-        default=env("MINICPMO_STAGE_TLS_KEY") or None,
-        help="mutual TLS: the key of --stage-tls-cert (PEM)",
-    )
+    p.add_argument("--stage-tls-key", default=None, help="mutual TLS: the key of --stage-tls-cert (PEM)")
     p.add_argument("--log-level", default="info")
     return p
 

@@ -35,7 +35,7 @@ from gateway.stage_clients import StageSet
 from gateway.stage_failure import StageFailure
 from gateway.stage_stream_client import StageStream
 from services.common.pb import code2wav_pb2, common_pb2, talker_pb2, thinker_pb2
-from services.common.tensors import pcm_to_float
+from services.common.pcm import pcm_to_float
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class PipelineRun:
         job = self.job
         open_msg = thinker_pb2.ThinkerOpen(
             id=seq.next(),
-            mode=thinker_pb2.STREAM_MODE_TURN,
+            mode=common_pb2.STREAM_MODE_TURN,
             messages=job.messages,
             sampling=job.thinker_sampling,
             use_tts_template=job.use_tts_template,
@@ -298,7 +298,7 @@ class PipelineRun:
         open_id = common_pb2.Identity(request_id=job.request_id, chunk_seq=0)
         talker_open = talker_pb2.TalkerOpen(
             id=open_id,
-            mode=thinker_pb2.STREAM_MODE_TURN,
+            mode=common_pb2.STREAM_MODE_TURN,
             sampling=job.talker_sampling,
             window_frames=job.window_frames,
             left_context=job.left_context_frames,

@@ -17,7 +17,7 @@ from services.common.checkpoint import CODEC_SILENCE_ID
 from services.common.errors import BAD_REFERENCE_AUDIO
 from services.common.grpc_server import ServeOptions, StageServer
 from services.common.pb import code2wav_pb2, code2wav_pb2_grpc, common_pb2
-from services.common.tensors import pcm_from_float
+from services.common.pcm import pcm_from_float
 
 
 def _clip(seconds: float = 2.5, rate: int = 22050) -> np.ndarray:

@@ -66,7 +66,7 @@ def test_fp8_matmul_stack_floor_runs_the_fp8_gemms(triton_interpreter_scalars: N
     import torch
 
     from bench.thinker import fp8
-    from services.thinker.kernels.fp8_quant import quantize_fp8
+    from services.common.kernels.fp8_quant import quantize_fp8
 
     weights = [quantize_fp8(torch.randn(96, 64)), quantize_fp8(torch.randn(64, 96))]
     assert fp8.matmul_stack_ms(weights, 2, torch.device("cpu"), torch.float32, iters=1) > 0

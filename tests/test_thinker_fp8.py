@@ -20,8 +20,8 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on the CPU
 
 from services.common.checkpoint import Checkpoint  # noqa: E402
+from services.common.kernels.fp8_quant import FP8_MAX, fp8_linear_ref, quantize_fp8  # noqa: E402
 from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
-from services.thinker.kernels.fp8_quant import FP8_MAX, fp8_linear_ref, quantize_fp8  # noqa: E402
 from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
 from tests.thinker_greedy import greedy_tokens  # noqa: E402
 
@@ -69,7 +69,7 @@ def _interpreter(triton_interpreter_scalars: None) -> None:
 @pytest.mark.usefixtures("_interpreter")
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
 def test_fp8_gemm_kernel_matches_torch_reference(m: int) -> None:
-    from services.thinker.kernels.fp8_gemm import Fp8Config, fp8_linear
+    from services.common.kernels.fp8_gemm import Fp8Config, fp8_linear
 
     g = torch.Generator().manual_seed(10 + m)
     configs = [
@@ -101,7 +101,7 @@ def test_fp8_gemm_kernel_matches_torch_reference(m: int) -> None:
 
 @pytest.mark.usefixtures("_interpreter")
 def test_split_counters_are_left_zeroed() -> None:
-    from services.thinker.kernels import fp8_gemm
+    from services.common.kernels import fp8_gemm
 
     g = torch.Generator().manual_seed(2)
     w, a = quantize_fp8(torch.randn(96, 256, generator=g)), torch.randn(2, 256, generator=g)
@@ -114,7 +114,7 @@ def test_split_counters_are_left_zeroed() -> None:
 def test_config_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode row counts take the nearest tuned bucket (above, else below) with a row tile that holds
     them; other shapes and prefill row counts take the default rule."""
-    from services.thinker.kernels import fp8_gemm
+    from services.common.kernels import fp8_gemm
 
     a, b = fp8_gemm.Fp8Config(16, 64, 256, 4, 4, 4), fp8_gemm.Fp8Config(16, 128, 128, 2, 4, 4)
     monkeypatch.setattr(fp8_gemm, "FP8_CONFIGS", {(1, 4096, 4096): a, (16, 4096, 4096): b})
@@ -128,7 +128,7 @@ def test_config_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_default_config_splits_decode_and_tiles_prefill() -> None:
-    from services.thinker.kernels import fp8_gemm
+    from services.common.kernels import fp8_gemm
 
     d = fp8_gemm.default_config
     assert d(1, 4096, 4096).split_k == 8 and d(1, 4096, 12288).split_k == 8

@@ -277,7 +277,7 @@ def _image_open(shade: int, text: str) -> thinker_pb2.ThinkerOpen:
     )
     return thinker_pb2.ThinkerOpen(
         id=common_pb2.Identity(request_id="r"),
-        mode=thinker_pb2.STREAM_MODE_TURN,
+        mode=common_pb2.STREAM_MODE_TURN,
         messages=[msg],
         sampling=thinker_pb2.SamplingParams(max_tokens=4, temperature=0.0),
     )
@@ -380,7 +380,7 @@ def test_reopened_duplex_session_hits_its_prefix_and_decides_the_same(backend) -
     reconnected session) finds its prefix cached; its units decide exactly as the first session's did."""
     from test_thinker_duplex import END, _session, duplex_open, unit
 
-    from services.common.tensors import pcm_from_float
+    from services.common.pcm import pcm_from_float
 
     voice = pcm_from_float((0.2 * np.sin(np.arange(32000) / 7.0)).astype(np.float32), 16000)
     other = pcm_from_float((0.2 * np.sin(np.arange(32000) / 3.0)).astype(np.float32), 16000)

@@ -1,12 +1,12 @@
 """The fp8 side of the thinker bench: the fp8 matmul-stack floor and the fp8 GEMM config sweep.
 
 * :func:`matmul_stack_ms`: the decode step's GEMMs alone (QKV, O, gate|up, down of every layer, then the
-  lm_head) on ``[batch, hidden]`` activations through :func:`~services.thinker.kernels.fp8_gemm.fp8_linear`
+  lm_head) on ``[batch, hidden]`` activations through :func:`~services.common.kernels.fp8_gemm.fp8_linear`
   with the engine's own fp8 weights, recorded into one CUDA graph and replayed — the fp8 counterpart of
   :func:`bench.thinker.floor.matmul_stack_ms`, and what ``python -m bench.thinker --weights fp8`` reports
   the fp8 decode step against.
 * :func:`tune`: for each distinct weight shape of the step and each row count, time a small grid of
-  :class:`~services.thinker.kernels.fp8_gemm.Fp8Config` (the default first) and keep the fastest; the
+  :class:`~services.common.kernels.fp8_gemm.Fp8Config` (the default first) and keep the fastest; the
   result goes into ``FP8_CONFIGS`` for the rest of the run and is printed as entries to paste into the
   built-in table.
 
@@ -25,7 +25,7 @@ from itertools import product
 import torch
 
 from bench.thinker.floor import capture_graph, time_per_call
-from services.thinker.kernels.fp8_quant import Fp8Weight, quantize_fp8
+from services.common.kernels.fp8_quant import Fp8Weight, quantize_fp8
 
 # (N, K) of the full-size thinker's decode GEMMs: QKV, O, gate|up, down, lm_head.
 FULL_SIZE_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151748, 4096))
@@ -47,7 +47,7 @@ def matmul_stack_ms(
     weights: list[Fp8Weight], batch: int, device: torch.device, dtype: torch.dtype, iters: int = 50
 ) -> float:
     """Milliseconds of one pass of ``fp8_linear(x, W)`` over ``weights`` for ``batch`` rows (one graph)."""
-    from services.thinker.kernels.fp8_gemm import fp8_linear
+    from services.common.kernels.fp8_gemm import fp8_linear
 
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype, device=device) for w in weights}
     outputs = [torch.empty(batch, w.shape[0], dtype=dtype, device=device) for w in weights]
@@ -76,7 +76,7 @@ def reference(runner, batches: list[int], device: torch.device) -> dict:  # noqa
 
 def candidates(rows: int, n: int, k: int, sms: int = 132) -> list:
     """The sweep's configs for ``rows`` (decode layouts only: ≤ 32 rows) and shape ``[n, k]``."""
-    from services.thinker.kernels.fp8_gemm import SKINNY_ROWS, Fp8Config
+    from services.common.kernels.fp8_gemm import SKINNY_ROWS, Fp8Config
 
     if rows > SKINNY_ROWS:
         return []
@@ -97,7 +97,7 @@ def candidates(rows: int, n: int, k: int, sms: int = 132) -> list:
 
 
 def _eight(a: torch.Tensor, w: Fp8Weight, out: torch.Tensor, cfg: object) -> None:
-    from services.thinker.kernels.fp8_gemm import fp8_linear
+    from services.common.kernels.fp8_gemm import fp8_linear
 
     for _ in range(8):
         fp8_linear(a, w, out=out, config=cfg)  # type: ignore[arg-type]
@@ -112,7 +112,7 @@ def tune(
     Each timing replays a CUDA graph of 8 launches (the step's launches run back to back in a graph,
     so the per-launch overhead measured is the graph's, not the host's). A config that fails to compile
     or launch is skipped."""
-    from services.thinker.kernels import fp8_gemm
+    from services.common.kernels import fp8_gemm
 
     results = []
     for (n, k), m in product(shapes, rows):
@@ -144,7 +144,7 @@ def tune(
 
 def table_literal(results: list[dict]) -> str:
     """The sweep's winners as ``FP8_CONFIGS`` entries (Python source to paste into the built-in table)."""
-    from services.thinker.kernels.fp8_gemm import row_bucket
+    from services.common.kernels.fp8_gemm import row_bucket
 
     lines = []
     for r in results:

@@ -35,7 +35,7 @@ from gateway.runtime import GatewayRuntime
 from gateway.stage_failure import StageFailure
 from services.common.audio import resample
 from services.common.pb import talker_pb2, thinker_pb2
-from services.common.tensors import pcm_from_float
+from services.common.pcm import pcm_from_float
 
 router = APIRouter()
 ENCODER_RATE = 16_000

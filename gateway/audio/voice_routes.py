@@ -24,7 +24,7 @@ from gateway.openai.errors import invalid_request
 from gateway.stage_failure import StageFailure
 from services.common.deploy_profile import MediaLimits
 from services.common.pb import code2wav_pb2, thinker_pb2
-from services.common.tensors import pcm_from_float
+from services.common.pcm import pcm_from_float
 
 router = APIRouter()
 ENCODE_TIMEOUT_S = 60.0

@@ -38,7 +38,7 @@ import numpy as np
 from gateway.openai.errors import APIError, invalid_request
 from services.common.audio import read_audio, wav_bytes
 from services.common.pb import code2wav_pb2, common_pb2, thinker_pb2
-from services.common.tensors import pcm_from_float
+from services.common.pcm import pcm_from_float
 
 DEFAULT_VOICE = "default"
 BUILTIN_VOICES: tuple[str, ...] = (
@@ -199,7 +199,7 @@ class VoiceRegistry:
         if voice is None:
             return None
         from services.common.audio import resample
-        from services.common.tensors import pcm_to_float
+        from services.common.pcm import pcm_to_float
 
         samples, rate = pcm_to_float(voice.clip)
         return resample(samples, rate, 16_000), voice.code2wav

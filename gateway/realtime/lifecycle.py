@@ -15,7 +15,6 @@ fence: the stages drop them too once they see the interrupt).
 from __future__ import annotations
 
 import base64
-import os
 import time
 from typing import Any, Protocol
 
@@ -36,10 +35,10 @@ from gateway.realtime.pipeline.events import (
     UnitRole,
 )
 
-# Turn lane: keep one silent unit queued behind the one being decided (MINICPMO_REALTIME_TURN_LOOKAHEAD=0
-# sends each only after the previous decision, as before: an A/B switch for bench.realtime_duplex).
+# Turn lane: keep one silent unit queued behind the one being decided (False sends each only after the
+# previous decision: the other arm of its A/B; the look-ahead won and is the default).
 HELD_TAIL_SAMPLES = 480  # 20 ms at 24 kHz: what an audio delta keeps back for the turn's last delta
-TURN_LOOKAHEAD = os.environ.get("MINICPMO_REALTIME_TURN_LOOKAHEAD", "1") != "0"
+TURN_LOOKAHEAD = True
 
 
 class LifecycleHost(SessionCore, Protocol):

@@ -23,8 +23,9 @@ from services.code2wav.model.prompt import PromptFeatures, ReferenceAudioError
 from services.code2wav.runner import MAX_NEW_TOKENS, WindowResult
 from services.common.errors import FAILED_PRECONDITION, INVALID_ARGUMENT, OUT_OF_ORDER, StageError
 from services.common.pb import code2wav_pb2, code2wav_pb2_grpc, common_pb2
+from services.common.pcm import pcm_from_float, pcm_to_float
 from services.common.stage_stream import Inbox, Interrupted, StageServicer, StageStream, StageStreamDriver
-from services.common.tensors import pcm_from_float, pcm_to_float, tensor_from_proto, tensor_to_proto
+from services.common.tensors import tensor_from_proto, tensor_to_proto
 
 SERVICE_FULL_NAME = "minicpmo.v1.Code2WavService"
 Response = code2wav_pb2.Code2WavResponse

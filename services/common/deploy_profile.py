@@ -25,10 +25,14 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
                  first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16,
                  duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000,
                  weights: bf16,   # or fp8: e4m3 projection weights quantized at load
-                 prefix_caching: true}
+                 prefix_caching: true, kernels: auto, kernel_table: null, slow_step_ms: 50}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
-                 codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25}}
-      code2wav: {devices, memory_fraction, max_num_seqs, dtype, port}
+                 codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25},
+                 kernels: auto, steps_per_replay: 4, slow_step_ms: 50}
+      code2wav: {devices, memory_fraction, max_num_seqs, dtype, port, slow_step_ms}
+
+Every key, its type, default and range: docs/config.md (generated from these models by
+``python -m services.common.config_table``).
 
 ``devices`` has one entry per replica (``cpu``, ``cuda`` or ``cuda:N``), so ``[cuda:0, cuda:1]`` means two
 replicas, one per GPU. A replica on ``cuda:N`` is started with ``CUDA_VISIBLE_DEVICES=N`` and
@@ -108,6 +112,14 @@ class StageProfile:
     hidden_chunk_tokens: int = 10
     first_hidden_chunk_tokens: int = 11
     hidden_dtype: str = "bfloat16"
+    # every stage: engine steps slower than this are logged with their phases (0: off)
+    slow_step_ms: float = 50.0
+    # thinker and talker: decode kernel backend, auto | torch | triton
+    kernels: str = "auto"
+    # thinker only: a microbench table of skinny-GEMM configs (None: the built-in table)
+    kernel_table: str | None = None
+    # talker only: decode steps per CUDA-graph replay (None: 4 with graphs, 1 without)
+    steps_per_replay: int | None = None
     # thinker only: the duplex sliding context window, on unless a profile turns it off, so a long call
     # trims its oldest units instead of ending with context_length_exceeded (docs/model.md, Duplex context
     # window)
@@ -248,14 +260,17 @@ class DeployProfile:
                     "first_hidden_chunk_tokens",
                     "hidden_dtype",
                     "weights",
+                    "kernel_table",
                     "prefix_caching",
                     *THINKER_WINDOW_KEYS,
                 ):
                     sp.pop(key)
             if name != "talker":
                 sp.pop("codec")
+                sp.pop("steps_per_replay")
             if name == "code2wav":
                 sp.pop("sampling")
+                sp.pop("kernels")
         return data
 
 

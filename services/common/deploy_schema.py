@@ -119,6 +119,11 @@ PrefixOnlyThinker = Annotated[None, _refuse("prefix caching is a thinker setting
 WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
 WeightFormat = Annotated[str, _rule(lambda v: v in ("bf16", "fp8"), "expected 'bf16' or 'fp8', got {v!r}")]
 WeightsOnlyThinker = Annotated[None, _refuse("fp8 weights are a thinker setting")]
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+Kernels = Annotated[
+    str, _rule(lambda v: v in KERNEL_BACKENDS, f"expected one of {list(KERNEL_BACKENDS)}, got {{v!r}}")
+]
+Milliseconds = Annotated[float, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
 
 
 class _Doc(BaseModel):
@@ -182,6 +187,8 @@ class _StageDoc(_Doc):
     max_num_seqs: PositiveInt | None = None
     max_model_len: PositiveInt | None = None
     dtype: DType | None = None
+    # An engine step slower than this many ms is logged with its phases (services/common/slow_steps.py); 0: off.
+    slow_step_ms: Milliseconds | None = None
     notes: str | None = None
 
     @model_validator(mode="before")
@@ -213,6 +220,11 @@ class ThinkerDoc(_StageDoc):
     duplex_window_low: PositiveInt | None = None
     # The projection weights: bf16 (the checkpoint's) or fp8 (e4m3, per-channel scales; services/thinker/fp8_weights.py).
     weights: WeightFormat | None = None
+    # Decode kernels (services/common/kernels): auto = Triton on CUDA, torch elsewhere.
+    kernels: Kernels | None = None
+    # A `bench.thinker.skinny --json-out` table of skinny-GEMM configs for a GPU the built-in one was not
+    # measured on (services/common/kernels/skinny.py); a path as the thinker process sees it.
+    kernel_table: str | None = None
     # Automatic prefix caching of full KV blocks (on unless a profile says false).
     prefix_caching: StrictBool | None = None
     codec: CodecOnlyTalker = None
@@ -245,6 +257,10 @@ class _NoHiddenDoc(_StageDoc):
 class TalkerDoc(_NoHiddenDoc):
     sampling: TalkerSamplingDoc | None = None
     codec: CodecDoc | None = None
+    # Fused decode kernels (services/talker/fused_decode.py): auto = Triton on CUDA, torch elsewhere.
+    kernels: Kernels | None = None
+    # Decode steps per CUDA-graph replay (services/talker/multistep.py); default 4 with graphs, 1 without.
+    steps_per_replay: PositiveInt | None = None
 
 
 class Code2WavDoc(_NoHiddenDoc):

@@ -102,6 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
         "quantized at load; the Triton kernels on CUDA)",
     )
     ap.add_argument(
+        "--kernels",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="decode kernels: auto = Triton on CUDA, torch elsewhere (profile kernels)",
+    )
+    ap.add_argument(
+        "--kernel-table",
+        default=None,
+        metavar="JSON",
+        help="skinny-GEMM configs measured by `bench.thinker.skinny --json-out` for this GPU (profile kernel_table)",
+    )
+    ap.add_argument(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -128,13 +140,24 @@ def serve(argv: list[str]) -> int:
         compile_layers=args.compile,
         memory_fraction=apply_memory_cap(STAGE, args.device, fraction, log),
         memory_fraction_key=fraction.key,
-        weights=args.weights,
+        # fp8 weights are laid out for the kernel backend: quantized after an explicit --kernels applies
+        weights=args.weights if args.kernels == "auto" else "bf16",
         prefix_caching=args.prefix_caching,
     )
     try:
         backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
     except KVBudgetError as exc:
         raise SystemExit(f"thinker: {exc}") from None
+    if args.kernels != "auto":
+        backend.engine.runner.set_kernels(args.kernels)
+        if args.weights == "fp8":
+            backend.engine.runner.quantize_weights()
+    if args.kernel_table:
+        from services.common.kernels import skinny
+
+        log.info(
+            "thinker: %d skinny-GEMM configs from %s", skinny.use_table(args.kernel_table), args.kernel_table
+        )
     if args.duplex_window == "basic":
         try:
             window = DuplexWindow(args.duplex_window_high, args.duplex_window_low)

@@ -36,7 +36,8 @@ from services.common.audio import resample
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.common.pb import common_pb2, thinker_pb2
-from services.common.tensors import dtype_from_proto, pcm_to_float, tensor_to_proto
+from services.common.pcm import pcm_to_float
+from services.common.tensors import dtype_from_proto, tensor_to_proto
 from services.thinker.backend import ThinkerBackend
 from services.thinker.duplex_policy import (
     CHUNK_EOS,

@@ -11,7 +11,7 @@ mode; what a unit means to the model (its tokens, embeddings, policy and results
   before it** (encode-ahead: its audio does not depend on that unit's decision, so the encode is off the
   unit-to-unit critical path); once the previous unit's decision is in, the encoded unit is assembled
   (token layout, embeddings, policy) and goes to the engine (:meth:`DuplexStream.advance`).
-  ``MINICPMO_DUPLEX_ENCODE_AHEAD=0`` encodes only after the decision, as before (an A/B switch);
+  it is the default (tests compare it with encoding after the decision through :data:`ENCODE_AHEAD`);
 * with ``--duplex-window basic`` a unit that would pass the window's high mark first replaces the
   sequence with a trimmed one (prefix + newest units) and follows that prefill;
 * an interrupt to a newer epoch (the fence is the driver's) cancels the running unit, drops the queued
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ WINDOW_TRIMS = Counter(
     "Duplex sessions' context trims by the sliding window (--duplex-window basic)",
 )
 Response = thinker_pb2.ThinkerResponse
-ENCODE_AHEAD = os.environ.get("MINICPMO_DUPLEX_ENCODE_AHEAD", "1") != "0"
+ENCODE_AHEAD = True  # False: encode a unit only after the previous decision (the tests' other arm)
 
 
 @dataclass

@@ -56,7 +56,6 @@ from services.thinker.overlap import (
     copy_to_host,
     deferrable,
     launch_successor,
-    overlap_enabled,
     prefetch,
 )
 from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
@@ -81,12 +80,12 @@ class EngineConfig:
     reserve_bytes: int = 0
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
-    # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.thinker.kernels.skinny);
-    # None: MINICPMO_THINKER_SKINNY_GEMM decides, else off (measured slower than cuBLAS on the H200).
+    # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.common.kernels.skinny);
+    # None: off (measured slower than cuBLAS on the H200; a benchmark arm turns it on).
     skinny_gemm: bool | None = None
     # Graphed decode steps without RMSNorm kernels: the norm weights folded into the QKV and gate|up GEMMs,
-    # residual adds inside the O and down GEMMs (services.thinker.fused_forward). None:
-    # MINICPMO_THINKER_NORM_FOLD decides, else on with CUDA and the Triton kernels.
+    # residual adds inside the O and down GEMMs (services.thinker.fused_forward). None: on with CUDA and
+    # the Triton kernels.
     norm_fold: bool | None = None
     # Projection weights (QKV, O, gate|up, down, lm_head): "bf16" (the checkpoint's dtype) or "fp8" (e4m3,
     # per-channel scales, quantized at load: services.thinker.fp8_weights).
@@ -97,7 +96,7 @@ class EngineConfig:
     # cost ~10 ms of host time with 16 duplex sessions. At 1 ms a wait costs ~0.5 ms (measured on CPU).
     gil_switch_interval_s: float | None = 0.001
     # Launch the next all-greedy decode step before reading this one's tokens (services.thinker.overlap);
-    # only graph steps qualify. MINICPMO_THINKER_OVERLAP=0 turns it off.
+    # only graph steps qualify.
     overlap_decode: bool = True
     # Automatic prefix caching: full KV blocks shared by content hash across sequences
     # (services.thinker.scheduler); the deploy profile's stages.thinker.prefix_caching turns it off.
@@ -180,7 +179,7 @@ class ThinkerEngine:
         self._sequences: dict[int, Sequence] = {}
         self.max_kv_used_bytes = 0  # high-water mark, for tests and capacity planning
         self._pending_metrics: tuple | None = None  # the last step's, observed after the next launch
-        self.overlap = overlap_enabled(config.overlap_decode)
+        self.overlap = config.overlap_decode
         self._inflight: InFlight | None = None  # a launched decode step whose tokens are not consumed yet
         self.chained_steps = 0  # steps launched before their predecessor was consumed (tests, bench)
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)

@@ -2,13 +2,13 @@
 
 :func:`quantize_runner` turns a :class:`~services.thinker.runner.ModelRunner`'s projection weights (QKV,
 O, gate|up, down of every layer, and the lm_head) into e4m3 with one scale per output channel
-(:mod:`services.thinker.kernels.fp8_gemm`; the kernel module imports Triton, so it is imported on use), after the RMSNorm weights were folded into the QKV and
+(:mod:`services.common.kernels.fp8_gemm`; the kernel module imports Triton, so it is imported on use), after the RMSNorm weights were folded into the QKV and
 gate|up columns (folding multiplies columns, which a per-row scale cannot absorb afterwards). How the
 step then runs depends on the kernel backend:
 
 * Triton (CUDA): the runner keeps only the fp8 tensors (the bf16 projection weights are released, so
   the weights take half the memory) and :func:`fp8_layers` runs every step's GEMMs through
-  :func:`~services.thinker.kernels.fp8_gemm.fp8_linear` — the folded loop of
+  :func:`~services.common.kernels.fp8_gemm.fp8_linear` — the folded loop of
   :class:`~services.thinker.fused_forward.FusedForward` (six launches per layer, the O and down GEMMs
   adding into the residual in place) for every step when the norms are folded, else the norm-kernel loop.
   The transformers module's projection layers then hold empty weights: its own ``forward`` (the no-cache
@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from services.thinker.kernels.fp8_quant import Fp8Weight, quantize_fp8
+from services.common.kernels.fp8_quant import Fp8Weight, quantize_fp8
 
 if TYPE_CHECKING:
+    from services.common.kernels import AttentionTiles
     from services.thinker.fused_forward import FusedForward
-    from services.thinker.kernels import AttentionTiles
     from services.thinker.layer_ops import FusedLayer
     from services.thinker.runner import ModelRunner
 
@@ -140,7 +140,7 @@ def _release(module: Any) -> None:
 
 def head_logits(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
     """The lm_head over ``hidden [rows, hidden]`` through the fp8 GEMM: ``[rows, vocab]``."""
-    from services.thinker.kernels.fp8_gemm import fp8_linear
+    from services.common.kernels.fp8_gemm import fp8_linear
 
     assert runner.head_fp8 is not None
     head: Any = runner.llm.lm_head
@@ -168,7 +168,7 @@ def fp8_layers(
     first O writes a new tensor, so the caller's embeddings are never overwritten). Otherwise the norm
     kernels run before the QKV and gate|up GEMMs, as in ``FusedForward.layers``.
     """
-    from services.thinker.kernels.fp8_gemm import fp8_linear
+    from services.common.kernels.fp8_gemm import fp8_linear
 
     r = ff.runner
     ops = r.ops

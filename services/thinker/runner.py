@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
+from services.common.kernels.fp8_quant import Fp8Weight
 from services.thinker.fp8_weights import check_weights, quantize_runner
 from services.thinker.fp8_weights import head_logits as fp8_head_logits
 from services.thinker.fused_forward import FusedForward
-from services.thinker.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
-from services.thinker.kernels.fp8_quant import Fp8Weight
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import (
     FusedLayer,
@@ -120,8 +120,8 @@ class ModelRunner:
             self._post = torch.compile(post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
-        self._skinny_request = skinny_gemm  # None: MINICPMO_THINKER_SKINNY_GEMM, else off
-        self._fold_request = norm_fold  # None: MINICPMO_THINKER_NORM_FOLD, else on with CUDA + Triton
+        self._skinny_request = skinny_gemm  # None: off
+        self._fold_request = norm_fold  # None: on with CUDA + Triton
         # weights: fp8 (services.thinker.fp8_weights): the lm_head in e4m3 when the GEMMs run in fp8.
         self.weights = "bf16"
         self.head_fp8: Fp8Weight | None = None
@@ -137,7 +137,7 @@ class ModelRunner:
         self.graph_capture: Capture | None = None  # None: real CUDA graphs (tests emulate them on CPU)
 
     def set_kernels(self, kernels: str | None) -> None:
-        """Choose the kernel backend (``torch`` | ``triton`` | ``auto``/None, see services.thinker.kernels).
+        """Choose the kernel backend (``torch`` | ``triton`` | ``auto``/None, see services.common.kernels).
 
         Only before any graph is captured: a captured graph keeps the kernels it recorded.
         """
@@ -150,8 +150,8 @@ class ModelRunner:
             )
         self.kernel_backend = backend
         self.ops = get_ops(self.kernel_backend)
-        # When on (opt-in), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
-        # norms and SwiGLU fused in (services.thinker.kernels.skinny); eager steps always keep cuBLAS.
+        # When on (opt-in, a benchmark arm), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
+        # norms and SwiGLU fused in (services.common.kernels.skinny); eager steps always keep cuBLAS.
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, self._skinny_request)
         self._apply_norm_fold()
         if self.kernel_backend != "torch" and self._pre is not pre_attention:
@@ -166,14 +166,14 @@ class ModelRunner:
         )
 
     def set_skinny_gemm(self, enabled: bool | None) -> None:
-        """Turn the skinny decode GEMMs on/off (None: the environment's default), before any capture."""
+        """Turn the skinny decode GEMMs on/off (None: the default, off), before any capture."""
         if self._graphs:
             raise RuntimeError("set_skinny_gemm after a CUDA graph was captured (drop_graphs first)")
         self._skinny_request = enabled
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, enabled)
 
     def set_norm_fold(self, enabled: bool | None) -> None:
-        """Turn the folded-norm decode loop on/off (None: the environment's default), before any capture.
+        """Turn the folded-norm decode loop on/off (None: the default, on with CUDA), before any capture.
 
         Folding the weights is one-way (the module keeps computing the same function); turning the loop
         off again runs the norm kernels with the folded weights and ones as norm weights (same kernels and

@@ -55,7 +55,7 @@ class ThinkerServicer(StageServicer, thinker_pb2_grpc.ThinkerServiceServicer):
             raise  # abort raises; this line is for the type checker
 
     def _stream_for(self, open_msg: thinker_pb2.ThinkerOpen) -> StageStream[thinker_pb2.ThinkerResponse]:
-        if open_msg.mode == thinker_pb2.STREAM_MODE_DUPLEX:
+        if open_msg.mode == common_pb2.STREAM_MODE_DUPLEX:
             return DuplexStream(self.backend, open_msg)
         return TurnStream(self.backend, open_msg)
 

@@ -19,7 +19,8 @@ import torch
 
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.common.pb import thinker_pb2
-from services.common.tensors import pcm_to_float, tensor_from_proto, tensor_to_proto
+from services.common.pcm import pcm_to_float
+from services.common.tensors import tensor_from_proto, tensor_to_proto
 
 
 def encode_voice(backend: Any, request: thinker_pb2.ThinkerVoiceRequest) -> thinker_pb2.VoiceEmbedding:

@@ -24,7 +24,7 @@ from gateway.stage_clients import StageSet
 from gateway.stage_failure import StageFailure
 from gateway.stage_stream_client import StageStream
 from services.common.pb import code2wav_pb2, common_pb2, talker_pb2, thinker_pb2
-from services.common.tensors import pcm_to_float
+from services.common.pcm import pcm_to_float
 
 _STAGE_ERROR_CODES = {
     common_pb2.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: "context_length_exceeded",
@@ -114,7 +114,7 @@ class SpeechTurn:
             c2w_open.ref_audio.CopyFrom(self.ref_pcm)
         talker_open = talker_pb2.TalkerOpen(
             id=open_id,
-            mode=thinker_pb2.STREAM_MODE_DUPLEX,
+            mode=common_pb2.STREAM_MODE_DUPLEX,
             sampling=tsampling,
             first_window_frames=self.settings.first_window_frames,
         )

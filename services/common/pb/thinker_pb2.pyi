@@ -8,20 +8,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class StreamMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    STREAM_MODE_UNSPECIFIED: _ClassVar[StreamMode]
-    STREAM_MODE_TURN: _ClassVar[StreamMode]
-    STREAM_MODE_DUPLEX: _ClassVar[StreamMode]
-
 class UnitDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     UNIT_DECISION_UNSPECIFIED: _ClassVar[UnitDecision]
     UNIT_DECISION_LISTEN: _ClassVar[UnitDecision]
     UNIT_DECISION_SPEAK: _ClassVar[UnitDecision]
-STREAM_MODE_UNSPECIFIED: StreamMode
-STREAM_MODE_TURN: StreamMode
-STREAM_MODE_DUPLEX: StreamMode
 UNIT_DECISION_UNSPECIFIED: UnitDecision
 UNIT_DECISION_LISTEN: UnitDecision
 UNIT_DECISION_SPEAK: UnitDecision
@@ -107,7 +98,7 @@ class ThinkerOpen(_message.Message):
     TEACHER_TEXT_FIELD_NUMBER: _ClassVar[int]
     VOICE_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
-    mode: StreamMode
+    mode: _common_pb2.StreamMode
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     use_tts_template: bool
@@ -122,7 +113,7 @@ class ThinkerOpen(_message.Message):
     force_listen_units: int
     teacher_text: str
     voice: VoiceEmbedding
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ..., teacher_text: _Optional[str] = ..., voice: _Optional[_Union[VoiceEmbedding, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ..., teacher_text: _Optional[str] = ..., voice: _Optional[_Union[VoiceEmbedding, _Mapping]] = ...) -> None: ...
 
 class VoiceEmbedding(_message.Message):
     __slots__ = ("embeds", "digest")

@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.thinker.kernels.counters import ArrivalCounters
-from services.thinker.kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantize_fp8
+from services.common.kernels.counters import ArrivalCounters
+from services.common.kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantize_fp8
 
 __all__ = ["Fp8Config", "Fp8Weight", "fp8_linear", "fp8_linear_ref", "quantize_fp8"]
 
