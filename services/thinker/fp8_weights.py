@@ -22,33 +22,25 @@ step then runs depends on the kernel backend:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from services.common.kernels.fp8_quant import Fp8Weight, quantize_fp8
+from services.common.kernels.fp8_quant import Fp8Layer, quantize_fp8
+from services.thinker.layer_ops import FusedLayer
 
 if TYPE_CHECKING:
     from services.common.kernels import AttentionTiles
-    from services.thinker.fused_forward import FusedForward
-    from services.thinker.layer_ops import FusedLayer
-    from services.thinker.runner import ModelRunner
+
+# The runner (services.thinker.runner.ModelRunner) and its FusedForward import this module, so they are
+# typed by what is used of them here, not imported (no import cycle, even for the type checker).
+Runner = Any
+Forward = Any
 
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("bf16", "fp8")
-
-
-@dataclass(frozen=True)
-class Fp8Layer:
-    """One decoder layer's four GEMM weights in e4m3 (the runner's fused layout)."""
-
-    qkv: Fp8Weight
-    o: Fp8Weight
-    gate_up: Fp8Weight
-    down: Fp8Weight
 
 
 def check_weights(weights: str) -> str:
@@ -67,7 +59,7 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_runner(runner: ModelRunner) -> None:
+def quantize_runner(runner: Runner) -> None:
     """Quantize the runner's projection weights and its lm_head to fp8 (see the module docstring).
 
     Idempotent per runner; a second runner over a module already quantized on CUDA finds the fp8 tensors
@@ -138,7 +130,7 @@ def _release(module: Any) -> None:
             del lin._thinker_fused
 
 
-def head_logits(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+def head_logits(runner: Runner, hidden: torch.Tensor) -> torch.Tensor:
     """The lm_head over ``hidden [rows, hidden]`` through the fp8 GEMM: ``[rows, vocab]``."""
     from services.common.kernels.fp8_gemm import fp8_linear
 
@@ -154,7 +146,7 @@ def _fp8_of(lay: FusedLayer) -> Fp8Layer:
 
 
 def fp8_layers(
-    ff: FusedForward,
+    ff: Forward,
     x: torch.Tensor,
     positions: torch.Tensor,
     write_slots: torch.Tensor,

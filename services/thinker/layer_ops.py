@@ -18,7 +18,7 @@ from torch import nn
 from services.common.kernels import rms_norm_ref, rotate_ref
 
 if TYPE_CHECKING:
-    from services.thinker.fp8_weights import Fp8Layer
+    from services.common.kernels.fp8_quant import Fp8Layer
 
 
 @dataclass

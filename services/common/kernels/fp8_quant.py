@@ -6,6 +6,7 @@ torch backend (CPU, tests, hosts without Triton) can round weights through fp8 t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -67,3 +68,14 @@ def fp8_linear_ref(
     if residual is not None:
         acc = acc + residual.to(torch.float32)
     return acc.to(a.dtype)
+
+
+@dataclass(frozen=True)
+class Fp8Layer:
+    """One thinker decoder layer's four GEMM weights in e4m3 (the runner's fused layout: QKV, O, gate|up,
+    down)."""
+
+    qkv: Fp8Weight
+    o: Fp8Weight
+    gate_up: Fp8Weight
+    down: Fp8Weight
