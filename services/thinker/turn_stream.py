@@ -21,8 +21,8 @@ import torch
 
 from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
 from services.common.pb import common_pb2, thinker_pb2
-from services.common.stage_stream import Inbox, Interrupted, StageStream
 from services.common.pcm import pcm_to_float
+from services.common.stage_stream import Inbox, Interrupted, StageStream
 from services.common.tensors import dtype_from_proto
 from services.thinker.backend import ThinkerBackend
 from services.thinker.engine import EngineEvent
