@@ -89,6 +89,8 @@ def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
             "8000",
             "--duplex-window-low",
             "6000",
+            "--weights",
+            "bf16",
             "--prefix-caching",
             "--memory-fraction",
             "0.4",

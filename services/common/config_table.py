@@ -78,6 +78,7 @@ _RANGES: list[tuple[Any, str]] = [
     (ds.SamplingFloat, "number ≥ 0"),
     (ds.SamplingBool, "boolean"),
     (ds.WindowMode, "`off`, `basic`"),
+    (ds.WeightFormat, "`bf16`, `fp8`"),
     (ds.Kernels, "`auto`, `torch`, `triton`"),
     (ds.Milliseconds, "number ≥ 0 (0: off)"),
     (bool, "boolean"),

@@ -24,6 +24,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
                  first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16,
                  duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000,
+                 weights: bf16,   # or fp8: e4m3 projection weights quantized at load
                  prefix_caching: true, kernels: auto, kernel_table: null, slow_step_ms: 50}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
                  codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25},
@@ -125,6 +126,8 @@ class StageProfile:
     duplex_window: str = "basic"
     duplex_window_high: int = 8000
     duplex_window_low: int = 6000
+    # thinker only: the projection weights, "bf16" (the checkpoint's dtype) or "fp8" (e4m3 per-channel)
+    weights: str = "bf16"
     # thinker only: automatic prefix caching (full KV blocks shared by content hash), on by default
     prefix_caching: bool = True
     # talker only
@@ -259,6 +262,7 @@ class DeployProfile:
                     "hidden_chunk_tokens",
                     "first_hidden_chunk_tokens",
                     "hidden_dtype",
+                    "weights",
                     "kernel_table",
                     "prefix_caching",
                     *THINKER_WINDOW_KEYS,
