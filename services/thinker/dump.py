@@ -173,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         audio_16k=audio,
         greedy_steps=args.greedy_steps,
     )
-    np.savez(args.out, **arrays)
+    # allow_pickle spelled out (numpy's default) so numpy's stub does not match **arrays against it.
+    np.savez(args.out, allow_pickle=True, **arrays)
     print(f"wrote {len(arrays)} arrays to {args.out}")
     return 0
 

@@ -317,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         frame_unit=args.frame_unit,
         teacher=teacher_ids(args.inputs) if args.teacher_force else None,
     )
-    np.savez(args.out, **arrays)
+    # allow_pickle spelled out (numpy's default) so numpy's stub does not match **arrays against it.
+    np.savez(args.out, allow_pickle=True, **arrays)
     print(f"wrote {len(arrays)} arrays to {args.out}")
     return 0
 

@@ -69,7 +69,7 @@ def encode_audio_units(
             results[i] = err
     if prepared:
         try:
-            encoded: list[EncodedAudio] | list[BaseException] = _encode_prepared(
+            encoded: Sequence[EncodedAudio | BaseException] = _encode_prepared(
                 backend, [p for _, p in prepared]
             )
         except Exception as exc:  # noqa: BLE001 (handed to every unit of the pass, which types it)

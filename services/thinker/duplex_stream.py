@@ -41,7 +41,7 @@ from services.thinker.duplex import UNIT_PHASE_SECONDS, DuplexSession, EncodedAu
 from services.thinker.duplex_encode import DuplexUnitEncoder
 from services.thinker.duplex_policy import MAX_TOKENS_PER_UNIT
 from services.thinker.duplex_window import ContextRecord
-from services.thinker.engine import STAGE, EngineEvent
+from services.thinker.engine import STAGE, EngineEvent, Sink
 from services.thinker.errors import failure
 from services.thinker.scheduler import Sequence as EngineSequence
 from services.thinker.scheduler import WorkItem
@@ -98,7 +98,8 @@ class DuplexStream(StageStream[Response]):
             backend.duplex_encoder = DuplexUnitEncoder(backend)
         self.encoder: DuplexUnitEncoder = backend.duplex_encoder
         self.seq: EngineSequence | None = None
-        self.sink = None  # the inbox's thread-safe post, for the engine sequence (and a trimmed one)
+        # The inbox's thread-safe post, for the engine sequence (and a trimmed one).
+        self.sink: Sink | None = None
         self.record: ContextRecord | None = None
         self.pending: list[tuple[thinker_pb2.ThinkerUnit, float]] = []  # (unit, arrival time)
         self.current: RunningUnit | None = None
@@ -233,12 +234,12 @@ class DuplexStream(StageStream[Response]):
         if await self._trim_window(encoded_unit):
             return ()
         if self.context_tokens + len(work.token_ids) + MAX_TOKENS_PER_UNIT > self.engine.max_context:
-            err = StageError(
+            too_long = StageError(
                 CONTEXT_LENGTH_EXCEEDED,
                 f"duplex session context {self.context_tokens} + unit would pass {self.engine.max_context} tokens",
                 "unit",
             )
-            return self._fail(err, unit_seq)
+            return self._fail(too_long, unit_seq)
         self._submit(encoded_unit, self.context_tokens)
         self._maybe_encode_ahead()
         return ()
@@ -246,7 +247,7 @@ class DuplexStream(StageStream[Response]):
     async def _trim_window(self, encoded: EncodedUnit) -> bool:
         """With a sliding window due: a fresh sequence (prefix + newest units); the unit follows its prefill."""
         record, session = self.record, self.session
-        assert session is not None and self.seq is not None
+        assert session is not None and self.seq is not None and self.sink is not None
         if record is None or not record.needs_trim(self.context_tokens, len(encoded.work.token_ids)):
             return False
         loop = asyncio.get_running_loop()

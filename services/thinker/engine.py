@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,9 +133,11 @@ class ThinkerEngine:
     def __init__(self, llm: torch.nn.Module, config: EngineConfig, device: torch.device | str) -> None:
         self.config = config
         self.device = torch.device(device)
-        cfg = llm.config
+        # transformers' Qwen3ForCausalLM and its config, read by attribute name (typed loosely).
+        qwen: Any = llm
+        cfg = qwen.config
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        dtype = llm.model.embed_tokens.weight.dtype
+        dtype: torch.dtype = qwen.model.embed_tokens.weight.dtype
         self.layout = KVLayout(
             int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), head_dim, dtype, config.block_size
         )
@@ -496,7 +499,10 @@ class ThinkerEngine:
                 to_sample.append((seq, logits, None, None))
                 greedy_index.append(k - 1)
         tokens: list[int] = []
-        samplers: list[Sampler] = [s.work.sampler for s, _, _, _ in to_sample]  # type: ignore[union-attr]
+        samplers: list[Sampler] = []
+        for s, _, _, _ in to_sample:
+            assert s.work is not None and s.work.sampler is not None  # only sampling rows were queued
+            samplers.append(s.work.sampler)
         if host is not None:
             picked = host.tokens.tolist()
             tokens = [int(picked[j]) for j in greedy_index]

@@ -9,7 +9,7 @@ on CUDA. They take plain tensors, no modules, so one compiled graph serves every
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, bias
 
 
-def fold_norm_weights(layer: nn.Module, fused: FusedLayer) -> bool:
+def fold_norm_weights(layer: Any, fused: FusedLayer) -> bool:
     """Fold a decoder layer's two RMSNorm weights into the GEMMs that read the norms' outputs, in place.
 
     ``W @ (g * n(x)) == (W * g) @ n(x)``: the QKV columns take the input norm's weight and the gate|up
@@ -87,7 +87,8 @@ def fold_norm_weights(layer: nn.Module, fused: FusedLayer) -> bool:
     (:mod:`services.thinker.fused_forward`) can then skip the norm kernels and scale the GEMM outputs by
     each row's ``1/RMS`` instead. Idempotent (a second runner over the same module finds it folded);
     returns whether this call folded. Layers with a QKV or O bias are left alone (their bias would have
-    to be added after the scale; Qwen3 has none): the caller checks :func:`foldable`.
+    to be added after the scale; Qwen3 has none): the caller checks :func:`foldable`. ``layer`` is a
+    transformers Qwen3 decoder layer, read by attribute name (typed loosely).
     """
     if getattr(layer, "_thinker_norms_folded", False):
         return False
@@ -96,7 +97,7 @@ def fold_norm_weights(layer: nn.Module, fused: FusedLayer) -> bool:
         fused.gate_up_weight.mul_(layer.post_attention_layernorm.weight[None, :])
         layer.input_layernorm.weight.fill_(1.0)
         layer.post_attention_layernorm.weight.fill_(1.0)
-    layer._thinker_norms_folded = True  # type: ignore[assignment]
+    layer._thinker_norms_folded = True
     return True
 
 

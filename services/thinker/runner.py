@@ -98,18 +98,20 @@ class ModelRunner:
         norm_fold: bool | None = None,
         weights: str = "bf16",
     ) -> None:
-        self.llm = llm
-        self.model = llm.model
+        # transformers' Qwen3ForCausalLM, its decoder and config, read by attribute name (typed loosely).
+        qwen: Any = llm
+        self.llm: Any = qwen
+        self.model: Any = qwen.model
         self.cache = cache
         self.device = cache.device
-        cfg = llm.config
+        cfg = qwen.config
         self.hidden_size = int(cfg.hidden_size)
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads)
         self.group = self.num_heads // self.num_kv_heads
         self.max_positions = int(cfg.max_position_embeddings)
-        self.dtype = self.model.embed_tokens.weight.dtype
+        self.dtype: torch.dtype = self.model.embed_tokens.weight.dtype
         self.cos, self.sin = self._rope_tables()
         self.layers = [self._fuse(layer) for layer in self.model.layers]
         # Optional torch.compile of the two pure per-layer blocks (norms, rotary, SwiGLU fused into a few
@@ -228,7 +230,8 @@ class ModelRunner:
         # allocator's assert on the H200 (use_count > 0), so the next capture makes a fresh pool.
         self._graph_pool = None
 
-    def _fuse(self, layer: nn.Module) -> FusedLayer:
+    def _fuse(self, layer: Any) -> FusedLayer:
+        # ``layer``: a transformers Qwen3DecoderLayer, read by attribute name.
         attn, mlp = layer.self_attn, layer.mlp
         qkv_w, qkv_b = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
         gate_up_w, _ = fuse_rows([mlp.gate_proj, mlp.up_proj])
@@ -644,6 +647,8 @@ def build_qwen3_llm(
     qcfg = qwen3_config_from_checkpoint(config)
     if qcfg.tie_word_embeddings and "lm_head.weight" not in tensors:
         tensors = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}
+    # Any: transformers wraps PreTrainedModel.to with functools.wraps, whose type hides the bound self.
+    llm: Any
     with torch.device("meta"):
         llm = Qwen3ForCausalLM(qcfg)
     llm.load_state_dict(tensors, strict=True, assign=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +27,19 @@ from services.thinker.model.config import AudioDims
 ENCODER_FRAMES_PER_SECOND = 50
 
 
+@overload
+def conv_output_length(mel_frames: torch.Tensor) -> torch.Tensor: ...
+@overload
+def conv_output_length(mel_frames: int) -> int: ...
 def conv_output_length(mel_frames: torch.Tensor | int) -> torch.Tensor | int:
     """Encoder frames produced by ``mel_frames`` mel frames (conv2 has stride 2, padding 1)."""
     return (mel_frames - 1) // 2 + 1
 
 
+@overload
+def pooled_length(mel_frames: torch.Tensor, pool_step: int) -> torch.Tensor: ...
+@overload
+def pooled_length(mel_frames: int, pool_step: int) -> int: ...
 def pooled_length(mel_frames: torch.Tensor | int, pool_step: int) -> torch.Tensor | int:
     """Audio embeddings produced by ``mel_frames`` mel frames after the stride-``pool_step`` pooling."""
     return (conv_output_length(mel_frames) - pool_step) // pool_step + 1
@@ -246,9 +255,11 @@ class WhisperChunkedEncoder(nn.Module):
         pasts = [p.state.kv for p in pieces]
         kvs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in pieces]
         for li, layer in enumerate(self.layers):
-            x, layer_kv = layer.forward_streams(x, [kv[li] if kv else None for kv in pasts])
-            for b, kv in enumerate(layer_kv):
-                kvs[b].append(kv)
+            x, layer_kv = cast(WhisperEncoderLayer, layer).forward_streams(
+                x, [kv[li] if kv else None for kv in pasts]
+            )
+            for b, pair in enumerate(layer_kv):
+                kvs[b].append(pair)
         for piece, kv in zip(pieces, kvs, strict=True):
             piece.state.kv = kv
             piece.state.frames += new_frames

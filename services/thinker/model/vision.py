@@ -29,8 +29,11 @@ def bucketed_position_ids(grid_h: int, grid_w: int, side: int) -> torch.Tensor:
     the boundaries ``1/side, 2/side, ...``; the float32 arithmetic matters at bucket edges.
     """
     boundaries = torch.arange(1 / side, 1.0, 1 / side, dtype=torch.float32)
-    frac_h = torch.arange(0, 1 - 1e-6, 1 / torch.tensor(grid_h, dtype=torch.int32), dtype=torch.float32)
-    frac_w = torch.arange(0, 1 - 1e-6, 1 / torch.tensor(grid_w, dtype=torch.int32), dtype=torch.float32)
+    # The step 1/n is computed in float32 (a tensor division), then passed on as that float32 value.
+    step_h = (1 / torch.tensor(grid_h, dtype=torch.int32)).item()
+    step_w = (1 / torch.tensor(grid_w, dtype=torch.int32)).item()
+    frac_h = torch.arange(0, 1 - 1e-6, step_h, dtype=torch.float32)
+    frac_w = torch.arange(0, 1 - 1e-6, step_w, dtype=torch.float32)
     rows = torch.bucketize(frac_h, boundaries, right=True)
     cols = torch.bucketize(frac_w, boundaries, right=True)
     return (rows[:, None] * side + cols).flatten()

@@ -20,6 +20,7 @@ the look-ahead frames ``ThinkerModel.get_audio_embeds_streaming`` needs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,7 +314,7 @@ class ThinkerProcessor:
         ex.pieces.append(audio_placeholder(count, chunked))
 
     def _expand_video(self, ex: _Expansion, part: VideoInput, param: str) -> None:
-        frames = list(part.frames)
+        frames: Sequence[object] = list(part.frames)
         if part.data is not None:
             frames = sample_video_frames(part.data, param, max_frames=self.limits.max_video_frames)
         if not frames:
@@ -360,7 +361,7 @@ class ThinkerProcessor:
 
     # ------------------------------------------------------------------------------- media helpers
     def process_frames(
-        self, frames: list[object], max_slice_nums: int | list[int] = 1, param: str = "frames"
+        self, frames: Sequence[object], max_slice_nums: int | list[int] = 1, param: str = "frames"
     ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
         """Duplex frames -> (slices, tgt_sizes [n, 2], slices per frame); per-frame ``max_slice_nums``.
 

@@ -80,6 +80,7 @@ def normalize_messages(messages: object) -> list[Message]:
         raise ProcessorError("messages", "messages must be a non-empty list")
     out: list[Message] = []
     for i, msg in enumerate(messages):
+        role: object  # a dict's role is checked against ROLES below
         if isinstance(msg, Message):
             role, content = msg.role, msg.content
         elif isinstance(msg, dict):
@@ -90,6 +91,7 @@ def normalize_messages(messages: object) -> list[Message]:
             raise ProcessorError(f"messages[{i}].role", f"role must be one of {list(ROLES)} (got {role!r})")
         if i == 0 and role not in ("user", "system"):
             raise ProcessorError("messages[0].role", "the first message must be a system or user message")
+        assert isinstance(role, str)  # one of ROLES
         parts = [content] if isinstance(content, str) else list(content)
         out.append(Message(role, [as_part(p) for p in parts]))
     return out

@@ -31,7 +31,7 @@ def sample_video_frames(
         raise media_error(param, "video data is empty")
     frames: list[Image.Image] = []
     try:
-        with av.open(io.BytesIO(bytes(data))) as container:
+        with av.open(io.BytesIO(bytes(data)), mode="r") as container:
             if not container.streams.video:
                 raise media_error(param, "container has no video stream")
             stream = container.streams.video[0]
