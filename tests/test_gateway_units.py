@@ -28,7 +28,10 @@ def _req(**extra):
 
 
 def test_defaults_follow_wire_protocol() -> None:
-    req = _req()
+    assert _req().modalities == ["text"]  # the parse default; the route passes the served default
+    req = parse_chat_request(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, MODEL, None, ("text", "audio")
+    )
     assert req.modalities == ["text", "audio"] and req.audio_format == "wav"
     assert req.use_tts_template is True and req.enable_thinking is False
     assert not req.stream and not req.include_usage
@@ -53,7 +56,11 @@ def test_sampling_precedence_and_aliases() -> None:
         "stop_token_ids": [1, 2],
     }
     assert req.talker_sampling == {"max_new_frames": 300, "min_new_frames": 10, "top_k": 20}
-    assert _req(max_completion_tokens=9, max_tokens=50).thinker_sampling["max_tokens"] == 9
+    assert _req(max_completion_tokens=9).thinker_sampling["max_tokens"] == 9
+    assert _req(max_completion_tokens=9, max_tokens=9).thinker_sampling["max_tokens"] == 9
+    with pytest.raises(APIError) as info:
+        _req(max_completion_tokens=9, max_tokens=50)
+    assert info.value.param == "max_completion_tokens"
 
 
 def test_pcm16_is_normalised() -> None:
@@ -108,12 +115,16 @@ def test_ref_audio_from_extra_body() -> None:
             400,
             "sampling_params_list",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\n"]}, 400, "stop"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
             400,
-            "response_format",
+            "tools[0].function",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+            400,
+            "response_format.type",
         ),
     ],
 )

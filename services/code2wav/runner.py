@@ -152,7 +152,7 @@ class Code2WavRunner:
     ) -> tuple[FlowCache, torch.Tensor, torch.Tensor]:
         key = (prompt.digest, seed)
         injected = noise is not None
-        if not injected:
+        if noise is None:
             with self._origin_lock:
                 hit = self._origins.get(key)
                 if hit is not None:
@@ -402,7 +402,9 @@ class Code2WavRunner:
         mel = mel.clone()
         flow_caches = split_caches(flow_cache, self.cache_dtype, self.est_cache_dtype)
         del flow_cache
-        generators = [s.nsf_generator for s in states] if states[0].nsf_generator is not None else None
+        generators = None
+        if states[0].nsf_generator is not None:  # every state of a batch has one or none (batch key)
+            generators = [s.nsf_generator for s in states if s.nsf_generator is not None]
         speech, hift_caches = self.vocoder.step(mel, [s.hift for s in states], is_last, generators)
         speech_np = speech.float().cpu().numpy()  # one device->host copy (and sync) per batch
         mel_cpu = mel.float().cpu()

@@ -114,5 +114,5 @@ def main(argv: list[str] | None = None) -> None:
     arrays = run_dump(ckpt, ids, hidden, dtype=dtype, device=args.device, steps=args.steps)
     meta = {"stage": "talker", "checkpoint": str(ckpt.root), "dtype": args.dtype, "device": args.device}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez(args.out, meta_json=np.asarray(json.dumps(meta)), **arrays)
+    np.savez(args.out, meta_json=np.asarray(json.dumps(meta)), **arrays)  # type: ignore[arg-type]
     print(f"wrote {args.out}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items()))

@@ -53,6 +53,7 @@ batch bookkeeping into every one of them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -60,6 +61,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from prometheus_client import Counter, Gauge, Histogram
@@ -161,7 +163,7 @@ class TalkerEngine:
 
     # ------------------------------------------------------------------------------- public API
     def default_sampling(self, **overrides: object) -> smp.SamplingParams:
-        base = {
+        base: dict[str, object] = {
             "temperature": self.cfg.temperature,
             "top_p": self.cfg.top_p,
             "top_k": self.cfg.top_k,
@@ -329,9 +331,10 @@ class TalkerEngine:
             elif cmd.kind == "chunk":
                 self._on_chunk(st, cmd.payload)  # type: ignore[arg-type]
             elif cmd.kind == "interrupt":
-                if int(cmd.payload) > st.epoch:  # type: ignore[arg-type]
+                new_epoch = cast(int, cmd.payload)
+                if new_epoch > st.epoch:
                     self._observe_drain(st, cmd, idle_counts=True)
-                self._on_interrupt(st, int(cmd.payload))  # type: ignore[arg-type]
+                self._on_interrupt(st, new_epoch)
             elif cmd.kind == "flush":
                 if st.windower is not None:
                     for w in st.windower.flush_partial(min_new=1):
@@ -453,7 +456,7 @@ class TalkerEngine:
         items: list[tuple[StreamState, torch.Tensor]] = []
         for st in ready:
             prepared: list[torch.Tensor] = []
-            self._guarded(st, lambda s, out=prepared: out.extend(self._prepare_segment(s)))
+            self._guarded(st, functools.partial(self._prepare_into, out=prepared))
             if prepared:
                 items.append((st, prepared[0]))
         if not items:
@@ -463,9 +466,7 @@ class TalkerEngine:
             logits = self.runner.prefill_batch([(st.slot, rows) for st, rows in items])  # type: ignore[misc]
         except Exception:
             for st, rows in items:
-                self._guarded(
-                    st, lambda s, r=rows: self._after_logits(s, self.runner.prefill(s.slot, r)[None])
-                )
+                self._guarded(st, functools.partial(self._prefill_alone, rows=rows))
             return
         PREFILL_BATCH.observe(len(batch))
         self._after_logits_batch(batch, logits)
@@ -578,7 +579,7 @@ class TalkerEngine:
             for i, st in enumerate(batch):
                 observer(st, logits[i])
         for st, code in zip(batch, ids, strict=True):
-            self._guarded(st, lambda s, c=code: self._on_sample(s, c))
+            self._guarded(st, functools.partial(self._on_sample, code=code))
         self._observe_step(batch, t0)
 
     def _observe_step(self, batch: list[StreamState], t0: float) -> None:
@@ -612,7 +613,14 @@ class TalkerEngine:
         dev = logits.device
         picked = smp.sample_packed(logits, ints.to(dev), floats.to(dev), self.eos, self.runner.vocab_salt)
         for st, code in zip(batch, picked.tolist(), strict=True):
-            self._guarded(st, lambda s, c=code: self._on_sample(s, c))
+            self._guarded(st, functools.partial(self._on_sample, code=code))
+
+    def _prepare_into(self, st: StreamState, out: list[torch.Tensor]) -> None:
+        out.extend(self._prepare_segment(st))
+
+    def _prefill_alone(self, st: StreamState, rows: torch.Tensor) -> None:
+        assert st.slot is not None  # a prepared stream holds a slot
+        self._after_logits(st, self.runner.prefill(st.slot, rows)[None])
 
     def _on_sample(self, st: StreamState, code: int) -> None:
         s = st.settings

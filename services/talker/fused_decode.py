@@ -64,7 +64,7 @@ class DecodeHost(Protocol):
     num_kv_heads: int
     head_dim: int
     layers: list[Any]  # the MiniCPMTTS decoder layers (their norms and o/down projections)
-    final_norm: torch.nn.Module
+    final_norm: Any  # transformers' LlamaRMSNorm (weight, variance_epsilon)
     cache: SlotKVCache
     cos_table: torch.Tensor
     sin_table: torch.Tensor
@@ -126,14 +126,16 @@ class FusedDecode:
                 h = ops.rms_norm(x, in_norm.weight, float(in_norm.variance_epsilon))
             else:
                 x, h = ops.add_rms_norm(x, delta, in_norm.weight, float(in_norm.variance_epsilon))
-            qkv = F.linear(h, r._qkv_weights[i])
+            qkv_w, gate_up_w = r._qkv_weights[i], r._gate_up_weights[i]
+            assert qkv_w is not None and gate_up_w is not None  # FusedDecode.supports
+            qkv = F.linear(h, qkv_w)
             kc, vc = r.cache.k[i], r.cache.v[i]
             kc, vc = kc.view(-1, hkv, d), vc.view(-1, hkv, d)  # flat token rows slot·(context+1) + index
             q = ops.qk_rope_store(qkv, None, 0.0, r.cos_table, r.sin_table, rope_pos, tokens, kc, vc, hq, hkv)
             o = ops.paged_attention(q, kc, vc, tiles)
             attn_out = layer.self_attn.o_proj(o.view(n, hq * d))
             x, h = ops.add_rms_norm(x, attn_out, post_norm.weight, float(post_norm.variance_epsilon))
-            delta = layer.mlp.down_proj(ops.silu_mul(F.linear(h, r._gate_up_weights[i])))
+            delta = layer.mlp.down_proj(ops.silu_mul(F.linear(h, gate_up_w)))
         norm = r.final_norm
         if delta is None:
             return ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))

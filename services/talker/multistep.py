@@ -38,6 +38,7 @@ block of ``k`` steps. Logit observers (dumps, tests) get each step's logits as w
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -327,4 +328,4 @@ def decode_block(engine: BlockHost, batch: list[StreamState]) -> None:
             if observer is not None:
                 assert logits is not None
                 observer(st, logits[i, j])
-            engine._guarded(st, lambda s, c=code: engine._on_sample(s, c))
+            engine._guarded(st, functools.partial(engine._on_sample, code=code))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ def next_bucket(value: int, minimum: int = 1) -> int:
     return b
 
 
-def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """transformers ``LlamaRMSNorm`` arithmetic in two kernels: fused normalisation, then × weight.
 
     ``F.rms_norm`` without a weight computes ``x·rsqrt(mean(x²) + eps)`` in fp32 and rounds once to
@@ -108,8 +108,9 @@ class TalkerRunner:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.layers = list(model.model.layers)
-        self.final_norm = model.model.norm
+        # transformers' Llama decoder layers and final norm, read by attribute name (typed loosely).
+        self.layers: list[Any] = list(model.model.layers)
+        self.final_norm: Any = model.model.norm
         self.cache = SlotKVCache(
             num_layers=len(self.layers),
             num_slots=num_slots,
@@ -493,7 +494,7 @@ class _DecodeGraph:
         step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         ints: torch.Tensor,
         floats: torch.Tensor,
-        pool: object,
+        pool: Any,
     ) -> None:
         self.ints = ints
         self.floats = floats
@@ -515,7 +516,7 @@ class _DecodeGraph:
         self.ids_host = torch.zeros(self.ids.shape, dtype=self.ids.dtype).pin_memory()
 
     @classmethod
-    def one_step(cls, runner: TalkerRunner, n: int, read_len: int, pool: object) -> _DecodeGraph:
+    def one_step(cls, runner: TalkerRunner, n: int, read_len: int, pool: Any) -> _DecodeGraph:
         """The one-step decode+sample graph of :meth:`TalkerRunner.decode_sample`."""
         dev = runner.device
         ints = torch.zeros(n, 3 + smp.INT_COLUMNS, dtype=torch.int64, device=dev)  # inactive rows

@@ -184,9 +184,11 @@ def capture_cuda_graph(
         else:
             outputs = _as_tuple(fn(*inputs))
         if targets is not None and not fills:
+            assert outputs is not None
             for target, out in zip(targets, outputs, strict=True):
                 target.copy_(out)
             outputs = targets
+    assert outputs is not None
     return _Captured(graph, inputs, outputs)
 
 
@@ -228,14 +230,15 @@ class ShapeKeyedGraphs:
 
     def __call__(self, *args: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         key = self.key(args)
-        entry = self.graphs.get(key, False)
-        if entry is False:
+        if key not in self.graphs:
             if self.frozen:
                 if key not in self.eager_keys:
                     self.eager_keys.add(key)
                     log.info("%s: no graph for %s (set frozen after warm-up); running eager", self.name, key)
                 return self._eager(args)
             entry = self._capture(key, args)
+        else:
+            entry = self.graphs[key]
         if entry is None:
             return self._eager(args)
         for static, arg in zip(entry.inputs, args, strict=True):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -165,14 +166,14 @@ def max_cache_bytes(
     return conformer * dtype.itemsize + estimator * est_elem
 
 
-def timestep_embedding(dit: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+def timestep_embedding(dit: Any, t: torch.Tensor) -> torch.Tensor:
     """DiT time conditioning [R] -> [R, 1, hidden]. Kept out of CUDA graphs: the package builds its
     frequency table on the host and copies it to the device on every call."""
     return dit.t_embedder(t).unsqueeze(1)
 
 
 def dit_blocks_chunk(
-    dit: torch.nn.Module,
+    dit: Any,
     x: torch.Tensor,
     mu: torch.Tensor,
     temb: torch.Tensor,

@@ -30,6 +30,7 @@ error against it is stated in BENCHMARKS.md (``bench.cuda_smoke --stages code2wa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,8 @@ class _Block:
     b_fc2: torch.Tensor
 
 
-def _block_weights(block: torch.nn.Module, dtype: torch.dtype) -> _Block:
+def _block_weights(block: Any, dtype: torch.dtype) -> _Block:
+    """``block`` is one of stepaudio2's (untyped) DiT blocks; its submodules are read by name."""
     att, conv, mlp = block.attn, block.conv.block, block.mlp
     if att.q_norm.eps != att.k_norm.eps:
         raise ValueError("fused DiT needs equal q_norm / k_norm eps")
@@ -110,7 +112,7 @@ class FusedDiTSolver:
     """
 
     def __init__(
-        self, dit: torch.nn.Module, n_timesteps: int, cfg_rate: float, dtype: torch.dtype = torch.float32
+        self, dit: Any, n_timesteps: int, cfg_rate: float, dtype: torch.dtype = torch.float32
     ) -> None:
         param = next(dit.parameters())
         device = param.device

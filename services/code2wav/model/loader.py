@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from stepaudio2.cosyvoice2.flow.flow import CausalMaskedDiffWithXvec
@@ -82,7 +83,8 @@ def _fold_weight_norm(module: torch.nn.Module) -> None:
     """Replace weight-norm parametrizations by the weights they compute (same values, fewer kernels)."""
     for sub in module.modules():
         if parametrize.is_parametrized(sub):
-            for name in list(sub.parametrizations.keys()):
+            parametrizations: Any = sub.parametrizations
+            for name in list(parametrizations.keys()):
                 parametrize.remove_parametrizations(sub, name, leave_parametrized=True)
 
 
