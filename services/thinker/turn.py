@@ -22,6 +22,8 @@ from services.thinker.sampling import StopText
 
 TTS_BOS_ID = 151703
 SPAN_END_IDS = frozenset({151704, 151645})
+# <tool_call> ... </tool_call>: a function call is not spoken (the speech says the text part only).
+TOOL_CALL_ID, TOOL_CALL_END_ID = 151657, 151658
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -162,6 +164,7 @@ class TurnOutput:
         self.generated: list[int] = []
         self.speech_tokens = 0
         self.rows_seen = 0
+        self.in_tool_call = False
 
     def _id(self) -> common_pb2.Identity:
         ident = common_pb2.Identity()
@@ -198,6 +201,9 @@ class TurnOutput:
         if token == TTS_BOS_ID:
             self.saw_tts_bos = True
             return  # the marker itself is not spoken
+        if token in (TOOL_CALL_ID, TOOL_CALL_END_ID) or self.in_tool_call:
+            self.in_tool_call = token != TOOL_CALL_END_ID
+            return
         self.pending_span.add(len(self.generated) - 1)
 
     def on_row(self, fed_token: int, row: torch.Tensor) -> None:
