@@ -463,8 +463,12 @@ def test_api_key_served_name_and_openai_audio_dialect(stages: Stages) -> None:
             assert r.status_code == 200
             chunks = _chunks([line for line in r.iter_lines() if line])
         assert {c["model"] for c in chunks} == {"minicpmo"}
-        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"] and c["modality"] == "audio"]
-        assert deltas and all(d["audio"]["data"] and "content" not in d for d in deltas)
+        deltas = [
+            c["choices"][0]["delta"]
+            for c in chunks
+            if c["choices"] and c["choices"][0]["delta"].get("audio", {}).get("data")
+        ]
+        assert deltas and all("content" not in d for d in deltas)
         assert len({d["audio"]["id"] for d in deltas}) == 1
 
 

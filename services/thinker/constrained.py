@@ -99,7 +99,10 @@ class GrammarCompiler:
         raise StageError(INVALID_ARGUMENT, f"unknown constraint kind {msg.kind}", "sampling.constraint")
 
     def matcher(self, msg: thinker_pb2.Constraint) -> TokenConstraint:
-        grammar = self.grammar(msg)
+        return self.from_grammar(self.grammar(msg))
+
+    def from_grammar(self, grammar: str) -> TokenConstraint:
+        """A matcher for llguidance grammar text (what :meth:`grammar` returns, or a bench's own)."""
         err = self._llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)  # "" when it compiles
         if err:
             raise StageError(INVALID_ARGUMENT, f"grammar does not compile: {err}", "sampling.constraint")

@@ -148,7 +148,8 @@ class Sampler:
     generator: torch.Generator | None = field(default=None, repr=False)
     constraint: TokenConstraint | None = field(default=None, repr=False)
     stop_check: StopCheck | None = field(default=None, repr=False)
-    # Set by the last choice when config.logprobs: (chosen logprob, [(id, logprob)] best first).
+    # Set by the last choice when config.logprobs: (chosen logprob, [(id, logprob)] best first), the
+    # model's distribution before penalties and grammar masks.
     last_logprobs: tuple[float, list[tuple[int, float]]] | None = field(default=None, repr=False)
 
     @property
@@ -169,6 +170,19 @@ class Sampler:
             and not c.has_penalties
         )
 
+    @property
+    def masked_greedy(self) -> bool:
+        """True for a greedy row whose only adjustment is its grammar mask (a batched argmax after it)."""
+        c = self.config
+        return (
+            type(self) is Sampler
+            and self.constraint is not None
+            and c.is_greedy
+            and c.repetition_penalty == 1.0
+            and not c.has_penalties
+            and (c.min_tokens == 0 or c.ignore_eos)
+        )
+
     def _generator_for(self, device: torch.device) -> torch.Generator | None:
         if self.config.seed is None:
             return None
@@ -181,17 +195,6 @@ class Sampler:
         """Pick the next token from fp32 ``logits [V]`` given the sequence so far."""
         logits = self.process(logits, history, num_generated)
         return self.draw(logits)
-
-    def record_logprobs(self, raw: torch.Tensor, token: int) -> None:
-        """Keep the chosen token's log-probability and the best alternatives (the model's distribution,
-        before penalties and grammar masks)."""
-        lp = torch.log_softmax(raw.float(), dim=-1)
-        k = self.config.top_logprobs
-        top: list[tuple[int, float]] = []
-        if k:
-            vals, ids = torch.topk(lp, k)
-            top = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
-        self.last_logprobs = (float(lp[token]), top)
 
     def accept(self, token: int) -> None:
         """The chosen token advances the grammar (called once per choice, in order)."""
@@ -298,14 +301,16 @@ def choose_tokens(
         logits = logits.clone()
         idx = torch.tensor(constrained, device=logits.device)
         logits.index_copy_(0, idx, apply_masks(logits.index_select(0, idx).float(), masks).to(logits.dtype))
-    if greedy_rows:
-        idx = torch.tensor(greedy_rows, device=logits.device)
+    # Rows whose choice is an argmax of (masked) logits share one batched argmax and one sync.
+    argmax_rows = [i for i, s in enumerate(samplers) if s.batchable_greedy or s.masked_greedy]
+    if argmax_rows:
+        idx = torch.tensor(argmax_rows, device=logits.device)
         best = torch.argmax(logits.index_select(0, idx), dim=-1).tolist()
-        for i, tok in zip(greedy_rows, best, strict=True):
+        for i, tok in zip(argmax_rows, best, strict=True):
             out[i] = int(tok)
     groups: dict[type[Sampler], list[int]] = {}
     for i, s in enumerate(samplers):
-        if not s.batchable_greedy:
+        if not (s.batchable_greedy or s.masked_greedy):
             groups.setdefault(type(s), []).append(i)
     for cls, rows in groups.items():
         picked = logits[rows].float() if len(rows) < len(samplers) else logits.float()
@@ -317,8 +322,25 @@ def choose_tokens(
         )
         for i, tok in zip(rows, tokens, strict=True):
             out[i] = int(tok)
+    _record_logprobs(samplers, raw, out)
     for i, s in enumerate(samplers):
-        if s.config.logprobs:
-            s.record_logprobs(raw[i], out[i])
         s.accept(out[i])
     return out
+
+
+def _record_logprobs(samplers: Sequence[Sampler], raw: torch.Tensor, chosen: list[int]) -> None:
+    """Log-probabilities of the rows that asked for them: one batched softmax/top-k, one host copy."""
+    rows = [i for i, s in enumerate(samplers) if s.config.logprobs]
+    if not rows:
+        return
+    idx = torch.tensor(rows, device=raw.device)
+    lp = torch.log_softmax(raw.index_select(0, idx).float(), dim=-1)
+    k = max(samplers[i].config.top_logprobs for i in rows)
+    picked = lp.gather(1, torch.tensor([[chosen[i]] for i in rows], device=raw.device)).squeeze(1)
+    top_vals, top_ids = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())
+    host = torch.cat([picked.unsqueeze(1), top_vals, top_ids.float()], dim=1).cpu()  # ids < 2^24: exact
+    for j, i in enumerate(rows):
+        n = samplers[i].config.top_logprobs
+        vals = host[j, 1 : 1 + k].tolist()
+        ids = host[j, 1 + k :].tolist()
+        samplers[i].last_logprobs = (float(host[j, 0]), [(int(ids[t]), float(vals[t])) for t in range(n)])
