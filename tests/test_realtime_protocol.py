@@ -705,3 +705,25 @@ def test_wrongly_typed_fields_never_derail_the_session(client: TestClient) -> No
             events = receive_until(ws, "session.heartbeat_ack")
             codes = [e["error"]["code"] for e in events if e["type"] == "error"]
             assert "internal_error" not in codes, (kind, codes)
+
+
+def test_tool_definitions_are_validated_and_the_session_goes_on(client: TestClient) -> None:
+    weather = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        bad = [
+            ([{"type": "function", "parameters": {}}], "tools[0].name"),
+            ([weather, {"type": "function", "name": "a b"}], "tools[1].name"),
+            ([{"type": "web_search", "name": "x"}], "tools[0].type"),
+            ([{"type": "function", "name": "x", "parameters": {"type": 5}}], "tools[0].parameters"),
+            ([weather, weather], "tools[1].name"),
+        ]
+        for i, (tools, param) in enumerate(bad):
+            ws.send_json({"type": "session.update", "event_id": f"t{i}", "session": {"tools": tools}})
+            event = ws.receive_json()
+            check_error(event, "invalid_tool", f"t{i}")
+            assert event["error"]["type"] == "invalid_request_error" and event["error"]["param"] == param
+        ws.send_json({"type": "session.update", "session": {"tools": [weather]}})
+        updated = ws.receive_json()
+        assert updated["type"] == "session.updated"
+        assert [t["name"] for t in updated["session"]["tools"]] == ["get_weather"]

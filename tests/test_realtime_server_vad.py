@@ -121,7 +121,7 @@ def test_updates_switch_modes_and_reject_with_the_specific_code(client: TestClie
         assert ws.receive_json()["type"] == "session.created"
         assert ws.receive_json()["type"] == "session.updated"
         rejected = [
-            {"turn_detection": VAD},  # still listen_only
+            {"turn_detection": VAD, "overlap_policy": "listen_only"},  # server VAD needs barge-in
             {"overlap_policy": "barge_in_on_speech"},  # still null
             {"turn_detection": {"type": "semantic_vad"}, "overlap_policy": "barge_in_on_speech"},
             {"turn_detection": {**VAD, "interrupt_response": False}, "overlap_policy": "barge_in_on_speech"},
@@ -141,17 +141,23 @@ def test_updates_switch_modes_and_reject_with_the_specific_code(client: TestClie
         updated = ws.receive_json()
         assert updated["type"] == "session.updated"
         assert updated["session"]["turn_detection"] == {**DEFAULTS, **VAD, "threshold": 0.7}
-        ws.send_json({"type": "session.update", "event_id": "u9", "session": {"turn_detection": None}})
-        expect_error(ws, "unsupported_turn_detection", "u9")  # null needs listen_only
+        ws.send_json(
+            {"type": "session.update", "event_id": "u9", "session": {"overlap_policy": "listen_only"}}
+        )
+        expect_error(ws, "unsupported_turn_detection", "u9")  # server VAD needs barge-in
         ws.send_json(
             {"type": "session.update", "event_id": "u10", "session": {"extra_body": {"auto_response": True}}}
         )
         expect_error(ws, "unsupported_turn_detection", "u10")  # the native lane owns turn taking
-        ws.send_json(
-            {"type": "session.update", "session": {"turn_detection": None, "overlap_policy": "listen_only"}}
-        )
+        # Turn detection alone: the overlap policy follows the mode (null: listen_only, server_vad: barge-in).
+        ws.send_json({"type": "session.update", "session": {"turn_detection": None}})
         back = ws.receive_json()
         assert back["type"] == "session.updated" and back["session"]["turn_detection"] is None
+        assert back["session"]["overlap_policy"] == "listen_only"
+        ws.send_json({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}})
+        vad = ws.receive_json()
+        assert vad["type"] == "session.updated" and vad["session"]["turn_detection"]["type"] == "server_vad"
+        assert vad["session"]["overlap_policy"] == "barge_in_on_speech"
 
 
 def test_silence_never_enters_the_buffer(client: TestClient) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -98,6 +100,8 @@ class SessionConfig:
     max_response_units: int | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] | None = None
+    # Function tools as validated ({"type": "function", "name", "description", "parameters"}).
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def wants_audio(self) -> bool:
@@ -299,6 +303,11 @@ def _apply_turn_taking(cfg: SessionConfig, obj: dict[str, Any], opening: bool) -
     audio_input = _get(obj, "audio", "input")
     if "turn_detection" not in obj and isinstance(audio_input, dict) and "turn_detection" in audio_input:
         obj = {**obj, "turn_detection": audio_input["turn_detection"]}  # GA's place for the same object
+    if "turn_detection" in obj and "overlap_policy" not in obj:
+        # The documented default: a client that names only the turn detection (stock OpenAI clients
+        # send server_vad alone) gets the overlap policy that mode needs: server VAD barges in on
+        # speech, model-owned turn taking (null) listens only.
+        cfg.overlap_policy = "listen_only" if obj["turn_detection"] is None else "barge_in_on_speech"
     if "turn_detection" in obj or "overlap_policy" in obj or opening:
         td = obj["turn_detection"] if "turn_detection" in obj else cfg.turn_detection
         cfg.turn_detection = _validate_turn_detection(td, cfg.overlap_policy, opening)
@@ -363,8 +372,52 @@ def _apply_fixed_at_open(
             raise RealtimeError("sliding_window_update_unsupported", f"{knob} is fixed at open", param=knob)
 
 
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def validate_tools(raw: Any, param: str = "tools") -> list[dict[str, Any]]:
+    """Realtime function tools (flat GA shape): each needs ``type: "function"``, a valid ``name`` and a
+    JSON Schema ``parameters``; a bad one is ``invalid_tool`` (invalid_request_error) naming its field."""
+    if not isinstance(raw, list):
+        raise RealtimeError("invalid_tool", "tools must be a list", param=param)
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(raw):
+        where = f"{param}[{i}]"
+        if not isinstance(tool, dict):
+            raise RealtimeError("invalid_tool", "a tool must be an object", param=where)
+        if tool.get("type", "function") != "function":
+            raise RealtimeError("invalid_tool", "only function tools are supported", param=f"{where}.type")
+        name = tool.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise RealtimeError(
+                "invalid_tool",
+                "a function tool needs a name of 1-64 letters, digits, _ or -",
+                param=f"{where}.name",
+            )
+        if name in seen:
+            raise RealtimeError("invalid_tool", f"duplicate tool name {name!r}", param=f"{where}.name")
+        seen.add(name)
+        params = tool.get("parameters", {"type": "object", "properties": {}})
+        try:
+            jsonschema.Draft202012Validator.check_schema(params)
+        except jsonschema.SchemaError as exc:
+            raise RealtimeError(
+                "invalid_tool",
+                f"parameters is not a valid JSON Schema: {exc.message}",
+                param=f"{where}.parameters",
+            ) from None
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise RealtimeError("invalid_tool", "description must be a string", param=f"{where}.description")
+        out.append({"type": "function", "name": name, "description": description, "parameters": params})
+    return out
+
+
 def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any], opening: bool) -> None:
     """4. Plain knobs, changeable at any time (within the lane rules)."""
+    if "tools" in obj:
+        cfg.tools = validate_tools(obj["tools"] if obj["tools"] is not None else [])
     mods = obj.get("output_modalities", obj.get("modalities"))
     if mods is not None:
         if not isinstance(mods, list) or not mods or any(m not in ("text", "audio") for m in mods):
@@ -449,6 +502,7 @@ def render_session(cfg: SessionConfig) -> dict[str, Any]:
         else cfg.max_response_output_tokens,
         "idle_timeout_s": cfg.idle_timeout_s,
         "overlap_policy": cfg.overlap_policy,
+        "tools": cfg.tools,
         "playback_commit_policy": cfg.playback_commit_policy,
         "extra_body": {k: v for k, v in cfg.extra_body.items() if k not in ("ref_audio", "tts_ref_audio")},
         "metadata": cfg.metadata,

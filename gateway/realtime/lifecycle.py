@@ -405,7 +405,7 @@ class ResponseLifecycle:
         s.emit("conversation.item.done", item=item)
         details: dict[str, Any] | None
         if status == "completed":
-            details = {"type": "completed", "reason": reason}
+            details = None  # OpenAI's GA types: a completed response carries no status details
         else:
             details = {"type": status, "reason": reason}
         metadata: dict[str, Any] = {
