@@ -1,4 +1,4 @@
-"""The pinned chat workload of the chat-route benchmarks (anchors.md §A.3/§A.7).
+"""The pinned chat workload of the chat-route benchmarks (BENCHMARKS.md, Setup).
 
 Every request is a distinct user text of exactly ``prompt_tokens`` tokens by the checkpoint's tokenizer,
 with speech output: the thinker speaks exactly ``spoken_tokens`` tokens (``min_tokens = max_tokens``,

@@ -14,7 +14,7 @@ What it does, in order (each step prints progress; the whole run is bounded by `
 3. warms up (``--warmup`` requests at c=1, then ``--warmup-rounds`` × c requests before each level, so
    CUDA graphs of each batch size are captured before anything is timed);
 4. per concurrency level sends ``--requests-per-level`` streaming requests with at most c in flight and
-   records TTFT, TTFP, E2E, RTF per request (definitions in :mod:`bench.e2e_client`, anchors.md §A.7);
+   records TTFT, TTFP, E2E, RTF per request (definitions in :mod:`bench.e2e_client`);
 5. optionally sends ``--timeline-requests`` non-streaming requests at c=1 with ``return_stage_metrics``
    to record where the time goes inside the gateway (first text, first speech chunk, first codec
    window, first audio, last audio);
@@ -22,7 +22,7 @@ What it does, in order (each step prints progress; the whole run is bounded by `
 7. always stops the gateway and the stages (and the MPS daemon), on success, failure, Ctrl-C, SIGTERM
    (``timeout`` sends SIGTERM) or when ``--max-seconds`` runs out.
 
-Workload (pinned, anchors.md §A.3/§A.7): every request is a distinct user text of exactly
+Workload (pinned, BENCHMARKS.md, Setup): every request is a distinct user text of exactly
 ``--prompt-tokens`` (64) tokens by the checkpoint's tokenizer, with speech output; no ``ref_audio``, so
 code2wav uses the checkpoint's default voice, whose prompt features it caches after the first request;
 the thinker speaks exactly ``--spoken-tokens`` tokens (``min_tokens = max_tokens``, ``ignore_eos``) cut
@@ -66,10 +66,10 @@ from bench.launch import (
 )
 from services.common.deploy_profile import STAGES
 
-# Reference numbers shown next to ours (anchors.md §A.3, GH#7865: vLLM-Omni MiniCPM-o 4.5, 1×H100, chat
+# Reference numbers shown next to ours (GH#7865: vLLM-Omni MiniCPM-o 4.5, 1×H100, chat
 # route, Seed-TTS prompts; a different workload, so a side-by-side, not a like-for-like comparison).
 REFERENCE = {
-    "source": "vLLM-Omni MiniCPM-o 4.5 nightly baseline, 1xH100, Seed-TTS chat route (anchors.md A.3, GH#7865)",
+    "source": "vLLM-Omni MiniCPM-o 4.5 nightly baseline, 1xH100, Seed-TTS chat route (GH#7865)",
     "ttfp_ms": {"1": 458.16, "8": 2068.62},
     "rtf": {"8": 1.0324},
 }

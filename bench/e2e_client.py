@@ -1,6 +1,6 @@
 """Load generator for the chat route: streaming requests at fixed concurrency, per-request timings.
 
-Measures, per request, on the client side (anchors.md §A.7 definitions):
+Measures, per request, on the client side (definitions):
 
 * TTFT: request sent → first non-empty text delta;
 * TTFP: request sent → first audio chunk (time to first audio byte);

@@ -178,9 +178,9 @@ class ReaderEnded(Exception):
 async def send_quietly(ws: Any, payload: dict[str, Any]) -> bool:
     """Send an ack-style message; False (nothing sent) when the socket is no longer open.
 
-    The server closes the socket right after ``session.closed`` (wire-protocol §4.10), so an ack for an
-    event that arrived just before it regularly meets a closing connection. That is no failure, and above
-    all it must not end the reader: ``session.closed`` may still be waiting in its receive buffer.
+    The server closes the socket right after ``session.closed`` (docs/protocol.md, Realtime session end), so
+    an ack for an event that arrived just before it regularly meets a closing connection. That is no failure,
+    and above all it must not end the reader: ``session.closed`` may still be waiting in its receive buffer.
     ``send`` on a closing socket would also block until the TCP connection is gone, hence the state check.
     """
     from websockets.exceptions import ConnectionClosed

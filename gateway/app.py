@@ -209,7 +209,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500)
+        # Starlette re-raises after this answer and uvicorn then drops the socket: say so, so a kept-alive
+        # client opens a new connection instead of failing its next request on a reset.
+        return JSONResponse(
+            error_body(500, f"internal error: {type(exc).__name__}"), 500, headers={"Connection": "close"}
+        )
 
 
 def _declare_body_schemas(app: FastAPI) -> None:

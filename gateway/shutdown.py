@@ -1,4 +1,4 @@
-"""Graceful shutdown of the gateway process on SIGTERM / SIGINT (anchors §C.6).
+"""Graceful shutdown of the gateway process on SIGTERM / SIGINT (docs/reliability.md).
 
 uvicorn's own shutdown closes the listening socket, waits up to ``timeout_graceful_shutdown`` for open
 HTTP requests, and closes every WebSocket with 1012 at once. A realtime client would then see the socket

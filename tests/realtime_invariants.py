@@ -1,4 +1,4 @@
-"""Checks of the wire-protocol §6 response invariants (R1–R12, parts of B2/B3) over a recorded event list.
+"""Checks of the response invariants (docs/protocol.md: R1–R12, parts of B2/B3) over a recorded event list.
 
 Used by the lifecycle unit tests and by the end-to-end tests against real stage servers, so both hold the
 server to the same statements.

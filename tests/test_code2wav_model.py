@@ -21,7 +21,7 @@ from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
 from services.common.errors import INVALID_ARGUMENT, OUT_OF_ORDER, StageError
 
 MEL_ATOL = 1e-4
-WAV_ATOL = 1e-3  # HiFT's phase integration amplifies float-order differences (model-spec §7.7)
+WAV_ATOL = 1e-3  # HiFT's phase integration amplifies float-order differences (docs/model.md, Tiny checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,11 @@ def test_response_format() -> None:
         response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": 12}}},
     )
     assert "JSON Schema" in err.message
+    for bad in ({"$schema": 5}, {"pattern": "["}, {"type": []}):
+        _refused(
+            "response_format.json_schema.schema",
+            response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": bad}},
+        )
 
 
 def test_stop_logprobs_penalties_seed() -> None:

@@ -1,7 +1,7 @@
 """Stage faults under chat, with real stage processes (tiny checkpoint, CPU) and no gateway restart.
 
 Each test kills (SIGKILL) or stops (SIGSTOP) one real stage process and measures, against the bounds of
-issue 19 / anchors §C.8:
+issue 19 / docs/reliability.md:
 
 * in-flight streaming clients get an SSE ``error`` then ``[DONE]`` within 2 s of the kill (3.5 s for a
   stopped process, which only the health probes can notice: two missed 1 s probes);

@@ -232,3 +232,38 @@ def test_realtime_session_limit_from_profile_and_flag() -> None:
     assert app.state.realtime_settings.max_sessions == 3
     app = create_app(config_from_args(build_parser().parse_args(["--deploy-config", "cpu"])))
     assert app.state.realtime_settings.max_sessions == 4
+
+
+def test_audio_duration_refused_from_the_header_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.media as media
+
+    def no_decode(*_: object) -> None:
+        raise AssertionError("decoded although the header already says it is too long")
+
+    monkeypatch.setattr(media, "read_audio", no_decode)
+    with pytest.raises(MediaError) as info:
+        decode_audio(wav_bytes(seconds=3.0), MediaLimits(max_audio_seconds=2.0), "messages[0].content[0]")
+    assert info.value.status == 413 and info.value.code == "audio_too_long"
+    assert info.value.param == "messages[0].content[0]" and "2 s" in info.value.message
+
+
+def test_media_pool_is_bounded() -> None:
+    import threading
+
+    from gateway.media_pool import MediaPool
+
+    pool = MediaPool(workers=1, max_pending=2)
+    release = threading.Event()
+
+    async def main() -> None:
+        busy = [asyncio.create_task(pool.run(release.wait, 5, param=f"p{i}")) for i in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(MediaError) as info:
+            await pool.run(int, "1", param="messages[0].content[2]")
+        assert info.value.status == 503 and info.value.code == "media_queue_full"
+        assert info.value.headers == {"Retry-After": "1"} and info.value.param == "messages[0].content[2]"
+        release.set()
+        assert await asyncio.gather(*busy) == [True, True]
+        assert await pool.run(int, "7", param="x") == 7 and pool.pending == 0
+
+    asyncio.run(main())

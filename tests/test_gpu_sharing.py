@@ -1,7 +1,7 @@
 """GPU sharing (services/common/gpu_sharing.py, gateway.launcher.share_gpus): which profiles share a GPU,
 when the launcher starts a private MPS daemon, what the stage children get, and the fallbacks. The daemon
 is a stand-in script on PATH that records how it was called (no GPU here); the real one ran on the H200
-(BENCHMARKS.md, session 8)."""
+(BENCHMARKS.md, "GPU sharing: MPS")."""
 
 from __future__ import annotations
 

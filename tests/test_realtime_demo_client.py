@@ -2,7 +2,8 @@
 
 No gateway or stage runs here. A small websockets server plays the gateway's part of the protocol so the
 test can place frames exactly where a loaded machine puts them by chance: the server closes the socket
-right after ``session.closed`` (wire-protocol §4.10), so a client may still hold unread events, the
+right after ``session.closed`` (docs/protocol.md, Realtime session end), so a client may still hold unread
+events, the
 ``session.closed`` and the close frame all in one receive buffer. The demo client once died there: its
 reader acked an event, the ack met the closing socket and raised, and the client waited ``--timeout``
 for a ``session.closed`` that sat unread (CI: ``close_timeout: true, session_closed: false``).

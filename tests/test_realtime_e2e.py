@@ -158,7 +158,7 @@ def test_native_lane_decisions_and_context_limit(small_context_url: str) -> None
     try:
         _open(conn, extra_body={"auto_response": True})
         _open(other)
-        seconds = SMALL_MAX_CONTEXT // 13 + 5  # a listen unit costs 13 tokens (model-spec 6.5)
+        seconds = SMALL_MAX_CONTEXT // 13 + 5  # a listen unit costs 13 tokens (docs/model.md)
         x = np.zeros(seconds * 16000, dtype=np.float32)
         for i in range(0, x.size, 8000):
             conn.send({"type": "input_audio_buffer.append", "audio": pcm16_b64(x[i : i + 8000])})

@@ -1,4 +1,5 @@
-"""Response lifecycle and interrupt handling through the REAL stages (wire-protocol §6 R*, B1, B3, B4, B7–B9).
+"""Response lifecycle and interrupt handling through the REAL stages (docs/protocol.md, Invariants R*, B1,
+B3, B4, B7–B9).
 
 The gateway runs under uvicorn on loopback in front of real thinker, talker and code2wav processes on the
 tiny checkpoint (CPU); every decision, transcript and audio sample below comes from real model code. The
@@ -262,8 +263,8 @@ def test_playback_ack_barge_in_history_and_truncate(conn: Conn) -> None:
 
 
 def test_close_during_a_speaking_response(conn: Conn, stages: RunningStages) -> None:
-    """§4.10 / S1: closing mid-response ends the session without a cancelled ``response.done``, and every
-    stage releases the session's streams and work (its own gauges read 0)."""
+    """S1 (docs/protocol.md): closing mid-response ends the session without a cancelled ``response.done``, and
+    every stage releases the session's streams and work (its own gauges read 0)."""
     _open(conn, extra_body=LONG)
     _commit_speech(conn)
     conn.send({"type": "response.create"})

@@ -5,8 +5,8 @@
   model 1 s silent units (one each time the thinker has decided every unit sent) until the model ends
   its turn or ``max_response_units`` silent units have run; then ``response.done`` as usual. With the
   random weights of the tiny checkpoint the model practically never ends a turn, so here the cap ends it.
-* Backpressure (wire-protocol §4.5): input is pending until the thinker has decided its unit, so a
-  flood is refused with ``input_backpressure`` instead of queueing toward the thinker without bound.
+* Backpressure (docs/protocol.md, Realtime input): input is pending until the thinker has decided its unit, so
+  a flood is refused with ``input_backpressure`` instead of queueing toward the thinker without bound.
 """
 
 from __future__ import annotations

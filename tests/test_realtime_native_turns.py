@@ -1,4 +1,5 @@
-"""Native-lane turns the model owns, through the REAL stages (wire-protocol §6 B1 follow-up, R1–R12).
+"""Native-lane turns the model owns, through the REAL stages (docs/protocol.md, Invariants B1 follow-up,
+R1–R12).
 
 With the random weights of the tiny checkpoint the thinker practically never ends a turn: it would have
 to pick ``<|turn_eos|>``, one token among ~150 000. This module therefore runs the real stages on a copy

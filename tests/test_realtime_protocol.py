@@ -1,4 +1,5 @@
-"""Realtime WebSocket protocol invariants that never reach a stage (wire-protocol §6 W*, I*, B5/B6, S*).
+"""Realtime WebSocket protocol invariants that never reach a stage (docs/protocol.md, Invariants W*, I*,
+B5/B6, S*).
 
 Every test drives the real gateway app (``gateway.app.create_app``) over a real WebSocket through
 starlette's TestClient. No stage server runs here: the duplex pipeline opens its thinker stream lazily on

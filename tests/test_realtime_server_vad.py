@@ -1,5 +1,5 @@
 """Server VAD over the real realtime WebSocket, without stages: configuration validation on open and on
-update (wire-protocol §4.3, W7) and the input-side events that need no model output.
+update (docs/protocol.md, Realtime session object; W7) and the input-side events that need no model output.
 
 The full turn (speech stop → commit → spoken response → barge-in by speech) runs against real stage
 servers in tests/test_realtime_e2e.py::test_server_vad_turns_and_barge_in.

@@ -1,4 +1,5 @@
-"""A stage process dies under a live realtime session (wire-protocol §4.10, §4.11; docs/realtime.md).
+"""A stage process dies under a live realtime session (docs/protocol.md, Realtime session end; Realtime
+errors; docs/realtime.md).
 
 Real thinker, talker and code2wav servers on the tiny checkpoint behind the gateway (uvicorn on
 loopback). A response is got going through the turn lane (append, commit, ``response.create``) and a

@@ -487,7 +487,7 @@ def test_scratch_stream_warm_up_leaves_the_engine_empty(model: MiniCPMTTS) -> No
 
 def test_prefill_attention_never_takes_cudnn(model: MiniCPMTTS, monkeypatch: pytest.MonkeyPatch) -> None:
     """The eager prefill's SDPA runs with cuDNN attention switched off: on the H200 cuDNN built a plan for
-    each new (batch, rows, keys) shape on first use, 60-1500 ms each (``.gpu/sdpa_probe.py``), and prefill
+    each new (batch, rows, keys) shape on first use, 60-1500 ms each (``bench/gpu/sdpa_probe.py``), and prefill
     shapes change with every burst. The switch is checked where SDPA is called."""
     from services.talker import runner as runner_mod
 

@@ -1,4 +1,4 @@
-"""The batched duplex policy against a row-at-a-time reading of model-spec §6.3.
+"""The batched duplex policy against a row-at-a-time reading of docs/model.md, Duplex.
 
 ``reference_choose`` is the rule written the plain way (one row, host-side branches, a full-vocabulary
 top-p); the batched device implementation must give the same greedy tokens on every row of a mixed batch,
@@ -36,7 +36,8 @@ def _forbidden() -> torch.Tensor:
 
 
 def reference_choose(p: DuplexPolicy, logits: torch.Tensor, num_generated: int) -> int:
-    """Greedy §6.3 for one row, branch by branch (updates ``p.state`` like the engine's policy)."""
+    """Greedy duplex policy (docs/model.md, Duplex) for one row, branch by branch (updates ``p.state`` like
+    the engine's policy)."""
     if p.force_listen:
         return LISTEN
     forced_now = p.force_speak and num_generated == 0

@@ -1,4 +1,5 @@
-"""The thinker fidelity dump writes the oracle README §4a keys with the expected shapes (tiny checkpoint).
+"""The thinker fidelity dump writes the reference's keys (docs/fidelity.md, Dump keys) with the expected
+shapes (tiny checkpoint).
 
 The numeric comparison against the upstream reference needs the upstream code and runs outside CI
 (see the closing notes of issue 3); here we check the contract the comparison relies on.

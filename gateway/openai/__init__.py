@@ -1,1 +1,2 @@
-"""OpenAI-compatible chat completions with speech (wire-protocol §2): validation, media, route."""
+"""OpenAI-compatible chat completions with speech (docs/protocol.md, Chat request): validation, media,
+route."""

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: request -> :class:`ChatJob` -> pipeline -> JSON or SSE (wire-protocol §2).
+"""``POST /v1/chat/completions``: request -> :class:`ChatJob` -> pipeline -> JSON or SSE (docs/protocol.md,
+Chat request).
 
 Errors before the first output byte are answered with the right HTTP status and the error envelope
 (the streaming path waits for the pipeline's first event before sending the 200 headers, so a stage that

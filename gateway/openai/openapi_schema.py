@@ -135,7 +135,8 @@ class ChatTemplateKwargsSchema(_Open):
 
 
 class ChatCompletionRequest(_Open):
-    """``POST /v1/chat/completions`` (wire-protocol §2.1): OpenAI fields plus the vLLM-Omni extensions."""
+    """``POST /v1/chat/completions`` (docs/protocol.md, Chat request): OpenAI fields plus the vLLM-Omni
+    extensions."""
 
     model: str | None = Field(None, description="must be the served model name")
     messages: list[ChatMessageSchema] = Field(min_length=1)

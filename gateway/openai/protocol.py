@@ -1,4 +1,5 @@
-"""Validation of ``POST /v1/chat/completions`` bodies (wire-protocol §2.1) into a :class:`ChatRequest`.
+"""Validation of ``POST /v1/chat/completions`` bodies (docs/protocol.md, Chat request) into a
+:class:`ChatRequest`.
 
 This module is the gateway's one request-validation layer: every field of the OpenAI chat body (and the
 vLLM-Omni extensions ``sampling_params_list``, ``ref_audio``, ``chat_template_kwargs``) is checked here,
@@ -548,6 +549,8 @@ def _check_json_schema(schema: Any, param: str) -> dict[str, Any]:
         raise _bad(
             f"'{param}' is not a valid JSON Schema: {exc.message[:200]} (at '/{where}')", param
         ) from exc
+    except (TypeError, AttributeError, ValueError) as exc:  # e.g. a "$schema" that is not a string
+        raise _bad(f"'{param}' is not a valid JSON Schema: {type(exc).__name__}", param) from exc
     return schema
 
 

@@ -1,8 +1,9 @@
-"""Realtime full-duplex WebSocket (wire-protocol §4): protocol, session state machine, journal, routes.
+"""Realtime full-duplex WebSocket (docs/protocol.md, Realtime): protocol, session state machine, journal,
+routes.
 
 :func:`mount_realtime` is the hook the gateway's app factory calls. Deployment knobs come from
 ``app.state.realtime_settings`` (a :class:`RealtimeSettings`) when set before the app starts, else the
-defaults of wire-protocol §4 with the served model name of the gateway config.
+defaults of docs/protocol.md with the served model name of the gateway config.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One socket's view of a session, and the resume-token hash that lets a new socket take it over (§4.10)."""
+"""One socket's view of a session, and the resume-token hash that lets a new socket take it over
+(docs/protocol.md, Realtime session end)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from gateway.realtime.errors import RealtimeError
 from services.common.audio import float_to_pcm16, pcm16_to_float, resample, wav_bytes
 
 UNIT_RATE = 16_000
-UNIT_SAMPLES = 16_000  # one 1 s unit at 16 kHz (model-spec §6.1)
+UNIT_SAMPLES = 16_000  # one 1 s unit at 16 kHz (docs/model.md, Duplex)
 OUTPUT_RATE = 24_000
 MIN_RATE, MAX_RATE = 8_000, 192_000
 
@@ -213,7 +213,7 @@ class UnitAssembler:
         return units
 
     def flush(self) -> AudioUnit | None:
-        """Close a residual partial unit, zero-padded to 1 s (commit semantics, §4.8)."""
+        """Close a residual partial unit, zero-padded to 1 s (docs/protocol.md, Realtime commit and lanes)."""
         if not self._pending_samples:
             return None
         buf = np.concatenate(self._pending)

@@ -1,4 +1,4 @@
-"""Client → server commands of an open session (wire-protocol §4.4, §4.8, §4.9).
+"""Client → server commands of an open session (docs/protocol.md, Realtime commands).
 
 Each handler validates its event fully before changing any state, so a rejected event leaves the
 session exactly as it was (malformed frames never derail a session).

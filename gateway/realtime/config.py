@@ -1,4 +1,5 @@
-"""Session configuration (wire-protocol §4.3): parse the ``session`` object, validate it, render it back.
+"""Session configuration (docs/protocol.md, Realtime session object): parse the ``session`` object, validate
+it, render it back.
 
 Validation order on open and on update: audio formats, then turn detection, then the MiniCPM-specific
 checks (reference audio, ``extra_body``). Turn-detection faults surface as ``invalid_session_config`` on

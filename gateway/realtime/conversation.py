@@ -1,4 +1,5 @@
-"""The conversation of one realtime session: its user and assistant items, in order (wire-protocol §4.8).
+"""The conversation of one realtime session: its user and assistant items, in order (docs/protocol.md,
+Realtime commit and lanes).
 
 Owned by :class:`gateway.realtime.session.DuplexSession`; the command handlers and the response
 lifecycle add and remove items only through :class:`Conversation`'s methods.

@@ -1,4 +1,5 @@
-"""Realtime error envelope (wire-protocol §4.11): stable codes, and the error type derived from each code.
+"""Realtime error envelope (docs/protocol.md, Realtime errors): stable codes, and the error type derived from
+each code.
 
 Clients switch on ``error.code``; ``error.type`` is a pure function of the code so that the two never
 disagree (invariant W12).

@@ -1,4 +1,5 @@
-"""Server event construction: ids and the shapes of items, responses and audio deltas (wire-protocol §4.7)."""
+"""Server event construction: ids and the shapes of items, responses and audio deltas (docs/protocol.md,
+Realtime events)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The uncommitted user input of one realtime session (wire-protocol §4.8).
+"""The uncommitted user input of one realtime session (docs/protocol.md, Realtime commit and lanes).
 
 Audio enters through :meth:`InputBuffer.push` (or :meth:`InputBuffer.push_speech` from server VAD), is
 cut into 1 s units, and leaves as one user item on :meth:`InputBuffer.seal` or is dropped by

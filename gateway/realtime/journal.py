@@ -1,4 +1,5 @@
-"""Replay journal (wire-protocol §4.10): numbered outbound events kept until acked, for session.resume.
+"""Replay journal (docs/protocol.md, Realtime session end): numbered outbound events kept until acked, for
+session.resume.
 
 Every journaled event gets the next ``server_event_seq``. Entries leave the journal when the client acks
 them (``session.event_ack``) or when they are older than the TTL. If the journal would exceed its byte

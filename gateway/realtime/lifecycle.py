@@ -1,4 +1,5 @@
-"""Response lifecycle projection (wire-protocol §4.7, §4.9): pipeline outputs → normative event order.
+"""Response lifecycle projection (docs/protocol.md, Realtime events): pipeline outputs → normative event
+order.
 
 Owns the active response of a session. Every event of a response is emitted here, in the order
 
@@ -348,9 +349,9 @@ class ResponseLifecycle:
           talker/code2wav streams still open for it.
         * Talker or code2wav: only the voice of one speaking turn is lost (those streams are per turn and
           the next turn opens new ones, possibly on another replica), so only the response fails
-          (wire-protocol §4.11: ``error`` → ``response.done{status:"failed"}``). The rest of the model's
-          turn is fenced like a hard interrupt (``epoch += 1``, ``Control.interrupt`` to the thinker) so
-          it neither reopens a voice nor becomes a response of its own; the session stays open.
+          (docs/protocol.md, Realtime errors: ``error`` → ``response.done{status:"failed"}``). The rest of
+          the model's turn is fenced like a hard interrupt (``epoch += 1``, ``Control.interrupt`` to the
+          thinker) so it neither reopens a voice nor becomes a response of its own; the session stays open.
         """
         s = self.s
         if s.state != "open":
@@ -471,7 +472,8 @@ class ResponseLifecycle:
         return True
 
     def abort_silently(self) -> None:
-        """Session teardown: drop the active response without a cancelled response.done (§4.10)."""
+        """Session teardown: drop the active response without a cancelled response.done (docs/protocol.md,
+        Realtime session end)."""
         if self.active is not None:
             self.active.status = "aborted"
             self.active = None

@@ -1,4 +1,5 @@
-"""Session admission and lookup: the max-sessions slot limit and resume-token checks (§4.10)."""
+"""Session admission and lookup: the max-sessions slot limit and resume-token checks (docs/protocol.md,
+Realtime session end)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""WebSocket routes ``/v1/realtime`` (``?duplex=1``) and ``/v1/duplex`` (wire-protocol §4.1).
+"""WebSocket routes ``/v1/realtime`` (``?duplex=1``) and ``/v1/duplex`` (docs/protocol.md, Realtime
+handshake).
 
 The socket side of a session is deliberately thin: one reader that turns frames into mailbox entries
 (with the frame-size, JSON and idle checks that need no session state) and one writer that drains the

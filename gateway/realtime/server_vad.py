@@ -1,4 +1,5 @@
-"""Server-VAD turn taking for one session (``turn_detection: {"type": "server_vad"}``, wire-protocol §4.9).
+"""Server-VAD turn taking for one session (``turn_detection: {"type": "server_vad"}``, docs/protocol.md,
+Realtime interrupts).
 
 The session routes every appended sample through here instead of straight into the input buffer:
 
@@ -86,7 +87,8 @@ class ServerVadTurns:
                 self._speech_stopped(event)
         self._route(samples[pos - chunk_start :])
         if overlapped is not None and not barged and s.lifecycle.active is overlapped:
-            # One decision per overlapping append (§4.9): no speech start in it means nothing to act on.
+            # One decision per overlapping append (docs/protocol.md, Realtime interrupts): no speech start in
+            # it means nothing to act on.
             action, reason = (
                 ("listen", "accumulating_overlap_speech") if self.in_speech else ("drop", "silence_or_noise")
             )

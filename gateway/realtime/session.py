@@ -1,4 +1,5 @@
-"""One duplex session: the state machine behind a realtime socket (wire-protocol §4.4–4.10).
+"""One duplex session: the state machine behind a realtime socket (docs/protocol.md, Realtime commands to
+Realtime session end).
 
 Everything that changes session state runs on one asyncio task per session (the mailbox loop): client
 commands, pipeline outputs and (re)attachments are processed strictly in arrival order, so outbound
@@ -303,9 +304,9 @@ class DuplexSession:
             log.exception("realtime session %s: pipeline close failed; closing the session anyway", self.id)
 
     async def end(self, reason: str, *, terminal_type: str = "session.closed") -> None:
-        """End the session: abort the response (no cancelled ``response.done``, §4.10), free the stages,
-        then ``session.closed`` and socket close 1000 — the last two unconditionally, so that a client's
-        ``session.close`` is always answered in bounded time."""
+        """End the session: abort the response (no cancelled ``response.done``; docs/protocol.md, Realtime
+        session end), free the stages, then ``session.closed`` and socket close 1000 — the last two
+        unconditionally, so that a client's ``session.close`` is always answered in bounded time."""
         if self.state != "open":
             return
         self._state = "closed"
@@ -441,8 +442,8 @@ class DuplexSession:
 
     def buffered_input_bytes(self) -> int:
         """Bytes (as float32) of input audio still pending: uncommitted, committed but unsent, and sent to
-        the thinker but not yet consumed by it (wire-protocol §4.5 backpressure). A unit stops counting
-        when the thinker reports its decision, not when the gateway queues it, so a client that sends
+        the thinker but not yet consumed by it (docs/protocol.md, Realtime input backpressure). A unit stops
+        counting when the thinker reports its decision, not when the gateway queues it, so a client that sends
         faster than the model listens is refused instead of piling units up toward the thinker."""
         backlog = sum(len(item.units) for item in self._backlog)
         return (self.input.pending_samples + UNIT_SAMPLES * (backlog + self.units_in_flight)) * 4

@@ -1,4 +1,5 @@
-"""Deployment knobs of the realtime endpoint; defaults follow wire-protocol §4 (reference 0.30.0 values)."""
+"""Deployment knobs of the realtime endpoint; defaults follow docs/protocol.md (the reference server's
+values)."""
 
 from __future__ import annotations
 

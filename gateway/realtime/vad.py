@@ -1,4 +1,5 @@
-"""Server voice-activity detection for ``turn_detection: {"type": "server_vad"}`` (wire-protocol §4.3, §4.9).
+"""Server voice-activity detection for ``turn_detection: {"type": "server_vad"}`` (docs/protocol.md, Realtime
+session object).
 
 Two detectors share one state machine; ``turn_detection.detector`` names the one a session uses:
 

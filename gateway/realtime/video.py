@@ -1,4 +1,5 @@
-"""Video frame intake for appends (wire-protocol §4.5): at most two bare base64 JPEG/PNG frames."""
+"""Video frame intake for appends (docs/protocol.md, Realtime input): at most two bare base64 JPEG/PNG
+frames."""
 
 from __future__ import annotations
 

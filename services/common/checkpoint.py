@@ -5,13 +5,13 @@ project's tiny random checkpoint (tests, demo) or the full-size random one (benc
 reads every field from the files (never from class defaults, which differ from the real model) and
 every failure raises :class:`CheckpointError` naming the file, key or tensor and what was expected.
 
-Layout (model-spec §1):
+Layout (docs/model.md, Checkpoint layout):
 
 * ``config.json`` with ``version == "4.5"``; flat Qwen3 keys plus ``vision_config``, ``audio_config``,
   ``slice_config``, ``tts_config``;
 * sharded safetensors through ``model.safetensors.index.json`` (a single ``model.safetensors`` is also
   accepted), memory-mapped; each stage loads only its own prefixes (:data:`STAGE_PREFIXES`);
-* the tokenizer files, with every special-token id of model-spec §1.4 asserted at load;
+* the tokenizer files, with every special-token id of docs/model.md, Token ids asserted at load;
 * ``preprocessor_config.json``, ``generation_config.json``;
 * ``assets/token2wav/{flow.yaml, flow.pt, hift.pt, campplus.onnx, speech_tokenizer_v2_25hz.onnx}`` and
   ``assets/HT_ref_audio.wav``.
@@ -39,7 +39,7 @@ STAGE_PREFIXES: dict[str, tuple[str, ...]] = {
 }
 ALL_PREFIXES: tuple[str, ...] = STAGE_PREFIXES["thinker"] + STAGE_PREFIXES["talker"]
 
-# model-spec §1.4: token -> id. Asserted on every tokenizer load.
+# docs/model.md, Token ids: token -> id. Asserted on every tokenizer load.
 SPECIAL_TOKEN_IDS: dict[str, int] = {
     "<unk>": 128244,
     "<|endoftext|>": 151643,
@@ -360,7 +360,7 @@ class Checkpoint:
 
     # -------------------------------------------------------------------------------------- tokenizer
     def tokenizer(self) -> PreTrainedTokenizerFast:
-        """Load the fast tokenizer and assert every special-token id of model-spec §1.4."""
+        """Load the fast tokenizer and assert every special-token id of docs/model.md, Token ids."""
         return load_tokenizer(self.root)
 
     # ----------------------------------------------------------------------------------------- assets

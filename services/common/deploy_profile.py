@@ -82,7 +82,8 @@ TALKER_SAMPLING_KEYS = frozenset(TalkerSamplingDoc.model_fields)
 
 @dataclass(frozen=True)
 class CodecWindows:
-    """Talker → code2wav windowing (model-spec §5.4): new frames per window, left context, first window."""
+    """Talker → code2wav windowing (docs/model.md, Talker streaming and budgets): new frames per window,
+    left context, first window."""
 
     window_frames: int = 25
     left_context_frames: int = 3
@@ -106,7 +107,8 @@ class StageProfile:
     first_hidden_chunk_tokens: int = 11
     hidden_dtype: str = "bfloat16"
     # thinker only: the duplex sliding context window, on unless a profile turns it off, so a long call
-    # trims its oldest units instead of ending with context_length_exceeded (model-spec §6.5)
+    # trims its oldest units instead of ending with context_length_exceeded (docs/model.md, Duplex context
+    # window)
     duplex_window: str = "basic"
     duplex_window_high: int = 8000
     duplex_window_low: int = 6000

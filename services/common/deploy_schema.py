@@ -203,7 +203,8 @@ class ThinkerDoc(_StageDoc):
     hidden_chunk_tokens: PositiveInt | None = None
     first_hidden_chunk_tokens: PositiveInt | None = None
     hidden_dtype: DType | None = None
-    # The duplex sliding context window (services/thinker/duplex_window.py, model-spec §6.5).
+    # The duplex sliding context window (services/thinker/duplex_window.py, docs/model.md, Duplex context
+    # window).
     duplex_window: WindowMode | None = None
     duplex_window_high: PositiveInt | None = None
     duplex_window_low: PositiveInt | None = None

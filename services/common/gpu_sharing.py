@@ -6,7 +6,7 @@ small kernels are queued waits for the others' slices. With 16 realtime sessions
 doubled the thinker's decode step (forward 11.7 ms against ~5.4 ms alone) and tripled its host part
 (4.8 ms, the policy draw waiting for a slice). Under one MPS server the three processes' kernels share
 the SMs concurrently: in the same run the step fell to 8.0 / 1.4 ms and the unit RTF p90 from 0.644 to
-0.393 (BENCHMARKS.md, session 8). So a profile that puts several stages on one GPU says
+0.393 (BENCHMARKS.md, "GPU sharing: MPS"). So a profile that puts several stages on one GPU says
 ``gpu_sharing: mps``, and the launcher starts an MPS control daemon private to that deployment.
 
 The daemon gets its own pipe and log directories (nothing of the GPU's settings changes: compute mode,

@@ -2,7 +2,7 @@
 
 Why: with torch's default backend choice, an SDPA call on the H200 may take cuDNN attention, which
 builds an execution plan the first time it sees a (batch, rows, keys) shape: 60 ms per new shape, up to
-1.5 s for the first (``.gpu/sdpa_probe.py``, BENCHMARKS.md session 10). The talker's prefill shapes change
+1.5 s for the first (``bench/gpu/sdpa_probe.py``; BENCHMARKS.md, "SDPA first-call cost per shape"). The talker's prefill shapes change
 with every burst, so each burst paid it; the audio encoder's streaming caches grow with every chunk.
 Flash and memory-efficient attention need no plan, so these paths allow only them (and the math
 fallback, which always applies). Graph-captured calls with fixed shapes are unaffected either way.

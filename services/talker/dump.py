@@ -1,7 +1,7 @@
 """Fidelity dump: the Talker arrays of the numerical oracle, produced by this service's own code path.
 
 ``python -m services.talker dump --checkpoint DIR --out FILE.npz`` writes the ``talker.*`` keys the
-oracle's ``reference.py`` writes (see the oracle README §4b), for the same fixed condition:
+reference harness writes (docs/fidelity.md, Dump keys), for the same fixed condition:
 
 * the first 10 token ids of :data:`CONDITION_TEXT` under the checkpoint tokenizer;
 * 10 hidden rows drawn N(0, 1) in fp32 from a CPU ``torch.Generator`` whose seed is the first 8 bytes

@@ -1,7 +1,7 @@
 """The talker's decode layers as fused kernels: 9 launches per layer instead of ~29.
 
 Why: a talker decode step moves ~0.2 GB of weights (≈ 50 µs of HBM time) yet took 1.3 ms of GPU time on
-the H200 as ~580 kernels of 1–8 µs each (BENCHMARKS.md, Talker). Per layer this path runs: RMSNorm (the
+the H200 as ~580 kernels of 1–8 µs each (BENCHMARKS.md, "Talker decode kernels"). Per layer this path runs: RMSNorm (the
 residual add of the previous MLP folded in), the q|k|v GEMM, one kernel for rotary on q/k plus the K/V
 store, paged attention straight over the slot cache, the o GEMM, residual add + RMSNorm, the gate|up
 GEMM, SiLU·up, the down GEMM. Every kernel is the thinker's (:mod:`services.thinker.kernels`; its
@@ -30,7 +30,7 @@ from services.thinker.kernels import AttentionTiles, get_ops, key_splits, triton
 ENV_VAR = "MINICPMO_TALKER_KERNELS"
 BACKENDS = ("torch", "triton")
 # What ``auto`` picks on CUDA: the fused path, since the H200 run of ``bench.talker --kernels auto,triton``
-# and ``bench.cuda_smoke --stages talker --graph-kernels triton`` (BENCHMARKS.md, Talker, session 6) found
+# and ``bench.cuda_smoke --stages talker --graph-kernels triton`` (BENCHMARKS.md, "Talker decode kernels") found
 # it 19 % / 11 % faster per stream at batch 1 / 16 and every difference a bf16 near-tie;
 # ``MINICPMO_TALKER_KERNELS=torch`` keeps the torch path.
 AUTO_ON_CUDA = "triton"

@@ -303,7 +303,7 @@ class TalkerRunner:
         forwards (:meth:`prefill_batch`) whose batch and width depend on when each condition arrived; run
         first while serving, a new shape pays the caching allocator's new blocks and its GEMM kernels'
         first launch (their modules load lazily). The big first-burst cost on the H200 was elsewhere:
-        cuDNN attention planned each new shape (:mod:`services.common.sdpa`, session 10). The thinker warms the
+        cuDNN attention planned each new shape (:mod:`services.common.sdpa`). The thinker warms the
         same way (``burst_warmup_step``). Slots are free at start; the rows written here lie beyond every later
         stream's length, which masks them out until that stream overwrites them.
         """

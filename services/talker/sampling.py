@@ -12,7 +12,8 @@ Upstream order for one step (``MiniCPMTTS.generate`` / ``generate_chunk`` / ``TT
 
 Which of (2)/(3) apply is a per-row, per-step decision the engine makes through :class:`StepRules`:
 no processors and no warpers on a stream's very first sample (upstream's ``audio_bos`` step), and duplex
-units apply only the penalty (their warpers are built upstream but never called, model-spec §4.4 b).
+units apply only the penalty (their warpers are built upstream but never called, docs/model.md, Talker
+sampling).
 
 How it runs: every per-row knob (temperature, penalty, top-p, top-k, rule flags, the draw key made
 from seed and draw counter, the 16-frame history) is packed into one int64 and one fp32 tensor (:func:`pack_rows`), and
@@ -37,7 +38,8 @@ import torch
 PENALTY_WINDOW = 16
 MIN_TOKENS_TO_KEEP = 3
 
-# Duplex budgets (model-spec §4.5): 26 samples per unit, the 26th dropped, so 25 frames ≈ 1 s.
+# Duplex budgets (docs/model.md, Talker streaming and budgets): 26 samples per unit, the 26th dropped, so 25
+# frames ≈ 1 s.
 DUPLEX_SAMPLES_PER_UNIT = 26
 DUPLEX_FRAMES_PER_UNIT = DUPLEX_SAMPLES_PER_UNIT - 1
 # Turn end: up to 4 units of samples, no floor, EOS ignored for 5 steps after every 25-frame boundary
@@ -101,7 +103,7 @@ def streaming_chunk_rules(stream_frames: int, t: int) -> StepRules:
 
 @dataclass(frozen=True)
 class DuplexBudget:
-    """Samples allowed in one duplex unit and the EOS floor (model-spec §4.5, §6.4)."""
+    """Samples allowed in one duplex unit and the EOS floor (docs/model.md, Talker streaming and budgets)."""
 
     max_samples: int
     min_samples: int

@@ -3,7 +3,7 @@
 Why: the runner's start-up warm-ups (``warmup_prefill``, ``warmup_graphs``) cover the prefill forward and
 the decode graphs, not the eager rest of a prefill step: building the condition rows (text embedding, the
 thinker-hidden projector), sampling after the prefill, cutting windows. Their CUDA kernels load lazily on
-first launch (the efficient-attention kernel's first call took 35 ms in ``.gpu/sdpa_probe.py``) and new
+first launch (the efficient-attention kernel's first call took 35 ms in ``bench/gpu/sdpa_probe.py``) and new
 shapes ask the allocator for blocks. Running the engine's own path once per burst size, on its thread,
 moves that to start-up (0.4-2.8 s on the H200).
 

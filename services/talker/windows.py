@@ -1,4 +1,4 @@
-"""Framing of codec frames into the windows Code2Wav consumes (model-spec §5.4, oracle README §4c).
+"""Framing of codec frames into the windows Code2Wav consumes (docs/model.md, Talker streaming and budgets).
 
 Upstream (``MiniCPMO.streaming_generate``) keeps a buffer that starts as three silence ids (4218) and
 hands Token2wav ``buffer[:25 + 3]`` whenever 28 ids are there, then drops the 25 vocalised ones, so every

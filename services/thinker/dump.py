@@ -2,10 +2,10 @@
 
 Regenerates the three oracle prompts (text; text + 896x448 image; text + 3.2 s audio, user turns,
 thinking off, the audio prompt with the TTS template) through this project's processor and model, and
-writes the arrays under the oracle README's key names (§4a), so ``compare_npz.py`` can diff them
-against the upstream reference. ``--inputs REF.npz`` takes only the two raw media arrays
-(``inputs.image_rgb``, ``inputs.audio_16k``) from a reference file; without it the dump synthesises its
-own image and audio (same shapes), which is enough for shape checks but not for a numeric comparison.
+writes the arrays under the reference's key names (docs/fidelity.md, Dump keys), so the two files can be
+diffed against the upstream reference. ``--inputs REF.npz`` takes only the two raw media arrays
+(``inputs.image_rgb``, ``inputs.audio_16k``) from a reference file; without it the dump synthesises its own
+image and audio (same shapes), which is enough for shape checks but not for a numeric comparison.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def build_dump(
     audio_16k: np.ndarray | None = None,
     greedy_steps: int = 8,
 ) -> dict[str, np.ndarray]:
-    """Every array of the dump, keyed as in the oracle README §4a (plus ``meta_json``)."""
+    """Every array of the dump, keyed as in docs/fidelity.md, Dump keys (plus ``meta_json``)."""
     from services.common.checkpoint import Checkpoint
     from services.thinker.model import ThinkerModel
     from services.thinker.processor import AudioInput, ImageInput, ThinkerProcessor

@@ -1,6 +1,6 @@
 """Duplex mode: a persistent per-session KV fed one 1 s unit at a time, with the listen/speak policy.
 
-Session (model-spec §6): the open message sets the prefix (system instructions, optional reference
+Session (docs/model.md, Duplex): the open message sets the prefix (system instructions, optional reference
 voice rows, optional seeded user text), prefilled once into a *persistent* engine sequence. Each
 ``ThinkerUnit`` (1 s of audio, up to two frames) appends ``[previous terminator] </unit> <unit>
 {frames} {10 audio rows}`` and decodes at most 19 sampled tokens under :class:`DuplexPolicy`; the
@@ -8,7 +8,8 @@ engine does not feed a unit's terminator, so the next unit re-injects it (and ``
 the unit hit the 19-token cap), which yields the same token sequence as upstream's feed-after-decode.
 
 Per unit the stream answers with a ``SpeechChunk`` when the unit spoke and ``want_speech`` is set
-(span rules of §3.3: the first decision token is not spoken; the span ends before a boundary token or right after ``<|turn_eos|>``;
+(span rules of docs/model.md, Thinker to talker hand-off: the first decision token is not spoken; the span
+ends before a boundary token or right after ``<|turn_eos|>``;
 rows are the hidden states of the span tokens, 1:1) and always a ``UnitResult`` (decision, transcript,
 token ids, turn end, context size). After an interrupt (:meth:`DuplexSession.after_interrupt`) the
 cancelled unit's fed tokens stay in the KV and the next unit closes it with ``<|chunk_eos|></unit>``.
@@ -145,7 +146,7 @@ class UnitOutcome:
 
 
 def select_span(generated: list[int]) -> list[int]:
-    """Indices of the spoken tokens of a unit (model-spec §3.3)."""
+    """Indices of the spoken tokens of a unit (docs/model.md, Thinker to talker hand-off)."""
     if not generated or generated[0] in UNIT_TERMINATORS:
         return []
     span: list[int] = []

@@ -1,19 +1,19 @@
 """Duplex fidelity dump: ``python -m services.thinker dump --duplex --checkpoint DIR --inputs REF.npz --out F.npz``.
 
-Runs the oracle's scripted duplex session (oracle README §4(d): the session prefix with the reference
+Runs the oracle's scripted duplex session (docs/fidelity.md, Duplex: the session prefix with the reference
 voice, 5 units of 1 s audio, one camera frame in unit 2, the first unit forced to listen, greedy policy)
 through the serving path's own objects: :class:`~services.thinker.duplex.DuplexSession` builds the
 prefix and every unit (streaming mel, incremental Whisper, frames, token layout, policy), and a
 :class:`~services.thinker.engine.ThinkerEngine` built by the stage's ``build_backend`` feeds them into its
 paged KV cache and runs the policy, exactly as a duplex gRPC stream does. Only the stream plumbing
 (queues, interrupts, the context window) is replaced by a synchronous loop, and the taps of
-:mod:`services.thinker.duplex_tap` record what was fed and decided. The arrays carry the README's
-``duplex.*`` names, so ``compare_npz.py --keys duplex.`` diffs them against the upstream reference.
+:mod:`services.thinker.duplex_tap` record what was fed and decided. The arrays carry the reference's
+``duplex.*`` names (docs/fidelity.md, Dump keys), so they diff key by key against the upstream reference.
 
-The engine defers a unit's terminator and ``</unit>`` to the start of the next unit (model-spec §6.2);
-the dump counts those two rows in the unit that decoded them, as the README asks, and feeds them for the
+The engine defers a unit's terminator and ``</unit>`` to the start of the next unit (docs/model.md, Duplex);
+the dump counts those two rows in the unit that decoded them, as the reference does, and feeds them for the
 last unit once the session is over. ``--teacher-force`` feeds the reference's decoded ids instead of our
-own (README §4(d) 5; our choices are kept under ``duplex.uK.own_ids``), for bf16 or near-tie comparisons.
+own (our choices are kept under ``duplex.uK.own_ids``), for bf16 or near-tie comparisons.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def run_session(
 
 
 def to_arrays(rec: dict[str, Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The README §4(d) keys from the records of :func:`run_session`."""
+    """The ``duplex.*`` keys (docs/fidelity.md, Dump keys) from the records of :func:`run_session`."""
     rows: RowRecord = rec["rows"]
     enc: EncoderRecord = rec["enc"]
     total = len(rows.ids)

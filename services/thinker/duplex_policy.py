@@ -1,4 +1,5 @@
-"""The duplex listen/speak decision policy (model-spec §6.3), sampled for every duplex row of a step at once.
+"""The duplex listen/speak decision policy (docs/model.md, Duplex), sampled for every duplex row of a step at
+once.
 
 A duplex unit decodes up to 19 tokens, and with several sessions every engine step holds several duplex
 rows. Choosing them one row at a time, as a plain :class:`~services.thinker.sampling.Sampler` does, costs a
@@ -44,7 +45,7 @@ TURN_EOS_LENGTH_PENALTY = 1.1
 
 @dataclass
 class DuplexSampling:
-    """Duplex decode knobs (model-spec §6.3 defaults); the open message's sampling overrides them."""
+    """Duplex decode knobs (docs/model.md, Duplex defaults); the open message's sampling overrides them."""
 
     temperature: float = 0.7
     top_k: int = 20
@@ -85,7 +86,7 @@ class PolicyState:
 
 
 class DuplexPolicy(Sampler):
-    """One unit's token choice (model-spec §6.3), run by the engine like any sampler.
+    """One unit's token choice (docs/model.md, Duplex), run by the engine like any sampler.
 
     * forced listen: the unit answers ``<|listen|>`` without sampling;
     * a first draw from the raw distribution only detects ``<|chunk_eos|>`` (the model's own stop);
@@ -156,8 +157,8 @@ class DuplexPolicy(Sampler):
             return token  # the model's own stop (first draw): the turn state is untouched
         # Matches upstream (StreamDecoder.decode): every id the draw returns enters the penalty history,
         # special ids included, and it enters before the listen -> <|tts_bos|> replacement below (which
-        # upstream's streaming_generate applies after decode returned). Before 2026-12-03 we kept only
-        # ids below the first special id (151643), after the replacement (docs/fidelity.md, duplex).
+        # upstream's streaming_generate applies after decode returned). Keeping only ids below the first
+        # special id (151643), after the replacement, diverges from it (docs/fidelity.md, duplex).
         self.state.history.append(token)
         window = self.sampling.penalty_window
         if len(self.state.history) > 4 * window:
@@ -248,7 +249,8 @@ def _per_row(values: Sequence[float], device: torch.device) -> torch.Tensor:
 def _policy_tokens(
     policies: Sequence[DuplexPolicy], logits: torch.Tensor, num_generated: Sequence[int]
 ) -> list[int]:
-    """The §6.3 draw for every row of fp32 ``logits [n, V]`` (none forced to listen); returns raw tokens."""
+    """The duplex draw (docs/model.md, Duplex) for every row of fp32 ``logits [n, V]`` (none forced to
+    listen); returns raw tokens."""
     device = logits.device
     n, vocab = logits.shape
     sampled = [p.sampling.temperature > 0.0 for p in policies]
@@ -312,7 +314,7 @@ def _graph_tokens(
 def policy_logits(
     policies: Sequence[DuplexPolicy], logits: torch.Tensor, rows_forced: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Step 2 of §6.3 on fp32 ``logits [n, V]``: the masks and both penalties (a new tensor).
+    """Step 2 of the duplex draw on fp32 ``logits [n, V]``: the masks and both penalties (a new tensor).
 
     A function of its own so the fidelity dump can record the logits the decision's argmax reads.
     """

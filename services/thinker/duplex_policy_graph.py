@@ -1,9 +1,9 @@
-"""The duplex decision policy (model-spec §6.3) as one CUDA graph replay per step.
+"""The duplex decision policy (docs/model.md, Duplex) as one CUDA graph replay per step.
 
 Why: the batched policy of :mod:`services.thinker.duplex_policy` is ~100 small torch ops a step (masks,
 penalties, the raw first draw, top-k/top-p, two Gumbel draws, their per-row parameter copies). Each is a
 few microseconds of GPU work and ~10 µs of host dispatch, so a duplex step spent more host time on them
-than the GPU spent (BENCHMARKS.md, realtime: 2.7 ms of host per step at one session, 6.5 ms at 16,
+than the GPU spent (BENCHMARKS.md, "Duplex policy graph": 2.7 ms of host per step at one session, 6.5 ms at 16,
 against a 5 ms decode step). Captured once per row bucket, the step's host work is two small copies into
 static buffers, one replay and the read-back of the tokens.
 
@@ -47,7 +47,7 @@ def draw_static(
     ids: tuple[int, int, int, int],
     turn_eos_penalty: float,
 ) -> torch.Tensor:
-    """The §6.3 draw of ``_policy_tokens`` on fixed shapes; returns the raw token of every row.
+    """The duplex draw of ``_policy_tokens`` on fixed shapes; returns the raw token of every row.
 
     ``logits [n, V]`` fp32, ``forbidden [1, V]`` bool, ``window_ids [n, W]`` int64, ``params [n, 6]`` fp32,
     ``k`` the top-k width of the draw, ``ids`` = (chunk_eos, listen, chunk_tts_eos, turn_eos).

@@ -1,4 +1,4 @@
-"""The ``basic`` sliding context window of a duplex session (model-spec §6.5).
+"""The ``basic`` sliding context window of a duplex session (docs/model.md, Duplex context window).
 
 A duplex session grows 13 tokens per listened second, up to 19 more per spoken unit and 66–264 per video
 frame, so even the 40,960-token thinker context fills after 52 minutes of audio, or 2.5–8.6 minutes with

@@ -23,7 +23,7 @@ import torch
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.thinker.constrained import TokenConstraint, apply_masks, fill_masks
 
-# model-spec §2.4: <|tts_eos|> ends the spoken span, <|im_end|> ends the turn.
+# docs/model.md, Thinker generation: <|tts_eos|> ends the spoken span, <|im_end|> ends the turn.
 DEFAULT_STOP_IDS: tuple[int, ...] = (151704, 151645)
 
 

@@ -1,7 +1,7 @@
 """Turn-mode stream logic: engine events -> TextDelta, SpeechChunk (span + hidden rows) and Done.
 
 Kept apart from the stream handler (:mod:`services.thinker.turn_stream`) so it can be tested without a
-network. Span rules (model-spec §3.2): with ``want_speech`` the prompt ends with
+network. Span rules (docs/model.md, Thinker to talker hand-off): with ``want_speech`` the prompt ends with
 ``<|tts_bos|>`` (the TTS template is forced on), so every generated token up to the end token
 (``<|tts_eos|>`` 151704 or ``<|im_end|>`` 151645, both excluded) is spoken. A generated ``<|tts_bos|>``
 (possible when a client turns the template off) is not spoken itself. Each spoken token travels with

@@ -20,7 +20,7 @@ Cache layout per stream (batch dimension of size 1, or 2 for the estimator's con
 After each window both attention caches are trimmed exactly like the reference streaming driver: when
 longer than ``prompt_frames + 100`` keep the first ``prompt_frames`` and the last 100 entries. The CFM
 noise of a window is read from the stream's noise table at offset = estimator cache length (0 during
-prompt setup), which is the reference's offset rule (oracle README §5).
+prompt setup), which is the reference's offset rule (docs/model.md, Code2Wav).
 """
 
 from __future__ import annotations

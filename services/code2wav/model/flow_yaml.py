@@ -1,7 +1,7 @@
 """Build the flow model from ``flow.yaml`` without executing arbitrary YAML.
 
 The checkpoint's ``flow.yaml`` is written for hyperpyyaml, whose loader can instantiate any importable
-object. We only ever need the four constructor tags that Step-Audio2 uses (model-spec §5.2), so a
+object. We only ever need the four constructor tags that Step-Audio2 uses (docs/model.md, Code2Wav), so a
 ``yaml.SafeLoader`` subclass maps exactly those tags to the installed stepaudio2 classes; any other tag is
 a hard error, which keeps a tampered checkpoint from running code at load time.
 

@@ -2,10 +2,10 @@
 
 Every reference is normalised to exactly 6.0 s (truncate or zero-pad at its own rate) so the prompt is
 always 150 tokens / 300 mel frames: equal cache shapes across streams are what lets windows of different
-streams share a batch and a CUDA graph (model-spec §5.3). The two feature branches follow the reference
-front end: S3 tokens and the CAM++ fbank from the 16 kHz signal, the prompt mel from the 24 kHz signal,
-each obtained with ``torchaudio``'s resampler only when the input is at another rate (so a 16 kHz PCM
-reference such as the default voice gives exactly the reference numbers). That resampler, not the
+streams share a batch and a CUDA graph (docs/model.md, Code2Wav reference voice). The two feature branches
+follow the reference front end: S3 tokens and the CAM++ fbank from the 16 kHz signal, the prompt mel from the
+24 kHz signal, each obtained with ``torchaudio``'s resampler only when the input is at another rate (so a 16
+kHz PCM reference such as the default voice gives exactly the reference numbers). That resampler, not the
 project's soxr one, because upstream's token2wav uses it and the voice's tokens and x-vector depend on it
 (:func:`services.common.audio.resample_torchaudio`).
 
@@ -39,7 +39,7 @@ VOCODER_RATE = 24000
 MIN_REFERENCE_SECONDS = 1.0
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 192000
 SILENCE_RMS = 1e-4
-S3_HEAD_DIM = 64  # fixed by the S3 tokenizer's rotary table (model-spec §7.1)
+S3_HEAD_DIM = 64  # fixed by the S3 tokenizer's rotary table (docs/model.md, Tiny checkpoint)
 
 
 class ReferenceAudioError(ValueError):

@@ -42,7 +42,8 @@ REQUIRED_ROOT_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
-# Fixed by the streaming Code2Wav path (model-spec §7.4): DiT scratch buffers are sized for these.
+# Fixed by the streaming Code2Wav path (docs/model.md, Tiny checkpoint): DiT scratch buffers are sized for
+# these.
 DIT_FIXED = {"hidden_size": 512, "num_heads": 8, "head_dim": 64}
 S3_HEAD_DIM = 64
 
@@ -91,7 +92,8 @@ def check_layout(root: Path) -> None:
 
 # -------------------------------------------------------------------------------------------- config
 def check_config(ckpt: Checkpoint, report: CheckReport) -> None:
-    """Beyond the loader's own checks: the contract values that must not shrink (model-spec §7.1)."""
+    """Beyond the loader's own checks: the contract values that must not shrink (docs/model.md, Tiny
+    checkpoint)."""
     cfg, path = ckpt.config, ckpt.root / "config.json"
     if cfg.get("model_type", "minicpmo") != "minicpmo":
         _fail(f"{path}: model_type is {cfg['model_type']!r}, expected 'minicpmo'")
@@ -220,7 +222,7 @@ def check_weights(ckpt: Checkpoint, report: CheckReport) -> None:
 
 # ----------------------------------------------------------------------------------------- tokenizer
 def check_tokenizer(ckpt: Checkpoint, report: CheckReport) -> None:
-    tok = ckpt.tokenizer()  # asserts every special id of model-spec §1.4
+    tok = ckpt.tokenizer()  # asserts every special id of docs/model.md, Token ids
     where = ckpt.root / "tokenizer.json"
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)
     if ids[0] != SPECIAL_TOKEN_IDS["<|im_start|>"] or ids[-1] != SPECIAL_TOKEN_IDS["<|im_end|>"]:

@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
         "--size",
         choices=("tiny", "full"),
         default="tiny",
-        help="tiny: model-spec §7 widths (tests); full: real dimensions in bf16 (benchmarks)",
+        help="tiny: small widths for tests (docs/model.md, Tiny checkpoint); full: real bf16 dimensions",
     )
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--device", default="cpu", help="where tensors are drawn: cpu or cuda[:N]")

@@ -3,8 +3,8 @@
 
 Only widths and depths differ between ``tiny`` and ``full``; every key that encodes a contract (vocab sizes,
 token ids, codec vocabulary, image/patch sizes, Whisper mel bins and positions, Talker context) keeps its
-real value in both (model-spec §1.2 and §7.1), so code exercised on the tiny checkpoint reads the same keys
-as on the real download.
+real value in both (docs/model.md, Dimensions and Tiny checkpoint), so code exercised on the tiny checkpoint
+reads the same keys as on the real download.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Dims:
     tts_heads: int
 
 
-# model-spec §7.2 (tiny) and §1.2/§1.5 (full = the real model).
+# docs/model.md, Tiny checkpoint (tiny) and Dimensions (full = the real model).
 DIMS: dict[str, Dims] = {
     "tiny": Dims(
         llm_hidden=128,

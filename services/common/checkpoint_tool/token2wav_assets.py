@@ -1,5 +1,6 @@
 """Code2Wav assets: ``assets/token2wav/{flow.yaml, flow.pt, hift.pt, campplus.onnx,
-speech_tokenizer_v2_25hz.onnx}`` and ``assets/HT_ref_audio.wav`` (model-spec §5 and §7.4).
+speech_tokenizer_v2_25hz.onnx}`` and ``assets/HT_ref_audio.wav`` (docs/model.md, Code2Wav and Tiny
+checkpoint).
 
 * flow: the yaml uses the same four constructor tags as the real file; the module is built from the yaml
   with the stepaudio2 classes (on the ``meta`` device, so only names and shapes are produced), then every

@@ -1,4 +1,4 @@
-"""A synthesized byte-level BPE tokenizer with the MiniCPM-o 4.5 id layout (model-spec §1.4).
+"""A synthesized byte-level BPE tokenizer with the MiniCPM-o 4.5 id layout (docs/model.md, Token ids).
 
 The real vocabulary cannot be shipped, but code under test depends on its *ids*, not its merges: control
 tokens must sit at 151643..151747, ``<unk>`` must re-use base id 128244, and prompts such as
@@ -274,7 +274,7 @@ def _is_text(raw: bytes) -> bool:
 
 def _bad_token_ids(vocab: dict[str, int], symbols: list[str]) -> list[int]:
     """Base tokens that cannot be text on their own: incomplete UTF-8 fragments and control bytes.
-    Duplex decoding forbids these ids (model-spec §6.3)."""
+    Duplex decoding forbids these ids (docs/model.md, Duplex)."""
     to_byte = {s: b for b, s in enumerate(symbols)}
     bad: list[int] = []
     for token, idx in vocab.items():

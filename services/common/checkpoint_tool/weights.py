@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# The resampler uses one attention head per 128 channels of the LLM width (model-spec §1.3).
+# The resampler uses one attention head per 128 channels of the LLM width (docs/model.md, Dimensions).
 RESAMPLER_HEAD_DIM = 128
 
 
@@ -87,7 +87,8 @@ def make_tensor(
 
 # --------------------------------------------------------------------------------------- name census
 class _Resampler(nn.Module):
-    """Parameter layout of the perceiver resampler (model-spec §1.3); only the names/shapes matter here."""
+    """Parameter layout of the perceiver resampler (docs/model.md, Weight prefixes); only the names/shapes
+    matter here."""
 
     def __init__(self, num_queries: int, embed_dim: int, kv_dim: int) -> None:
         super().__init__()

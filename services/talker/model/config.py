@@ -15,7 +15,8 @@ from typing import Any
 
 from services.common.checkpoint import CODEC_EOS_ID, CODEC_SILENCE_ID, CheckpointError
 
-# Llama knobs upstream leaves at the LlamaConfig defaults (model-spec §4.1: eps 1e-6, theta 10 000, SiLU).
+# Llama knobs upstream leaves at the LlamaConfig defaults (docs/model.md, Dimensions: eps 1e-6, theta 10 000,
+# SiLU).
 LLAMA_RMS_NORM_EPS = 1e-6
 LLAMA_ROPE_THETA = 10_000.0
 LLAMA_HIDDEN_ACT = "silu"

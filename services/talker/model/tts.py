@@ -1,12 +1,11 @@
 """MiniCPMTTS, the Talker: a Llama backbone over condition embeddings that predicts 25 Hz codec ids.
 
-Architecture (model-spec §4.1): transformers ``LlamaModel`` backbone (its own ``embed_tokens`` is never
-used: inputs are always embeddings), ``emb_text`` indexed by Thinker token ids, ``projector_semantic``
-(Linear → ReLU → Linear) on Thinker hidden rows, ``emb_code[0]`` for fed-back codec ids and the
-weight-normed ``head_code[0]`` (materialised once at load as ``W = g · v / ‖v‖`` row-wise, so decode is
-a plain matmul).
+Architecture (docs/model.md, Dimensions): transformers ``LlamaModel`` backbone (its own ``embed_tokens`` is
+never used: inputs are always embeddings), ``emb_text`` indexed by Thinker token ids, ``projector_semantic``
+(Linear → ReLU → Linear) on Thinker hidden rows, ``emb_code[0]`` for fed-back codec ids and the weight-normed
+``head_code[0]`` (materialised once at load as ``W = g · v / ‖v‖`` row-wise, so decode is a plain matmul).
 
-Conditions (model-spec §4.2, ``hidden_text_merge``): each spoken position k contributes
+Conditions (docs/model.md, Talker conditioning, ``hidden_text_merge``): each spoken position k contributes
 ``emb_text(id_k) + L2norm(projector_semantic(hidden_k))``; the mode decides the suffix:
 
 * whole utterance: ``[cond..., emb_text(text_eos), emb_text(audio_bos)]``;
@@ -106,7 +105,7 @@ class MiniCPMTTS(nn.Module):
             if name.startswith("head_code."):
                 continue
             if name.startswith("projector_spk."):
-                continue  # present in the checkpoint, never used at inference (model-spec §1.3)
+                continue  # present in the checkpoint, never used at inference (docs/model.md, Dimensions)
             if name not in expected:
                 raise CheckpointError(f"unexpected Talker tensor 'tts.{name}' in the checkpoint")
             Checkpoint.expect_shape(tensors, name, tuple(expected[name].shape))

@@ -2,7 +2,7 @@
 
 Why: a decode step of the full-size model spends as long outside its weight matmuls as in them when
 every norm, rotary, cache write and attention gather is its own handful of small kernels (see
-BENCHMARKS.md, "matmul-stack floor"). The Triton backend (:mod:`.triton_ops`) does each of those jobs in
+BENCHMARKS.md, Thinker: the matmul-stack floor). The Triton backend (:mod:`.triton_ops`) does each of those jobs in
 one kernel and reads keys/values straight from the paged cache (no gather copy):
 
 * ``rms_norm`` / ``add_rms_norm``: the residual add and the next RMSNorm in one pass;
@@ -80,7 +80,7 @@ def skinny_enabled(device: torch.device, backend: str, requested: bool | None = 
 
     Off by default because it measured slower: on the H200 the four fused GEMMs of a step took 4.42 ms at
     1 row and 5.36 ms at 16 against 4.17 / 4.18 ms for the norm and gate kernels plus cuBLAS (best
-    microbench configs, ``bench.thinker.skinny``; BENCHMARKS.md, session 8). Only the O projection won.
+    microbench configs, ``bench.thinker.skinny``; BENCHMARKS.md, "Thinker skinny GEMMs"). Only the O projection won.
     """
     if backend != "triton":
         return False
@@ -280,7 +280,7 @@ def key_splits(tiles: int, kv_heads: int, context: int, sms: int) -> int:
     SM and every split keeps at least 128 keys (two 64-key blocks), or 64 keys while the programs do not
     yet fill the SMs once. The partials are merged by the last split to finish, in the same launch.
     This is the measured best split at every point of ``python -m bench.thinker.attention`` on the
-    H200 (batch 1..32, context 1024 and 4096; BENCHMARKS.md).
+    H200 (batch 1..32, context 1024 and 4096; ``tests/test_thinker_kernels.py`` holds the rule to it).
     """
     s = 1
     while s < 16 and tiles * kv_heads * 2 * s <= 4 * sms:

@@ -1,7 +1,7 @@
 """Whisper audio encoder with MiniCPM-o's 1 s chunked attention, the audio projector and the pooling.
 
-Rates (model-spec §2.3): 100 mel frames/s -> conv stride 2 -> 50 encoder frames/s -> projector ->
-AvgPool(``pool_step`` = 5) -> 10 embeddings/s.
+Rates (docs/model.md, Thinker inputs): 100 mel frames/s -> conv stride 2 -> 50 encoder frames/s -> projector
+-> AvgPool(``pool_step`` = 5) -> 10 embeddings/s.
 
 Attention is *chunked*: an encoder frame sees every frame of its own 1 s chunk and of all earlier chunks,
 never a later chunk. That is what makes the encoder streamable: encoding a clip in one call

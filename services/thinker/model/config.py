@@ -1,6 +1,6 @@
 """Thinker dimensions, read from ``config.json`` through the checkpoint contract.
 
-Every size comes from the checkpoint (model-spec §1.2 warns that the upstream class defaults are not
+Every size comes from the checkpoint (docs/model.md, Dimensions warns that the upstream class defaults are not
 the real values), so the same code serves the tiny test checkpoint and the real 8B one.
 """
 
@@ -147,7 +147,7 @@ def thinker_dims(ckpt: Checkpoint) -> ThinkerDims:
         vision=vision,
         audio=audio,
         query_num=int(cfg["query_num"]),
-        # model-spec §1.3: the resampler uses one head per 128 channels of the LLM width.
+        # docs/model.md, Dimensions: the resampler uses one head per 128 channels of the LLM width.
         resampler_heads=int(llm.hidden_size) // 128,
         vision_batch_size=int(cfg.get("vision_batch_size", 16)),
     )

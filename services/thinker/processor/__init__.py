@@ -353,7 +353,7 @@ class ThinkerProcessor:
     ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
         """Duplex frames -> (slices, tgt_sizes [n, 2], slices per frame); per-frame ``max_slice_nums``.
 
-        A stacked pair uses ``[2, 1]`` (model-spec §6.2): the current frame in HD, the composite not.
+        A stacked pair uses ``[2, 1]`` (docs/model.md, Duplex): the current frame in HD, the composite not.
         """
         per_frame = (
             [max_slice_nums] * len(frames) if isinstance(max_slice_nums, int) else list(max_slice_nums)

@@ -1,11 +1,11 @@
 """Audio input for the thinker: decoding, 16 kHz mono, Whisper log-mel with MiniCPM's normalisation.
 
-Features (model-spec §2.3): 80 mel bins, n_fft 400, hop 160 (100 frames/s). Each piece of at most 30 s is
-zero-padded to 30 s before the STFT (as the Whisper front end does, so the frames next to the end and the
-dynamic floor are exactly the reference's), ``log10`` is floored at ``max - 8`` (the dynamic variant),
-then scaled ``(x + 4) / 4``; only the ``ceil(samples / 160)`` frames that cover real audio are kept.
-Longer audio is cut into 30 s pieces, each encoded separately; the placeholder count is the sum over
-pieces of ``pooled_length(frames)`` (10 per second).
+Features (docs/model.md, Thinker inputs): 80 mel bins, n_fft 400, hop 160 (100 frames/s). Each piece of at
+most 30 s is zero-padded to 30 s before the STFT (as the Whisper front end does, so the frames next to the end
+and the dynamic floor are exactly the reference's), ``log10`` is floored at ``max - 8`` (the dynamic variant),
+then scaled ``(x + 4) / 4``; only the ``ceil(samples / 160)`` frames that cover real audio are kept. Longer
+audio is cut into 30 s pieces, each encoded separately; the placeholder count is the sum over pieces of
+``pooled_length(frames)`` (10 per second).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chat messages and the Qwen-style chat template of MiniCPM-o 4.5 (model-spec §2.2).
+"""Chat messages and the Qwen-style chat template of MiniCPM-o 4.5 (docs/model.md, Thinker prompts).
 
 Rendering rules (the checkpoint's template):
 
@@ -202,7 +202,8 @@ def render_chat(
     return "".join(pieces)
 
 
-# System prompts for speech output (model-spec §2.2). Exact strings: the model was trained on them.
+# System prompts for speech output (docs/model.md, Thinker prompts). Exact strings: the model was trained on
+# them.
 _SPEECH_PROMPTS: dict[tuple[str, str], tuple[str, str]] = {
     ("audio_assistant", "en"): (
         "Use the voice in the audio prompt to synthesize new content.",

@@ -1,4 +1,5 @@
-"""The duplex audio front end (model-spec §6.1): 1 s units in, the mel chunk each unit hands Whisper out.
+"""The duplex audio front end (docs/model.md, Duplex): 1 s units in, the mel chunk each unit hands Whisper
+out.
 
 This follows upstream's duplex path number for number (``MiniCPMODuplex.streaming_prefill`` with its
 "exact" streaming mel processor), because the streamed mel is what the model was trained to hear:

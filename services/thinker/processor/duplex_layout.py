@@ -1,4 +1,4 @@
-"""Token layouts of duplex mode (model-spec §6.1-6.2), as id lists with ``<unk>`` rows for embeddings.
+"""Token layouts of duplex mode (docs/model.md, Duplex), as id lists with ``<unk>`` rows for embeddings.
 
 The engine feeds these through :meth:`ThinkerModel.merge_embeddings`: ``image_bounds`` spans take the
 vision rows (64 per slice, frames in order), ``audio_bounds`` the unit's audio rows.

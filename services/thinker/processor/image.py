@@ -1,4 +1,5 @@
-"""Image slicing for the thinker (model-spec §2.3): overview + up to ``max_slice_nums`` high-res cells.
+"""Image slicing for the thinker (docs/model.md, Thinker inputs): overview + up to ``max_slice_nums``
+high-res cells.
 
 The grid rules fix the number of vision tokens, so they are part of the prompt contract:
 

@@ -1,4 +1,4 @@
-"""Video input: frames at 1 fps, each encoded as one unsliced image (model-spec §2.3).
+"""Video input: frames at 1 fps, each encoded as one unsliced image (docs/model.md, Thinker inputs).
 
 A frame becomes ``<image>`` + 64 ``<unk>`` + ``</image>`` = 66 tokens (``max_slice_nums = 1``, no image
 id). Callers either pass frames already sampled at the profile's rate (the gRPC ``VideoPart.frames``) or

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Realtime full-duplex capacity through the launched pipeline (default single-GPU profile): SESSIONS
+# concurrent sessions (default "16") on /v1/realtime?duplex=1, each streaming DURATION seconds (30) of
+# audio paced in real time on LANES ("turn"; "native" for the model-owned turn taking; "turn native"
+# for both), after one warm-up session. Reports per level: unit RTF p50/p90/p99 (a session keeps up
+# while it stays under 1), playout underruns, first audio after commit, barge-in latency at the client
+# and each stage's drain, the thinker's unit and step split, each stage's busy share.
+# Env: SESSIONS, DURATION, LANES, BUDGET (seconds, 400), EXTRA (more bench.realtime_duplex flags, e.g.
+# "--gpu-sharing time_slice" to run the stages without MPS).
+# Writes $OUT/realtime.json and $OUT/realtime.md. Run from the repository root.
+set -uo pipefail
+source bench/gpu/env.sh || exit 1
+make_checkpoint || exit 1
+# shellcheck disable=SC2086  # SESSIONS and EXTRA are lists
+timeout "${BUDGET:-400}" "$PY" -m bench.realtime_duplex --checkpoint "$CKPT" --deploy-config "$PROFILE" \
+  --device cuda --units 10 --lanes ${LANES:-turn} --warmup 1 --startup-timeout 150 \
+  --sessions ${SESSIONS:-16} --duration "${DURATION:-30}" ${EXTRA:-} --out-dir /tmp/rt > /tmp/rt.log 2>&1
+rc=$?
+echo "bench.realtime_duplex rc=$rc after $(elapsed) s"
+cp /tmp/rt/realtime.json "$OUT/realtime.json" 2>/dev/null
+cp /tmp/rt/realtime.md "$OUT/realtime.md" 2>/dev/null
+cat /tmp/rt/realtime.md 2>/dev/null || tail -30 /tmp/rt.log
