@@ -70,17 +70,13 @@ def sampling_from_proto(msg: thinker_pb2.SamplingParams, room: int) -> SamplingC
     return cfg.validate()
 
 
-_COMPILERS: dict[int, GrammarCompiler] = {}
-
-
 def make_sampler(backend: ThinkerBackend, msg: thinker_pb2.SamplingParams, config: SamplingConfig) -> Sampler:
     """The request's sampler: its grammar matcher (compiled here, off the engine thread) and stop check."""
     sampler = Sampler(config)
     if msg.HasField("constraint") and msg.constraint.kind != thinker_pb2.Constraint.KIND_UNSPECIFIED:
-        tok = backend.tokenizer
-        compiler = _COMPILERS.get(id(tok))
-        if compiler is None:
-            compiler = _COMPILERS[id(tok)] = GrammarCompiler(tok, len(tok))
+        compiler = backend.grammar
+        if compiler is None:  # a backend assembled by hand (tests): build the token table now
+            compiler = backend.grammar = GrammarCompiler(backend.tokenizer, len(backend.tokenizer))
         sampler.constraint = compiler.matcher(msg.constraint)
     if config.stop:
         sampler.stop_check = StopCheck(IncrementalDetokenizer(backend.tokenizer), StopText(config.stop))
