@@ -119,10 +119,10 @@ class ToolCallParser:
                 at = self.pending.find(OPEN_TAG)
                 if at < 0:
                     keep = _partial_suffix(self.pending, OPEN_TAG)
-                    shown.append(self.pending[: len(self.pending) - keep])
+                    shown.append(self._outside(self.pending[: len(self.pending) - keep]))
                     self.pending = self.pending[len(self.pending) - keep :]
                     break
-                shown.append(self.pending[:at])
+                shown.append(self._outside(self.pending[:at]))
                 self.pending = self.pending[at + len(OPEN_TAG) :]
                 self.block = ""
                 self._current = _Call(self._count, new_call_id())
@@ -140,11 +140,12 @@ class ToolCallParser:
             shown.append(self._fallback)
             self._fallback = ""
         text = "".join(shown)
-        # Whitespace between blocks is layout, not content.
-        if self.calls and not text.strip():
-            text = ""
         self.text_parts.append(text)
         return text, calls
+
+    def _outside(self, text: str) -> str:
+        """Text outside the blocks; whitespace after a call is layout between blocks, not content."""
+        return "" if self.calls and not text.strip() else text
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """End of output: an unclosed block is closed if it parses, else given back as text."""
