@@ -259,11 +259,21 @@ async def response_create(s: CommandHost, event: dict[str, Any]) -> None:
             f"per-response options are not supported: {bad}",
             param=f"response.{bad[0]}",
         )
+    key = "output_modalities" if "output_modalities" in options else "modalities"
+    modalities = options.get(key)
+    if modalities is not None and (
+        not isinstance(modalities, list)
+        or not modalities
+        or any(m not in ("text", "audio") for m in modalities)
+    ):
+        raise RealtimeError(
+            "invalid_response_options", f"{key} must be a subset of [text, audio]", param=f"response.{key}"
+        )
     if s.lifecycle.active is not None:
         raise RealtimeError("response_already_active", "a response is already in progress")
     if not s.committed_backlog and (not s.cfg.auto_response or s.turn_id == 0):
         raise RealtimeError("response_create_without_input", "response.create needs committed audio input")
-    s.lifecycle.start_turn_response()
+    s.lifecycle.start_turn_response(modalities)
 
 
 # ------------------------------------------------------------------------------------------ playback

@@ -94,13 +94,16 @@ class ResponseLifecycle:
 
     # ---------------------------------------------------------------- creation
 
-    def create(self, lane: str, start_unit: int | None) -> ev.ResponseState:
+    def create(
+        self, lane: str, start_unit: int | None, modalities: list[str] | None = None
+    ) -> ev.ResponseState:
+        """Open a response; ``modalities``: the response's own output (``response.create``), else the session's."""
         s = self.s
         resp = ev.ResponseState(
             id=ev.new_response_id(),
             epoch=s.epoch,
             lane=lane,
-            modalities=list(s.cfg.modalities),
+            modalities=list(modalities) if modalities else list(s.cfg.modalities),
             turn_id=s.turn_id,
             start_unit=start_unit,
         )
@@ -137,13 +140,16 @@ class ResponseLifecycle:
         )
         return resp
 
-    def start_turn_response(self) -> None:
-        """Turn lane: open a response and send the committed audio, asking for an answer at its last unit."""
+    def start_turn_response(self, modalities: list[str] | None = None) -> None:
+        """Turn lane: open a response and send the committed audio, asking for an answer at its last unit.
+
+        ``modalities`` ``["text"]`` makes a text-only response (text events, no audio events), whatever the
+        session's output."""
         s = self.s
         units = s.take_backlog()
         if not units:
             units = [s.silence_unit()]
-        resp = self.create("turn", start_unit=None)
+        resp = self.create("turn", start_unit=None, modalities=modalities)
         first_seq = s.unit_seq
         for i, unit in enumerate(units):
             # Nobody hears an answer before the requesting unit, so the model only listens there.
