@@ -13,8 +13,9 @@ import base64
 import binascii
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import jsonschema
 import numpy as np
@@ -30,6 +31,7 @@ from gateway.realtime.audio import (
 )
 from gateway.realtime.errors import RealtimeError
 from gateway.realtime.vad import normalize_server_vad, silero_available
+from gateway.validation_types import FINITE32, PositiveUInt32, Temperature, UInt32
 from services.common.audio import AUDIO_DECODE_ERRORS, read_audio
 
 DEFAULT_MODEL = "openbmb/MiniCPM-o-4_5"
@@ -41,28 +43,29 @@ SERVER_OWNED_EXTRA_KEYS = frozenset(
     {"session_id", "request_id", "epoch", "unit_seq", "turn_id", "stream_mode"}
 )
 _MAX_REF_AUDIO_S = 30.0
-_UINT32_MAX = 2**32 - 1
+IdleTimeout = Annotated[float, Field(gt=0.0, le=86_400.0), FINITE32]
 
 
 class _SessionNumbers(BaseModel):
     """The numeric knobs of ``session.update`` (and their ``extra_body`` ones): finite and in range.
 
-    Only these fields are validated by the model (the rest of the session object has ordered,
+    The field types are the chat body's (gateway/validation_types.py), so a temperature or a token
+    budget is held to the same finite range on both APIs. Only these fields are validated by the model (the rest of the session object has ordered,
     mode-dependent rules below); a bad value is ``invalid_session_config`` naming the field.
     """
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=False)
 
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    idle_timeout_s: float | None = Field(None, gt=0.0, le=86_400.0)
-    max_response_output_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)
+    temperature: Temperature | None = None
+    idle_timeout_s: IdleTimeout | None = None
+    max_response_output_tokens: PositiveUInt32 | None = None
 
 
 class _ExtraNumbers(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    force_listen_count: int | None = Field(None, ge=0, le=_UINT32_MAX)
-    max_response_units: int | None = Field(None, ge=1, le=_UINT32_MAX)
+    force_listen_count: UInt32 | None = None
+    max_response_units: PositiveUInt32 | None = None
 
 
 def _checked_numbers(model: type[BaseModel], values: dict[str, Any], prefix: str) -> BaseModel:
@@ -86,6 +89,7 @@ class SessionConfig:
     voice: str | None = None
     ref_audio_uri: str | None = None
     ref_audio: np.ndarray | None = None  # mono float32 at 16 kHz, trimmed to 100 ms multiples
+    voice_prompt: Any = None  # a registered voice's stored code2wav features (code2wav_pb2.VoicePrompt)
     input_format: str = "pcm16"
     input_rate: int = UNIT_RATE
     output_format: str = "pcm16"
@@ -234,7 +238,11 @@ def _validate_turn_detection(td: Any, overlap_policy: str, opening: bool) -> dic
 
 
 def parse_session(
-    obj: object, *, current: SessionConfig | None = None, audio_started: bool = False
+    obj: object,
+    *,
+    current: SessionConfig | None = None,
+    audio_started: bool = False,
+    voices: Callable[[str], tuple[Any, Any] | None] | None = None,
 ) -> SessionConfig:
     """Build a config from a ``session`` object; with ``current``, apply it as a live update.
 
@@ -242,12 +250,18 @@ def parse_session(
     an exception that could take the socket down.
     """
     try:
-        return _parse_session(obj, current=current, audio_started=audio_started)
+        return _parse_session(obj, current=current, audio_started=audio_started, voices=voices)
     except (TypeError, ValueError, AttributeError) as exc:
         raise RealtimeError("invalid_session_config", f"malformed session field: {exc}") from exc
 
 
-def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bool) -> SessionConfig:
+def _parse_session(
+    obj: Any,
+    *,
+    current: SessionConfig | None,
+    audio_started: bool,
+    voices: Callable[[str], tuple[Any, Any] | None] | None = None,
+) -> SessionConfig:
     """Apply the four groups of fields in order: the first group with a bad field names the error."""
     if obj is None:
         obj = {}
@@ -262,6 +276,7 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
     if not isinstance(extra, dict):
         raise RealtimeError("bad_event", "extra_body must be an object", param="extra_body")
     _apply_fixed_at_open(cfg, obj, extra, opening, audio_started)
+    _apply_registered_voice(cfg, obj, extra, voices)
     _apply_knobs(cfg, obj, extra, opening)
     if cfg.wants_audio and cfg.ref_audio is None:
         raise RealtimeError(
@@ -413,6 +428,29 @@ def validate_tools(raw: Any, param: str = "tools") -> list[dict[str, Any]]:
             raise RealtimeError("invalid_tool", "description must be a string", param=f"{where}.description")
         out.append({"type": "function", "name": name, "description": description, "parameters": params})
     return out
+
+
+def _apply_registered_voice(
+    cfg: SessionConfig,
+    obj: dict[str, Any],
+    extra: dict[str, Any],
+    voices: Callable[[str], tuple[Any, Any] | None] | None,
+) -> None:
+    """``voice`` naming a registered voice (/v1/audio/voices) supplies the reference clip and code2wav's
+    stored features, unless ``ref_audio`` is given inline; an unknown name is refused."""
+    if voices is None or cfg.voice is None or cfg.ref_audio_uri is not None:
+        return
+    from gateway.audio.voices import is_builtin
+
+    if is_builtin(cfg.voice.lower()):
+        return
+    found = voices(cfg.voice)
+    if found is None:
+        raise RealtimeError("invalid_voice", f"unknown voice {cfg.voice!r}", param="voice")
+    clip, features = found
+    keep = (clip.size // (UNIT_RATE // 10)) * (UNIT_RATE // 10)
+    cfg.ref_audio = np.asarray(clip[:keep], dtype=np.float32)
+    cfg.voice_prompt = features
 
 
 def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any], opening: bool) -> None:
