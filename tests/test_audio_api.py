@@ -87,7 +87,9 @@ def _error(resp: httpx.Response, status: int, param: str | None) -> str:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert err["param"] == param, err
-    assert err["code"] == status or (isinstance(err["code"], str) and err["type"] == "invalid_request_error"), err
+    assert err["code"] == status or (
+        isinstance(err["code"], str) and err["type"] == "invalid_request_error"
+    ), err
     return err["message"]
 
 

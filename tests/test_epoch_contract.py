@@ -30,8 +30,8 @@ import services.common.pb.talker_pb2_grpc as talker_pb2_grpc
 import services.common.pb.thinker_pb2 as thinker_pb2
 import services.common.pb.thinker_pb2_grpc as thinker_pb2_grpc
 from services.common.checkpoint import CODEC_SILENCE_ID
-from services.common.stage_stream import Admit, EpochFence
 from services.common.pcm import pcm_from_float
+from services.common.stage_stream import Admit, EpochFence
 from services.common.tensors import tensor_to_proto
 
 STAGES = ("thinker", "talker", "code2wav")

@@ -13,7 +13,8 @@ import torch
 
 from services.common.errors import INVALID_ARGUMENT
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
-from services.common.tensors import pcm_from_float, tensor_from_proto
+from services.common.pcm import pcm_from_float
+from services.common.tensors import tensor_from_proto
 from services.thinker.backend import build_backend
 from services.thinker.engine import EngineConfig
 
@@ -56,7 +57,7 @@ def _open(parts: list[thinker_pb2.ContentPart], **kw: object) -> thinker_pb2.Thi
     msg = thinker_pb2.ChatMessage(role="user", content=parts)
     return thinker_pb2.ThinkerOpen(
         id=common_pb2.Identity(request_id="tts-1"),
-        mode=thinker_pb2.STREAM_MODE_TURN,
+        mode=common_pb2.STREAM_MODE_TURN,
         messages=[msg],
         teacher_text=TEXT,
         chunk_tokens=5,
