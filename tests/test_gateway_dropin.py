@@ -102,7 +102,7 @@ def test_required_tool_call_then_a_follow_up_turn(client: Any) -> None:
         tool = {"get_weather": WEATHER, "noop": NOOP}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
     assert r.usage is not None and r.usage.prompt_tokens_details is not None
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 <= (r.usage.prompt_tokens_details.cached_tokens or 0) <= r.usage.prompt_tokens
     assert r.usage.completion_tokens_details is not None
     # The follow-up: the call and its result go back through the chat template.
     call = choice.message.tool_calls[0]
