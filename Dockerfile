@@ -55,7 +55,7 @@ USER 10001:10001
 ENTRYPOINT ["python", "/opt/minicpmo/docker/entrypoint.py"]
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "/opt/minicpmo/docker/grpc_health_probe.py"]
-CMD ["sh", "-c", "exec python -m services.${MINICPMO_STAGE} --checkpoint \"${MINICPMO_CHECKPOINT}\" --device ${MINICPMO_DEVICE} --port ${MINICPMO_GRPC_PORT}"]
+CMD ["sh", "-c", "exec python -m services.${MINICPMO_STAGE} --host 0.0.0.0 --checkpoint \"${MINICPMO_CHECKPOINT}\" --device ${MINICPMO_DEVICE} --port ${MINICPMO_GRPC_PORT}"]
 
 FROM runtime-cpu AS thinker-cpu
 ENV MINICPMO_STAGE=thinker MINICPMO_GRPC_PORT=50051
@@ -104,7 +104,7 @@ EXPOSE 8099
 ENTRYPOINT ["python", "/opt/minicpmo/docker/entrypoint.py"]
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "/opt/minicpmo/docker/http_health_probe.py"]
-CMD ["sh", "-c", "exec python -m gateway --host 0.0.0.0 --port ${MINICPMO_HTTP_PORT} --thinker-addr dns:///thinker:50051 --talker-addr dns:///talker:50052 --code2wav-addr dns:///code2wav:50053"]
+CMD ["sh", "-c", "exec python -m gateway --host 0.0.0.0 --allow-insecure --port ${MINICPMO_HTTP_PORT} --thinker-addr dns:///thinker:50051 --talker-addr dns:///talker:50052 --code2wav-addr dns:///code2wav:50053"]
 
 # ===================================================================================================
 # CUDA stage images
@@ -140,7 +140,7 @@ ENTRYPOINT ["python", "/opt/minicpmo/docker/entrypoint.py"]
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "/opt/minicpmo/docker/grpc_health_probe.py"]
 # sh only expands the variables; exec makes the stage the process that gets the runtime's SIGTERM.
-CMD ["sh", "-c", "exec python -m services.${MINICPMO_STAGE} --checkpoint \"${MINICPMO_CHECKPOINT}\" --device ${MINICPMO_DEVICE} --port ${MINICPMO_GRPC_PORT}"]
+CMD ["sh", "-c", "exec python -m services.${MINICPMO_STAGE} --host 0.0.0.0 --checkpoint \"${MINICPMO_CHECKPOINT}\" --device ${MINICPMO_DEVICE} --port ${MINICPMO_GRPC_PORT}"]
 
 FROM runtime-cuda AS thinker-cuda
 ENV MINICPMO_STAGE=thinker MINICPMO_GRPC_PORT=50051

@@ -17,7 +17,9 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,10 +31,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import metrics
+from gateway import logs, metrics
 from gateway.audio import router as audio_router
 from gateway.audio.voices import VoiceRegistry
-from gateway.auth import check_api_key
+from gateway.auth import API_KEY_ENV, ApiKeyError, check_api_key, is_loopback, resolve_api_key
 from gateway.config import GatewayConfig
 from gateway.openai.body import ClientGone
 from gateway.openai.chat import OPENAPI_COMPONENTS
@@ -46,6 +48,7 @@ from services.common.tls import ClientTLS
 
 log = logging.getLogger(__name__)
 _PUBLIC_PATHS = ("/health", "/metrics")
+_REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:-]+")
 
 
 class _AuthAndCountMiddleware:
@@ -61,19 +64,34 @@ class _AuthAndCountMiddleware:
         self.config = config
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
+        headers = dict(scope.get("headers") or [])
+        request_id = _request_id(headers.get(b"x-request-id", b""))
+        # Every log line of this request carries the id. It is not reset on the way out: the server runs
+        # each request in a task of its own (a context of its own), and the lines logged about the
+        # request after this middleware returns (Starlette's error handler, uvicorn's) must carry it too.
+        logs.bind_request_id(request_id)
+        if scope["type"] == "websocket":
+            await self.app(scope, receive, send)  # the socket checks the key itself
+        else:
+            await self._http(scope, receive, send, headers, request_id)
+
+    async def _http(
+        self, scope: Scope, receive: Receive, send: Send, headers: dict[bytes, bytes], request_id: str
+    ) -> None:
         path: str = scope["path"]
         status = {"code": 500}
 
         async def send_counting(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
             await send(message)
 
         try:
-            headers = dict(scope.get("headers") or [])
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
             if path.startswith("/v1/") and not check_api_key(self.config, authorization):
                 err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
@@ -85,6 +103,14 @@ class _AuthAndCountMiddleware:
                 metrics.REQUESTS.labels(
                     path if path.startswith("/v1/") else "other", str(status["code"])
                 ).inc()
+
+
+def _request_id(given: bytes) -> str:
+    """The client's ``X-Request-Id`` when it is a short token, else a fresh one (never raw client bytes)."""
+    text = given.decode("latin-1")
+    if 0 < len(text) <= 64 and _REQUEST_ID_CHARS.fullmatch(text):
+        return text
+    return f"req-{uuid.uuid4().hex}"
 
 
 def _mount_realtime(app: FastAPI) -> None:
@@ -212,11 +238,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
-        # Starlette re-raises after this answer and uvicorn then drops the socket: say so, so a kept-alive
-        # client opens a new connection instead of failing its next request on a reset.
-        return JSONResponse(
-            error_body(500, f"internal error: {type(exc).__name__}"), 500, headers={"Connection": "close"}
-        )
+        # Answered outside the request middleware: the request id header is added here. Starlette
+        # re-raises after this answer and uvicorn then drops the socket: say so, so a kept-alive client
+        # opens a new connection instead of failing its next request on a reset.
+        headers = {"Connection": "close"}
+        request_id = logs.current_request_id()
+        if request_id:
+            headers["x-request-id"] = request_id
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500, headers=headers)
 
 
 def _declare_body_schemas(app: FastAPI) -> None:
@@ -251,7 +280,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thinker-addr", default="127.0.0.1:50051", help="host:port, dns:///name:port or ip list")
     p.add_argument("--talker-addr", default="127.0.0.1:50052")
     p.add_argument("--code2wav-addr", default="127.0.0.1:50053")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default loopback; a non-loopback address needs an API key or --allow-insecure)",
+    )
+    p.add_argument(
+        "--allow-insecure",
+        action="store_true",
+        help="serve a non-loopback address without an API key (anyone who can reach it may use it)",
+    )
     p.add_argument("--port", type=int, default=8099)
     p.add_argument(
         "--deploy-config", default=None, help="deploy profile file or bundled name (default minicpmo_4_5)"
@@ -259,7 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", default=None, help="model id clients must send (default openbmb/MiniCPM-o-4_5)"
     )
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"file whose first line is the API key required as Authorization: Bearer <key> on /v1/* "
+        f"(or set {API_KEY_ENV}; default: no key)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the API key itself (discouraged: every local user can read a command line; use "
+        f"{API_KEY_ENV} or --api-key-file)",
+    )
     p.add_argument(
         "--allowed-media-root", default=None, help="directory under which file:// media may be read"
     )
@@ -279,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--request-timeout", type=float, default=None, help="seconds per request (stage deadlines)"
+    )
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        default=None,
+        help="seconds in-flight requests may finish after SIGTERM (default: the profile's drain_grace_s, 30)",
     )
     p.add_argument(
         "--stage-tls-ca",
@@ -309,13 +364,14 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         },
         profile=_profile(args),
         served_model_name=args.served_model_name,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
         allowed_media_root=Path(args.allowed_media_root) if args.allowed_media_root else None,
         http_fetch=args.enable_http_fetch,
         max_concurrent_requests=args.max_concurrent_requests,
         max_realtime_sessions=args.max_realtime_sessions,
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
+        drain_grace_s=args.drain_grace,
         stage_tls=ClientTLS(args.stage_tls_ca, args.stage_tls_cert, args.stage_tls_key)
         if args.stage_tls_ca
         else None,
@@ -326,13 +382,16 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(args.log_level, process="gateway")
     try:
         config = config_from_args(args)
-    except ProfileError as exc:
+    except (ProfileError, ApiKeyError) as exc:
         raise SystemExit(f"error: {exc}") from exc
+    if not is_loopback(args.host) and not config.api_key and not args.allow_insecure:
+        raise SystemExit(
+            f"error: refusing to serve {args.host} (not loopback) without an API key: set {API_KEY_ENV} "
+            "or --api-key-file, or pass --allow-insecure to serve it open"
+        )
     app = create_app(config)
     server = GatewayServer(
         uvicorn.Config(
@@ -340,9 +399,11 @@ def main(argv: list[str] | None = None) -> None:
             host=args.host,
             port=args.port,
             log_level=args.log_level,
+            log_config=None,  # uvicorn's loggers go through the JSON handler of gateway.logs
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         ),
         app,
+        grace_s=config.drain_grace,
     )
     prepare_heap_for_serving()  # imports and app out of the GC's full passes (services.common.heap)
     server.run()

@@ -27,6 +27,7 @@ class GatewayConfig:
     max_realtime_sessions: int | None = None  # None: from the profile
     max_body_bytes: int | None = None  # None: from the profile
     request_timeout_s: float | None = None  # None: from the profile
+    drain_grace_s: float | None = None  # None: from the profile (gateway.drain_grace_s, 30 s)
     stage_tls: ClientTLS | None = None  # None: the profile's tls section, if any (else plaintext)
 
     @property
@@ -52,6 +53,11 @@ class GatewayConfig:
             return self.stage_tls
         t = self.profile.tls
         return ClientTLS(t.ca_file, t.client_cert_file, t.client_key_file) if t is not None else None
+
+    @property
+    def drain_grace(self) -> float:
+        """Seconds in-flight work may run on after SIGTERM before it is ended (gateway.shutdown)."""
+        return self.drain_grace_s if self.drain_grace_s is not None else self.profile.gateway.drain_grace_s
 
     @property
     def timeout_s(self) -> float:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -59,6 +60,8 @@ from typing import Any
 
 import yaml
 
+from gateway import logs
+from gateway.auth import API_KEY_ENV, ApiKeyError, is_loopback, resolve_api_key
 from services.common.deploy_profile import (
     STAGE_SETTINGS_ENV,
     STAGES,
@@ -71,12 +74,22 @@ from services.common.deploy_profile import (
 )
 from services.common.gpu_sharing import MpsDaemon, start_sharing
 
+log = logging.getLogger("minicpmo.launcher")
+
+
+def _say(message: str, **_: object) -> None:
+    """One launcher log line (JSON, see gateway.logs, once main() has configured logging)."""
+    log.info(message)
+
+
 CHECKPOINT_MAKE_TIMEOUT_S = 900
-RESTART_BASE_S = 1.0  # first restart delay; doubles per quick death
+RESTART_BASE_S = 1.0  # delay before the restart after a second quick death; doubles per further one
 RESTART_MAX_S = 30.0
 STABLE_S = 60.0  # a child that ran this long before dying starts its backoff from scratch
 MAX_QUICK_DEATHS = 5
-GATEWAY_STOP_S = 20.0  # the gateway's own graceful shutdown is 10 s (gateway.shutdown.GRACEFUL_SHUTDOWN_S)
+# The gateway gets its drain grace (profile gateway.drain_grace_s / --drain-grace) plus this much to end
+# what the grace could not finish and to close (gateway.shutdown) before it is killed.
+GATEWAY_STOP_MARGIN_S = 15.0
 STAGE_STOP_S = 40.0  # a stage drains for up to --drain-timeout (30 s) before it exits
 
 
@@ -129,6 +142,7 @@ def stage_flags(sp: StageProfile) -> list[str]:
                 "--duplex-window-low",
                 str(sp.duplex_window_low),
             ]
+        flags += ["--weights", sp.weights]
         flags += ["--prefix-caching" if sp.prefix_caching else "--no-prefix-caching"]
         return flags + extra
     if sp.name == "talker":
@@ -388,6 +402,15 @@ def _die_with_parent() -> None:
         pass
 
 
+def restart_delay(quick_deaths: int) -> float:
+    """Seconds before restarting a child that died ``quick_deaths`` times in a row within ``STABLE_S`` of
+    its start: none the first time (a crash or an OOM kill: serve again as soon as possible), then 1 s
+    doubling to ``RESTART_MAX_S`` (a child that cannot start must not spin)."""
+    if quick_deaths <= 1:
+        return 0.0
+    return min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (quick_deaths - 2))
+
+
 class Supervisor:
     """Starts, watches and stops the children."""
 
@@ -435,12 +458,14 @@ class Supervisor:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"{child.name} exited with code {proc.returncode}\n{self.tail(child)}")
 
-    def supervise(self, now: float | None = None, log: Callable[..., None] = print) -> None:
-        """Restart children that exited, with backoff; raises RuntimeError once one keeps dying.
+    def supervise(self, now: float | None = None, log: Callable[..., None] | None = None) -> None:
+        """Restart children that exited: at once the first time, with backoff while one keeps dying
+        within a minute of its start; raises RuntimeError once one keeps dying.
 
         Called every few hundred milliseconds by the launcher's main loop (after start-up).
         """
         now = time.monotonic() if now is None else now
+        log = log or _say
         for child in self.children:
             proc = self.procs.get(child.name)
             if proc is None or proc.poll() is None:
@@ -455,14 +480,14 @@ class Supervisor:
                         f"{child.name} died {quick - 1} times in a row within {STABLE_S:.0f} s "
                         f"of starting; giving up\n{self.tail(child)}"
                     )
-                delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (quick - 1))
-                self.restart_due[child.name] = now + delay
+                delay = restart_delay(quick)
+                due = self.restart_due[child.name] = now + delay
                 log(
                     f"[minicpmo-serve] {child.name} exited with code {proc.returncode} after {ran:.0f} s; "
-                    f"restarting in {delay:g} s",
+                    f"restarting {'now' if delay == 0 else f'in {delay:g} s'}",
                     flush=True,
                 )
-            elif now >= due:
+            if now >= due:
                 del self.restart_due[child.name]
                 self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
                 self.start(child)
@@ -500,7 +525,9 @@ class Supervisor:
                 raise TimeoutError(f"not healthy after {timeout_s:.0f} s: {sorted(pending)}\n{tails}")
             time.sleep(0.5)
 
-    def stop(self, gateway_timeout_s: float = GATEWAY_STOP_S, stage_timeout_s: float = STAGE_STOP_S) -> None:
+    def stop(
+        self, gateway_timeout_s: float = 30.0 + GATEWAY_STOP_MARGIN_S, stage_timeout_s: float = STAGE_STOP_S
+    ) -> None:
         """Gateway first, and the stages only once it has exited: in-flight requests finish against live
         stages. SIGTERM each group, then SIGKILL (to the child's whole process group) after its timeout."""
         self.restart_due.clear()
@@ -521,10 +548,7 @@ class Supervisor:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(
-                    f"[minicpmo-serve] {child.name} did not stop within {timeout_s:g} s; killing it",
-                    flush=True,
-                )
+                _say(f"[minicpmo-serve] {child.name} did not stop within {timeout_s:g} s; killing it")
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: its pid is its group id
                 proc.wait(timeout=5)
@@ -610,22 +634,72 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="child logs (default: a fresh temp dir)")
     p.add_argument("--verbose", action="store_true", help="children log to this terminal instead of files")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help=f"file holding the gateway's API key (or set {API_KEY_ENV}); handed to the gateway in its "
+        "environment, never on its command line",
+    )
+    p.add_argument(
+        "--api-key", default=None, help=f"the key itself (discouraged: visible in ps; use {API_KEY_ENV})"
+    )
+    p.add_argument(
+        "--allow-insecure",
+        action="store_true",
+        help="let the gateway serve a non-loopback --host without an API key",
+    )
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        default=None,
+        help="seconds in-flight requests may finish after SIGTERM (default: profile gateway.drain_grace_s, 30)",
+    )
     p.add_argument("--allowed-media-root", default=None)
     p.add_argument("--enable-http-fetch", action="store_true")
     return p
 
 
+def gateway_options(
+    args: argparse.Namespace, grace_s: float, api_key: str | None
+) -> tuple[list[str], dict[str, str]]:
+    """The gateway child's extra flags and environment. The API key goes into its environment (readable
+    only by its own user), never onto its command line; without a key it must not inherit a
+    ``MINICPMO_API_KEY`` from the launcher's environment either."""
+    flags: list[str] = []
+    for flag, value in (
+        ("--served-model-name", args.served_model_name),
+        ("--allowed-media-root", args.allowed_media_root),
+        ("--drain-grace", f"{grace_s:g}"),
+    ):
+        if value:
+            flags += [flag, value]
+    if args.enable_http_fetch:
+        flags.append("--enable-http-fetch")
+    if args.allow_insecure:
+        flags.append("--allow-insecure")
+    return flags, {API_KEY_ENV: api_key or ""}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.configure("info", process="launcher", stream=sys.stdout)
     try:
         profile = load_profile(args.deploy_config or _default_profile_name(args.device))
         if args.device:
             profile = profile.with_device(args.device)
         profile = profile.with_overrides(cli_overrides(args))
-    except ProfileError as exc:
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
+    except (ProfileError, ApiKeyError) as exc:
         print(f"minicpmo-serve: {exc}", file=sys.stderr)
         return 2
+    if not is_loopback(args.host) and not api_key and not args.allow_insecure:
+        print(
+            f"minicpmo-serve: refusing to serve {args.host} (not loopback) without an API key: set "
+            f"{API_KEY_ENV} or --api-key-file, or pass --allow-insecure",
+            file=sys.stderr,
+        )
+        return 2
+    grace_s = args.drain_grace if args.drain_grace is not None else profile.gateway.drain_grace_s
     checkpoint = Path(args.checkpoint) if args.checkpoint else ensure_tiny_checkpoint()
     if not (checkpoint / "config.json").is_file():
         print(f"minicpmo-serve: {checkpoint} is not a checkpoint (no config.json)", file=sys.stderr)
@@ -635,16 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     profile_file = log_dir / "profile.yaml"
     profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
     port = args.port or profile.gateway.port
-    gateway_args: list[str] = []
-    for flag, value in (
-        ("--served-model-name", args.served_model_name),
-        ("--api-key", args.api_key),
-        ("--allowed-media-root", args.allowed_media_root),
-    ):
-        if value:
-            gateway_args += [flag, value]
-    if args.enable_http_fetch:
-        gateway_args.append("--enable-http-fetch")
+    gateway_args, gateway_env = gateway_options(args, grace_s, api_key)
     stage_ports = plan_ports(
         profile, args.stage_ports or ("profile" if args.checkpoint else "auto"), args.host, port
     )
@@ -657,8 +722,9 @@ def main(argv: list[str] | None = None) -> int:
         stage_ports=stage_ports,
         gateway_args=gateway_args,
     )
+    children[-1].env.update(gateway_env)
     sup = Supervisor(children, None if args.verbose else log_dir, verbose=args.verbose, tls=profile.tls)
-    sharing, mps = share_gpus(profile, children, lambda m: print(f"[minicpmo-serve] {m}", flush=True))
+    sharing, mps = share_gpus(profile, children, lambda m: _say(f"[minicpmo-serve] {m}"))
 
     stop_requested = False
 
@@ -670,35 +736,32 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     rc = 0
     try:
-        print(
+        _say(
             f"[minicpmo-serve] profile {profile.name}, checkpoint {checkpoint}, logs in {log_dir}; "
-            f"GPU sharing: {sharing}",
-            flush=True,
+            f"GPU sharing: {sharing}"
         )
         for child in children:
             sup.start(child)
-            print(
+            _say(
                 f"[minicpmo-serve] start {child.name} on {child.device} port {child.port} "
-                f"pid {sup.procs[child.name].pid}",
-                flush=True,
+                f"pid {sup.procs[child.name].pid}"
             )
         sup.wait_healthy(args.startup_timeout)
-        print(
+        _say(
             f"[minicpmo-serve] ready: http://{args.host}:{port}/v1/chat/completions "
-            f"(model {args.served_model_name or profile.served_model_name})",
-            flush=True,
+            f"(model {args.served_model_name or profile.served_model_name})"
         )
         while True:
             sup.supervise()
-            time.sleep(0.2)
+            time.sleep(0.1)
     except KeyboardInterrupt:
-        print("[minicpmo-serve] stopping", flush=True)
+        _say(f"[minicpmo-serve] stopping: draining the gateway (grace {grace_s:g} s), then the stages")
     except (RuntimeError, TimeoutError) as exc:
-        print(f"[minicpmo-serve] failed: {exc}", file=sys.stderr, flush=True)
+        log.error("[minicpmo-serve] failed: %s", exc)
         rc = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        sup.stop()
+        sup.stop(gateway_timeout_s=grace_s + GATEWAY_STOP_MARGIN_S)
         if mps is not None:
             mps.stop()  # after the stages: the daemon's server exits once its clients have
     return rc

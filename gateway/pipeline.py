@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,16 +122,29 @@ class ChatPipeline:
 
     def __init__(self, stages: StageSet) -> None:
         self.stages = stages
+        self.live: set[PipelineRun] = set()  # runs not yet finished or aborted (the drain ends them)
 
     def start(self, job: ChatJob) -> PipelineRun:
         """A run whose :meth:`PipelineRun.events` drives the stages; call ``abort()`` when abandoning it."""
-        return PipelineRun(self.stages, job)
+        run = PipelineRun(self.stages, job, self.live.discard)
+        self.live.add(run)
+        return run
+
+    def end_all(self, exc: BaseException) -> int:
+        """Make every live run's consumer see ``exc`` next (the drain's grace ran out); returns how many."""
+        runs = list(self.live)
+        for run in runs:
+            run.end_with(exc)
+        return len(runs)
 
 
 class PipelineRun:
-    def __init__(self, stages: StageSet, job: ChatJob) -> None:
+    def __init__(
+        self, stages: StageSet, job: ChatJob, on_done: Callable[[PipelineRun], None] | None = None
+    ) -> None:
         self.stages = stages
         self.job = job
+        self._on_done = on_done
         self.queue: asyncio.Queue[PipelineEvent | BaseException | None] = asyncio.Queue(OUTPUT_QUEUE_DEPTH)
         self.streams: dict[str, StageStream] = {}
         self.tasks: list[asyncio.Task[None]] = []
@@ -165,6 +178,8 @@ class PipelineRun:
 
     def abort(self) -> None:
         """Cancel every stage call and pump now (synchronous, so it works inside a cancelled scope)."""
+        if self._on_done is not None:
+            self._on_done(self)
         for stream in self.streams.values():
             stream.cancel()
         for task in self.tasks:
@@ -176,6 +191,14 @@ class PipelineRun:
         for task in self.tasks:
             with contextlib.suppress(BaseException):
                 await task
+
+    def end_with(self, exc: BaseException) -> None:
+        """End the run from outside: queued output is dropped and the consumer gets ``exc`` next (then the
+        run shuts down as after any failure). A pump blocked on the full queue may add one more item, but
+        only behind ``exc``."""
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(exc)
 
     async def _fail(self, exc: BaseException) -> None:
         # Put the failure at the front of what the consumer sees next; drop queued output.

@@ -708,7 +708,7 @@ def check_stage_cli_settings(
     if got_seqs != want.max_num_seqs:
         problems.append(f"{name}: runs with max_num_seqs {got_seqs}, profile says {want.max_num_seqs}")
     if stage == "thinker":
-        for key in ("duplex_window", "duplex_window_high", "duplex_window_low"):
+        for key in ("duplex_window", "duplex_window_high", "duplex_window_low", "weights"):
             if getattr(args, key) != getattr(want, key):
                 problems.append(
                     f"{name}: runs with {key} {getattr(args, key)}, profile says {getattr(want, key)}"

@@ -16,7 +16,14 @@ from services.common.deploy_profile import (
     stage_settings_from_env,
 )
 
-BUNDLED = ["minicpmo_4_5", "minicpmo_4_5_2gpu", "minicpmo_4_5_3gpu", "minicpmo_4_5_8x4090", "cpu"]
+BUNDLED = [
+    "minicpmo_4_5",
+    "minicpmo_4_5_fp8",
+    "minicpmo_4_5_2gpu",
+    "minicpmo_4_5_3gpu",
+    "minicpmo_4_5_8x4090",
+    "cpu",
+]
 
 
 def _minimal() -> dict:

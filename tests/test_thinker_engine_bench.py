@@ -32,3 +32,43 @@ def test_bench_runs_and_reports(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.
     assert result["engine_prefill"]["prompt_len"] == 12 and result["transformers_prefill"]["tok_s"] > 0
     text = capsys.readouterr().out
     assert "| batch | engine ms/step" in text and "| one prompt | 12 |" in text
+
+
+def test_bench_fp8_arm_reports_against_bf16(
+    tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--weights fp8``: the bf16 figures, then the same engine quantized, each fp8 step beside the bf16
+    step of its batch (CPU torch kernels: the fp8 round trip, no fp8 GEMM and so no fp8 floor); no
+    transformers baseline (the module's weights are the fp8 ones by then)."""
+    from bench.thinker.__main__ import main
+
+    out = tmp_path / "bench.json"
+    argv = [
+        "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--batches", "1,2", "--context-len", "8",
+        "--decode-steps", "2", "--warmup-steps", "1", "--prompt-len", "12", "--prefill-iters", "1",
+        "--overlap", "off", "--weights", "fp8", "--json-out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert all(r["weights"] == "bf16" for r in result["engine_decode"])
+    fp8 = result["fp8"]["engine_decode"]
+    assert [(r["batch"], r["weights"]) for r in fp8] == [(1, "fp8"), (2, "fp8")]
+    for r in fp8:
+        bf16 = next(x for x in result["engine_decode"] if x["batch"] == r["batch"])
+        assert r["bf16_ratio"] == pytest.approx(r["ms_per_step"] / bf16["ms_per_step"])
+    assert "transformers_decode" not in result and result["fp8"]["engine_prefill"]["prompt_len"] == 12
+    assert "| batch | overlap | bf16 ms/step | fp8 ms/step |" in capsys.readouterr().out
+
+
+def test_fp8_matmul_stack_floor_runs_the_fp8_gemms(triton_interpreter_scalars: None) -> None:
+    """The fp8 floor times ``fp8_linear`` over the step's weights (here two small ones, through Triton's
+    interpreter on CPU)."""
+    import torch
+
+    from bench.thinker import fp8
+    from services.common.kernels.fp8_quant import quantize_fp8
+
+    weights = [quantize_fp8(torch.randn(96, 64)), quantize_fp8(torch.randn(64, 96))]
+    assert fp8.matmul_stack_ms(weights, 2, torch.device("cpu"), torch.float32, iters=1) > 0
+    assert fp8.candidates(1, 4096, 4096) and not fp8.candidates(64, 4096, 4096)
+    assert all(c.split_k == 1 for c in fp8.candidates(1, 151748, 4096))  # the lm_head: tiles fill the card

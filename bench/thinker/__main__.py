@@ -22,7 +22,12 @@ bytes and FLOPs), in one process and one run:
   :mod:`services.common.kernels.rope_attention`): each arm recaptures the graphs;
 * the same-run floors of :mod:`bench.thinker.floor`: the step's weight matmuls alone in one CUDA graph
   per batch (decode is reported as a ratio to it) and the dense matmul rate (prefill is reported as the
-  share of it its matmul FLOPs reach).
+  share of it its matmul FLOPs reach);
+* with ``--weights fp8``, after all of the above on the bf16 weights: the same engine's weights quantized
+  to fp8 (:mod:`services.thinker.fp8_weights`; optionally the fp8 GEMM configs swept first,
+  ``--fp8-tune``), its decode steps and prefill, and the fp8 matmul-stack floor (:mod:`bench.thinker.fp8`),
+  each fp8 step reported against the fp8 floor and against the bf16 step of the same batch and overlap
+  setting. The transformers baseline is skipped then (the module's bf16 projections are released).
 
 Prints one JSON object, then a Markdown table (the form BENCHMARKS.md records).
 """
@@ -117,6 +122,7 @@ def engine_decode(
     engine.step()
     return {
         "batch": batch,
+        "weights": engine.runner.weights,
         "overlap": engine.overlap,
         "skinny": engine.runner.skinny_gemm,
         "norm_fold": engine.runner.norm_fold,
@@ -285,6 +291,93 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fp8_arm(
+    engine: ThinkerEngine,
+    args: argparse.Namespace,
+    batches: list[int],
+    bf16_decode: list[dict[str, Any]],
+    bandwidth: float | None,
+) -> dict[str, Any]:
+    """The fp8 half of ``--weights fp8``: quantize the engine's weights (levers back to their defaults),
+    optionally sweep the fp8 GEMM configs, then decode per batch and overlap setting, one prefill, and
+    the fp8 matmul-stack floor; each step as a ratio to that floor and to the bf16 step of its arm."""
+    from bench.thinker import fp8 as fp8_bench
+
+    runner = engine.runner
+    runner.drop_graphs()
+    runner.set_skinny_gemm(None)
+    runner.set_norm_fold(None)
+    runner.fused.rope_attention = rope_attention_enabled(None)
+    runner.fused.skinny_o = skinny_o_enabled(None)
+    t0 = time.perf_counter()
+    runner.quantize_weights()
+    out: dict[str, Any] = {"quantize_s": time.perf_counter() - t0}
+    # The torch kernels (CPU) run the fp8 round trip of the weights through the bf16 GEMMs: no fp8
+    # GEMM to sweep or to take a floor of.
+    weights = fp8_bench.step_weights(runner) if runner.head_fp8 is not None else []
+    if args.fp8_tune and engine.device.type == "cuda" and weights:
+        shapes = sorted({tuple(w.shape) for w in weights})
+        out["tune"] = fp8_bench.tune(shapes, batches, engine.device, runner.dtype)  # type: ignore[arg-type]
+        print("fp8 GEMM sweep (FP8_CONFIGS entries):", file=sys.stderr)
+        print(fp8_bench.table_literal(out["tune"]), file=sys.stderr)
+    nbytes = sum(w.nbytes() for w in weights) or weight_bytes_per_step(runner.llm)
+    decode = []
+    for b in batches:
+        for over in ARMS[args.overlap]:
+            r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)
+            mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
+            step_bytes = nbytes + b * mean_ctx * engine.layout.bytes_per_token
+            r["bytes_per_step"] = step_bytes
+            r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
+            same = [
+                x for x in bf16_decode if x["batch"] == b and x["overlap"] == r["overlap"] and x["norm_fold"] == r["norm_fold"]
+            ]  # fmt: skip
+            if same:
+                r["bf16_ms_per_step"] = same[-1]["ms_per_step"]
+                r["bf16_ratio"] = r["ms_per_step"] / same[-1]["ms_per_step"]
+            decode.append(r)
+    out["engine_decode"] = decode
+    out["engine_prefill"] = engine_prefill(engine, args.prompt_len, args.prefill_iters)
+    if not args.no_floor and weights:
+        ref = fp8_bench.reference(runner, batches, engine.device)
+        out["floor"] = ref
+        stack = {x["batch"]: x["ms"] for x in ref["matmul_stack"]}
+        for r in decode:
+            r["floor_ms"] = stack[r["batch"]]
+            r["floor_ratio"] = r["ms_per_step"] / stack[r["batch"]]
+            if r.get("graph_replay_ms") is not None:
+                r["replay_floor_ratio"] = r["graph_replay_ms"] / stack[r["batch"]]
+    return out
+
+
+def fp8_markdown(fp8: dict[str, Any]) -> str:
+    """The fp8 arm as a table: fp8 step, its floor and ratio, beside the bf16 step of the same arm."""
+    ref = fp8.get("floor") or {"matmul_stack": [], "weight_bytes": 0}
+    tb = {x["batch"]: x["weight_tb_s"] for x in ref["matmul_stack"]}
+    lines = [
+        f"fp8 weights (e4m3, per-channel scales; {ref['weight_bytes'] / 1e9:.2f} GB of GEMM weights per step), "
+        f"quantized in {fp8['quantize_s']:.1f} s, same run as the bf16 figures above:",
+        "",
+        "| batch | overlap | bf16 ms/step | fp8 ms/step | fp8 / bf16 | fp8 graph replay ms "
+        "| fp8 matmul-stack floor ms | ratio | replay ratio | floor weight TB/s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def num(v: float | None, fmt: str, unit: str = "") -> str:
+        return "–" if v is None else format(v, fmt) + unit
+
+    for r in fp8["engine_decode"]:
+        lines.append(
+            f"| {r['batch']} | {'on' if r.get('overlap') else 'off'} | {num(r.get('bf16_ms_per_step'), '.2f')} "
+            f"| {r['ms_per_step']:.2f} | {num(r.get('bf16_ratio'), '.3f', 'x')} | {num(r.get('graph_replay_ms'), '.2f')} "
+            f"| {num(r.get('floor_ms'), '.2f')} | {num(r.get('floor_ratio'), '.3f', 'x')} "
+            f"| {num(r.get('replay_floor_ratio'), '.3f', 'x')} | {num(tb.get(r['batch']), '.2f')} |"
+        )
+    p = fp8["engine_prefill"]
+    lines += ["", f"fp8 prefill: {p['prompt_len']} tokens in {p['ms']:.1f} ms ({p['tok_s']:.0f} tok/s)."]
+    return "\n".join(lines)
+
+
 # A lever's arms: on, off, both (an A/B in one run; graph levers recapture per arm), or the engine's
 # default (None: its device rule decides).
 ARMS: dict[str, list[bool | None]] = {"on": [True], "off": [False], "both": [False, True], "default": [None]}
@@ -335,6 +428,13 @@ def main(argv: list[str] | None = None) -> int:
         "rotary + K/V write + attention in one launch (Triton; on by default)",
     )
     lever(ap, "--skinny-o", "default", "the O projection + residual add as one skinny Triton launch")
+    ap.add_argument(
+        "--weights",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="fp8: after the bf16 figures, quantize the same engine's weights to fp8 and measure again",
+    )
+    ap.add_argument("--fp8-tune", action="store_true", help="sweep the fp8 GEMM configs before the fp8 arm")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -448,12 +548,14 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": engine.runner.kernel_backend,
         "floor": ref,
     }
+    if args.weights == "fp8":
+        result["fp8"] = fp8_arm(engine, args, batches, decode, bandwidth)
     engine.shutdown()
     del engine  # free the KV pool and graphs before the baseline allocates its own cache
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if not args.no_hf:
+    if not args.no_hf and args.weights == "bf16":
         result["transformers_decode"] = [
             hf_decode(llm, b, args.context_len, args.hf_decode_steps, device) for b in batches
         ]
@@ -462,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print()
     print(markdown(result))
+    if result.get("fp8"):
+        print()
+        print(fp8_markdown(result["fp8"]))
     if args.json_out:
         with open(args.json_out, "w") as f:
             f.write(text + "\n")

@@ -48,7 +48,7 @@ _HIDDEN_DTYPES = {
     "float16": common_pb2.DTYPE_FLOAT16,
     "float32": common_pb2.DTYPE_FLOAT32,
 }
-DISCONNECT_POLL_S = 0.25
+DISCONNECT_POLL_S = 0.1  # how often a request still waiting for its first output checks the client
 # The handler reads and validates the raw body itself (size limit first, then field-by-field errors), so
 # FastAPI cannot infer the body; the schema is declared explicitly for /openapi.json.
 _OPENAPI_BODY, OPENAPI_COMPONENTS = chat_request_openapi()
@@ -290,13 +290,26 @@ async def _start_stream(
     request: Request, runtime: GatewayRuntime, req: ChatRequest, job: ChatJob, run: PipelineRun
 ) -> Response:
     events = run.events()
+    # The 200 waits for the first event (a stage that is down is a 503, not an SSE error), but the client
+    # is watched meanwhile: one that leaves during prefill cancels the stages now, not after prefill.
+    waiting = asyncio.ensure_future(events.__anext__())
     try:
-        first = await events.__anext__()
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                metrics.CLIENT_DISCONNECTS.inc()
+                run.abort()
+                waiting.cancel()
+                return Response(status_code=499)
+        first = waiting.result()
     except StageFailure as exc:
         run.abort()
         raise _stage_api_error(exc) from exc
     except BaseException:
         run.abort()
+        waiting.cancel()
         raise
     return StreamingResponse(
         _stream_body(runtime, req, job, run, first, events),

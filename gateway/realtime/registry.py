@@ -7,6 +7,7 @@ import hmac
 import time
 from collections import OrderedDict
 
+from gateway.logs import bind_request_id
 from gateway.realtime import metrics
 from gateway.realtime.attachment import hash_token
 from gateway.realtime.config import SessionConfig
@@ -23,10 +24,18 @@ class SessionRegistry:
         self.settings = settings
         self.pipeline_factory = pipeline_factory
         self.sessions: dict[str, DuplexSession] = {}
+        self.draining = False  # set by the gateway's drain (gateway.shutdown): no new sessions, resumes only
         # Ended sessions, so a late resume gets session_resume_expired rather than "unknown".
         self._ended: OrderedDict[str, float] = OrderedDict()
 
     def open(self, cfg: SessionConfig) -> DuplexSession:
+        if self.draining:
+            metrics.SESSIONS_REJECTED.labels("shutting_down").inc()
+            raise RealtimeError(
+                "resource_exhausted",
+                "server_shutting_down: the server is draining; open a session on another replica or retry",
+                retryable=True,
+            )
         if len(self.sessions) >= self.settings.max_sessions:
             metrics.SESSIONS_REJECTED.labels("resource_exhausted").inc()
             raise RealtimeError(
@@ -35,6 +44,9 @@ class SessionRegistry:
                 retryable=True,
             )
         session = DuplexSession(self.settings, cfg, self.pipeline_factory, self._finished)
+        # From here on the socket handler's log lines, and those of the session task and its pipeline
+        # tasks (they copy this context when created), carry the session id as their request id.
+        bind_request_id(session.id)
         self.sessions[session.id] = session
         metrics.SESSIONS.set(len(self.sessions))
         session.start()
@@ -70,6 +82,7 @@ class SessionRegistry:
             session.resume_token_hash, hash_token(token)
         ):
             raise RealtimeError("invalid_resume_token", "resume_token does not match")
+        bind_request_id(session.id)
         if last > session.journal.head:
             raise RealtimeError(
                 "invalid_session_resume",

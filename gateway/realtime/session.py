@@ -82,6 +82,7 @@ class DuplexSession:
         self._unit_sent_at: dict[int, float] = {}
         self._input_final = False  # native lane: a final commit ended the input; the silence clock runs
         self._clock_units = 0  # silent units fed since that commit (at most the response unit cap)
+        self._pipeline_factory = pipeline_factory
         self.pipeline = pipeline_factory(self)
         self.lifecycle = ResponseLifecycle(self)
         self._on_finished = on_finished
@@ -257,7 +258,7 @@ class DuplexSession:
                     elif kind == "attach":
                         self._do_resume(*payload)
                     elif kind == "detach":
-                        self._do_detach(payload)
+                        await self._do_detach(payload)
                     elif kind == "close":
                         await self.end(payload)
                     elif kind == "reject":
@@ -284,8 +285,9 @@ class DuplexSession:
             await self._close_pipeline()
             self._on_finished(self)
 
-    async def _close_pipeline(self) -> None:
-        """Stop the stage streams, within ``pipeline_close_timeout_s`` and without raising.
+    async def _close_pipeline(self, pipeline: SessionPipeline | None = None) -> None:
+        """Stop the stage streams (of ``pipeline``, default the session's), within
+        ``pipeline_close_timeout_s`` and without raising.
 
         Session teardown must not depend on the stages: ``session.closed`` follows this however the
         pipeline's close ends (the gRPC pipeline cancels its calls first, so it normally takes
@@ -293,7 +295,7 @@ class DuplexSession:
         """
         try:
             async with asyncio.timeout(self.settings.pipeline_close_timeout_s):
-                await self.pipeline.close()
+                await (pipeline or self.pipeline).close()
         except TimeoutError:
             log.warning(
                 "realtime session %s: pipeline close took over %.1f s; closing the session anyway",
@@ -323,8 +325,9 @@ class DuplexSession:
             if self._grace_task is not None and self._grace_task is not asyncio.current_task():
                 self._grace_task.cancel()
 
-    def _do_detach(self, attachment: Attachment) -> None:
-        """The socket went away: keep the session for the grace period if it can be resumed."""
+    async def _do_detach(self, attachment: Attachment) -> None:
+        """The socket went away: keep the session for the grace period if it can be resumed, but stop
+        its work at once (:meth:`_suspend`), since nobody is there to hear it."""
         if attachment is not self.attachment:
             return
         attachment.detached = True
@@ -333,6 +336,31 @@ class DuplexSession:
             self.post("close", "client_disconnected")
             return
         self._grace_task = asyncio.create_task(self._grace_expiry(self.generation))
+        await self._suspend("client_disconnected")
+
+    async def _suspend(self, reason: str) -> None:
+        """Stop generating into the void while the session waits for a resume.
+
+        What a resume needs is kept: the journal, the conversation, the configuration and the uncommitted
+        input. What runs is stopped: the active response ends ``cancelled`` (its terminal events go to the
+        journal, so the resumed client sees how it ended), a deferred ``response.create`` is dropped, the
+        epoch advances (late outputs of the old streams are fenced) and every stage stream of the session
+        is closed, which frees the thinker sequence and the talker/code2wav streams within milliseconds.
+        A fresh pipeline takes the old one's place; it opens a new thinker stream (at the current epoch)
+        on the first unit after the resume.
+        """
+        if self.state != "open":
+            return
+        self._epoch += 1  # no interrupt goes down: the streams are closed below
+        self._unit_sent_at.clear()
+        self._input_final = False
+        self._clock_units = 0
+        self._interrupt_started = None  # not a barge-in: keeps the cancel out of the barge-in latency
+        self.lifecycle.cancel_active(reason)
+        old = self.pipeline
+        self.pipeline = self._pipeline_factory(self)
+        await self._close_pipeline(old)
+        log.info("realtime session %s: socket gone; response and stage streams stopped (%s)", self.id, reason)
 
     async def _grace_expiry(self, generation: int) -> None:
         await asyncio.sleep(self.settings.disconnect_grace_s)

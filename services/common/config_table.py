@@ -66,6 +66,7 @@ IMAGE_ENVIRONMENT: dict[str, str] = {
 _RANGES: list[tuple[Any, str]] = [
     (ds.PositiveInt, "integer ≥ 1"),
     (ds.PositiveNumber, "number > 0"),
+    (ds.NonNegativeNumber, "number ≥ 0"),
     (ds.Count, "integer ≥ 0"),
     (ds.Device, "`cpu`, `cuda` or `cuda:N`"),
     (ds.DType, "`bfloat16`, `float16`, `float32`"),
@@ -77,6 +78,7 @@ _RANGES: list[tuple[Any, str]] = [
     (ds.SamplingFloat, "number ≥ 0"),
     (ds.SamplingBool, "boolean"),
     (ds.WindowMode, "`off`, `basic`"),
+    (ds.WeightFormat, "`bf16`, `fp8`"),
     (ds.Kernels, "`auto`, `torch`, `triton`"),
     (ds.Milliseconds, "number ≥ 0 (0: off)"),
     (bool, "boolean"),

@@ -16,7 +16,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     description: free text
     served_model_name: openbmb/MiniCPM-o-4_5
     gpu_sharing: mps   # or time_slice (default): how stages placed on one GPU share it (gpu_sharing.py)
-    gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s,
+    gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, drain_grace_s,
                 default_modalities, media: {...}, voice_dir}
     tls:       {ca_file, cert_file, key_file, client_cert_file, client_key_file, require_client_cert}  # optional
     stages:
@@ -24,6 +24,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
                  first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16,
                  duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000,
+                 weights: bf16,   # or fp8: e4m3 projection weights quantized at load
                  prefix_caching: true, kernels: auto, kernel_table: null, slow_step_ms: 50}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
                  codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25},
@@ -125,6 +126,8 @@ class StageProfile:
     duplex_window: str = "basic"
     duplex_window_high: int = 8000
     duplex_window_low: int = 6000
+    # thinker only: the projection weights, "bf16" (the checkpoint's dtype) or "fp8" (e4m3 per-channel)
+    weights: str = "bf16"
     # thinker only: automatic prefix caching (full KV blocks shared by content hash), on by default
     prefix_caching: bool = True
     # talker only
@@ -171,6 +174,9 @@ class GatewayProfile:
     # Chat output when a request names no ``modalities`` (a request's own value always wins); ["text"]
     # as OpenAI, ["text", "audio"] for deployments whose clients expect speech without asking.
     default_modalities: tuple[str, ...] = ("text",)
+    # On SIGTERM in-flight chat streams and realtime responses may finish within this many seconds
+    # (gateway.shutdown); whatever is still running then ends with an error event / session.closed.
+    drain_grace_s: float = 30.0
     media: MediaLimits = field(default_factory=MediaLimits)
     # Registered voices (/v1/audio/voices): one sub-directory per voice holding the clip and the stage
     # features derived from it once. Shared by every gateway replica (a volume); None: registry off.
@@ -260,6 +266,7 @@ class DeployProfile:
                     "hidden_chunk_tokens",
                     "first_hidden_chunk_tokens",
                     "hidden_dtype",
+                    "weights",
                     "kernel_table",
                     "prefix_caching",
                     *THINKER_WINDOW_KEYS,

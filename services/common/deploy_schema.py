@@ -100,6 +100,7 @@ def _sampling(kind: str) -> BeforeValidator:
 
 PositiveInt = Annotated[int, _rule(lambda v: v > 0, "must be positive, got {v}")]
 PositiveNumber = Annotated[float, _rule(lambda v: v > 0, "must be positive, got {v}")]
+NonNegativeNumber = Annotated[float, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
 Count = Annotated[int, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
 Device = Annotated[str, BeforeValidator(_device)]
 DType = Annotated[str, _rule(lambda v: v in DTYPES, f"expected one of {sorted(DTYPES)}, got {{v!r}}")]
@@ -118,6 +119,8 @@ NoSampling = Annotated[None, _refuse("code2wav has no sampling parameters")]
 WindowOnlyThinker = Annotated[None, _refuse("the duplex context window is a thinker setting")]
 PrefixOnlyThinker = Annotated[None, _refuse("prefix caching is a thinker setting")]
 WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
+WeightFormat = Annotated[str, _rule(lambda v: v in ("bf16", "fp8"), "expected 'bf16' or 'fp8', got {v!r}")]
+WeightsOnlyThinker = Annotated[None, _refuse("fp8 weights are a thinker setting")]
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 Kernels = Annotated[
     str, _rule(lambda v: v in KERNEL_BACKENDS, f"expected one of {list(KERNEL_BACKENDS)}, got {{v!r}}")
@@ -217,6 +220,8 @@ class ThinkerDoc(_StageDoc):
     duplex_window: WindowMode | None = None
     duplex_window_high: PositiveInt | None = None
     duplex_window_low: PositiveInt | None = None
+    # The projection weights: bf16 (the checkpoint's) or fp8 (e4m3, per-channel scales; services/thinker/fp8_weights.py).
+    weights: WeightFormat | None = None
     # Decode kernels (services/common/kernels): auto = Triton on CUDA, torch elsewhere.
     kernels: Kernels | None = None
     # A `bench.thinker.skinny --json-out` table of skinny-GEMM configs for a GPU the built-in one was not
@@ -247,6 +252,7 @@ class _NoHiddenDoc(_StageDoc):
     duplex_window: WindowOnlyThinker = None
     duplex_window_high: WindowOnlyThinker = None
     duplex_window_low: WindowOnlyThinker = None
+    weights: WeightsOnlyThinker = None
     prefix_caching: PrefixOnlyThinker = None
 
 
@@ -290,6 +296,7 @@ class GatewayDoc(_Doc):
     request_timeout_s: PositiveNumber | None = None
     # Output of a chat request that names no ``modalities`` (OpenAI's default: text only).
     default_modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
+    drain_grace_s: NonNegativeNumber | None = None
     media: MediaDoc | None = None
     voice_dir: Annotated[str, _rule(bool, "must not be empty")] | None = None
 

@@ -66,7 +66,7 @@ class PortInUseError(RuntimeError):
 class ServeOptions:
     """Network and lifecycle settings common to every stage CLI."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless --host says otherwise (containers pass 0.0.0.0)
     port: int = 0
     metrics_port: int | None = None  # None: port + 1000; 0: disabled
     drain_timeout_s: float = 30.0
@@ -80,7 +80,11 @@ class ServeOptions:
 
 def add_serve_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
     """The flags every stage CLI accepts (besides its model/engine flags)."""
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default all interfaces)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind, metrics included (default loopback; 0.0.0.0 for all interfaces)",
+    )
     parser.add_argument("--port", type=int, default=DEFAULT_STAGE_PORTS[stage], help="gRPC port")
     parser.add_argument(
         "--metrics-port",

@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--duplex-window-high", type=int, default=8000, help="tokens that trigger a trim (basic)")
     ap.add_argument("--duplex-window-low", type=int, default=6000, help="tokens kept after a trim (basic)")
     ap.add_argument(
+        "--weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="projection weights: bf16 (the checkpoint's dtype) or fp8 (e4m3 with per-channel scales, "
+        "quantized at load; the Triton kernels on CUDA)",
+    )
+    ap.add_argument(
         "--kernels",
         choices=("auto", "torch", "triton"),
         default="auto",
@@ -133,6 +140,8 @@ def serve(argv: list[str]) -> int:
         compile_layers=args.compile,
         memory_fraction=apply_memory_cap(STAGE, args.device, fraction, log),
         memory_fraction_key=fraction.key,
+        # fp8 weights are laid out for the kernel backend: quantized after an explicit --kernels applies
+        weights=args.weights if args.kernels == "auto" else "bf16",
         prefix_caching=args.prefix_caching,
     )
     try:
@@ -141,6 +150,8 @@ def serve(argv: list[str]) -> int:
         raise SystemExit(f"thinker: {exc}") from None
     if args.kernels != "auto":
         backend.engine.runner.set_kernels(args.kernels)
+        if args.weights == "fp8":
+            backend.engine.runner.quantize_weights()
     if args.kernel_table:
         from services.common.kernels import skinny
 

@@ -87,6 +87,9 @@ class EngineConfig:
     # residual adds inside the O and down GEMMs (services.thinker.fused_forward). None: on with CUDA and
     # the Triton kernels.
     norm_fold: bool | None = None
+    # Projection weights (QKV, O, gate|up, down, lm_head): "bf16" (the checkpoint's dtype) or "fp8" (e4m3,
+    # per-channel scales, quantized at load: services.thinker.fp8_weights).
+    weights: str = "bf16"
     # The process's GIL switch interval while the engine thread runs (None: Python's 5 ms). Each CUDA sync
     # of a step drops the GIL; getting it back from a thread busy in pure Python (the event loop encoding
     # protobufs, the encode thread's mel) takes up to one interval, so at 5 ms a step's two syncs could
@@ -161,6 +164,7 @@ class ThinkerEngine:
             compile_layers=config.compile_layers,
             skinny_gemm=config.skinny_gemm,
             norm_fold=config.norm_fold,
+            weights=config.weights,
         )
         self.scheduler = Scheduler(
             self.cache.pool,

@@ -26,6 +26,9 @@ matmuls and attention. Eager steps keep the norm kernels (with ones as weights o
 In every packed-row step (with :attr:`FusedForward.rope_attention`, on unless a benchmark arm turns it
 off) the q/k norm + rotary + K/V write and the paged attention are one
 launch (:mod:`services.common.kernels.rope_attention`): six launches per layer on the folded path.
+
+With fp8 weights (``weights: fp8``) every step's layer loop is :func:`services.thinker.fp8_weights.fp8_layers`
+instead: the same loops with the fp8 GEMMs of :mod:`services.common.kernels.fp8_gemm`.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class LayerHost(Protocol):
     ops: Any  # the kernel backend's ops (``kernels.get_ops``)
     skinny_gemm: bool  # packed-row steps of few rows use the skinny Triton GEMMs
     norm_fold: bool  # packed-row steps run the folded-norm loop (norm weights inside the GEMMs)
+    head_fp8: Any  # the lm_head in fp8 (a kernels.fp8_gemm.Fp8Weight) when the GEMMs run in fp8, else None
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -97,6 +101,10 @@ class FusedForward:
 
         ``packed``: a packed-row step (the graph body), which may take the skinny GEMMs.
         """
+        if self.runner.head_fp8 is not None:  # weights: fp8 (services.thinker.fp8_weights)
+            from services.thinker.fp8_weights import fp8_layers
+
+            return fp8_layers(self, x, positions, write_slots, tiles, packed)
         if self.uses_skinny(x.shape[0], packed):
             self.skinny_passes += 1
             return self._skinny_layers(x, positions, write_slots, tiles)

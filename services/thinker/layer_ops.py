@@ -9,12 +9,16 @@ on CUDA. They take plain tensors, no modules, so one compiled graph serves every
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.common.kernels import rms_norm_ref, rotate_ref
+
+if TYPE_CHECKING:
+    from services.common.kernels.fp8_quant import Fp8Layer
 
 
 @dataclass
@@ -37,6 +41,9 @@ class FusedLayer:
     post_eps: float
     gate_up_weight: torch.Tensor
     down_weight: torch.Tensor
+    # weights: fp8 with the Triton kernels: the four GEMM weights in e4m3 (services.thinker.fp8_weights);
+    # the bf16 fields above are then empty.
+    fp8: Fp8Layer | None = None
 
 
 def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.common.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
+from services.common.kernels.fp8_quant import Fp8Weight
+from services.thinker.fp8_weights import check_weights, quantize_runner
+from services.thinker.fp8_weights import head_logits as fp8_head_logits
 from services.thinker.fused_forward import FusedForward
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import (
@@ -92,6 +96,7 @@ class ModelRunner:
         kernels: str | None = None,
         skinny_gemm: bool | None = None,
         norm_fold: bool | None = None,
+        weights: str = "bf16",
     ) -> None:
         self.llm = llm
         self.model = llm.model
@@ -117,8 +122,15 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int], RowGraph] = {}
         self._skinny_request = skinny_gemm  # None: off
         self._fold_request = norm_fold  # None: on with CUDA + Triton
+        # weights: fp8 (services.thinker.fp8_weights): the lm_head in e4m3 when the GEMMs run in fp8.
+        self.weights = "bf16"
+        self.head_fp8: Fp8Weight | None = None
+        self.kernel_backend: str = ""
+        self.norm_fold = False
         self.set_kernels(kernels)
         self.fused = FusedForward(self)
+        if check_weights(weights) == "fp8":
+            self.quantize_weights()
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
         self.step_counts: dict[str, int] = {"graph": 0, "graph_mixed": 0, "eager": 0}
         self._graph_pool = None
@@ -131,7 +143,12 @@ class ModelRunner:
         """
         if self._graphs:
             raise RuntimeError("set_kernels after a CUDA graph was captured")
-        self.kernel_backend = select_backend(self.device, kernels)
+        backend = select_backend(self.device, kernels)
+        if self.weights != "bf16" and backend != self.kernel_backend:
+            raise RuntimeError(
+                "the kernel backend is fixed once the weights are quantized (laid out per backend)"
+            )
+        self.kernel_backend = backend
         self.ops = get_ops(self.kernel_backend)
         # When on (opt-in, a benchmark arm), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
         # norms and SwiGLU fused in (services.common.kernels.skinny); eager steps always keep cuBLAS.
@@ -170,6 +187,11 @@ class ModelRunner:
     def _apply_norm_fold(self) -> None:
         want = norm_fold_enabled(self.device, self.kernel_backend, self._fold_request)
         self.norm_fold = want and all(foldable(lay) for lay in self.layers)
+        if self.norm_fold and self.head_fp8 is not None:
+            decoder: Any = self.model
+            if not all(getattr(layer, "_thinker_norms_folded", False) for layer in decoder.layers):
+                raise RuntimeError("fp8 weights: the norms can only be folded before quantization")
+            return
         if self.norm_fold:
             folded = sum(
                 fold_norm_weights(layer, lay)
@@ -177,6 +199,25 @@ class ModelRunner:
             )
             if folded:
                 log.info("folded the RMSNorm weights of %d thinker layers into their GEMMs", folded)
+
+    def quantize_weights(self) -> None:
+        """Switch the projection weights and the lm_head to fp8 (``weights: fp8``), before any capture.
+
+        One-way: see :func:`services.thinker.fp8_weights.quantize_runner` (after the norm folding, which
+        is decided by then).
+        """
+        if self._graphs:
+            raise RuntimeError("quantize_weights after a CUDA graph was captured (drop_graphs first)")
+        if self.weights == "fp8":
+            return
+        quantize_runner(self)
+        self.weights = "fp8"
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head over ``hidden [rows, hidden]`` (fp8 when the GEMMs run in fp8)."""
+        if self.head_fp8 is not None:
+            return fp8_head_logits(self, hidden)
+        return self.llm.lm_head(hidden)
 
     def drop_graphs(self) -> None:
         """Forget every captured graph (benchmarks A/B kernel settings); only between steps, none in flight."""
@@ -482,7 +523,7 @@ class ModelRunner:
             row += len(chunk.token_ids)
             if chunk.want_logits:
                 want.append(row - 1)
-        logits = self.llm.lm_head(hidden[want]).float() if want else hidden.new_zeros((0, 1))
+        logits = self.head(hidden[want]).float() if want else hidden.new_zeros((0, 1))
         prefill_logits: list[torch.Tensor | None] = []
         prefill_hidden: list[torch.Tensor | None] = []
         k = b
@@ -582,6 +623,8 @@ class ModelRunner:
         else:
             tiles = self.fused.row_tiles(positions, table)
             hidden = self.fused.layers(x, positions, write, tiles, packed=True)
+            if self.head_fp8 is not None:
+                return hidden, fp8_head_logits(self, hidden)
             return hidden, self.fused.head_logits(hidden, self.llm.lm_head)
         return hidden, self.llm.lm_head(hidden)
 

@@ -188,7 +188,8 @@ class GrpcDuplexPipeline:
         if self.settings.seed is not None:
             sampling.seed = self.settings.seed
         open_msg = thinker_pb2.ThinkerOpen(
-            id=self._identity(0, 0, 0),
+            # The session's epoch: after a resume the new stream starts where the session is.
+            id=self._identity(self.host.epoch, 0, 0),
             mode=common_pb2.STREAM_MODE_DUPLEX,
             sampling=sampling,
             want_speech="audio" in cfg.modalities,

@@ -7,6 +7,8 @@ test fixture and the GPU host.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,86 @@ def normalise_hift_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def fold_hift_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weight-norm pairs of a (normalised) HiFT state dict folded into plain ``weight`` tensors.
+
+    ``weight = g * v / ||v||`` over every dim but 0, which is what ``torch.nn.utils.parametrizations.
+    weight_norm`` (dim 0, the default HiFT uses) computes and what :func:`_fold_weight_norm` leaves behind.
+    """
+    out: dict[str, torch.Tensor] = {}
+    suffix_g, suffix_v = ".parametrizations.weight.original0", ".parametrizations.weight.original1"
+    for key, value in state.items():
+        if key.endswith(suffix_g):
+            base = key[: -len(suffix_g)]
+            out[base + ".weight"] = torch._weight_norm(state[base + suffix_v], value, 0)
+        elif not key.endswith(suffix_v):
+            out[key] = value
+    return out
+
+
+@contextlib.contextmanager
+def _plain_hift_modules() -> Iterator[None]:
+    """Build HiFT without weight norm and without its random init: the weights come from the checkpoint
+    (folded by :func:`fold_hift_state`), so both would only cost start-up time. The vocoder's modules are
+    the same otherwise; on a loaded CPU host this takes the HiFT build from ~17 s to well under one."""
+    from stepaudio2.flashcosyvoice.modules import hifigan
+    from stepaudio2.flashcosyvoice.modules.hifigan_components import layers
+
+    def identity(module: torch.nn.Module, *_: Any, **__: Any) -> torch.nn.Module:
+        return module
+
+    def no_init(_module: torch.nn.Module, *_: Any, **__: Any) -> None:
+        return None
+
+    saved = [
+        (mod, name, getattr(mod, name))
+        for mod in (hifigan, layers)
+        for name in ("weight_norm", "init_weights")
+    ]
+    try:
+        for mod, name, _ in saved:
+            setattr(mod, name, identity if name == "weight_norm" else no_init)
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
+def _meta_tensors(module: torch.nn.Module) -> list[str]:
+    """Names of parameters, buffers and tensor attributes of ``module`` still on the meta device."""
+    names = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    for prefix, sub in module.named_modules():
+        names += [f"{prefix}.{k}" for k, v in vars(sub).items() if isinstance(v, torch.Tensor) and v.is_meta]
+    return names
+
+
+def load_without_init(
+    build: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor]
+) -> torch.nn.Module:
+    """``build()`` with ``state`` loaded strictly, without paying for the random init of its weights.
+
+    The module is built on the meta device (no storage, no init) and the checkpoint's tensors are
+    assigned in place of its parameters, so a restart costs the read of the weights (from the page
+    cache after the first start), not the init of weights that are overwritten at once. A module that
+    keeps a tensor the state dict does not hold (it would be left on meta) is built the ordinary way.
+    """
+    with torch.device("meta"):
+        module = build()
+    module.load_state_dict(state, strict=True, assign=True)
+    if _meta_tensors(module):
+        module = build()
+        module.load_state_dict(state, strict=True)
+    return module
+
+
+def build_hift(state: dict[str, torch.Tensor]) -> HiFTGenerator:
+    """HiFT with ``state`` (a ``hift.pt`` as saved, weight-norm pairs or already folded) loaded strictly."""
+    with _plain_hift_modules():
+        hift = load_without_init(HiFTGenerator, fold_hift_state(normalise_hift_keys(state)))
+    assert isinstance(hift, HiFTGenerator)
+    return hift
+
+
 def _fold_weight_norm(module: torch.nn.Module) -> None:
     """Replace weight-norm parametrizations by the weights they compute (same values, fewer kernels)."""
     for sub in module.modules():
@@ -118,17 +200,16 @@ def load_token2wav(asset_dir: str | Path, device: str | torch.device = "cpu") ->
     """Build flow + HiFT from ``asset_dir`` (``flow.yaml``, ``flow.pt``, ``hift.pt``) on ``device``."""
     asset_dir = Path(asset_dir)
     device = torch.device(device)
-    flow = load_flow_from_yaml(asset_dir / "flow.yaml")
+    flow_yaml = asset_dir / "flow.yaml"
     try:
-        flow.load_state_dict(_torch_load(asset_dir / "flow.pt"), strict=True)
+        flow = load_without_init(lambda: load_flow_from_yaml(flow_yaml), _torch_load(asset_dir / "flow.pt"))
+        assert isinstance(flow, CausalMaskedDiffWithXvec)
     except RuntimeError as exc:
         raise Token2WavLoadError(f"{asset_dir / 'flow.pt'} does not match flow.yaml: {exc}") from exc
-    hift = HiFTGenerator()
     try:
-        hift.load_state_dict(normalise_hift_keys(_torch_load(asset_dir / "hift.pt")), strict=True)
-    except RuntimeError as exc:
+        hift = build_hift(_torch_load(asset_dir / "hift.pt"))
+    except (RuntimeError, KeyError) as exc:
         raise Token2WavLoadError(f"{asset_dir / 'hift.pt'} does not match HiFTGenerator: {exc}") from exc
-    _fold_weight_norm(hift)
     flow = flow.to(device).eval()
     hift = hift.to(device).eval()
     # A plain attribute, not a buffer: .to() does not move it and decode() would copy it every call.

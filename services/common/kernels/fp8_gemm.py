@@ -1,0 +1,251 @@
+"""fp8 weight-only GEMMs: e4m3 weights with one fp32 scale per output channel, bf16 activations.
+
+Why: a decode step of the full-size thinker streams every weight byte once (15.1 GB in bf16), so the
+step is memory-bound and its floor is those bytes over HBM bandwidth. Storing the projection weights as
+``torch.float8_e4m3fn`` halves them; the activations stay in the model's dtype, so nothing about the
+step's arithmetic changes except the weights' rounding.
+
+* :func:`~.fp8_quant.quantize_fp8`: ``W ≈ q * s[:, None]`` with ``s = max|W[n, :]| / 448`` per output row (channel),
+  ``q = round_to_e4m3(W / s)``; done once at load from the bf16 checkpoint. A row's relative rounding
+  error is at most 2^-4 of its largest element (e4m3 has 3 mantissa bits), and the row keeps its own
+  range, so one outlier row costs no other row precision.
+* :func:`fp8_linear`: ``[residual +] (a @ q.T) * s (+ bias)`` in one Triton launch for any row count.
+  Each program loads its ``[BLOCK_N, BLOCK_K]`` fp8 weight tile, widens it to the activation dtype in
+  registers (exact: every e4m3 value is a bf16 value), and accumulates ``tl.dot`` in fp32; the scale, the
+  bias and the residual are applied once on the fp32 sum, then rounded once — so an O or down projection
+  adds into the residual stream in place, as the bf16 path's ``addmm_`` (beta = 1) does.
+  Decode steps (≤ 32 rows) pad the rows to a 16- or 32-row tile and split K over several programs when
+  the column tiles alone would leave SMs idle; the last split of a tile to finish merges the partials in
+  split order (an arrival counter, as in :mod:`.skinny`): one launch, deterministic, graph-safe. Prefill
+  (many rows) uses 128×128 tiles with no split: dequantizing tiles in registers reads each weight byte
+  once per row tile, where materialising a bf16 copy of the matrix per GEMM would read and write three
+  times its fp8 bytes (most of a short prompt's step).
+* :func:`~.fp8_quant.fp8_linear_ref`: the same function in torch (fp32 arithmetic), the CPU reference of tests.
+
+Weight-only rather than ``torch._scaled_mm`` with per-token fp8 activations: decode is bandwidth-bound,
+where fp8 tensor-core math buys nothing, and quantizing activations would add a second error source (the
+residual stream of Qwen3 has large outlier channels) for a prefill-only gain. Configs come from
+:data:`FP8_CONFIGS` (``python -m bench.thinker.fp8 --tune`` prints entries for it) or
+:func:`default_config`, never from autotuning in the serving process (a tuning run inside a capture, or
+beside other stages on the GPU, would be unsafe and noisy).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from services.common.kernels.counters import ArrivalCounters
+from services.common.kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantize_fp8
+
+__all__ = ["Fp8Config", "Fp8Weight", "fp8_linear", "fp8_linear_ref", "quantize_fp8"]
+
+SKINNY_ROWS = 32  # at most this many rows: the decode layout (padded row tile, split K)
+
+
+class Fp8Config(NamedTuple):
+    """Launch parameters of one (row bucket, N, K) shape."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (row bucket, N, K) -> config, from ``python -m bench.thinker.fp8 --tune`` on the GPU host (it prints
+# the entries); a missing shape takes ``default_config``.
+FP8_CONFIGS: dict[tuple[int, int, int], Fp8Config] = {}
+
+
+def row_bucket(m: int) -> int:
+    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+
+
+def default_config(m: int, n: int, k: int, sms: int = 132) -> Fp8Config:
+    """Decode (≤ 32 rows): 64-column tiles 256 deep, K split in powers of two (each split ≥ 512 deep)
+    until the programs reach twice the SM count, so a 4096-column projection still streams from every
+    SM. More rows: square tiles, no split (compute-bound)."""
+    if m <= SKINNY_ROWS:
+        block_m = 16 if m <= 16 else 32
+        block_n, block_k = 64, 256
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        while split < 16 and tiles * split < 2 * sms and k // (2 * split) >= 512:
+            split *= 2
+        return Fp8Config(block_m, block_n, block_k, split, 4, 4)
+    if m <= 64:
+        return Fp8Config(64, 64, 128, 1, 4, 4)
+    return Fp8Config(128, 128, 64, 1, 8, 3)
+
+
+# Triton's interpreter (CPU tests) runs each program in Python: few, large programs, no split.
+INTERPRETER_CONFIG = Fp8Config(16, 512, 128, 1, 4, 1)
+
+
+def config_for(m: int, n: int, k: int, device: torch.device | None = None) -> Fp8Config:
+    """The table's config of the shape (the nearest row bucket above, else below, among the decode
+    buckets ≤ 32 rows), else :func:`default_config`."""
+    if device is not None and device.type == "cpu":
+        return INTERPRETER_CONFIG._replace(block_m=min(64, max(16, triton.next_power_of_2(m))))
+    if m <= SKINNY_ROWS:
+        b = row_bucket(m)
+        buckets = sorted(bb for bb, nn, kk in FP8_CONFIGS if (nn, kk) == (n, k) and bb <= SKINNY_ROWS)
+        if buckets:
+            pick = next((bb for bb in buckets if bb >= b), buckets[-1])
+            cfg = FP8_CONFIGS[(pick, n, k)]
+            # a config tuned for 16 rows serves up to 16 (the row tile holds them); 17..32 need 32
+            return cfg._replace(block_m=max(cfg.block_m, 16 if m <= 16 else 32))
+    return FP8_CONFIGS.get((row_bucket(m), n, k)) or default_config(m, n, k, _sm_count(device))
+
+
+@triton.jit(do_not_specialize=["m"])
+def _fp8_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, ws_ptr, cnt_ptr, m,
+    N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    K_PER: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One (row tile, column tile, K split) program of ``out = [res +] (a @ q.T) * s (+ b)``.
+
+    Row tiles are the fastest grid axis, so the programs in flight share weight tiles through L2 when a
+    prefill has several row tiles. With ``SPLIT_K > 1`` (one row tile only) the partials go to ``ws`` and
+    the last split to arrive merges them in split order. ``res`` may be ``out`` itself: each element is
+    read and then written by the one program that owns it."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * K
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = pid_k * K_PER
+    for k0 in range(k_lo, k_lo + K_PER, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        if EVEN:
+            w = tl.load(w_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wa = w.to(a.dtype)  # e4m3 -> activation dtype: exact
+        if IEEE:
+            acc += tl.dot(a, tl.trans(wa), input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(wa), acc)
+    out_off = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    out_msk = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        ws_off = rows[:, None] * N + cols[None, :]
+        tl.store(ws_ptr + pid_k * BLOCK_M * N + ws_off, acc, mask=out_msk)
+        # Every thread's partial is stored before the one release; the last arrival reads the partials
+        # through L2 (.cg), then leaves its counter at zero for the next launch.
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(
+                    ws_ptr + s * BLOCK_M * N + ws_off, mask=out_msk, other=0.0, cache_modifier=".cg"
+                )
+            _fp8_epilogue(
+                acc, s_ptr, b_ptr, out_ptr, res_ptr, cols, col_ok, out_off, out_msk, HAS_BIAS, HAS_RES
+            )
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        _fp8_epilogue(acc, s_ptr, b_ptr, out_ptr, res_ptr, cols, col_ok, out_off, out_msk, HAS_BIAS, HAS_RES)
+
+
+@triton.jit
+def _fp8_epilogue(
+    acc, s_ptr, b_ptr, out_ptr, res_ptr, cols, col_ok, out_off, out_msk,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """Scale, bias and residual on the fp32 sum, one rounding to the output dtype."""
+    acc = acc * tl.load(s_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + out_off, mask=out_msk, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_msk)
+
+
+_COUNTERS = ArrivalCounters("fp8 GEMM counters")  # one per column tile of a split-K launch
+_SMS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device | None) -> int:
+    if device is None or device.type != "cuda":
+        return 8
+    sms = _SMS.get(device)
+    if sms is None:
+        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms
+
+
+def fp8_linear(
+    a: torch.Tensor,
+    weight: Fp8Weight,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: Fp8Config | None = None,
+) -> torch.Tensor:
+    """``[residual +] (a @ q.T) * scale (+ bias)`` for ``a [M, K]`` in one Triton launch (host metadata
+    only: graph-safe). ``out`` (a new tensor if None) may be ``residual`` itself."""
+    q, scale = weight
+    n, k = q.shape
+    m = a.shape[0]
+    if a.dim() != 2 or a.shape[1] != k:
+        raise ValueError(f"operand {tuple(a.shape)} does not fit weight {tuple(q.shape)}")
+    if not (a.is_contiguous() and q.is_contiguous()):
+        raise ValueError("fp8 GEMM takes a contiguous operand and weight")
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    elif out.shape != (m, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor")
+    if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous [{m}, {n}] tensor")
+    if m == 0:
+        return out
+    cfg = config or config_for(m, n, k, a.device)
+    row_tiles = triton.cdiv(m, cfg.block_m)
+    split = cfg.split_k if row_tiles == 1 else 1
+    k_per = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per)  # no empty split: every one arrives at the counter with real work
+    tiles = triton.cdiv(n, cfg.block_n)
+    ws = torch.empty((split, cfg.block_m, n), dtype=torch.float32, device=a.device) if split > 1 else out
+    cnt = _COUNTERS.get(a.device, tiles) if split > 1 else out
+    _fp8_gemm_kernel[(row_tiles, tiles, split)](
+        a,
+        q,
+        scale,
+        scale if bias is None else bias,
+        out,
+        out if residual is None else residual,
+        ws,
+        cnt,
+        m,
+        N=n,
+        K=k,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        K_PER=k_per,
+        EVEN=n % cfg.block_n == 0 and k_per * split == k,
+        IEEE=a.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

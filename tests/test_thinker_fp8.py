@@ -1,0 +1,236 @@
+"""fp8 thinker weights (services.thinker.fp8_weights, kernels.fp8_quant / fp8_gemm) on CPU.
+
+The quantizer's round trip is checked against e4m3's error bound; the fp8 GEMM runs through Triton's
+interpreter (fp32: the interpreter has no bf16 arithmetic) against the torch reference, over the decode
+layout (padded rows, split K, residual in place) and the prefill layout. Then the thinker on the tiny
+checkpoint: the torch engine with ``weights="fp8"`` (the fp8 round trip of every projection) decodes
+greedily end to end with logits close to bf16's, and the Triton fp8 step (the fp8 GEMMs, unfolded and
+folded loops, eager and packed rows) gives the torch fp8 engine's logits.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on the CPU
+
+from services.common.checkpoint import Checkpoint  # noqa: E402
+from services.common.kernels.fp8_quant import FP8_MAX, fp8_linear_ref, quantize_fp8  # noqa: E402
+from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
+from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
+from tests.thinker_greedy import greedy_tokens  # noqa: E402
+
+
+def test_round_trip_error_is_within_e4m3_bound() -> None:
+    """Per row: |W - q*s| ≤ 2^-4 * max|W[row]| (3 mantissa bits, round to nearest; subnormals are finer
+    in absolute terms), scales are max|W|/448, zero rows stay exact, outlier rows cost other rows nothing."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 300, generator=g)
+    w[3] *= 1000.0  # an outlier row
+    w[7] = 0.0
+    fw = quantize_fp8(w.to(torch.bfloat16))
+    assert fw.q.dtype == torch.float8_e4m3fn and fw.scale.dtype == torch.float32
+    wb = w.to(torch.bfloat16).float()
+    err = (fw.dequantize() - wb).abs()
+    row_max = wb.abs().amax(dim=1)
+    assert bool((err <= row_max[:, None] * 2.0**-4 + 1e-30).all())
+    torch.testing.assert_close(fw.scale[torch.arange(64) != 7], (row_max / FP8_MAX)[torch.arange(64) != 7])
+    assert float(fw.scale[7]) == 1.0 and bool((fw.dequantize()[7] == 0).all())
+    # the outlier row's scale is its own: an ordinary row keeps its relative precision
+    rel = (err[0] / row_max[0]).max()
+    assert rel <= 2.0**-4 and float(fw.q.float().abs().amax()) == FP8_MAX
+    # mean error far under the bound: most elements round within their own (finer) spacing
+    assert float((err / row_max[:, None].clamp_min(1e-30)).mean()) < 0.02
+
+
+def test_fp8_linear_matches_dequantized_matmul_in_tolerance() -> None:
+    """The fp8 linear stays within a few % of the bf16 product (relative to the output's scale), and is
+    the fp32 matmul of the dequantized weight."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 512, generator=g) / 16
+    a = torch.randn(5, 512, generator=g)
+    fw = quantize_fp8(w)
+    got = fp8_linear_ref(a, fw)
+    torch.testing.assert_close(got, a @ fw.dequantize().t(), rtol=1e-5, atol=1e-5)
+    ref = a @ w.t()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
+
+
+@pytest.fixture
+def _interpreter(triton_interpreter_scalars: None) -> None:
+    """Tests that run the Triton kernels go through the interpreter (see ``conftest.py``)."""
+
+
+@pytest.mark.usefixtures("_interpreter")
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_fp8_gemm_kernel_matches_torch_reference(m: int) -> None:
+    from services.common.kernels.fp8_gemm import Fp8Config, fp8_linear
+
+    g = torch.Generator().manual_seed(10 + m)
+    configs = [
+        None,  # the interpreter's default (one big tile)
+        Fp8Config(16 if m <= 16 else 64, 32, 64, 1, 4, 1),  # ragged N tail (80 = 2.5 tiles)
+        Fp8Config(
+            16 if m <= 16 else 64, 32, 32, 3, 4, 1
+        ),  # split K over 3 (ragged: K/3 is not a block multiple)
+        Fp8Config(16, 64, 64, 4, 4, 1),  # several row tiles when m > 16 (the split then is not used)
+    ]
+    for n, k in ((80, 256), (48, 200)):
+        w = quantize_fp8(torch.randn(n, k, generator=g) / 8)
+        a = torch.randn(m, k, generator=g)
+        bias, res = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+        for cfg in configs:
+            ref = fp8_linear_ref(a, w, bias, res)
+            got = fp8_linear(a, w, bias, residual=res, config=cfg)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=str(cfg))
+            inplace = res.clone()
+            out = fp8_linear(a, w, residual=inplace, out=inplace, config=cfg)
+            assert out.data_ptr() == inplace.data_ptr()
+            torch.testing.assert_close(out, fp8_linear_ref(a, w, None, res), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                fp8_linear(a, w, config=cfg), fp8_linear_ref(a, w), rtol=1e-5, atol=1e-5
+            )
+    with pytest.raises(ValueError, match="residual"):
+        fp8_linear(a, w, residual=res[:, :10])
+
+
+@pytest.mark.usefixtures("_interpreter")
+def test_split_counters_are_left_zeroed() -> None:
+    from services.common.kernels import fp8_gemm
+
+    g = torch.Generator().manual_seed(2)
+    w, a = quantize_fp8(torch.randn(96, 256, generator=g)), torch.randn(2, 256, generator=g)
+    cfg = fp8_gemm.Fp8Config(16, 32, 32, 4, 4, 1)
+    first = fp8_gemm.fp8_linear(a, w, config=cfg)
+    assert int(fp8_gemm._COUNTERS[a.device].abs().sum()) == 0
+    assert torch.equal(fp8_gemm.fp8_linear(a, w, config=cfg), first)  # partials added in split order
+
+
+def test_config_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode row counts take the nearest tuned bucket (above, else below) with a row tile that holds
+    them; other shapes and prefill row counts take the default rule."""
+    from services.common.kernels import fp8_gemm
+
+    a, b = fp8_gemm.Fp8Config(16, 64, 256, 4, 4, 4), fp8_gemm.Fp8Config(16, 128, 128, 2, 4, 4)
+    monkeypatch.setattr(fp8_gemm, "FP8_CONFIGS", {(1, 4096, 4096): a, (16, 4096, 4096): b})
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda device: 132)
+    assert fp8_gemm.config_for(1, 4096, 4096, cuda) == a
+    assert fp8_gemm.config_for(5, 4096, 4096, cuda) == b  # bucket 8: the nearest above is 16
+    assert fp8_gemm.config_for(24, 4096, 4096, cuda) == b._replace(block_m=32)  # none above: below, 32 rows
+    assert fp8_gemm.config_for(1, 6144, 4096, cuda) == fp8_gemm.default_config(1, 6144, 4096)
+    assert fp8_gemm.config_for(300, 4096, 4096, cuda) == fp8_gemm.default_config(300, 4096, 4096)
+
+
+def test_default_config_splits_decode_and_tiles_prefill() -> None:
+    from services.common.kernels import fp8_gemm
+
+    d = fp8_gemm.default_config
+    assert d(1, 4096, 4096).split_k == 8 and d(1, 4096, 12288).split_k == 8
+    assert d(16, 24576, 4096).split_k == 1 and d(1, 151748, 4096).split_k == 1
+    assert d(32, 4096, 4096).block_m == 32 and d(512, 4096, 4096) == fp8_gemm.Fp8Config(128, 128, 64, 1, 8, 3)
+
+
+# ------------------------------------------------------------------------------------------ the thinker
+def _llm(tiny_ckpt: Path) -> torch.nn.Module:
+    """A fresh tiny LLM: quantization changes the module, so no test shares one."""
+    ckpt = Checkpoint(tiny_ckpt)
+    tensors = ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=torch.float32)
+    return build_qwen3_llm(ckpt.config, tensors, torch.float32, "cpu")
+
+
+def _steps(engine: ThinkerEngine) -> list[torch.Tensor]:
+    """Logits of a two-chunk eager prefill, then of a packed-row step (decode row + short chunk)."""
+    runner = engine.runner
+    blocks_a, blocks_b = engine.cache.pool.allocate(8), engine.cache.pool.allocate(8)
+    out = runner.step(
+        StepInput(
+            prefill=[
+                PrefillChunk(list(range(2000, 2040)), 0, blocks_a, want_logits=True),
+                PrefillChunk(list(range(3000, 3020)), 0, blocks_b, want_logits=True),
+            ]
+        )
+    )
+    step = StepInput(
+        decode=[DecodeRow(7, 40, blocks_a)], prefill=[PrefillChunk([5, 6, 8], 20, blocks_b, want_logits=True)]
+    )
+    packed = runner.packed_step_eager(step)
+    return [*out.prefill_logits, packed.decode_logits[0], packed.prefill_logits[0]]  # type: ignore[list-item]
+
+
+def _engine(llm: torch.nn.Module, **config: Any) -> ThinkerEngine:
+    return ThinkerEngine(
+        llm, EngineConfig(max_num_seqs=4, kv_budget_bytes=8 << 20, **config), torch.device("cpu")
+    )
+
+
+def test_fp8_engine_decodes_greedily_with_logits_close_to_bf16(tiny_ckpt: Path) -> None:
+    """``weights="fp8"`` on the torch backend: greedy decode runs end to end (tokens may differ from
+    bf16's on a random tiny model), the module's projections hold fp8 values, and the logits stay close."""
+    tokens, runner = greedy_tokens(_llm(tiny_ckpt), "torch", graphed=False, weights="fp8")
+    assert runner.weights == "fp8" and all(len(t) == 5 for t in tokens)
+    llm: Any = runner.llm
+    w = llm.model.layers[0].mlp.down_proj.weight
+    assert torch.equal(w, quantize_fp8(w).dequantize(w.dtype))  # a fixed point: already on the fp8 grid
+    ref = _steps(_engine(_llm(tiny_ckpt)))
+    got = _steps(_engine(_llm(tiny_ckpt), weights="fp8"))
+    # e4m3 rounds each weight by up to 2^-4 of its row's largest (~3.6 % rms on Gaussian weights), and
+    # the random tiny model's product errors add up like its products: a few % of the logits' scale per
+    # GEMM. A wrong scale, row or layout misses by ~100 %.
+    for r, q in zip(ref, got, strict=True):
+        err = (q - r).abs()
+        assert float(err.max()) < 0.15 * float(r.abs().max()), float(err.max())
+        assert float(err.mean()) < 0.08 * float(r.abs().mean()), float(err.mean())
+        assert float(torch.corrcoef(torch.stack([q, r]))[0, 1]) > 0.99
+
+
+@pytest.mark.usefixtures("_interpreter")
+@pytest.mark.parametrize("fold", [False, True])
+def test_triton_fp8_step_gives_the_torch_fp8_logits(tiny_ckpt: Path, fold: bool) -> None:
+    """The Triton backend's fp8 GEMMs (eager prefill and packed rows; the folded loop when the norms are
+    folded) against the torch engine on the same fp8 weights. Unfolded both round the same weights, so
+    they agree to fp32 summation order; folded, the norm weights were multiplied in before quantizing
+    (other roundings), so the bound is the fp8 one."""
+    ref = _steps(_engine(_llm(tiny_ckpt), weights="fp8"))
+    engine = _engine(_llm(tiny_ckpt))
+    engine.runner.set_kernels("triton")
+    engine.runner.set_norm_fold(fold)
+    engine.runner.quantize_weights()
+    runner = engine.runner
+    assert runner.head_fp8 is not None and runner.layers[0].fp8 is not None
+    assert runner.layers[0].qkv_weight.numel() == 0  # the bf16 projection weights were released
+    got = _steps(engine)
+    for r, q in zip(ref, got, strict=True):
+        if fold:
+            assert float((q - r).abs().max()) < 0.15 * float(r.abs().max())
+            assert float(torch.corrcoef(torch.stack([q, r]))[0, 1]) > 0.99
+        else:
+            torch.testing.assert_close(q, r, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="kernel backend"):
+        runner.set_kernels("torch")
+
+
+def test_fidelity_command_reports_fp8_against_bf16(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """``python -m bench.thinker.fp8_fidelity`` on the tiny checkpoint (CPU): per prompt the teacher-forced
+    logit error is positive and small against the logits' spread, agreements are shares."""
+    import json
+
+    from bench.thinker.fp8_fidelity import main
+
+    out = tmp_path / "fid.json"
+    argv = ["--checkpoint", str(tiny_ckpt), "--device", "cpu", "--prompts", "2", "--tokens", "4"]
+    assert main([*argv, "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["prompts"]) == 2 and result["tokens"] == 4
+    for r in result["prompts"]:
+        assert 0 < r["logit_mean_abs_err"] <= r["logit_max_abs_err"]
+        assert r["logit_mean_abs_err_over_std"] < 0.1
+        assert (
+            0 <= r["teacher_forced_top1_agreement"] <= 1
+            and 0 <= r["greedy_tokens_before_first_difference"] <= 4
+        )
