@@ -337,9 +337,23 @@ def test_i6_i7_unsupported_inputs(client: TestClient) -> None:
         open_session(ws)
         ws.send_json({"type": "input.text.append", "text": "hi"})
         check_error(ws.receive_json(), "native_text_append_unsupported")
-        ws.send_json({"type": "response.create", "response": {"instructions": "x"}})
-        check_error(ws.receive_json(), "unsupported_native_response_options")
-        ws.send_json({"type": "response.create"})
+        ws.send_json({"type": "response.create", "response": {"voice": "alloy"}})
+        refused = ws.receive_json()
+        check_error(refused, "unsupported_native_response_options")
+        assert refused["error"]["param"] == "response.voice"
+        for bad, param in (
+            ({"max_output_tokens": 0}, "response.max_output_tokens"),
+            ({"max_output_tokens": "many"}, "response.max_output_tokens"),
+            ({"output_modalities": ["video"]}, "response.output_modalities"),
+            ({"instructions": 5}, "response.instructions"),
+            ({"nonsense": 1}, "response.nonsense"),
+        ):
+            ws.send_json({"type": "response.create", "response": bad})
+            refused = ws.receive_json()
+            assert refused["type"] == "error" and refused["error"]["param"] == param, (bad, refused)
+            assert refused["error"]["type"] == "invalid_request_error"
+        # Valid options pass validation; the missing input is what is refused then.
+        ws.send_json({"type": "response.create", "response": {"instructions": "x", "max_output_tokens": 5}})
         check_error(ws.receive_json(), "response_create_without_input")
 
 

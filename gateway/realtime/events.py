@@ -96,6 +96,7 @@ class ResponseState:
     history_transcript: str | None = None
     superseded_by_user_turn: bool = False
     speech_turn: int = 0  # the pipeline's speaking turn voicing this response (0: not known yet)
+    max_tokens_reached: bool = False  # the model's turn was ended by the response's max_output_tokens
 
     @property
     def item_id(self) -> str:
