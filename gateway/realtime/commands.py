@@ -147,7 +147,8 @@ async def append(s: CommandHost, event: dict[str, Any]) -> None:
     s.input.note_append(samples.size)
     if s.server_vad is not None:
         s.server_vad.push(samples, frames)
-        return
+        if not s.cfg.auto_response:
+            return  # turn lane: server VAD routes the audio (pre-roll, speech into the buffer)
     for unit in s.input.push(samples, frames, speech):
         s.accept_units([unit])
         if not s.cfg.auto_response and not unit.is_speech and s.lifecycle.active is None:
