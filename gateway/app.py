@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import metrics
 from gateway.auth import check_api_key
 from gateway.config import GatewayConfig
+from gateway.openai.body import ClientGone
 from gateway.openai.chat import OPENAPI_COMPONENTS
 from gateway.openai.chat import router as chat_router
 from gateway.openai.errors import APIError, error_body, error_response
@@ -176,11 +177,28 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: APIError) -> Response:
         return error_response(exc)
 
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone) -> Response:
+        # The client left mid-body: nobody reads this answer; 499 (nginx's "client closed request") labels
+        # it in minicpmo_gateway_requests_total so that it never counts as a server error.
+        metrics.CLIENT_DISCONNECTS.inc()
+        log.info("%s %s: %s", request.method, request.url.path, exc)
+        return Response(status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return JSONResponse(error_body(400, f"invalid request: {first.get('msg', exc)}", param), 400)
+        return JSONResponse(
+            error_body(
+                400,
+                f"invalid request: {first.get('msg', exc)}",
+                param,
+                "invalid_request_error",
+                "invalid_value",
+            ),
+            400,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -191,7 +209,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), 500)
+        # Starlette re-raises after this answer and uvicorn then drops the socket: say so, so a kept-alive
+        # client opens a new connection instead of failing its next request on a reset.
+        return JSONResponse(
+            error_body(500, f"internal error: {type(exc).__name__}"), 500, headers={"Connection": "close"}
+        )
 
 
 def _declare_body_schemas(app: FastAPI) -> None:

@@ -29,14 +29,30 @@ from services.common.deploy_profile import MediaLimits
 THINKER_AUDIO_RATE = 16_000
 
 
+# Pillow's own decompression-bomb guard (``Image.MAX_IMAGE_PIXELS``): Pillow warns above it and raises
+# above twice it while reading the header, before any pixel is decoded. The gateway sets it to this value
+# (above every profile's ``max_image_pixels``, 40 Mpx by default) and refuses both the warning and the error
+# as 413 ``image_too_large``; the profile's own limit is then checked from the header size, also before
+# decoding.
+PIL_MAX_IMAGE_PIXELS = 64_000_000
+
+
 class MediaError(Exception):
-    def __init__(self, status: int, message: str, param: str, code: str = "invalid_media") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str,
+        code: str = "invalid_media",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         message = strip_object_reprs(message)  # decoders put "<_io.BytesIO object at 0x...>" in their errors
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 @dataclass(frozen=True)
@@ -166,32 +182,49 @@ async def _fetch_http(url: str, policy: MediaPolicy, param: str) -> bytes:
 
 
 # ---- images ---------------------------------------------------------------------------------------
+def _image_too_large(param: str, detail: str, limit: int) -> MediaError:
+    return MediaError(
+        413, f"{param}: image {detail}, over the limit of {limit} pixels", param, "image_too_large"
+    )
+
+
 def check_image(data: bytes, limits: MediaLimits, param: str) -> bytes:
-    """Verify an encoded image; returns JPEG/PNG bytes (other formats are re-encoded as PNG)."""
+    """Verify an encoded image; returns JPEG/PNG bytes (other formats are re-encoded as PNG).
+
+    The pixel count comes from the header (``Image.open`` decodes nothing) and is refused before any
+    decoding: Pillow's bomb guard (:data:`PIL_MAX_IMAGE_PIXELS`) first, then ``limits.max_image_pixels``.
+    """
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
+    Image.MAX_IMAGE_PIXELS = PIL_MAX_IMAGE_PIXELS
+    limit = min(limits.max_image_pixels, PIL_MAX_IMAGE_PIXELS)
     try:
-        with Image.open(io.BytesIO(data)) as probe:
-            fmt = probe.format
-            width, height = probe.size
-            probe.verify()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as probe:
+                fmt = probe.format
+                width, height = probe.size
+                if width * height > limits.max_image_pixels:
+                    raise _image_too_large(param, f"declares {width}x{height} pixels", limit)
+                probe.verify()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise _image_too_large(param, "declares too many pixels (a decompression bomb)", limit) from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise MediaError(400, f"{param}: not a decodable image ({exc})", param, "invalid_image") from exc
-    if width * height > limits.max_image_pixels:
-        raise MediaError(
-            413,
-            f"{param}: image has {width}x{height} pixels, over the limit of {limits.max_image_pixels}",
-            param,
-            "image_too_large",
-        )
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            img.load()
-            if fmt in ("JPEG", "PNG"):
-                return data
-            out = io.BytesIO()
-            img.convert("RGB").save(out, format="PNG")
-            return out.getvalue()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                img.load()
+                if fmt in ("JPEG", "PNG"):
+                    return data
+                out = io.BytesIO()
+                img.convert("RGB").save(out, format="PNG")
+                return out.getvalue()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise _image_too_large(param, "declares too many pixels (a decompression bomb)", limit) from exc
     except (OSError, ValueError) as exc:
         raise MediaError(
             400, f"{param}: image is truncated or corrupt ({exc})", param, "invalid_image"
@@ -200,7 +233,14 @@ def check_image(data: bytes, limits: MediaLimits, param: str) -> bytes:
 
 # ---- audio ----------------------------------------------------------------------------------------
 def decode_audio(data: bytes, limits: MediaLimits, param: str) -> DecodedAudio:
-    """Any common audio file -> float32 mono at its own rate (the thinker resamples)."""
+    """Any common audio file -> float32 mono at its own rate (the thinker resamples).
+
+    The duration the header declares is refused before decoding when it is over the limit; the decoded
+    length is checked again (headers can lie, and PyAV-only formats have none here).
+    """
+    declared = _declared_audio_seconds(data)
+    if declared is not None and declared > limits.max_audio_seconds:
+        raise _audio_too_long(param, declared, limits.max_audio_seconds)
     try:
         audio = DecodedAudio(*read_audio(data))
     except AUDIO_DECODE_ERRORS:
@@ -208,13 +248,27 @@ def decode_audio(data: bytes, limits: MediaLimits, param: str) -> DecodedAudio:
     if audio.samples.size == 0:
         raise MediaError(400, f"{param}: audio has no samples", param, "invalid_audio")
     if audio.seconds > limits.max_audio_seconds:
-        raise MediaError(
-            413,
-            f"{param}: audio lasts {audio.seconds:.1f} s, over the limit of {limits.max_audio_seconds:g} s",
-            param,
-            "audio_too_long",
-        )
+        raise _audio_too_long(param, audio.seconds, limits.max_audio_seconds)
     return audio
+
+
+def _audio_too_long(param: str, seconds: float, limit: float) -> MediaError:
+    return MediaError(
+        413, f"{param}: audio lasts {seconds:.1f} s, over the limit of {limit:g} s", param, "audio_too_long"
+    )
+
+
+def _declared_audio_seconds(data: bytes) -> float | None:
+    """The duration in a soundfile-readable header (WAV, FLAC, OGG, ...), None when it has none."""
+    import soundfile
+
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except Exception:  # noqa: BLE001 - not a libsndfile format: PyAV decodes it, the decoded length is checked
+        return None
+    if not info.samplerate or info.frames <= 0:
+        return None
+    return float(info.frames) / float(info.samplerate)
 
 
 def _decode_audio_av(data: bytes, param: str, target_rate: int | None) -> DecodedAudio:

@@ -14,11 +14,11 @@ from services.common.pb import common_pb2
 
 # Typed stage error code -> (HTTP status, OpenAI-style error type).
 _STAGE_ERROR_HTTP: dict[int, tuple[int, str]] = {
-    common_pb2.ERROR_CODE_INVALID_ARGUMENT: (400, "BadRequestError"),
-    common_pb2.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: (400, "BadRequestError"),
-    common_pb2.ERROR_CODE_UNSUPPORTED_MEDIA: (400, "BadRequestError"),
-    common_pb2.ERROR_CODE_BAD_REFERENCE_AUDIO: (400, "BadRequestError"),
-    common_pb2.ERROR_CODE_FAILED_PRECONDITION: (400, "BadRequestError"),
+    common_pb2.ERROR_CODE_INVALID_ARGUMENT: (400, "invalid_request_error"),
+    common_pb2.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
+    common_pb2.ERROR_CODE_UNSUPPORTED_MEDIA: (400, "invalid_request_error"),
+    common_pb2.ERROR_CODE_BAD_REFERENCE_AUDIO: (400, "invalid_request_error"),
+    common_pb2.ERROR_CODE_FAILED_PRECONDITION: (400, "invalid_request_error"),
     common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED: (429, "RateLimitError"),
     common_pb2.ERROR_CODE_UNAVAILABLE: (503, "ServiceUnavailableError"),
     common_pb2.ERROR_CODE_DEADLINE_EXCEEDED: (504, "TimeoutError"),
@@ -48,6 +48,7 @@ class StageFailure(Exception):
         err_type: str,
         param: str | None = None,
         retry_after_s: int | None = None,
+        client_code: bool = False,
     ):
         super().__init__(f"{stage}: {message}")
         self.stage = stage
@@ -57,6 +58,9 @@ class StageFailure(Exception):
         self.err_type = err_type
         self.param = param or None
         self.retry_after_s = retry_after_s  # sent as Retry-After when the failure is answered before a stream
+        # True when ``code`` is the stage's typed reason (context_length_exceeded, invalid_argument, ...):
+        # it is then the OpenAI envelope's ``code``, which tells the client what to fix.
+        self.client_code = client_code
 
     @classmethod
     def from_rpc_error(cls, stage: str, target: str, err: grpc.aio.AioRpcError) -> StageFailure:
@@ -73,4 +77,6 @@ class StageFailure(Exception):
     def from_stage_error(cls, stage: str, err: common_pb2.Error) -> StageFailure:
         status, err_type = _STAGE_ERROR_HTTP.get(err.code, (500, "InternalServerError"))
         code = CODE_NAMES.get(err.code, "stage_error")
-        return cls(stage, status, f"{stage}: {err.message}", code, err_type, err.param or None)
+        return cls(
+            stage, status, f"{stage}: {err.message}", code, err_type, err.param or None, client_code=True
+        )

@@ -68,3 +68,17 @@ def mp4_bytes(
 
 def data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def bomb_png(width: int = 30_000, height: int = 30_000, payload: int = 100_000) -> bytes:
+    """A decompression-bomb PNG: a valid header declaring ``width``x``height`` grey pixels, and about
+    ``payload`` bytes of zlib data (a few MB of zero rows) - tiny on the wire, gigabytes once decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    rows = zlib.compress(b"\0" * (payload * 1000), 9)[:payload]
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")

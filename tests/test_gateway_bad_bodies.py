@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 from gateway_server import ThreadedGateway
-from media_samples import data_url, png_bytes
+from media_samples import bomb_png, data_url, png_bytes
 from stage_processes import dead_address
 
 from gateway.config import GatewayConfig
@@ -116,16 +116,16 @@ BAD_BODIES = [
     ),
     ("stage_top_k_2^31", _raw(sampling_params_list=[{"top_k": 2**31}]), 400, "sampling_params_list[0].top_k"),
     # non-finite numbers, as literals, as overflowing decimals, as integers too large for a double
-    ("temperature_NaN", _raw(temperature=0.5).replace(b"0.5", b"NaN"), 400, None),
-    ("top_p_Infinity", _raw(top_p=0.5).replace(b"0.5", b"Infinity"), 400, None),
-    ("temperature_-Infinity", _raw(temperature=0.5).replace(b"0.5", b"-Infinity"), 400, None),
+    ("temperature_NaN", _raw(temperature=0.5).replace(b"0.5", b"NaN"), 400, "temperature"),
+    ("top_p_Infinity", _raw(top_p=0.5).replace(b"0.5", b"Infinity"), 400, "top_p"),
+    ("temperature_-Infinity", _raw(temperature=0.5).replace(b"0.5", b"-Infinity"), 400, "temperature"),
     ("temperature_1e400", _raw(temperature=0.5).replace(b"0.5", b"1e400"), 400, "temperature"),
     ("temperature_int_overflow", _raw(temperature=10**400), 400, "temperature"),
     (
         "stage_temperature_NaN",
         _raw(sampling_params_list=[{"temperature": 0.5}]).replace(b"0.5", b"NaN"),
         400,
-        None,
+        "sampling_params_list[0].temperature",
     ),
     (
         "stage_penalty_over_float32",
@@ -145,7 +145,7 @@ BAD_BODIES = [
             b"0.5", b"NaN"
         ),
         400,
-        None,
+        "messages[0].content[0].w",
     ),
     # token budgets beyond the whole thinker context (OpenAI refuses these too)
     ("max_tokens_1e9", _raw(max_tokens=10**9), 400, "max_tokens"),
@@ -191,6 +191,23 @@ BAD_BODIES = [
         400,
         "messages[0].content[0]",
     ),
+    # a decompression bomb: ~100 kB declaring 30000x30000 pixels, refused from its header
+    (
+        "bomb_png",
+        _raw(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "describe"},
+                        {"type": "image_url", "image_url": {"url": data_url(bomb_png(), "image/png")}},
+                    ],
+                }
+            ]
+        ),
+        413,
+        "messages[0].content[1]",
+    ),
     ("not_json", b'{"model": ', 400, None),
     ("not_utf8", b'{"model": "\xff\xfe"}', 400, None),
 ]
@@ -203,7 +220,10 @@ def test_bad_body_is_4xx_with_reason_and_keeps_the_connection(
     got, data = _post(conn, body)
     assert got == status, (name, data)
     err = data["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert set(err) == {"message", "type", "param", "code"}
+    # the reason the client must fix (invalid_value, image_too_large, ...), never the bare status
+    assert isinstance(err["code"], str) and err["code"], err
+    assert err["type"] == "invalid_request_error", err
     assert err["message"] and not _REPR.search(err["message"]), err["message"]
     if param is not None:
         assert err["param"] == param, err
@@ -243,6 +263,25 @@ def test_openapi_declares_the_chat_body(gateway: ThreadedGateway, conn: http.cli
     chat = schemas[ref.rsplit("/", 1)[-1]]
     assert "messages" in chat["required"] and chat["properties"]["messages"]["minItems"] == 1
     assert chat["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 2**32 - 1
+    # the OpenAI fields the validation layer parses are declared (schemathesis generates from these)
+    for name in (
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "max_completion_tokens",
+        "audio",
+    ):
+        assert name in chat["properties"], name
+    assert chat["properties"]["top_logprobs"]["anyOf"][0]["maximum"] == 20
+    assert "tool" in schemas["ChatMessageSchema"]["properties"]["role"]["enum"]
+    assert "schema" in schemas["JSONSchemaFormat"]["properties"]
     # every $ref in the document resolves
     for target in re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)):
         assert target in schemas, target
@@ -272,3 +311,94 @@ def test_no_request_content_or_secrets_in_logs(caplog: pytest.LogCaptureFixture)
         c.close()
     assert caplog.records, "the gateway logged nothing at all: the check would be vacuous"
     assert secret_text not in caplog.text and secret_key not in caplog.text
+
+
+# The numeric fields of the body: NaN / Infinity / -Infinity in each is a 400 naming that field.
+NUMERIC_FIELDS = [
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "max_completion_tokens",
+    "seed",
+    "top_k",
+    "min_tokens",
+    "top_logprobs",
+]
+
+
+@pytest.mark.parametrize("token", [b"NaN", b"Infinity", b"-Infinity"])
+@pytest.mark.parametrize("field", NUMERIC_FIELDS)
+def test_non_finite_number_names_the_field(
+    conn: http.client.HTTPConnection, field: str, token: bytes
+) -> None:
+    body = _raw(**{field: 12345}).replace(b"12345", token)
+    got, data = _post(conn, body)
+    err = data["error"]
+    assert got == 400 and err["param"] == field and err["code"] == "invalid_value", data
+    assert err["type"] == "invalid_request_error"
+    _assert_still_usable(conn)
+
+
+def test_bomb_png_then_a_request_on_the_same_connection(gateway: ThreadedGateway) -> None:
+    """The bomb is a 413 naming the limit, and the same kept-alive httpx connection serves the next request."""
+    import httpx
+
+    body = _body(
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": data_url(bomb_png(), "image/png")}}],
+            }
+        ]
+    )
+    sockets: list[object] = []
+    with httpx.Client(base_url=gateway.url, timeout=30, limits=httpx.Limits(max_connections=1)) as client:
+
+        def note(response: httpx.Response) -> None:
+            sockets.append(response.extensions["network_stream"].get_extra_info("socket"))
+
+        client.event_hooks["response"] = [note]
+        r = client.post(ROUTE, json=body)
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["code"] == "image_too_large" and err["param"] == "messages[0].content[0]"
+        assert "pixels" in err["message"] and r.headers.get("connection") != "close"
+        follow = client.get("/v1/models")
+        assert follow.status_code == 200
+    assert len(sockets) == 2 and sockets[0] is sockets[1], "the follow-up request needed a new connection"
+
+
+def _count(status: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value("minicpmo_gateway_requests_total", {"route": ROUTE, "status": status})
+    return value or 0.0
+
+
+def test_truncated_bodies_count_as_client_aborts(
+    gateway: ThreadedGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Content-Length larger than what arrives, then close: a 499 in the request metrics, no 5xx, no traceback."""
+    import socket
+    import time
+
+    before_499, before_500 = _count("499"), _count("500")
+    n = 5
+    for i in range(n):
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+            head = (
+                f"POST {ROUTE} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: 100000\r\n\r\n"
+            ).encode()
+            sock.sendall(head + _raw()[:20])
+            if i % 2:  # half closed, half reset
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    deadline = time.monotonic() + 10
+    while _count("499") < before_499 + n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _count("499") == before_499 + n
+    assert _count("500") == before_500
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]

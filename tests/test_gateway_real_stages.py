@@ -278,13 +278,28 @@ def test_thinker_rejection_maps_to_400_with_param(gateway: ThreadedGateway) -> N
         )
         assert r.status_code == 400, r.text  # streaming too: nothing had been sent yet
         err = r.json()["error"]
-        assert err["code"] == 400 and err["param"] == "sampling.top_p" and "thinker" in err["message"]
-    # a prompt longer than the thinker's context: context_length_exceeded, param "messages"
-    r = httpx.post(
-        f"{gateway.url}/v1/chat/completions", json=_chat("hello " * 600, modalities=["text"]), timeout=120
-    )
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "messages"
+        # the thinker's typed reason is the envelope's code, never the HTTP status
+        assert err["code"] == "invalid_argument" and err["type"] == "invalid_request_error"
+        assert err["param"] == "sampling.top_p" and "thinker" in err["message"]
+
+
+def test_prompt_over_the_context_is_context_length_exceeded(gateway: ThreadedGateway, stages: Stages) -> None:
+    """A prompt 4x the thinker's context: 400 code context_length_exceeded, param messages, before any
+    token is generated (streaming too: the refusal comes before the 200), and the stages stay idle."""
+    prompt = "hello " * (4 * THINKER_MAX_CONTEXT)
+    for stream in (False, True):
+        started = time.monotonic()
+        r = httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            json=_chat(prompt, modalities=["text"], stream=stream),
+            timeout=120,
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+        assert err["type"] == "invalid_request_error" and str(THINKER_MAX_CONTEXT) in err["message"]
+        assert time.monotonic() - started < 30
+    assert not any(_wait_idle(stages.all(), 30).values())
 
 
 def test_silent_ref_audio_reaches_thinker_and_is_refused_by_code2wav(gateway: ThreadedGateway) -> None:
@@ -307,7 +322,7 @@ def test_silent_ref_audio_reaches_thinker_and_is_refused_by_code2wav(gateway: Th
     lines = _sse_lines(gateway.url, _chat("hi", stream=True, ref_audio=ref, stream_options=opts))
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
-    assert error["code"] == 400 and error["param"] == "open.ref_audio"
+    assert error["code"] == "bad_reference_audio" and error["param"] == "open.ref_audio"
     with_ref = [json.loads(line.removeprefix("data: ")) for line in lines[:-2]]
     assert with_ref[0]["usage"]["prompt_tokens"] > plain[0]["usage"]["prompt_tokens"]
 
@@ -484,7 +499,8 @@ def test_bad_inputs_get_the_envelope(
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json=payload, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert isinstance(err["code"], str) and err["code"] and err["type"] == "invalid_request_error", err
     assert err["param"] == param
     assert stages.thinker.streams_opened() == before
 

@@ -28,7 +28,10 @@ def _req(**extra):
 
 
 def test_defaults_follow_wire_protocol() -> None:
-    req = _req()
+    assert _req().modalities == ["text"]  # the parse default; the route passes the served default
+    req = parse_chat_request(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, MODEL, None, ("text", "audio")
+    )
     assert req.modalities == ["text", "audio"] and req.audio_format == "wav"
     assert req.use_tts_template is True and req.enable_thinking is False
     assert not req.stream and not req.include_usage
@@ -53,7 +56,11 @@ def test_sampling_precedence_and_aliases() -> None:
         "stop_token_ids": [1, 2],
     }
     assert req.talker_sampling == {"max_new_frames": 300, "min_new_frames": 10, "top_k": 20}
-    assert _req(max_completion_tokens=9, max_tokens=50).thinker_sampling["max_tokens"] == 9
+    assert _req(max_completion_tokens=9).thinker_sampling["max_tokens"] == 9
+    assert _req(max_completion_tokens=9, max_tokens=9).thinker_sampling["max_tokens"] == 9
+    with pytest.raises(APIError) as info:
+        _req(max_completion_tokens=9, max_tokens=50)
+    assert info.value.param == "max_completion_tokens"
 
 
 def test_pcm16_is_normalised() -> None:
@@ -108,12 +115,16 @@ def test_ref_audio_from_extra_body() -> None:
             400,
             "sampling_params_list",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\n"]}, 400, "stop"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
             400,
-            "response_format",
+            "tools[0].function",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+            400,
+            "response_format.type",
         ),
     ],
 )
@@ -221,3 +232,38 @@ def test_realtime_session_limit_from_profile_and_flag() -> None:
     assert app.state.realtime_settings.max_sessions == 3
     app = create_app(config_from_args(build_parser().parse_args(["--deploy-config", "cpu"])))
     assert app.state.realtime_settings.max_sessions == 4
+
+
+def test_audio_duration_refused_from_the_header_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.media as media
+
+    def no_decode(*_: object) -> None:
+        raise AssertionError("decoded although the header already says it is too long")
+
+    monkeypatch.setattr(media, "read_audio", no_decode)
+    with pytest.raises(MediaError) as info:
+        decode_audio(wav_bytes(seconds=3.0), MediaLimits(max_audio_seconds=2.0), "messages[0].content[0]")
+    assert info.value.status == 413 and info.value.code == "audio_too_long"
+    assert info.value.param == "messages[0].content[0]" and "2 s" in info.value.message
+
+
+def test_media_pool_is_bounded() -> None:
+    import threading
+
+    from gateway.media_pool import MediaPool
+
+    pool = MediaPool(workers=1, max_pending=2)
+    release = threading.Event()
+
+    async def main() -> None:
+        busy = [asyncio.create_task(pool.run(release.wait, 5, param=f"p{i}")) for i in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(MediaError) as info:
+            await pool.run(int, "1", param="messages[0].content[2]")
+        assert info.value.status == 503 and info.value.code == "media_queue_full"
+        assert info.value.headers == {"Retry-After": "1"} and info.value.param == "messages[0].content[2]"
+        release.set()
+        assert await asyncio.gather(*busy) == [True, True]
+        assert await pool.run(int, "7", param="x") == 7 and pool.pending == 0
+
+    asyncio.run(main())

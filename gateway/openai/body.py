@@ -1,7 +1,8 @@
 """Reading a JSON request body safely: size, content type, and what JSON allows but nothing downstream can hold.
 
 ``json.loads`` happily returns values the rest of the gateway cannot use: ``NaN``/``Infinity`` literals
-(and ``1e400``, which overflows to infinity), strings with lone UTF-16 surrogates (``"\\ud800"``, which no
+(parsed here as floats on purpose, so the refusal can name the field that holds them; ``1e400`` overflows
+to infinity the same way), strings with lone UTF-16 surrogates (``"\\ud800"``, which no
 UTF-8 encoder - protobuf, the JSON response writer - accepts), and arbitrarily deep nesting (which ends in
 a ``RecursionError`` in whatever walks it next). Each of those used to surface as a 500 after the request
 was half processed; here they are refused up front with a 400 that names the place, so every later step
@@ -15,15 +16,24 @@ import math
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
-from gateway.openai.errors import APIError
+from gateway.openai.errors import APIError, invalid_request
 
 MAX_NESTING = 64  # a chat body nests ~6 deep; anything near this is not a chat request
 _JSON_TYPES = ("application/json",)
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a valid JSON number")
+_CONSTANTS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _parse_constant(name: str) -> float:
+    """``NaN`` / ``Infinity`` / ``-Infinity`` as floats: :func:`check_json_value` then refuses them by path."""
+    return _CONSTANTS[name]
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request body arrived in full (counted as 499)."""
 
 
 def _path(parts: list[str | int]) -> str | None:
@@ -50,21 +60,21 @@ def check_json_value(value: object) -> None:
     while stack:
         node, path = stack.pop()
         if len(path) > MAX_NESTING:
-            raise APIError(400, f"request body nests deeper than {MAX_NESTING} levels", None)
+            raise invalid_request(
+                f"request body nests deeper than {MAX_NESTING} levels", None, "invalid_json"
+            )
         if isinstance(node, float) and not math.isfinite(node):
-            raise APIError(
-                400,
-                f"'{_path(path)}' is not a finite number (NaN and Infinity are not accepted)",
-                _path(path),
+            raise invalid_request(
+                f"'{_path(path)}' is not a finite number (NaN and Infinity are not accepted)", _path(path)
             )
         if isinstance(node, str) and _bad_string(node):
-            raise APIError(
-                400, f"'{_path(path)}' contains a lone UTF-16 surrogate (not valid Unicode text)", _path(path)
+            raise invalid_request(
+                f"'{_path(path)}' contains a lone UTF-16 surrogate (not valid Unicode text)", _path(path)
             )
         if isinstance(node, dict):
             for key, item in node.items():
                 if _bad_string(key):
-                    raise APIError(400, "an object key contains a lone UTF-16 surrogate", _path(path))
+                    raise invalid_request("an object key contains a lone UTF-16 surrogate", _path(path))
                 stack.append((item, [*path, key]))
         elif isinstance(node, list):
             stack.extend((item, [*path, i]) for i, item in enumerate(node))
@@ -90,22 +100,40 @@ def _check_content_type(request: Request) -> None:
 async def read_json_body(request: Request, limit: int) -> object:
     """The body as checked JSON: 413 over ``limit`` bytes, 415 not JSON-typed, 400 malformed or unusable.
 
-    The body is read to its end before a 415 so that the kept-alive connection stays in step.
+    The body is read to its end before a 415 so that the kept-alive connection stays in step. A client
+    that disconnects before the body is complete raises :class:`ClientGone` (the app answers 499).
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {declared} bytes, over the limit of {limit}", None)
+        raise APIError(
+            413,
+            f"request body is {declared} bytes, over the limit of {limit}",
+            None,
+            code="request_too_large",
+        )
     buf = bytearray()
-    async for piece in request.stream():
-        buf.extend(piece)
-        if len(buf) > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", None)
-    _check_content_type(request)
     try:
-        value = json.loads(buf, parse_constant=_refuse_constant)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, or a NaN / Infinity literal
-        raise APIError(400, f"request body is not valid JSON: {exc}", None) from exc
+        async for piece in request.stream():
+            buf.extend(piece)
+            if len(buf) > limit:
+                raise APIError(
+                    413, f"request body is over the limit of {limit} bytes", None, code="request_too_large"
+                )
+    except ClientDisconnect as exc:
+        raise ClientGone(f"client disconnected after {len(buf)} body bytes") from exc
+    _check_content_type(request)
+    return loads_checked(bytes(buf))
+
+
+def loads_checked(raw: bytes) -> object:
+    """``raw`` parsed as JSON and checked by :func:`check_json_value` (400 naming the place otherwise)."""
+    try:
+        value = json.loads(raw, parse_constant=_parse_constant)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise invalid_request(f"request body is not valid JSON: {exc}", None, "invalid_json") from exc
     except RecursionError as exc:
-        raise APIError(400, f"request body nests deeper than {MAX_NESTING} levels", None) from exc
+        raise invalid_request(
+            f"request body nests deeper than {MAX_NESTING} levels", None, "invalid_json"
+        ) from exc
     check_json_value(value)
     return value

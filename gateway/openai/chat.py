@@ -27,9 +27,9 @@ from gateway import metrics
 from gateway.audio_encoding import encode_audio
 from gateway.openai.body import read_json_body
 from gateway.openai.content import build_thinker_messages, load_ref_audio
-from gateway.openai.errors import APIError, error_body
+from gateway.openai.errors import APIError, api_error_body, error_body
 from gateway.openai.openapi_schema import chat_request_openapi
-from gateway.openai.protocol import ChatRequest, parse_chat_request
+from gateway.openai.protocol import OUTPUT_MODALITIES, ChatRequest, parse_chat_request
 from gateway.pipeline import OUTPUT_SAMPLE_RATE, AudioEvent, ChatJob, FinishEvent, PipelineRun, TextEvent
 from gateway.runtime import GatewayRuntime
 from gateway.stage_failure import StageFailure
@@ -89,7 +89,9 @@ def _build_job(
 def _stage_api_error(exc: StageFailure) -> APIError:
     metrics.STAGE_ERRORS.labels(exc.stage, exc.code).inc()
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
-    return APIError(exc.status, exc.message, exc.param, exc.err_type, headers)
+    return APIError(
+        exc.status, exc.message, exc.param, exc.err_type, headers, exc.code if exc.client_code else None
+    )
 
 
 def _audio_metadata(fmt: str, frames: int) -> dict[str, Any]:
@@ -127,7 +129,8 @@ async def create_chat_completion(request: Request) -> Response:
     runtime = _runtime(request)
     body = await read_json_body(request, runtime.config.body_limit)
     max_model_len = runtime.config.profile.stage("thinker").max_model_len
-    req = parse_chat_request(body, runtime.config.model_name, max_model_len)
+    # The served default output stays text + audio (docs/protocol.md) until the deploy profile names one.
+    req = parse_chat_request(body, runtime.config.model_name, max_model_len, OUTPUT_MODALITIES)
     runtime.acquire()
     released = False
     try:
@@ -334,11 +337,10 @@ async def _stream_body(
                 finished_normally = True
         yield "data: [DONE]\n\n"
     except StageFailure as exc:
-        err = _stage_api_error(exc)
-        yield _sse(error_body(err.status, err.message, err.param, err.err_type))
+        yield _sse(api_error_body(_stage_api_error(exc)))
         yield "data: [DONE]\n\n"
     except APIError as exc:
-        yield _sse(error_body(exc.status, exc.message, exc.param, exc.err_type))
+        yield _sse(api_error_body(exc))
         yield "data: [DONE]\n\n"
     except (GeneratorExit, asyncio.CancelledError):
         if not finished_normally:

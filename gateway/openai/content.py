@@ -1,7 +1,7 @@
 """Turning validated chat messages into thinker ``ChatMessage`` protos (fetching and decoding media).
 
-Decoding is CPU work (PIL, soundfile, PyAV), so it runs in a worker thread and the event loop keeps
-serving other requests meanwhile.
+Decoding is CPU work (PIL, soundfile, PyAV), so it runs on the bounded media pool
+(:mod:`gateway.media_pool`) and the event loop keeps serving other requests meanwhile.
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ import base64
 import binascii
 
 from gateway.media import MediaError, MediaPolicy, check_image, decode_audio, decode_video, load_url
-from gateway.openai.errors import APIError
+from gateway.media_pool import MEDIA_POOL
+from gateway.openai.errors import INVALID_REQUEST, APIError
 from gateway.openai.protocol import ContentPart, Message
 from services.common.pb import common_pb2, thinker_pb2
 from services.common.tensors import pcm_from_float
 
 
 def _media_api_error(exc: MediaError) -> APIError:
-    return APIError(exc.status, exc.message, exc.param)
+    err_type = INVALID_REQUEST if exc.status < 500 else None
+    return APIError(exc.status, exc.message, exc.param, err_type, exc.headers, exc.code)
 
 
 async def _part_bytes(part: ContentPart, policy: MediaPolicy) -> bytes:
@@ -46,14 +48,14 @@ async def _convert_part(part: ContentPart, policy: MediaPolicy) -> thinker_pb2.C
     data = await _part_bytes(part, policy)
     limits = policy.limits
     if part.type == "image_url":
-        image = await asyncio.to_thread(check_image, data, limits, part.param)
+        image = await MEDIA_POOL.run(check_image, data, limits, part.param, param=part.param)
         return thinker_pb2.ContentPart(image=thinker_pb2.ImagePart(data=image))
     if part.type in ("input_audio", "audio_url"):
-        audio = await asyncio.to_thread(decode_audio, data, limits, part.param)
+        audio = await MEDIA_POOL.run(decode_audio, data, limits, part.param, param=part.param)
         return thinker_pb2.ContentPart(
             audio=thinker_pb2.AudioPart(pcm=pcm_from_float(audio.samples, audio.sample_rate))
         )
-    video = await asyncio.to_thread(decode_video, data, limits, part.param)
+    video = await MEDIA_POOL.run(decode_video, data, limits, part.param, param=part.param)
     vpart = thinker_pb2.VideoPart(frames=video.frames)
     if video.soundtrack is not None:
         vpart.soundtrack.CopyFrom(pcm_from_float(video.soundtrack.samples, video.soundtrack.sample_rate))
@@ -75,7 +77,11 @@ def _check_counts(messages: list[Message], policy: MediaPolicy) -> None:
     for kind, n in counts.items():
         if n > caps[kind]:
             raise APIError(
-                400, f"at most {caps[kind]} {kind} part(s) per request are accepted, got {n}", "messages"
+                400,
+                f"at most {caps[kind]} {kind} part(s) per request are accepted, got {n}",
+                "messages",
+                INVALID_REQUEST,
+                code="too_many_media_parts",
             )
 
 
@@ -100,7 +106,7 @@ async def load_ref_audio(uri: str, policy: MediaPolicy) -> common_pb2.Pcm:
     """The reference voice as mono PCM at its own rate; 400 when it is not decodable audio."""
     try:
         data = await load_url(uri, policy, "ref_audio")
-        audio = await asyncio.to_thread(decode_audio, data, policy.limits, "ref_audio")
+        audio = await MEDIA_POOL.run(decode_audio, data, policy.limits, "ref_audio", param="ref_audio")
     except MediaError as exc:
         raise _media_api_error(exc) from exc
     return pcm_from_float(audio.samples, audio.sample_rate)

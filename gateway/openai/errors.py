@@ -1,4 +1,10 @@
-"""The OpenAI/vLLM error envelope: ``{"error": {"message", "type", "param", "code"}}`` with code = status."""
+"""The OpenAI/vLLM error envelope: ``{"error": {"message", "type", "param", "code"}}``.
+
+``code`` is a stable string saying what the client must fix when one is known (``invalid_value``,
+``context_length_exceeded``, ``image_too_large``, ...), and the HTTP status otherwise (vLLM's spelling,
+kept for errors that carry no finer reason: 401, 404, 503, ...). Request-validation refusals use OpenAI's
+``type: "invalid_request_error"``.
+"""
 
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ class APIError(Exception):
         param: str | None = None,
         err_type: str | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -51,23 +58,41 @@ class APIError(Exception):
         self.param = param
         self.err_type = err_type or _TYPES.get(status, "APIError")
         self.headers = headers or {}
+        self.code = code
+
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+def invalid_request(
+    message: str, param: str | None, code: str = "invalid_value", status: int = 400
+) -> APIError:
+    """A refusal of the client's input: OpenAI's ``invalid_request_error`` with a reason code and the field."""
+    return APIError(status, message, param, INVALID_REQUEST, code=code)
 
 
 def error_body(
-    status: int, message: str, param: str | None = None, err_type: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    err_type: str | None = None,
+    code: str | None = None,
 ) -> dict[str, Any]:
     return {
         "error": {
             "message": strip_object_reprs(message),
             "type": err_type or _TYPES.get(status, "APIError"),
             "param": param,
-            "code": status,
+            "code": code if code is not None else status,
         }
     }
 
 
+def api_error_body(exc: APIError) -> dict[str, Any]:
+    """The envelope of ``exc`` (for SSE error events, where no HTTP status can be sent any more)."""
+    return error_body(exc.status, exc.message, exc.param, exc.err_type, exc.code)
+
+
 def error_response(exc: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer", **exc.headers} if exc.status == 401 else exc.headers or None
-    return JSONResponse(
-        error_body(exc.status, exc.message, exc.param, exc.err_type), exc.status, headers=headers
-    )
+    return JSONResponse(api_error_body(exc), exc.status, headers=headers)

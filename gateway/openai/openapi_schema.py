@@ -1,6 +1,7 @@
 """The chat request body as an OpenAPI schema, for ``/openapi.json`` (client generators, schema fuzzers).
 
-These pydantic models only *describe* the body; requests are still validated by
+These pydantic models only *describe* the body (for client generators and the schemathesis fuzz run of
+``bench/reliability.py fuzz-http``); requests are validated by
 :func:`gateway.openai.protocol.parse_chat_request`, which names the failing field in its error. The bounds
 here are the ones that function enforces.
 """
@@ -11,7 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.openai.protocol import INT32_MAX, UINT32_MAX, UINT64_MAX
+from gateway.openai.protocol import INT32_MAX, MAX_STOP, MAX_TOP_LOGPROBS, UINT32_MAX, UINT64_MAX
+
+_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class _Open(BaseModel):
@@ -60,11 +63,60 @@ ContentPartSchema = Annotated[
 ]
 
 
+class ToolCallFunctionSchema(_Open):
+    name: str = Field(pattern=_NAME)
+    arguments: str = Field(description="the call's arguments as JSON text")
+
+
+class ToolCallSchema(_Open):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: ToolCallFunctionSchema
+
+
 class ChatMessageSchema(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPartSchema | str] | None = Field(
         None, description="only user messages may carry media; only assistant messages may omit it"
     )
+    name: str | None = None
+    tool_calls: list[ToolCallSchema] | None = Field(None, description="assistant messages only")
+    tool_call_id: str | None = Field(
+        None, description="tool messages: the id of an earlier assistant tool call (required there)"
+    )
+
+
+class FunctionSchema(_Open):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments")
+    strict: bool | None = None
+
+
+class ToolSchema(_Open):
+    type: Literal["function"]
+    function: FunctionSchema
+
+
+class ToolChoiceFunctionName(_Open):
+    name: str
+
+
+class ToolChoiceFunctionSchema(_Open):
+    type: Literal["function"]
+    function: ToolChoiceFunctionName
+
+
+class JSONSchemaFormat(_Open):
+    name: str = Field(pattern=_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a valid JSON Schema")
+    strict: bool | None = None
+
+
+class ResponseFormatSchema(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = Field(None, description="required with type json_schema")
 
 
 class StreamOptionsSchema(_Open):
@@ -74,7 +126,7 @@ class StreamOptionsSchema(_Open):
 
 class AudioOutputSchema(_Open):
     format: Literal["wav", "pcm", "pcm16", "flac", "mp3", "opus"] | None = None
-    voice: str | None = None
+    voice: str | None = Field(None, min_length=1)
 
 
 class ChatTemplateKwargsSchema(_Open):
@@ -88,7 +140,9 @@ class ChatCompletionRequest(_Open):
 
     model: str | None = Field(None, description="must be the served model name")
     messages: list[ChatMessageSchema] = Field(min_length=1)
-    modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(
+        None, min_length=1, description="default: the server's default output (text and audio)"
+    )
     audio: AudioOutputSchema | None = None
     stream: bool | None = None
     stream_options: StreamOptionsSchema | None = None
@@ -101,6 +155,17 @@ class ChatCompletionRequest(_Open):
     repetition_penalty: float | None = Field(None, ge=0.0, le=10.0)
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
     n: Literal[1] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stop: str | list[str] | None = Field(None, description=f"a string or 1 to {MAX_STOP} non-empty strings")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="needs logprobs: true")
+    tools: list[ToolSchema] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ToolChoiceFunctionSchema | None = Field(
+        None, description="a function choice must name a declared tool; auto/required need tools"
+    )
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormatSchema | None = None
     chat_template_kwargs: ChatTemplateKwargsSchema | None = None
     ref_audio: str | None = Field(None, description="reference voice URI (data:, file://, http(s))")
     sampling_params_list: list[dict[str, Any] | None] | None = Field(
@@ -111,7 +176,9 @@ class ChatCompletionRequest(_Open):
 
 def chat_request_openapi() -> tuple[dict[str, Any], dict[str, Any]]:
     """(requestBody object, component schemas it refers to) for the chat route's OpenAPI operation."""
-    schema = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema = ChatCompletionRequest.model_json_schema(
+        ref_template="#/components/schemas/{model}", by_alias=True
+    )
     components = schema.pop("$defs", {})
     components["ChatCompletionRequest"] = schema
     body = {

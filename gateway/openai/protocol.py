@@ -1,25 +1,40 @@
 """Validation of ``POST /v1/chat/completions`` bodies (docs/protocol.md, Chat request) into a
 :class:`ChatRequest`.
 
-Validation is explicit rather than a pydantic model because every refusal must name the offending
-field (``param``) in the error envelope and pick the right status (400 bad value, 404 unknown model),
-and because vLLM-Omni extensions (``sampling_params_list``, ``ref_audio``, ``chat_template_kwargs``) have
-their own rules. Media are only checked for shape here; fetching and decoding happen in
-:mod:`gateway.openai.content`.
+This module is the gateway's one request-validation layer: every field of the OpenAI chat body (and the
+vLLM-Omni extensions ``sampling_params_list``, ``ref_audio``, ``chat_template_kwargs``) is checked here,
+before any media is decoded or any stage is contacted, and the route only ever sees typed attributes.
+Every refusal is OpenAI's ``invalid_request_error`` envelope with a reason ``code`` (``invalid_value``,
+``invalid_type``, ``missing_required_parameter``, ...) and ``param`` set to the JSON path of the field the
+client must fix (``tools[0].function.name``, ``messages[2].tool_call_id``). The checks are explicit code
+rather than a pydantic model of the body because each needs its own path and code, including paths into
+lists and cross-field rules (a ``tool_choice`` naming an undeclared function, a ``tool_call_id`` matching an
+earlier assistant call); :mod:`gateway.openai.openapi_schema` describes the same body for ``/openapi.json``.
+Media are only checked for shape here; fetching and decoding happen in :mod:`gateway.openai.content`.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from gateway.audio_encoding import SUPPORTED_FORMATS, normalize_format
-from gateway.openai.errors import APIError
+from gateway.audio_encoding import normalize_format
+from gateway.openai.errors import APIError, invalid_request
 from services.common.deploy_profile import TALKER_SAMPLING_KEYS, THINKER_SAMPLING_KEYS
 
 OUTPUT_MODALITIES = ("text", "audio")
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# The default output when a body names no ``modalities`` (the deploy profile may give another through
+# ``parse_chat_request(default_modalities=...)``).
+DEFAULT_MODALITIES: tuple[str, ...] = ("text",)
+# OpenAI's limits: function / schema names, stop strings, top_logprobs.
+NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+OPENAI_AUDIO_FORMATS = ("wav", "pcm16", "mp3", "flac", "opus")
 PART_TYPES = ("text", "image_url", "input_audio", "audio_url", "video_url")
 # vLLM SamplingParams keys that have no meaning for this model's stages; accepted and ignored so
 # vLLM-Omni clients that send them keep working.
@@ -55,9 +70,57 @@ class ContentPart:
 
 
 @dataclass
+class ToolCall:
+    """An assistant message's earlier call of a declared function (``arguments`` as the JSON text sent)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
 class Message:
     role: str
     parts: list[ContentPart]
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None  # role "tool": the assistant call this message answers
+    name: str | None = None
+
+
+@dataclass
+class ToolSpec:
+    """A declared ``{"type": "function"}`` tool; ``parameters`` is a checked JSON Schema."""
+
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+    strict: bool = False
+
+
+@dataclass
+class ToolChoice:
+    """``tool_choice`` normalised: ``mode`` "function" carries the forced function's ``name``."""
+
+    mode: Literal["auto", "none", "required", "function"]
+    name: str | None = None
+
+
+@dataclass
+class ResponseFormat:
+    """``response_format`` other than text (``{"type": "text"}`` is normalised to ``None``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool = False
+
+
+@dataclass
+class OpenAIAudio:
+    """OpenAI's ``audio`` output object, present exactly when the body carries one."""
+
+    voice: str
+    format: Literal["wav", "pcm16", "mp3", "flac", "opus"]
 
 
 @dataclass
@@ -75,6 +138,17 @@ class ChatRequest:
     thinker_sampling: dict[str, Any] = field(default_factory=dict)
     talker_sampling: dict[str, Any] = field(default_factory=dict)
     return_stage_metrics: bool = False
+    tools: list[ToolSpec] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    openai_audio: OpenAIAudio | None = None
 
     @property
     def want_audio(self) -> bool:
@@ -85,15 +159,17 @@ class ChatRequest:
         return "text" in self.modalities
 
 
-def _bad(message: str, param: str | None) -> APIError:
-    return APIError(400, message, param)
+def _bad(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return invalid_request(message, param, code)
 
 
 def _expect(value: Any, types: type | tuple[type, ...], param: str, what: str) -> Any:
+    if value is None:
+        raise _bad(f"'{param}' is required ({what})", param, "missing_required_parameter")
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise _bad(f"'{param}' must be {what}, got a boolean", param)
+        raise _bad(f"'{param}' must be {what}, got a boolean", param, "invalid_type")
     if not isinstance(value, types):
-        raise _bad(f"'{param}' must be {what}, got {type(value).__name__}", param)
+        raise _bad(f"'{param}' must be {what}, got {type(value).__name__}", param, "invalid_type")
     return value
 
 
@@ -176,32 +252,86 @@ def _parse_part(raw: Any, param: str) -> ContentPart:
     return ContentPart(ptype, param, url=url)
 
 
+def _parse_tool_calls(raw: Any, param: str) -> list[ToolCall]:
+    """An assistant message's ``tool_calls``: ``[{id, type: "function", function: {name, arguments}}]``."""
+    _expect(raw, list, param, "a list of tool calls")
+    calls: list[ToolCall] = []
+    for j, call in enumerate(raw):
+        where = f"{param}[{j}]"
+        _expect(call, dict, where, "an object")
+        call_id = _expect(call.get("id"), str, f"{where}.id", "a string")
+        if not call_id:
+            raise _bad(f"'{where}.id' is empty", f"{where}.id")
+        if call.get("type", "function") != "function":
+            raise _bad(f"'{where}.type' must be 'function', got {call.get('type')!r}", f"{where}.type")
+        fn = _expect(call.get("function"), dict, f"{where}.function", "an object")
+        name = _expect(fn.get("name"), str, f"{where}.function.name", "a string")
+        if not NAME_RE.match(name):
+            raise _bad(
+                f"'{where}.function.name' must match {NAME_RE.pattern}, got {name[:80]!r}",
+                f"{where}.function.name",
+            )
+        arguments = _expect(fn.get("arguments"), str, f"{where}.function.arguments", "a JSON string")
+        calls.append(ToolCall(call_id, name, arguments))
+    return calls
+
+
 def _parse_messages(raw: Any) -> list[Message]:
+    if raw is None:
+        raise _bad("'messages' is required", "messages", "missing_required_parameter")
     if not isinstance(raw, list) or not raw:
         raise _bad("'messages' must be a non-empty list", "messages")
     out: list[Message] = []
+    call_ids: set[str] = set()
     for i, msg in enumerate(raw):
         param = f"messages[{i}]"
         _expect(msg, dict, param, "an object")
         role = msg.get("role")
         if role not in ROLES:
             raise _bad(f"'{param}.role' must be one of {list(ROLES)}, got {role!r}", f"{param}.role")
+        tool_calls: list[ToolCall] = []
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            tool_calls = _parse_tool_calls(msg["tool_calls"], f"{param}.tool_calls")
         content = msg.get("content")
         if content is None:
             if role != "assistant":
-                raise _bad(f"'{param}.content' is required", f"{param}.content")
+                raise _bad(f"'{param}.content' is required", f"{param}.content", "missing_required_parameter")
             parts: list[ContentPart] = []
         elif isinstance(content, str):
             parts = [ContentPart("text", f"{param}.content", text=content)]
         elif isinstance(content, list):
             parts = [_parse_part(p, f"{param}.content[{j}]") for j, p in enumerate(content)]
         else:
-            raise _bad(f"'{param}.content' must be a string or a list of content parts", f"{param}.content")
+            raise _bad(
+                f"'{param}.content' must be a string or a list of content parts",
+                f"{param}.content",
+                "invalid_type",
+            )
         if role != "user":
             for part in parts:
                 if part.type != "text":
                     raise _bad(f"'{part.param}': {role} messages may only contain text", part.param)
-        out.append(Message("system" if role == "developer" else role, parts))
+        tool_call_id: str | None = None
+        if role == "tool":
+            tool_call_id = _expect(msg.get("tool_call_id"), str, f"{param}.tool_call_id", "a string")
+            if tool_call_id not in call_ids:
+                raise _bad(
+                    f"'{param}.tool_call_id' {tool_call_id[:80]!r} answers no earlier assistant tool call",
+                    f"{param}.tool_call_id",
+                )
+        name = msg.get("name")
+        if name is not None:
+            _expect(name, str, f"{param}.name", "a string")
+        call_ids.update(c.id for c in tool_calls)
+        out.append(
+            Message(
+                "system" if role == "developer" else role,
+                parts,
+                tool_calls=tool_calls,
+                tool_call_id=tool_call_id,
+                name=name,
+            )
+        )
     if not any(m.role == "user" for m in out):
         raise _bad("'messages' must contain at least one user message", "messages")
     return out
@@ -265,13 +395,19 @@ def _check_context(thinker: dict[str, Any], max_model_len: int | None) -> None:
             )
 
 
-def parse_chat_request(body: object, served_model_name: str, max_model_len: int | None = None) -> ChatRequest:
+def parse_chat_request(
+    body: object,
+    served_model_name: str,
+    max_model_len: int | None = None,
+    default_modalities: Sequence[str] = DEFAULT_MODALITIES,
+) -> ChatRequest:
     """Validate a decoded JSON body; raises :class:`APIError` (400, or 404 for an unknown model).
 
-    ``max_model_len`` is the thinker context from the deploy profile (None: not checked here).
+    ``max_model_len`` is the thinker context from the deploy profile (None: not checked here);
+    ``default_modalities`` the output when the body names no ``modalities``.
     """
     if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object", None)
+        raise _bad("request body must be a JSON object", None, "invalid_type")
     model = body.get("model", served_model_name)
     _expect(model, str, "model", "a string")
     if model != served_model_name:
@@ -279,11 +415,12 @@ def parse_chat_request(body: object, served_model_name: str, max_model_len: int 
             404,
             f"The model `{model}` does not exist. This server serves `{served_model_name}`.",
             "model",
-            "NotFoundError",
+            "invalid_request_error",
+            code="model_not_found",
         )
     messages = _parse_messages(body.get("messages"))
 
-    modalities, audio_format = _parse_output(body)
+    modalities, audio_format, openai_audio = _parse_output(body, default_modalities)
 
     stream = _opt_bool(body, "stream", False)
     include_usage = continuous = False
@@ -303,9 +440,20 @@ def parse_chat_request(body: object, served_model_name: str, max_model_len: int 
     if ref_audio is None and isinstance(extra, dict):
         ref_audio = extra.get("ref_audio")
     if ref_audio is not None and not isinstance(ref_audio, str):
-        raise _bad("MiniCPM-o 4.5 chat ref_audio must be a URI string", "ref_audio")
+        raise _bad("MiniCPM-o 4.5 chat ref_audio must be a URI string", "ref_audio", "invalid_type")
 
     _refuse_unsupported(body)
+    tools = _parse_tools(body.get("tools"))
+    tool_choice = _parse_tool_choice(body.get("tool_choice"), tools)
+    logprobs = _opt_bool(body, "logprobs", False)
+    top_logprobs = _opt_int(body, "top_logprobs", 0)
+    if top_logprobs is not None:
+        if top_logprobs > MAX_TOP_LOGPROBS:
+            raise _bad(
+                f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}", "top_logprobs"
+            )
+        if not logprobs:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     thinker, talker = _parse_sampling(body, max_model_len)
     return ChatRequest(
         model=model,
@@ -321,16 +469,29 @@ def parse_chat_request(body: object, served_model_name: str, max_model_len: int 
         thinker_sampling=thinker,
         talker_sampling=talker,
         return_stage_metrics=_opt_bool(body, "return_stage_metrics", False),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True),
+        response_format=_parse_response_format(body.get("response_format")),
+        stop=_parse_stop(body.get("stop")),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        seed=thinker.get("seed"),
+        presence_penalty=_opt_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=_opt_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        openai_audio=openai_audio,
     )
 
 
-def _parse_output(body: dict[str, Any]) -> tuple[list[str], str]:
-    """``modalities`` and ``audio.format``: what the response carries."""
+def _parse_output(
+    body: dict[str, Any], default_modalities: Sequence[str]
+) -> tuple[list[str], str, OpenAIAudio | None]:
+    """``modalities`` and ``audio``: what the response carries, and OpenAI's audio object when sent."""
     modalities = body.get("modalities")
     if modalities is None:
-        modalities = list(OUTPUT_MODALITIES)
+        modalities = list(default_modalities)
     if not isinstance(modalities, list):
-        raise _bad('\'modalities\' must be a list such as ["text", "audio"]', "modalities")
+        raise _bad('\'modalities\' must be a list such as ["text", "audio"]', "modalities", "invalid_type")
     if not modalities or any(m not in OUTPUT_MODALITIES for m in modalities):
         raise _bad(
             f"Unsupported output modalities {modalities!r}; this model outputs {list(OUTPUT_MODALITIES)}",
@@ -339,46 +500,181 @@ def _parse_output(body: dict[str, Any]) -> tuple[list[str], str]:
 
     audio_format = "wav"
     audio = body.get("audio")
-    if audio is not None:
-        _expect(audio, dict, "audio", "an object")
-        if audio.get("format") is not None:
-            fmt = normalize_format(audio["format"])
-            if fmt is None:
-                raise _bad(
-                    f"Unsupported audio format {audio['format']!r}; supported: "
-                    f"{list(SUPPORTED_FORMATS) + ['pcm16']}",
-                    "audio.format",
-                )
-            audio_format = fmt
-    return modalities, audio_format
+    if audio is None:
+        return modalities, audio_format, None
+    _expect(audio, dict, "audio", "an object")
+    if audio.get("format") is not None:
+        fmt = normalize_format(audio["format"])
+        if fmt is None:
+            raise _bad(
+                f"Unsupported audio format {audio['format']!r}; supported: {list(OPENAI_AUDIO_FORMATS)}",
+                "audio.format",
+            )
+        audio_format = fmt
+    voice = audio.get("voice", "default")
+    _expect(voice, str, "audio.voice", "a string")
+    if not voice:
+        raise _bad("'audio.voice' is empty", "audio.voice")
+    openai_fmt = "pcm16" if audio_format == "pcm" else audio_format
+    if openai_fmt not in OPENAI_AUDIO_FORMATS:
+        raise _bad(
+            f"Unsupported audio format {audio['format']!r}; supported: {list(OPENAI_AUDIO_FORMATS)}",
+            "audio.format",
+        )
+    return modalities, audio_format, OpenAIAudio(voice=voice, format=openai_fmt)  # type: ignore[arg-type]
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     """OpenAI options this server does not implement: refused with 400 rather than ignored."""
     n = _opt_int(body, "n", 1)
     if n not in (None, 1):
-        raise _bad("only n=1 is supported", "n")
-    if body.get("logprobs") is not None:
-        if _opt_bool(body, "logprobs", False):
-            raise _bad("logprobs are not supported by this server", "logprobs")
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise _bad("'stop' strings are not supported; use sampling_params_list[0].stop_token_ids", "stop")
+        raise _bad("only n=1 is supported", "n", "unsupported_value")
+    if body.get("functions"):
+        raise _bad(
+            "'functions' (the deprecated tool API) is not supported; use 'tools'",
+            "functions",
+            "unsupported_parameter",
+        )
 
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise _bad(f"'{key}' (tool calling) is not supported by this server", key)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise _bad('only response_format {"type": "text"} is supported', "response_format")
+
+def _check_json_schema(schema: Any, param: str) -> dict[str, Any]:
+    """``schema`` as a dict if it is a valid JSON Schema (checked against its own metaschema)."""
+    import jsonschema
+
+    _expect(schema, dict, param, "a JSON Schema object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise _bad(
+            f"'{param}' is not a valid JSON Schema: {exc.message[:200]} (at '/{where}')", param
+        ) from exc
+    except (TypeError, AttributeError, ValueError) as exc:  # e.g. a "$schema" that is not a string
+        raise _bad(f"'{param}' is not a valid JSON Schema: {type(exc).__name__}", param) from exc
+    return schema
+
+
+def _parse_tools(raw: Any) -> list[ToolSpec]:
+    """``tools``: function tools only, each name unique and each ``parameters`` a valid JSON Schema."""
+    if raw is None:
+        return []
+    _expect(raw, list, "tools", "a list of tools")
+    tools: list[ToolSpec] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        _expect(tool, dict, where, "an object")
+        if tool.get("type") != "function":
+            raise _bad(f"'{where}.type' must be 'function', got {tool.get('type')!r}", f"{where}.type")
+        fn = _expect(tool.get("function"), dict, f"{where}.function", "an object")
+        name = _expect(fn.get("name"), str, f"{where}.function.name", "a string")
+        if not NAME_RE.match(name):
+            raise _bad(
+                f"'{where}.function.name' must match {NAME_RE.pattern}, got {name[:80]!r}",
+                f"{where}.function.name",
+            )
+        if name in seen:
+            raise _bad(
+                f"'{where}.function.name': the function {name!r} is declared twice", f"{where}.function.name"
+            )
+        seen.add(name)
+        description = fn.get("description")
+        if description is not None:
+            _expect(description, str, f"{where}.function.description", "a string")
+        parameters = fn.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        else:
+            parameters = _check_json_schema(parameters, f"{where}.function.parameters")
+        strict = _opt_bool(fn, "strict", False, f"{where}.function.strict")
+        tools.append(ToolSpec(name, description, parameters, strict))
+    return tools
+
+
+def _parse_tool_choice(raw: Any, tools: list[ToolSpec]) -> ToolChoice:
+    """``tool_choice`` normalised; "auto" when tools are given without one, "none" when there are none."""
+    if raw is None:
+        return ToolChoice("auto" if tools else "none")
+    if isinstance(raw, str):
+        if raw not in ("auto", "none", "required"):
+            raise _bad(
+                f"'tool_choice' must be 'auto', 'none', 'required' or a function, got {raw[:40]!r}",
+                "tool_choice",
+            )
+        if raw != "none" and not tools:
+            raise _bad(f"'tool_choice' {raw!r} needs 'tools'", "tool_choice")
+        return ToolChoice(raw)  # type: ignore[arg-type]
+    _expect(raw, dict, "tool_choice", "a string or an object")
+    if raw.get("type") != "function":
+        raise _bad(f"'tool_choice.type' must be 'function', got {raw.get('type')!r}", "tool_choice")
+    fn = _expect(raw.get("function"), dict, "tool_choice", "an object with 'function': {'name': ...}")
+    name = _expect(fn.get("name"), str, "tool_choice", "an object with a function name")
+    if name not in {t.name for t in tools}:
+        raise _bad(
+            f"'tool_choice' names the function {name[:80]!r}, which 'tools' does not declare", "tool_choice"
+        )
+    return ToolChoice("function", name)
+
+
+def _parse_response_format(raw: Any) -> ResponseFormat | None:
+    """``response_format``: text (normalised to None), ``json_object``, or ``json_schema`` with a valid schema."""
+    if raw is None:
+        return None
+    _expect(raw, dict, "response_format", "an object")
+    rtype = raw.get("type")
+    if rtype == "text":
+        return None
+    if rtype == "json_object":
+        return ResponseFormat("json_object")
+    if rtype != "json_schema":
+        raise _bad(
+            f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {rtype!r}",
+            "response_format.type",
+        )
+    spec = _expect(raw.get("json_schema"), dict, "response_format.json_schema", "an object")
+    name = _expect(spec.get("name"), str, "response_format.json_schema.name", "a string")
+    if not NAME_RE.match(name):
+        raise _bad(
+            f"'response_format.json_schema.name' must match {NAME_RE.pattern}, got {name[:80]!r}",
+            "response_format.json_schema.name",
+        )
+    schema = spec.get("schema")
+    if schema is not None:
+        schema = _check_json_schema(schema, "response_format.json_schema.schema")
+    strict = _opt_bool(spec, "strict", False, "response_format.json_schema.strict")
+    return ResponseFormat("json_schema", name, schema, strict)
+
+
+def _parse_stop(raw: Any) -> list[str]:
+    """``stop``: a string or a list of 1..4 non-empty strings."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        raw = [raw]
+    elif not isinstance(raw, list):
+        raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if not 1 <= len(raw) <= MAX_STOP:
+        raise _bad(f"'stop' holds 1 to {MAX_STOP} strings, got {len(raw)}", "stop")
+    for item in raw:
+        if not isinstance(item, str):
+            raise _bad(f"'stop' must hold strings, got {type(item).__name__}", "stop", "invalid_type")
+        if not item:
+            raise _bad("'stop' strings must not be empty", "stop")
+    return list(raw)
 
 
 def _parse_sampling(body: dict[str, Any], max_model_len: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The thinker's and the talker's sampling: top-level OpenAI keys, then ``sampling_params_list``."""
     thinker: dict[str, Any] = {}
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
+    legacy = _opt_int(body, "max_tokens", 1)
+    if max_tokens is not None and legacy is not None and legacy != max_tokens:
+        raise _bad(
+            f"'max_completion_tokens' ({max_tokens}) and its older alias 'max_tokens' ({legacy}) disagree",
+            "max_completion_tokens",
+        )
     if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", 1)
+        max_tokens = legacy
     if max_tokens is not None:
         thinker["max_tokens"] = max_tokens
     for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("repetition_penalty", 0.0, 10.0)):

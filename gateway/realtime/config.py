@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.realtime.audio import (
     OUTPUT_FORMATS,
@@ -38,6 +39,41 @@ SERVER_OWNED_EXTRA_KEYS = frozenset(
     {"session_id", "request_id", "epoch", "unit_seq", "turn_id", "stream_mode"}
 )
 _MAX_REF_AUDIO_S = 30.0
+_UINT32_MAX = 2**32 - 1
+
+
+class _SessionNumbers(BaseModel):
+    """The numeric knobs of ``session.update`` (and their ``extra_body`` ones): finite and in range.
+
+    Only these fields are validated by the model (the rest of the session object has ordered,
+    mode-dependent rules below); a bad value is ``invalid_session_config`` naming the field.
+    """
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=False)
+
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    idle_timeout_s: float | None = Field(None, gt=0.0, le=86_400.0)
+    max_response_output_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)
+
+
+class _ExtraNumbers(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    force_listen_count: int | None = Field(None, ge=0, le=_UINT32_MAX)
+    max_response_units: int | None = Field(None, ge=1, le=_UINT32_MAX)
+
+
+def _checked_numbers(model: type[BaseModel], values: dict[str, Any], prefix: str) -> BaseModel:
+    """``values`` through ``model``; the first error becomes ``invalid_session_config`` naming its field."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field_name = ".".join(str(p) for p in first.get("loc", ()))
+        param = f"{prefix}{field_name}"
+        raise RealtimeError(
+            "invalid_session_config", f"{param}: {first.get('msg', 'invalid value')}", param=param
+        ) from None
 
 
 @dataclass
@@ -344,26 +380,32 @@ def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any],
                 "invalid_session_config", "modalities must be a subset of [text, audio]", param="modalities"
             )
         cfg.modalities = list(mods)
-    if obj.get("temperature") is not None:
-        cfg.temperature = float(obj["temperature"])
-    mrot = obj.get("max_response_output_tokens")
-    if mrot is not None:
-        cfg.max_response_output_tokens = None if mrot == "inf" else int(mrot)
-    if obj.get("idle_timeout_s") is not None:
-        value = float(obj["idle_timeout_s"])
-        if value <= 0:
-            raise RealtimeError(
-                "invalid_session_config", "idle_timeout_s must be positive", param="idle_timeout_s"
-            )
-        cfg.idle_timeout_s = value
+    numbers = {
+        k: obj[k]
+        for k in ("temperature", "idle_timeout_s", "max_response_output_tokens")
+        if obj.get(k) is not None and not (k == "max_response_output_tokens" and obj[k] == "inf")
+    }
+    checked = _checked_numbers(_SessionNumbers, numbers, "")
+    assert isinstance(checked, _SessionNumbers)
+    if checked.temperature is not None:
+        cfg.temperature = checked.temperature
+    if obj.get("max_response_output_tokens") is not None:
+        cfg.max_response_output_tokens = checked.max_response_output_tokens
+    if checked.idle_timeout_s is not None:
+        cfg.idle_timeout_s = checked.idle_timeout_s
     if "metadata" in obj:
         cfg.metadata = obj["metadata"]
     if "auto_response" in extra:
         cfg.auto_response = bool(extra["auto_response"])
-    if "force_listen_count" in extra:
-        cfg.force_listen_count = max(0, int(extra["force_listen_count"]))
-    if "max_response_units" in extra:
-        cfg.max_response_units = max(1, int(extra["max_response_units"]))
+    extra_numbers = {
+        k: extra[k] for k in ("force_listen_count", "max_response_units") if extra.get(k) is not None
+    }
+    checked_extra = _checked_numbers(_ExtraNumbers, extra_numbers, "extra_body.")
+    assert isinstance(checked_extra, _ExtraNumbers)
+    if checked_extra.force_listen_count is not None:
+        cfg.force_listen_count = checked_extra.force_listen_count
+    if checked_extra.max_response_units is not None:
+        cfg.max_response_units = checked_extra.max_response_units
     seed_text = extra.get("duplex_initial_user_text", obj.get("initial_user_text"))
     if seed_text is not None:
         cfg.initial_user_text = str(seed_text)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import Any
 
@@ -18,6 +17,8 @@ from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from gateway.auth import check_api_key
+from gateway.openai.body import loads_checked
+from gateway.openai.errors import APIError
 from gateway.realtime import events as ev
 from gateway.realtime.attachment import CLOSE, Attachment, hash_token
 from gateway.realtime.config import parse_session
@@ -41,9 +42,10 @@ def _parse_frame(text: str, max_bytes: int) -> dict[str, Any]:
     if len(text.encode("utf-8")) > max_bytes:
         raise RealtimeError("event_too_large", f"frame exceeds {max_bytes} bytes")
     try:
-        event = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise RealtimeError("invalid_json", f"frame is not JSON: {exc}") from exc
+        event = loads_checked(text.encode("utf-8", "surrogatepass"))
+    except APIError as exc:  # not JSON, too deep, a NaN / Infinity (named by its path), a lone surrogate
+        code = "invalid_json" if exc.code == "invalid_json" else "invalid_value"
+        raise RealtimeError(code, f"frame: {exc.message}", param=exc.param) from exc
     if not isinstance(event, dict):
         raise RealtimeError("bad_event", "frame must be a JSON object")
     if not isinstance(event.get("type"), str):
