@@ -384,8 +384,10 @@ async def item_create(s: CommandHost, event: dict[str, Any]) -> None:
     item = event.get("item")
     if not isinstance(item, dict):
         raise RealtimeError("bad_event", "item must be an object", param="item")
-    if item.get("type") == "function_call_output":
-        raise RealtimeError("tools_unsupported", "MiniCPM-o duplex sessions have no tools", param="item.type")
+    if item.get("type") in ("function_call", "function_call_output"):
+        raise RealtimeError(
+            "tools_unsupported", "realtime sessions do not call functions yet", param="item.type"
+        )
     content = item.get("content")
     if item.get("role", "user") != "user" or not isinstance(content, list) or not content:
         raise RealtimeError("bad_event", "only user items with content are accepted", param="item")

@@ -27,6 +27,7 @@ from gateway.realtime.audio import (
     validate_rate,
 )
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.tools import check_tools
 from gateway.realtime.vad import normalize_server_vad, silero_available
 from services.common.audio import AUDIO_DECODE_ERRORS, read_audio
 
@@ -259,6 +260,7 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
         raise RealtimeError("bad_event", "extra_body must be an object", param="extra_body")
     _apply_fixed_at_open(cfg, obj, extra, opening, audio_started)
     _apply_knobs(cfg, obj, extra, opening)
+    check_tools(obj, "session")  # 5. function tools: validated by field, then refused (no realtime calls)
     if cfg.wants_audio and cfg.ref_audio is None:
         raise RealtimeError(
             "ref_audio_required", "ref_audio is required when audio is an output modality", param="ref_audio"

@@ -14,6 +14,7 @@ from typing import Any
 
 from gateway.realtime.config import SessionConfig
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.tools import check_tools
 
 # Accepted and applied; every other key of the ``response`` object is refused by name.
 KNOWN_OPTIONS = frozenset(
@@ -29,6 +30,8 @@ KNOWN_OPTIONS = frozenset(
         "audio",
         "output_audio_format",  # the dialect's key; audio deltas keep the session's format
         "extra_body",  # the dialect's extension object; no per-response key is read from it
+        "tools",  # validated, then refused when non-empty (gateway/realtime/tools.py)
+        "tool_choice",
     }
 )
 # Known to OpenAI's Realtime API and refused here, with the reason in the message.
@@ -37,8 +40,6 @@ REFUSED_OPTIONS = {
     "temperature": "sampling is fixed per session",
     "prompt": "stored prompts are not supported",
     "tracing": "tracing is not supported",
-    "tools": "function calling is not supported in realtime sessions",
-    "tool_choice": "function calling is not supported in realtime sessions",
 }
 MAX_INSTRUCTIONS_CHARS = 16_000
 MAX_OUTPUT_TOKENS = 4096
@@ -103,6 +104,7 @@ def parse_response_options(options: Any, cfg: SessionConfig) -> ResponseOptions:
             )
         if key not in KNOWN_OPTIONS:
             raise RealtimeError("unknown_parameter", f"unknown field response.{key}", param=f"response.{key}")
+    check_tools(options, "response")
     if options.get("conversation") not in (None, "auto"):
         raise RealtimeError(
             "unsupported_native_response_options",
