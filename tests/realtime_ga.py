@@ -100,6 +100,39 @@ def _extras(obj: Any, path: str, found: list[str]) -> None:
             _extras(item, f"{path}[{i}]", found)
 
 
+# Values the dialect keeps where GA's closed sets differ (docs/realtime.md, "What still differs"): the
+# wire-protocol invariants B2/B3 name these cancel reasons and the cancelled item status, and a failed
+# response keeps its stable code as ``reason`` next to GA's ``error`` object. They are mapped to their GA
+# counterparts before validation; nothing else is.
+_GA_CANCEL_REASON = {"barge_in": "client_cancelled", "output_audio_buffer_clear": "client_cancelled"}
+
+
+def _item_to_ga(item: Any) -> Any:
+    if isinstance(item, dict) and item.get("status") == "cancelled":
+        return {**item, "status": "incomplete"}
+    return item
+
+
+def to_ga(event: dict[str, Any]) -> dict[str, Any]:
+    """``event`` with the dialect's documented closed-set values replaced by GA's (see above)."""
+    out = dict(event)
+    if "item" in out:
+        out["item"] = _item_to_ga(out["item"])
+    response = out.get("response")
+    if isinstance(response, dict):
+        response = {**response, "output": [_item_to_ga(i) for i in response.get("output") or []]}
+        details = response.get("status_details")
+        if isinstance(details, dict):
+            details = dict(details)
+            if details.get("type") == "cancelled":
+                details["reason"] = _GA_CANCEL_REASON.get(details.get("reason"), details.get("reason"))
+            if details.get("type") == "failed":
+                details.pop("reason", None)
+            response["status_details"] = details
+        out["response"] = response
+    return out
+
+
 def ga_problems(event: dict[str, Any]) -> list[str]:
     """Validation errors and undocumented extra keys of ``event`` under its GA model ([] when it fits)."""
     from pydantic import ValidationError
@@ -108,7 +141,7 @@ def ga_problems(event: dict[str, Any]) -> list[str]:
     if model is None:
         return []
     try:
-        parsed = model.model_validate(event)
+        parsed = model.model_validate(to_ga(event))
     except ValidationError as exc:
         return [
             f"{event['type']}: {'.'.join(str(p) for p in err['loc'])}: {err['msg']} ({err.get('input')!r})"[

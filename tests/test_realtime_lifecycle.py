@@ -125,7 +125,8 @@ def test_turn_lane_response_order_then_finished_response_commands(conn: Conn) ->
     ]
     assert "response.speak" not in types  # speak is a native-lane event
     ((rid, info),) = check_response_invariants(conn.events).items()
-    assert info["status"] == "completed" and info["reason"] == "stop"
+    assert info["status"] == "completed" and info["reason"] is None  # GA: status_details null
+    assert response_metadata(info["done"])["finish_reason"] == "stop"
     assert info["audio_deltas"] >= 1 and info["audio_bytes"] > 0 and info["epoch"] == 0
 
     conn.send({"type": "response.cancel", "response_id": rid})
