@@ -280,8 +280,18 @@ def test_openapi_declares_the_chat_body(gateway: ThreadedGateway, conn: http.cli
     ):
         assert name in chat["properties"], name
     assert chat["properties"]["top_logprobs"]["anyOf"][0]["maximum"] == 20
-    assert "tool" in schemas["ChatMessageSchema"]["properties"]["role"]["enum"]
-    assert "schema" in schemas["JSONSchemaFormat"]["properties"]
+    # messages: one schema per role (the validating models' discriminated union)
+    roles = {
+        schemas[m["$ref"].rsplit("/", 1)[-1]]["properties"]["role"]["const"]
+        for m in chat["properties"]["messages"]["items"]["oneOf"]
+    }
+    assert roles == {"system", "developer", "user", "assistant", "tool"}
+    assert "tool_call_id" in schemas["ToolMessage"]["required"]
+    assert "schema" in schemas["JSONSchemaSpec"]["properties"]
+    # sampling_params_list: the thinker's keys at position 0, the talker's at 1
+    spl = chat["properties"]["sampling_params_list"]["anyOf"][0]["prefixItems"]
+    assert spl[1]["anyOf"][0]["$ref"].endswith("/TalkerSampling")
+    assert "max_new_frames" in schemas["TalkerSampling"]["properties"]
     # every $ref in the document resolves
     for target in re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec)):
         assert target in schemas, target

@@ -208,3 +208,72 @@ def test_non_finite_tokens_name_their_path(token: str) -> None:
     with pytest.raises(APIError) as info:
         loads_checked(b'{"a": [1, {"b": ' + token.encode() + b"}]}")
     assert info.value.param == "a[1].b" and info.value.code == "invalid_value"
+
+
+@pytest.mark.parametrize(
+    "messages, param, code",
+    [
+        ([3], "messages[0]", "invalid_type"),
+        ([{"content": "hi"}], "messages[0].role", "missing_required_parameter"),
+        ([{"role": "user"}], "messages[0].content", "missing_required_parameter"),
+        ([{"role": "user", "content": None}], "messages[0].content", "missing_required_parameter"),
+        ([{"role": "user", "content": 5}], "messages[0].content", "invalid_type"),
+        (
+            [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+            "messages[0].content[0].input_audio.data",
+            "missing_required_parameter",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "video_url", "video_url": 7}]}],
+            "messages[0].content[0].video_url",
+            "invalid_type",
+        ),
+        (
+            [
+                USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "", "function": {"name": "f", "arguments": "{}"}}],
+                },
+            ],
+            "messages[1].tool_calls[0].id",
+            "invalid_value",
+        ),
+    ],
+)
+def test_message_errors_carry_path_and_reason(messages: list, param: str, code: str) -> None:
+    """The discriminated message/part unions report the failing member's own field, not the union's tag."""
+    with pytest.raises(APIError) as info:
+        parse_chat_request({"model": MODEL, "messages": messages}, MODEL)
+    assert (info.value.status, info.value.param, info.value.code) == (400, param, code), info.value.message
+    assert info.value.message.startswith(f"'{param}'") and "#" not in info.value.message
+
+
+@pytest.mark.parametrize(
+    "extra, param, code",
+    [
+        ({"n": 2}, "n", "unsupported_value"),
+        ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        ({"model": None}, "model", "missing_required_parameter"),
+        ({"stream": "yes"}, "stream", "invalid_type"),
+        ({"temperature": 10**400}, "temperature", "invalid_value"),
+        ({"modalities": ["text", "video"]}, "modalities", "invalid_value"),
+        ({"sampling_params_list": [{"bogus": 1}]}, "sampling_params_list[0].bogus", "invalid_value"),
+        ({"sampling_params_list": [{}, 3]}, "sampling_params_list[1]", "invalid_type"),
+        ({"extra_body": {"ref_audio": 3}}, "ref_audio", "invalid_type"),
+    ],
+)
+def test_body_errors_carry_path_and_reason(extra: dict, param: str, code: str) -> None:
+    err = _refused(param, **extra)
+    assert err.code == code, err.code
+    assert "ThinkerSampling" not in err.message and "TalkerSampling" not in err.message
+
+
+def test_every_refusal_is_a_clean_envelope() -> None:
+    """Bodies of the wrong shape at each level are 400s with a reason code, never another exception."""
+    with pytest.raises(APIError) as info:
+        parse_chat_request([USER], MODEL)
+    assert (info.value.param, info.value.code) == (None, "invalid_type")
+    with pytest.raises(APIError) as info:
+        parse_chat_request({"model": "gpt-4o", "messages": 3}, MODEL)
+    assert (info.value.status, info.value.code) == (404, "model_not_found")

@@ -13,7 +13,7 @@ import base64
 import binascii
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -29,6 +29,7 @@ from gateway.realtime.audio import (
 from gateway.realtime.errors import RealtimeError
 from gateway.realtime.tools import check_tools
 from gateway.realtime.vad import normalize_server_vad, silero_available
+from gateway.validation_types import FINITE32, PositiveUInt32, Temperature, UInt32
 from services.common.audio import AUDIO_DECODE_ERRORS, read_audio
 
 DEFAULT_MODEL = "openbmb/MiniCPM-o-4_5"
@@ -40,28 +41,29 @@ SERVER_OWNED_EXTRA_KEYS = frozenset(
     {"session_id", "request_id", "epoch", "unit_seq", "turn_id", "stream_mode"}
 )
 _MAX_REF_AUDIO_S = 30.0
-_UINT32_MAX = 2**32 - 1
+IdleTimeout = Annotated[float, Field(gt=0.0, le=86_400.0), FINITE32]
 
 
 class _SessionNumbers(BaseModel):
     """The numeric knobs of ``session.update`` (and their ``extra_body`` ones): finite and in range.
 
-    Only these fields are validated by the model (the rest of the session object has ordered,
+    The field types are the chat body's (gateway/validation_types.py), so a temperature or a token
+    budget is held to the same finite range on both APIs. Only these fields are validated by the model (the rest of the session object has ordered,
     mode-dependent rules below); a bad value is ``invalid_session_config`` naming the field.
     """
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=False)
 
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    idle_timeout_s: float | None = Field(None, gt=0.0, le=86_400.0)
-    max_response_output_tokens: int | None = Field(None, ge=1, le=_UINT32_MAX)
+    temperature: Temperature | None = None
+    idle_timeout_s: IdleTimeout | None = None
+    max_response_output_tokens: PositiveUInt32 | None = None
 
 
 class _ExtraNumbers(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    force_listen_count: int | None = Field(None, ge=0, le=_UINT32_MAX)
-    max_response_units: int | None = Field(None, ge=1, le=_UINT32_MAX)
+    force_listen_count: UInt32 | None = None
+    max_response_units: PositiveUInt32 | None = None
 
 
 def _checked_numbers(model: type[BaseModel], values: dict[str, Any], prefix: str) -> BaseModel:
