@@ -272,9 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--request-timeout", type=float, default=None, help="seconds per request (stage deadlines)"
     )
-    p.add_argument(
-        "--openai-audio-delta", action="store_true", help="also stream audio in delta.audio (OpenAI)"
-    )
     env = os.environ.get
     p.add_argument(
         "--stage-tls-ca",
@@ -311,7 +308,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_realtime_sessions=args.max_realtime_sessions,
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
-        openai_audio_delta=args.openai_audio_delta,
         stage_tls=ClientTLS(args.stage_tls_ca, args.stage_tls_cert, args.stage_tls_key)
         if args.stage_tls_ca
         else None,

@@ -27,7 +27,6 @@ class GatewayConfig:
     max_realtime_sessions: int | None = None  # None: from the profile
     max_body_bytes: int | None = None  # None: from the profile
     request_timeout_s: float | None = None  # None: from the profile
-    openai_audio_delta: bool = False  # also put streamed audio in delta.audio (OpenAI style)
     stage_tls: ClientTLS | None = None  # None: the profile's tls section, if any (else plaintext)
 
     @property

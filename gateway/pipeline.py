@@ -63,6 +63,8 @@ class ChatJob:
     first_window_frames: int = 25
     seed: int | None = None
     deadline_s: float = 600.0
+    # Function tools for the chat template (one JSON signature each; gateway.openai.tools).
+    tools_json: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +75,8 @@ class TextEvent:
     # the prompt length the thinker reported and the tokens generated so far, this delta included.
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Per-token log-probabilities of this delta's tokens (when the request asked for them).
+    logprobs: list[thinker_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +92,7 @@ class FinishEvent:
     completion_tokens: int
     audio_samples: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens served from the thinker's prefix cache
 
 
 PipelineEvent = TextEvent | AudioEvent | FinishEvent
@@ -186,6 +191,7 @@ class PipelineRun:
             completion_tokens=int(usage.completion_tokens),
             audio_samples=self.audio_samples,
             timings=dict(self.timings),
+            cached_tokens=int(usage.cached_tokens),
         )
 
     def _text_event(self, text: str, token_count: int) -> TextEvent:
@@ -205,6 +211,7 @@ class PipelineRun:
             chunk_tokens=job.hidden_chunk_tokens,
             first_chunk_tokens=job.first_hidden_chunk_tokens,
             hidden_dtype=job.hidden_dtype,
+            tools_json=job.tools_json,
         )
         if job.ref_audio is not None:
             open_msg.ref_audio.CopyFrom(job.ref_audio)
@@ -227,8 +234,10 @@ class PipelineRun:
                     self.saw_text_delta = True
                     self.prompt_tokens = resp.text.prompt_tokens or self.prompt_tokens
                     self.completion_tokens += len(resp.text.token_ids)
-                    if resp.text.text:
-                        await self.queue.put(self._text_event(resp.text.text, len(resp.text.token_ids)))
+                    if resp.text.text or resp.text.logprobs:
+                        event = self._text_event(resp.text.text, len(resp.text.token_ids))
+                        event.logprobs = list(resp.text.logprobs)
+                        await self.queue.put(event)
                 elif kind == "speech":
                     chunk = resp.speech
                     if not self.job.want_speech:

@@ -734,7 +734,13 @@ def test_tool_definitions_are_validated_by_field_and_the_session_goes_on(client:
             ({"tools": [fn, {**fn}]}, "session.tools[1].name", "invalid_value"),
             ({"tools": [{**fn, "parameters": {"type": 5}}]}, "session.tools[0].parameters", "invalid_value"),
             ({"tools": "get_weather"}, "session.tools", "invalid_value"),
-            ({"tools": [fn], "tool_choice": {"type": "function", "name": "nope"}}, "session.tool_choice", None),
+            ({"tools": [{"type": "web_search", "name": "x"}]}, "session.tools[0].type", "invalid_value"),
+            ({"tools": [{"type": "function", "name": "a b"}]}, "session.tools[0].name", "invalid_value"),
+            (
+                {"tools": [fn], "tool_choice": {"type": "function", "name": "nope"}},
+                "session.tool_choice",
+                None,
+            ),
             ({"tool_choice": "required"}, "session.tool_choice", "invalid_value"),
             ({"tools": [fn]}, "session.tools", "tools_unsupported"),
         ]

@@ -134,10 +134,18 @@ def test_updates_switch_modes_and_reject_with_the_specific_code(client: TestClie
         assert updated["type"] == "session.updated"
         assert updated["session"]["turn_detection"] == {**DEFAULTS, **VAD, "threshold": 0.7}
         assert updated["session"]["overlap_policy"] == "barge_in_on_speech"
+        ws.send_json(
+            {"type": "session.update", "event_id": "u9", "session": {"overlap_policy": "listen_only"}}
+        )
+        expect_error(ws, "unsupported_turn_detection", "u9")  # server VAD needs barge-in
         ws.send_json({"type": "session.update", "session": {"turn_detection": None}})
         back = ws.receive_json()
         assert back["type"] == "session.updated" and back["session"]["turn_detection"] is None
         assert back["session"]["overlap_policy"] == "listen_only"
+        ws.send_json({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}})
+        vad = ws.receive_json()
+        assert vad["type"] == "session.updated" and vad["session"]["turn_detection"]["type"] == "server_vad"
+        assert vad["session"]["overlap_policy"] == "barge_in_on_speech"
 
 
 def test_server_vad_alone_is_accepted_on_the_native_lane(client: TestClient) -> None:

@@ -31,7 +31,9 @@ def _check_schema(schema: Any, param: str) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
-        raise _bad(f"{param} is not a valid JSON Schema: {exc.message[:200]} (at '/{where}')", param) from None
+        raise _bad(
+            f"{param} is not a valid JSON Schema: {exc.message[:200]} (at '/{where}')", param
+        ) from None
     except (TypeError, AttributeError, ValueError) as exc:
         raise _bad(f"{param} is not a valid JSON Schema: {type(exc).__name__}", param) from None
 

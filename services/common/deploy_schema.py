@@ -13,7 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 STAGES: tuple[str, ...] = ("thinker", "talker", "code2wav")
 DTYPES = frozenset({"bfloat16", "float16", "float32"})
@@ -259,6 +267,8 @@ class GatewayDoc(_Doc):
     max_realtime_sessions: PositiveInt | None = None
     max_body_bytes: PositiveInt | None = None
     request_timeout_s: PositiveNumber | None = None
+    # Output of a chat request that names no ``modalities`` (OpenAI's default: text only).
+    default_modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
     media: MediaDoc | None = None
 
 

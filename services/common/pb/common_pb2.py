@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18minicpmo/v1/common.proto\x12\x0bminicpmo.v1\"w\n\x08Identity\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07turn_id\x18\x04 \x01(\x04\x12\x10\n\x08unit_seq\x18\x05 \x01(\x04\x12\x11\n\tchunk_seq\x18\x06 \x01(\x04\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.minicpmo.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"b\n\x03Pcm\x12\x13\n\x0bsample_rate\x18\x01 \x01(\r\x12&\n\x06\x66ormat\x18\x02 \x01(\x0e\x32\x16.minicpmo.v1.PcmFormat\x12\x10\n\x08\x63hannels\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\".\n\tInterrupt\x12\x11\n\tnew_epoch\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x07\n\x05\x46lush\"\x05\n\x03\x45nd\"\xa7\x01\n\x07\x43ontrol\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12+\n\tinterrupt\x18\x02 \x01(\x0b\x32\x16.minicpmo.v1.InterruptH\x00\x12#\n\x05\x66lush\x18\x03 \x01(\x0b\x32\x12.minicpmo.v1.FlushH\x00\x12\x1f\n\x03\x65nd\x18\x04 \x01(\x0b\x32\x10.minicpmo.v1.EndH\x00\x42\x06\n\x04kind\"[\n\x0cInterruptAck\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x11\n\tnew_epoch\x18\x02 \x01(\x04\x12\x15\n\rdropped_items\x18\x03 \x01(\r\"p\n\x05\x45rror\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12$\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x16.minicpmo.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05param\x18\x04 \x01(\t\"\xab\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12,\n\x05\x65xtra\x18\x04 \x03(\x0b\x32\x1d.minicpmo.v1.Usage.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"c\n\x04\x44one\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.minicpmo.v1.Usage\"f\n\x0b\x43odecWindow\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\r\n\x05\x63odes\x18\x02 \x03(\x05\x12\x14\n\x0cleft_context\x18\x03 \x01(\r\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xfd\x02\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12)\n\rcompute_dtype\x18\x06 \x01(\x0e\x32\x12.minicpmo.v1.DType\x12\x14\n\x0c\x63\x61pabilities\x18\x07 \x03(\t\x12\x32\n\x06limits\x18\x08 \x03(\x0b\x32\".minicpmo.v1.StageInfo.LimitsEntry\x12:\n\nproperties\x18\t \x03(\x0b\x32&.minicpmo.v1.StageInfo.PropertiesEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x31\n\x0fPropertiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05*S\n\tPcmFormat\x12\x1a\n\x16PCM_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10PCM_FORMAT_S16LE\x10\x01\x12\x14\n\x10PCM_FORMAT_F32LE\x10\x02*\x8b\x03\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12&\n\"ERROR_CODE_CONTEXT_LENGTH_EXCEEDED\x10\x02\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x05\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\x06\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x07\x12\x1b\n\x17\x45RROR_CODE_OUT_OF_ORDER\x10\x08\x12 \n\x1c\x45RROR_CODE_UNSUPPORTED_MEDIA\x10\t\x12\"\n\x1e\x45RROR_CODE_BAD_REFERENCE_AUDIO\x10\n\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\x0b\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18minicpmo/v1/common.proto\x12\x0bminicpmo.v1\"w\n\x08Identity\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0f\n\x07turn_id\x18\x04 \x01(\x04\x12\x10\n\x08unit_seq\x18\x05 \x01(\x04\x12\x11\n\tchunk_seq\x18\x06 \x01(\x04\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.minicpmo.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"b\n\x03Pcm\x12\x13\n\x0bsample_rate\x18\x01 \x01(\r\x12&\n\x06\x66ormat\x18\x02 \x01(\x0e\x32\x16.minicpmo.v1.PcmFormat\x12\x10\n\x08\x63hannels\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\".\n\tInterrupt\x12\x11\n\tnew_epoch\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x07\n\x05\x46lush\"\x05\n\x03\x45nd\"\xa7\x01\n\x07\x43ontrol\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12+\n\tinterrupt\x18\x02 \x01(\x0b\x32\x16.minicpmo.v1.InterruptH\x00\x12#\n\x05\x66lush\x18\x03 \x01(\x0b\x32\x12.minicpmo.v1.FlushH\x00\x12\x1f\n\x03\x65nd\x18\x04 \x01(\x0b\x32\x10.minicpmo.v1.EndH\x00\x42\x06\n\x04kind\"[\n\x0cInterruptAck\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x11\n\tnew_epoch\x18\x02 \x01(\x04\x12\x15\n\rdropped_items\x18\x03 \x01(\r\"p\n\x05\x45rror\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12$\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x16.minicpmo.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05param\x18\x04 \x01(\t\"\xc2\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12,\n\x05\x65xtra\x18\x04 \x03(\x0b\x32\x1d.minicpmo.v1.Usage.ExtraEntry\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"c\n\x04\x44one\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.minicpmo.v1.Usage\"f\n\x0b\x43odecWindow\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\r\n\x05\x63odes\x18\x02 \x03(\x05\x12\x14\n\x0cleft_context\x18\x03 \x01(\r\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xfd\x02\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12)\n\rcompute_dtype\x18\x06 \x01(\x0e\x32\x12.minicpmo.v1.DType\x12\x14\n\x0c\x63\x61pabilities\x18\x07 \x03(\t\x12\x32\n\x06limits\x18\x08 \x03(\x0b\x32\".minicpmo.v1.StageInfo.LimitsEntry\x12:\n\nproperties\x18\t \x03(\x0b\x32&.minicpmo.v1.StageInfo.PropertiesEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x31\n\x0fPropertiesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05*S\n\tPcmFormat\x12\x1a\n\x16PCM_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10PCM_FORMAT_S16LE\x10\x01\x12\x14\n\x10PCM_FORMAT_F32LE\x10\x02*\x8b\x03\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12&\n\"ERROR_CODE_CONTEXT_LENGTH_EXCEEDED\x10\x02\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x04\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x05\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\x06\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x07\x12\x1b\n\x17\x45RROR_CODE_OUT_OF_ORDER\x10\x08\x12 \n\x1c\x45RROR_CODE_UNSUPPORTED_MEDIA\x10\t\x12\"\n\x1e\x45RROR_CODE_BAD_REFERENCE_AUDIO\x10\n\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\x0b\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,12 +37,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEINFO_LIMITSENTRY']._serialized_options = b'8\001'
   _globals['_STAGEINFO_PROPERTIESENTRY']._loaded_options = None
   _globals['_STAGEINFO_PROPERTIESENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1558
-  _globals['_DTYPE']._serialized_end=1680
-  _globals['_PCMFORMAT']._serialized_start=1682
-  _globals['_PCMFORMAT']._serialized_end=1765
-  _globals['_ERRORCODE']._serialized_start=1768
-  _globals['_ERRORCODE']._serialized_end=2163
+  _globals['_DTYPE']._serialized_start=1581
+  _globals['_DTYPE']._serialized_end=1703
+  _globals['_PCMFORMAT']._serialized_start=1705
+  _globals['_PCMFORMAT']._serialized_end=1788
+  _globals['_ERRORCODE']._serialized_start=1791
+  _globals['_ERRORCODE']._serialized_end=2186
   _globals['_IDENTITY']._serialized_start=41
   _globals['_IDENTITY']._serialized_end=160
   _globals['_TENSOR']._serialized_start=162
@@ -62,19 +62,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ERROR']._serialized_start=663
   _globals['_ERROR']._serialized_end=775
   _globals['_USAGE']._serialized_start=778
-  _globals['_USAGE']._serialized_end=949
-  _globals['_USAGE_EXTRAENTRY']._serialized_start=905
-  _globals['_USAGE_EXTRAENTRY']._serialized_end=949
-  _globals['_DONE']._serialized_start=951
-  _globals['_DONE']._serialized_end=1050
-  _globals['_CODECWINDOW']._serialized_start=1052
-  _globals['_CODECWINDOW']._serialized_end=1154
-  _globals['_GETINFOREQUEST']._serialized_start=1156
-  _globals['_GETINFOREQUEST']._serialized_end=1172
-  _globals['_STAGEINFO']._serialized_start=1175
-  _globals['_STAGEINFO']._serialized_end=1556
-  _globals['_STAGEINFO_LIMITSENTRY']._serialized_start=1460
-  _globals['_STAGEINFO_LIMITSENTRY']._serialized_end=1505
-  _globals['_STAGEINFO_PROPERTIESENTRY']._serialized_start=1507
-  _globals['_STAGEINFO_PROPERTIESENTRY']._serialized_end=1556
+  _globals['_USAGE']._serialized_end=972
+  _globals['_USAGE_EXTRAENTRY']._serialized_start=928
+  _globals['_USAGE_EXTRAENTRY']._serialized_end=972
+  _globals['_DONE']._serialized_start=974
+  _globals['_DONE']._serialized_end=1073
+  _globals['_CODECWINDOW']._serialized_start=1075
+  _globals['_CODECWINDOW']._serialized_end=1177
+  _globals['_GETINFOREQUEST']._serialized_start=1179
+  _globals['_GETINFOREQUEST']._serialized_end=1195
+  _globals['_STAGEINFO']._serialized_start=1198
+  _globals['_STAGEINFO']._serialized_end=1579
+  _globals['_STAGEINFO_LIMITSENTRY']._serialized_start=1483
+  _globals['_STAGEINFO_LIMITSENTRY']._serialized_end=1528
+  _globals['_STAGEINFO_PROPERTIESENTRY']._serialized_start=1530
+  _globals['_STAGEINFO_PROPERTIESENTRY']._serialized_end=1579
 # @@protoc_insertion_point(module_scope)

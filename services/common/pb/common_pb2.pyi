@@ -147,7 +147,7 @@ class Error(_message.Message):
     def __init__(self, id: _Optional[_Union[Identity, _Mapping]] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "extra")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "extra", "cached_tokens")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -159,11 +159,13 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     extra: _containers.ScalarMap[str, int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, int]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("id", "finish_reason", "usage")

@@ -25,43 +25,53 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as minicpmo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minicpmo/v1/thinker.proto\x12\x0bminicpmo.v1\x1a\x18minicpmo/v1/common.proto\"\xc6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"\x19\n\tImagePart\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"*\n\tAudioPart\x12\x1d\n\x03pcm\x18\x01 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\"A\n\tVideoPart\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12$\n\nsoundtrack\x18\x02 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\"\xa0\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x05image\x18\x02 \x01(\x0b\x32\x16.minicpmo.v1.ImagePartH\x00\x12\'\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x16.minicpmo.v1.AudioPartH\x00\x12\'\n\x05video\x18\x04 \x01(\x0b\x32\x16.minicpmo.v1.VideoPartH\x00\x42\x06\n\x04kind\"F\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12)\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x18.minicpmo.v1.ContentPart\"\xc2\x03\n\x0bThinkerOpen\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12%\n\x04mode\x18\x02 \x01(\x0e\x32\x17.minicpmo.v1.StreamMode\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.minicpmo.v1.ChatMessage\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.minicpmo.v1.SamplingParams\x12\x18\n\x10use_tts_template\x18\x05 \x01(\x08\x12\x17\n\x0f\x65nable_thinking\x18\x06 \x01(\x08\x12\x13\n\x0bwant_speech\x18\x07 \x01(\x08\x12#\n\tref_audio\x18\x08 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\x12\x14\n\x0c\x63hunk_tokens\x18\t \x01(\r\x12\x1a\n\x12\x66irst_chunk_tokens\x18\n \x01(\r\x12(\n\x0chidden_dtype\x18\x0b \x01(\x0e\x32\x12.minicpmo.v1.DType\x12\x14\n\x0cinstructions\x18\x0c \x01(\t\x12\x13\n\x0b\x66orce_speak\x18\r \x01(\x08\x12\x1a\n\x12\x66orce_listen_units\x18\x0e \x01(\r\"\xd9\x01\n\x0bThinkerUnit\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x1f\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\x12\x0e\n\x06\x66rames\x18\x03 \x03(\x0c\x12\x18\n\x10request_response\x18\x04 \x01(\x08\x12\x14\n\x0c\x66orce_listen\x18\x05 \x01(\x08\x12\x15\n\rcontinue_turn\x18\x06 \x01(\x08\x12\x14\n\x0cinstructions\x18\x07 \x01(\t\x12\x19\n\x11max_output_tokens\x18\x08 \x01(\r\"\x95\x01\n\x0eThinkerRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.minicpmo.v1.ThinkerOpenH\x00\x12(\n\x04unit\x18\x02 \x01(\x0b\x32\x18.minicpmo.v1.ThinkerUnitH\x00\x12\'\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x14.minicpmo.v1.ControlH\x00\x42\x06\n\x04kind\"f\n\tTextDelta\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\"\xc2\x01\n\x0bSpeechChunk\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.minicpmo.v1.Tensor\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x12\n\nturn_start\x18\x05 \x01(\x08\x12\x10\n\x08turn_end\x18\x06 \x01(\x08\x12\x13\n\x0bsegment_end\x18\x07 \x01(\x08\x12\x0f\n\x07is_last\x18\x08 \x01(\x08\"\xc9\x01\n\nUnitResult\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12+\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x19.minicpmo.v1.UnitDecision\x12\x12\n\ntranscript\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08turn_end\x18\x05 \x01(\x08\x12\x16\n\x0e\x63ontext_tokens\x18\x06 \x01(\r\x12\x1a\n\x12max_tokens_reached\x18\x07 \x01(\x08\"\x92\x02\n\x0fThinkerResponse\x12&\n\x04text\x18\x01 \x01(\x0b\x32\x16.minicpmo.v1.TextDeltaH\x00\x12*\n\x06speech\x18\x02 \x01(\x0b\x32\x18.minicpmo.v1.SpeechChunkH\x00\x12\'\n\x04unit\x18\x03 \x01(\x0b\x32\x17.minicpmo.v1.UnitResultH\x00\x12!\n\x04\x64one\x18\x04 \x01(\x0b\x32\x11.minicpmo.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x12.minicpmo.v1.ErrorH\x00\x12\x32\n\rinterrupt_ack\x18\x06 \x01(\x0b\x32\x19.minicpmo.v1.InterruptAckH\x00\x42\x06\n\x04kind*W\n\nStreamMode\x12\x1b\n\x17STREAM_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10STREAM_MODE_TURN\x10\x01\x12\x16\n\x12STREAM_MODE_DUPLEX\x10\x02*`\n\x0cUnitDecision\x12\x1d\n\x19UNIT_DECISION_UNSPECIFIED\x10\x00\x12\x18\n\x14UNIT_DECISION_LISTEN\x10\x01\x12\x17\n\x13UNIT_DECISION_SPEAK\x10\x02\x32\x9b\x01\n\x0eThinkerService\x12I\n\x08Generate\x12\x1b.minicpmo.v1.ThinkerRequest\x1a\x1c.minicpmo.v1.ThinkerResponse(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1b.minicpmo.v1.GetInfoRequest\x1a\x16.minicpmo.v1.StageInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minicpmo/v1/thinker.proto\x12\x0bminicpmo.v1\x1a\x18minicpmo/v1/common.proto\"\xde\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12+\n\nconstraint\x18\x0f \x01(\x0b\x32\x17.minicpmo.v1.ConstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"\xb7\x01\n\nConstraint\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.minicpmo.v1.Constraint.Kind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x10\n\x08parallel\x18\x03 \x01(\x08\"]\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_OBJECT\x10\x01\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x02\x12\x13\n\x0fKIND_TOOL_CALLS\x10\x03\"\x19\n\tImagePart\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"*\n\tAudioPart\x12\x1d\n\x03pcm\x18\x01 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\"A\n\tVideoPart\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12$\n\nsoundtrack\x18\x02 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\"\xa0\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x05image\x18\x02 \x01(\x0b\x32\x16.minicpmo.v1.ImagePartH\x00\x12\'\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x16.minicpmo.v1.AudioPartH\x00\x12\'\n\x05video\x18\x04 \x01(\x0b\x32\x16.minicpmo.v1.VideoPartH\x00\x42\x06\n\x04kind\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x87\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12)\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x18.minicpmo.v1.ContentPart\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.minicpmo.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xd6\x03\n\x0bThinkerOpen\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12%\n\x04mode\x18\x02 \x01(\x0e\x32\x17.minicpmo.v1.StreamMode\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.minicpmo.v1.ChatMessage\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.minicpmo.v1.SamplingParams\x12\x18\n\x10use_tts_template\x18\x05 \x01(\x08\x12\x17\n\x0f\x65nable_thinking\x18\x06 \x01(\x08\x12\x13\n\x0bwant_speech\x18\x07 \x01(\x08\x12#\n\tref_audio\x18\x08 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\x12\x14\n\x0c\x63hunk_tokens\x18\t \x01(\r\x12\x1a\n\x12\x66irst_chunk_tokens\x18\n \x01(\r\x12(\n\x0chidden_dtype\x18\x0b \x01(\x0e\x32\x12.minicpmo.v1.DType\x12\x14\n\x0cinstructions\x18\x0c \x01(\t\x12\x13\n\x0b\x66orce_speak\x18\r \x01(\x08\x12\x1a\n\x12\x66orce_listen_units\x18\x0e \x01(\r\x12\x12\n\ntools_json\x18\x0f \x03(\t\"\xd9\x01\n\x0bThinkerUnit\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x1f\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\x12\x0e\n\x06\x66rames\x18\x03 \x03(\x0c\x12\x18\n\x10request_response\x18\x04 \x01(\x08\x12\x14\n\x0c\x66orce_listen\x18\x05 \x01(\x08\x12\x15\n\rcontinue_turn\x18\x06 \x01(\x08\x12\x14\n\x0cinstructions\x18\x07 \x01(\t\x12\x19\n\x11max_output_tokens\x18\x08 \x01(\r\"\x95\x01\n\x0eThinkerRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.minicpmo.v1.ThinkerOpenH\x00\x12(\n\x04unit\x18\x02 \x01(\x0b\x32\x18.minicpmo.v1.ThinkerUnitH\x00\x12\'\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x14.minicpmo.v1.ControlH\x00\x42\x06\n\x04kind\"\x93\x01\n\tTextDelta\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.minicpmo.v1.TokenLogprob\"M\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.minicpmo.v1.TopLogprob\"\xc2\x01\n\x0bSpeechChunk\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.minicpmo.v1.Tensor\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x12\n\nturn_start\x18\x05 \x01(\x08\x12\x10\n\x08turn_end\x18\x06 \x01(\x08\x12\x13\n\x0bsegment_end\x18\x07 \x01(\x08\x12\x0f\n\x07is_last\x18\x08 \x01(\x08\"\xc9\x01\n\nUnitResult\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12+\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0e\x32\x19.minicpmo.v1.UnitDecision\x12\x12\n\ntranscript\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08turn_end\x18\x05 \x01(\x08\x12\x16\n\x0e\x63ontext_tokens\x18\x06 \x01(\r\x12\x1a\n\x12max_tokens_reached\x18\x07 \x01(\x08\"\x92\x02\n\x0fThinkerResponse\x12&\n\x04text\x18\x01 \x01(\x0b\x32\x16.minicpmo.v1.TextDeltaH\x00\x12*\n\x06speech\x18\x02 \x01(\x0b\x32\x18.minicpmo.v1.SpeechChunkH\x00\x12\'\n\x04unit\x18\x03 \x01(\x0b\x32\x17.minicpmo.v1.UnitResultH\x00\x12!\n\x04\x64one\x18\x04 \x01(\x0b\x32\x11.minicpmo.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x12.minicpmo.v1.ErrorH\x00\x12\x32\n\rinterrupt_ack\x18\x06 \x01(\x0b\x32\x19.minicpmo.v1.InterruptAckH\x00\x42\x06\n\x04kind*W\n\nStreamMode\x12\x1b\n\x17STREAM_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10STREAM_MODE_TURN\x10\x01\x12\x16\n\x12STREAM_MODE_DUPLEX\x10\x02*`\n\x0cUnitDecision\x12\x1d\n\x19UNIT_DECISION_UNSPECIFIED\x10\x00\x12\x18\n\x14UNIT_DECISION_LISTEN\x10\x01\x12\x17\n\x13UNIT_DECISION_SPEAK\x10\x02\x32\x9b\x01\n\x0eThinkerService\x12I\n\x08Generate\x12\x1b.minicpmo.v1.ThinkerRequest\x1a\x1c.minicpmo.v1.ThinkerResponse(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1b.minicpmo.v1.GetInfoRequest\x1a\x16.minicpmo.v1.StageInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'minicpmo.v1.thinker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STREAMMODE']._serialized_start=2377
-  _globals['_STREAMMODE']._serialized_end=2464
-  _globals['_UNITDECISION']._serialized_start=2466
-  _globals['_UNITDECISION']._serialized_end=2562
+  _globals['_STREAMMODE']._serialized_start=3111
+  _globals['_STREAMMODE']._serialized_end=3198
+  _globals['_UNITDECISION']._serialized_start=3200
+  _globals['_UNITDECISION']._serialized_end=3296
   _globals['_SAMPLINGPARAMS']._serialized_start=69
-  _globals['_SAMPLINGPARAMS']._serialized_end=395
-  _globals['_IMAGEPART']._serialized_start=397
-  _globals['_IMAGEPART']._serialized_end=422
-  _globals['_AUDIOPART']._serialized_start=424
-  _globals['_AUDIOPART']._serialized_end=466
-  _globals['_VIDEOPART']._serialized_start=468
-  _globals['_VIDEOPART']._serialized_end=533
-  _globals['_CONTENTPART']._serialized_start=536
-  _globals['_CONTENTPART']._serialized_end=696
-  _globals['_CHATMESSAGE']._serialized_start=698
-  _globals['_CHATMESSAGE']._serialized_end=768
-  _globals['_THINKEROPEN']._serialized_start=771
-  _globals['_THINKEROPEN']._serialized_end=1221
-  _globals['_THINKERUNIT']._serialized_start=1224
-  _globals['_THINKERUNIT']._serialized_end=1441
-  _globals['_THINKERREQUEST']._serialized_start=1444
-  _globals['_THINKERREQUEST']._serialized_end=1593
-  _globals['_TEXTDELTA']._serialized_start=1595
-  _globals['_TEXTDELTA']._serialized_end=1697
-  _globals['_SPEECHCHUNK']._serialized_start=1700
-  _globals['_SPEECHCHUNK']._serialized_end=1894
-  _globals['_UNITRESULT']._serialized_start=1897
-  _globals['_UNITRESULT']._serialized_end=2098
-  _globals['_THINKERRESPONSE']._serialized_start=2101
-  _globals['_THINKERRESPONSE']._serialized_end=2375
-  _globals['_THINKERSERVICE']._serialized_start=2565
-  _globals['_THINKERSERVICE']._serialized_end=2720
+  _globals['_SAMPLINGPARAMS']._serialized_end=547
+  _globals['_CONSTRAINT']._serialized_start=550
+  _globals['_CONSTRAINT']._serialized_end=733
+  _globals['_CONSTRAINT_KIND']._serialized_start=640
+  _globals['_CONSTRAINT_KIND']._serialized_end=733
+  _globals['_IMAGEPART']._serialized_start=735
+  _globals['_IMAGEPART']._serialized_end=760
+  _globals['_AUDIOPART']._serialized_start=762
+  _globals['_AUDIOPART']._serialized_end=804
+  _globals['_VIDEOPART']._serialized_start=806
+  _globals['_VIDEOPART']._serialized_end=871
+  _globals['_CONTENTPART']._serialized_start=874
+  _globals['_CONTENTPART']._serialized_end=1034
+  _globals['_TOOLCALL']._serialized_start=1036
+  _globals['_TOOLCALL']._serialized_end=1091
+  _globals['_CHATMESSAGE']._serialized_start=1094
+  _globals['_CHATMESSAGE']._serialized_end=1229
+  _globals['_THINKEROPEN']._serialized_start=1232
+  _globals['_THINKEROPEN']._serialized_end=1702
+  _globals['_THINKERUNIT']._serialized_start=1705
+  _globals['_THINKERUNIT']._serialized_end=1922
+  _globals['_THINKERREQUEST']._serialized_start=1925
+  _globals['_THINKERREQUEST']._serialized_end=2074
+  _globals['_TEXTDELTA']._serialized_start=2077
+  _globals['_TEXTDELTA']._serialized_end=2224
+  _globals['_TOPLOGPROB']._serialized_start=2226
+  _globals['_TOPLOGPROB']._serialized_end=2303
+  _globals['_TOKENLOGPROB']._serialized_start=2305
+  _globals['_TOKENLOGPROB']._serialized_end=2431
+  _globals['_SPEECHCHUNK']._serialized_start=2434
+  _globals['_SPEECHCHUNK']._serialized_end=2628
+  _globals['_UNITRESULT']._serialized_start=2631
+  _globals['_UNITRESULT']._serialized_end=2832
+  _globals['_THINKERRESPONSE']._serialized_start=2835
+  _globals['_THINKERRESPONSE']._serialized_end=3109
+  _globals['_THINKERSERVICE']._serialized_start=3299
+  _globals['_THINKERSERVICE']._serialized_end=3454
 # @@protoc_insertion_point(module_scope)
