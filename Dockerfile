@@ -76,23 +76,27 @@ FROM ${GATEWAY_BASE_IMAGE} AS python-gateway
 COPY docker/ensure-python.sh /usr/local/sbin/ensure-python.sh
 RUN sh /usr/local/sbin/ensure-python.sh
 
+# The gateway forwards tensors' bytes and never imports torch: its venv has no torch, transformers or
+# CUDA wheels (pyproject.toml [tool.minicpmo] gateway-dependencies), and the build checks that it starts.
 FROM python-gateway AS build-gateway
 ARG PIP_OFFLINE=0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY constraints/ constraints/
 COPY docker/pip-install.sh docker/pip-install.sh
 COPY docker/wheelhouse/ docker/wheelhouse/
-RUN PIP_OFFLINE=${PIP_OFFLINE} TORCH_INDEX_URL=${TORCH_INDEX_URL} sh docker/pip-install.sh deps
+RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh deps-gateway
 COPY services/ services/
 COPY gateway/ gateway/
-RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh project
+RUN PIP_OFFLINE=${PIP_OFFLINE} sh docker/pip-install.sh project-gateway
 
 FROM python-gateway AS gateway
 COPY --from=build-gateway /opt/venv /opt/venv
 COPY docker/http_health_probe.py docker/entrypoint.py /opt/minicpmo/docker/
 COPY configs/deploy/ /opt/minicpmo/configs/deploy/
+# The voice registry's directory (deploy profile gateway.voice_dir), owned by the runtime user so a
+# fresh named volume mounted there inherits a writable owner.
+RUN mkdir -p /var/lib/minicpmo/voices && chown 10001:10001 /var/lib/minicpmo/voices
 ENV PATH=/opt/venv/bin:$PATH HOME=/home/minicpmo PYTHONUNBUFFERED=1 MINICPMO_HTTP_PORT=8099
 WORKDIR /home/minicpmo
 USER 10001:10001

@@ -14,9 +14,8 @@ two decode, so its prefill and their decode rows replay one row graph (a mixed s
   tokens and the final-norm hidden row of every fed token. The eager engine runs the pure-torch kernels
   (``--eager-kernels torch``), the graphed one the default backend (Triton on CUDA: fused norms, rotary,
   cache writes and paged attention, and the cuBLAS GEMMs; graph steps run with the norm weights folded into
-  the GEMMs, ``MINICPMO_THINKER_NORM_FOLD=0`` turns that off; with ``MINICPMO_THINKER_SKINNY_GEMM=1`` graph
-  steps of ≤ 16 rows run the skinny GEMMs with the norms and SwiGLU in their prologues instead, off by
-  default), so the comparison covers both the graphs and the kernels. The graphed engine runs on its own
+  the GEMMs, and the O projection with its residual add as one skinny Triton GEMM; the fully skinny loop,
+  which measured slower, is not run), so the comparison covers both the graphs and the kernels. The graphed engine runs on its own
   copy of the weights (folding changes them in place), the eager one and the reference logits on the
   unfolded ones;
 * talker: :class:`services.talker.engine.TalkerEngine`, greedy codes (repetition penalty off, so the

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 
+from services.thinker import duplex_policy_graph
 from services.thinker.duplex_policy import (
     CHUNK_EOS,
     CHUNK_TTS_EOS,
@@ -28,7 +28,7 @@ from services.thinker.duplex_policy import (
     DuplexSampling,
     PolicyState,
 )
-from services.thinker.duplex_policy_graph import ENV_VAR, warmup_policy_graphs
+from services.thinker.duplex_policy_graph import warmup_policy_graphs
 
 VOCAB = 151748
 
@@ -54,7 +54,7 @@ def _time(
 ) -> tuple[float, list[list[int]]]:
     """Mean ms per call and every call's tokens; every call starts from the same policy state (history and
     turn state) and the same generator state, so the eager and the replayed runs see the same inputs."""
-    os.environ[ENV_VAR] = "1" if graphs else "0"
+    duplex_policy_graph.ENABLED = graphs
     n = len(policies)
     start = [(list(p.state.history), p.state.turn_ended) for p in policies]
     picks: list[list[int]] = []

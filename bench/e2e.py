@@ -85,24 +85,47 @@ class LevelResult:
 
 
 async def timeline(
-    url: str, bodies: list[dict[str, Any]], timeout: float, concurrency: int = 1
+    url: str,
+    bodies: list[dict[str, Any]],
+    timeout: float,
+    concurrency: int = 1,
+    errors: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, float]]:
     """Gateway-side marks (seconds from request start) of non-streaming requests, ``concurrency`` at once.
 
     At c > 1 the marks show which stage the extra time queues in front of (profile of TTFP under load).
     Each group of ``concurrency`` is sent on a client of its own (fresh connections, like a burst); the
-    marks of a group's requests carry ``burst`` (its index) and ``send_index`` (its place in the group)."""
+    marks of a group's requests carry ``burst`` (its index) and ``send_index`` (its place in the group).
+    A request that fails (an HTTP error status, a timeout, a dropped connection, a body that is not the
+    expected JSON) is recorded in ``errors`` and the others go on: one slow request must not end the
+    benchmark before it writes its results."""
     import httpx
 
     out: list[dict[str, float]] = []
 
     async def one(client: httpx.AsyncClient, body: dict[str, Any], burst: int, index: int) -> None:
-        resp = await client.post(url + "/v1/chat/completions", json=body, timeout=timeout)
-        if resp.status_code == 200 and resp.json().get("metrics"):
-            marks = {k: float(v) for k, v in resp.json()["metrics"].items()}
-            out.append({**marks, "burst": float(burst), "send_index": float(index)})
-        else:
-            print(f"[e2e] timeline request failed: HTTP {resp.status_code} {resp.text[:200]}", flush=True)
+        t0 = time.monotonic()
+        try:
+            resp = await client.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+            metrics = resp.json().get("metrics") if resp.status_code == 200 else None
+            if metrics:
+                marks = {k: float(v) for k, v in metrics.items()}
+                out.append({**marks, "burst": float(burst), "send_index": float(index)})
+                return
+            error = f"HTTP {resp.status_code} {resp.text[:200]}"
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:  # timeouts, resets, bad JSON
+            error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(f"[e2e] timeline request failed: {error}", flush=True)
+        if errors is not None:
+            errors.append(
+                {
+                    "burst": burst,
+                    "send_index": index,
+                    "concurrency": concurrency,
+                    "error": error,
+                    "after_s": round(time.monotonic() - t0, 3),
+                }
+            )
 
     for burst, start in enumerate(range(0, len(bodies), concurrency)):
         async with httpx.AsyncClient() as client:
@@ -271,9 +294,15 @@ async def drive(
     deadline: float,
     metrics_urls: list[str] | None = None,
     gc_urls: dict[str, str] | None = None,
+    results: list[LevelResult] | None = None,
+    marks: dict[int, list[dict[str, float]]] | None = None,
+    errors: list[dict[str, Any]] | None = None,
 ) -> tuple[list[LevelResult], dict[int, list[dict[str, float]]]]:
     """The warm-up, each level (bursts or a steady level) and the timelines; ``gc_urls`` (process name ->
-    ``/metrics``): the bursts also record each process's full garbage collections."""
+    ``/metrics``): the bursts also record each process's full garbage collections.
+
+    ``results``, ``marks`` and ``errors`` (the timeline requests that failed) are filled as the run goes,
+    so a caller that catches an exception still reports every level measured before it."""
     bodies = [request_body(p, w, model) for p in prompts]
     metrics_urls = metrics_urls if metrics_urls is not None else [url.rstrip("/") + "/metrics"]
     timeout = args.request_timeout
@@ -291,10 +320,10 @@ async def drive(
         )
         if summary.failed:
             raise RuntimeError("warm-up request failed; see the lines above and the stage logs")
-    results: list[LevelResult] = []
-    marks: dict[int, list[dict[str, float]]] = {}
+    results = [] if results is None else results
+    marks = {} if marks is None else marks
     if args.timeline_first:
-        marks = await _timelines(args, url, w, model, prompts, deadline)
+        marks.update(await _timelines(args, url, w, model, prompts, deadline, errors))
     for c in args.levels:
         if time.monotonic() >= deadline:
             print(f"[e2e] out of time before c={c}; skipping the remaining levels", flush=True)
@@ -342,12 +371,18 @@ async def drive(
             flush=True,
         )
     if not args.timeline_first:
-        marks = await _timelines(args, url, w, model, prompts, deadline)
+        marks.update(await _timelines(args, url, w, model, prompts, deadline, errors))
     return results, marks
 
 
 async def _timelines(
-    args: argparse.Namespace, url: str, w: Workload, model: str, prompts: list[str], deadline: float
+    args: argparse.Namespace,
+    url: str,
+    w: Workload,
+    model: str,
+    prompts: list[str],
+    deadline: float,
+    errors: list[dict[str, Any]] | None = None,
 ) -> dict[int, list[dict[str, float]]]:
     """The non-streaming marks at c=1 and at the top level; with ``--timeline-first`` the top level goes
     first, so its first burst meets the server just after start-up (what a first burst's stages cost)."""
@@ -359,7 +394,7 @@ async def _timelines(
             break
         print(f"[e2e] timeline: {n} non-streaming request(s) at c={c}", flush=True)
         tl_bodies = [request_body(p, w, model, stream=False) for p in prompts[:n]]
-        marks[c] = await timeline(url, tl_bodies, args.request_timeout, concurrency=c)
+        marks[c] = await timeline(url, tl_bodies, args.request_timeout, concurrency=c, errors=errors)
     return marks
 
 
@@ -468,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     levels: list[LevelResult] = []
     marks: dict[int, list[dict[str, float]]] = {}
+    timeline_errors: list[dict[str, Any]] = []
     with guarded_run(report, "e2e") as run:
         url = args.url
         if url is None:
@@ -492,8 +528,20 @@ def main(argv: list[str] | None = None) -> int:
             metrics_urls = [url.rstrip("/") + "/metrics"]
             gc_urls = {"gateway": metrics_urls[0]}
         report["url"] = url
-        levels, marks = asyncio.run(
-            drive(args, url, w, profile.served_model_name, prompts, deadline, metrics_urls, gc_urls)
+        asyncio.run(
+            drive(
+                args,
+                url,
+                w,
+                profile.served_model_name,
+                prompts,
+                deadline,
+                metrics_urls,
+                gc_urls,
+                results=levels,
+                marks=marks,
+                errors=timeline_errors,
+            )
         )
         report["status"] = "ok" if levels and not any(lv.summary.failed for lv in levels) else "failures"
         if len(levels) < len(args.levels):
@@ -512,7 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     report["timeline_ms_by_concurrency"] = {
         str(c): {"n": len(m), "marks": summarize_timeline(m)} for c, m in sorted(marks.items()) if m
     }
+    report["timeline_errors"] = timeline_errors
     report["verdicts"] = level_verdicts(summaries)
+    if timeline_errors:
+        report["verdicts"].append(f"{len(timeline_errors)} timeline request(s) failed (see timeline_errors)")
     report["wall_s"] = time.monotonic() - t_start
     (out_dir / "e2e.json").write_text(json.dumps(report, indent=2))
     md = render_markdown(report, summaries)

@@ -59,7 +59,8 @@ from google.protobuf import wrappers_pb2
 from bench.e2e_client import percentiles
 from services.common.grpc_server import GRPC_OPTIONS, ServeOptions, StageServer
 from services.common.pb import code2wav_pb2, common_pb2, talker_pb2, thinker_pb2
-from services.common.tensors import pcm_from_float, pcm_to_float, tensor_from_proto, tensor_to_proto
+from services.common.pcm import pcm_from_float, pcm_to_float
+from services.common.tensors import tensor_from_proto, tensor_to_proto
 
 SERVICE = "minicpmo.bench.HopBench"
 TARGET_ADDED_P50_MS = 1.0

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from bench.chat_workload import Workload
@@ -114,7 +115,12 @@ def parse_stage_args(items: list[str]) -> dict[str, list[str]]:
 
 
 def stage_args_for(args: argparse.Namespace, profile: DeployProfile) -> dict[str, list[str]]:
-    """``--stage-args`` plus the thinker's ``--kv-budget`` on CUDA (its default would starve colocated stages)."""
+    """``--stage-args`` plus the thinker's ``--kv-budget`` on CUDA when ``--thinker-kv-budget`` names one.
+
+    The default, ``auto``, passes nothing: the thinker sizes its pool from its memory cap (the profile's
+    ``memory_fraction`` of the card it finds, minus the weights and a headroom), which fits an 80 GB H100
+    and a 141 GB H200 alike. A given budget is checked against that cap at start (a clear KVBudgetError
+    in the stage log instead of an out-of-memory error)."""
     stage_args = parse_stage_args(args.stage_args)
     on_cuda = any(d.startswith("cuda") for s in STAGES for d in profile.stage(s).devices)
     if on_cuda and args.thinker_kv_budget != "auto" and "--kv-budget" not in stage_args.get("thinker", []):
@@ -210,7 +216,8 @@ class RunOutcome:
 @contextlib.contextmanager
 def guarded_run(report: dict[str, Any], tag: str) -> Any:
     """Run a bench body that launches processes: SIGTERM/SIGINT abort it (rc 3), launch and I/O errors
-    are recorded in ``report`` (rc 1), and the registered teardown always runs, shielded from signals so
+    are recorded in ``report`` (rc 1; an HTTP client error that escaped a request's own handling too), and
+    the registered teardown always runs, shielded from signals so
     that no stage process is left behind half-stopped."""
     outcome = RunOutcome()
     _install_signal_handlers()
@@ -219,7 +226,7 @@ def guarded_run(report: dict[str, Any], tag: str) -> Any:
     except BenchAbort as exc:
         report["status"] = f"aborted: {exc}"
         outcome.rc = 3
-    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+    except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError, httpx.HTTPError) as exc:
         report["status"] = f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         report["error_detail"] = str(exc)
         print(f"[{tag}] error: {exc}", file=sys.stderr, flush=True)
@@ -254,9 +261,9 @@ def add_launch_flags(p: argparse.ArgumentParser, stage_args_example: str = "") -
     )
     p.add_argument(
         "--thinker-kv-budget",
-        default="16G",
-        help="thinker --kv-budget on CUDA (its default takes most free memory, which starves "
-        "colocated stages); 'auto' keeps the stage default",
+        default="auto",
+        help="thinker --kv-budget on CUDA, e.g. 12G (checked against the stage's memory cap at start); "
+        "'auto' (default): sized from the profile's memory_fraction of the card",
     )
     p.add_argument("--startup-timeout", type=float, default=420.0)
     add_gpu_sharing_flags(p)

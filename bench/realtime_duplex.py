@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -254,7 +255,8 @@ def _launch(args: argparse.Namespace) -> tuple[Any, list[str], dict[str, int]]:
     if args.stage_overrides:
         profile = profile.with_overrides(parse_overrides(args.stage_overrides))
     profile = with_gpu_sharing(profile, args)
-    out = Path(args.out_dir or ".")
+    # Stage logs go with the results ($OUT on a device machine), so a failed start keeps them.
+    out = Path(args.out_dir or Path(os.environ.get("OUT", ".")) / "realtime_duplex")
     pipeline = Pipeline(profile, Path(args.checkpoint), out / "logs", {})
     pipeline.start()  # with gpu_sharing mps it starts a private MPS daemon first (stopped by stop())
     args.sharing = pipeline.gpu_sharing

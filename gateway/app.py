@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import importlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -31,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
+from gateway.audio import router as audio_router
+from gateway.audio.voices import VoiceRegistry
 from gateway.auth import check_api_key
 from gateway.config import GatewayConfig
 from gateway.openai.body import ClientGone
@@ -117,6 +118,7 @@ def create_app(
 
     app = FastAPI(title="MiniCPM-o 4.5 gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
+    app.state.voices = VoiceRegistry(config.profile.gateway.voice_dir)  # before the realtime mount
 
     _install_error_handlers(app)
     app.add_middleware(_AuthAndCountMiddleware, config=config)
@@ -162,6 +164,7 @@ def create_app(
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(chat_router)
+    app.include_router(audio_router)
     _declare_body_schemas(app)
     for router in extra_routers:
         app.include_router(router)
@@ -270,26 +273,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument(
+        "--voice-dir",
+        default=None,
+        help="directory of registered voices (/v1/audio/voices; default: the profile's gateway.voice_dir)",
+    )
+    p.add_argument(
         "--request-timeout", type=float, default=None, help="seconds per request (stage deadlines)"
     )
-    env = os.environ.get
     p.add_argument(
         "--stage-tls-ca",
-        default=env("MINICPMO_STAGE_TLS_CA") or None,
+        default=None,
         help="connect to the stages over TLS, verifying them against this CA (PEM; default: profile tls)",
     )
     p.add_argument(
-        "--stage-tls-cert",
-        default=env("MINICPMO_STAGE_TLS_CERT") or None,
-        help="mutual TLS: the gateway's client certificate (PEM)",
+        "--stage-tls-cert", default=None, help="mutual TLS: the gateway's client certificate (PEM)"
     )
-    p.add_argument(
-        "--stage-tls-key",
-        default=env("MINICPMO_STAGE_TLS_KEY") or None,
-        help="mutual TLS: the key of --stage-tls-cert (PEM)",
-    )
+    p.add_argument("--stage-tls-key", default=None, help="mutual TLS: the key of --stage-tls-cert (PEM)")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _profile(args: argparse.Namespace) -> Any:
+    profile = load_profile(args.deploy_config)
+    if getattr(args, "voice_dir", None):
+        profile = profile.with_overrides({"gateway": {"voice_dir": args.voice_dir}})
+    return profile
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -299,7 +307,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             "talker": args.talker_addr,
             "code2wav": args.code2wav_addr,
         },
-        profile=load_profile(args.deploy_config),
+        profile=_profile(args),
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         allowed_media_root=Path(args.allowed_media_root) if args.allowed_media_root else None,

@@ -1,10 +1,11 @@
 """``minicpmo-serve``: the embedded deployment - three stage processes and the gateway on one machine.
 
     minicpmo-serve [--checkpoint DIR] [--deploy-config FILE|NAME] [--stage-overrides JSON]
-                   [--device cpu|cuda] [--port 8099]
+                   [--device cpu|cuda] [--port 8099] [--stage-ports profile|auto]
+                   [--max-concurrent-requests N] [--max-realtime-sessions N]
 
 * Without ``--checkpoint`` it generates the tiny random-weight checkpoint once
-  (``minicpmo-checkpoint make --size tiny``) and caches it under ``$MINICPMO_CACHE_DIR`` (default
+  (``minicpmo-checkpoint make --size tiny``) and caches it under ``$XDG_CACHE_HOME/minicpmo`` (default
   ``~/.cache/minicpmo``), so a newcomer sees the whole pipeline answer on a laptop.
 * Without ``--deploy-config`` it uses the 1-GPU profile when CUDA is available, else the CPU profile.
 * Every stage replica is a child process ``python -m services.<stage> --checkpoint DIR --device D
@@ -13,6 +14,9 @@
   run with ``CUDA_VISIBLE_DEVICES=""``. Each child also gets its resolved profile section in
   ``MINICPMO_STAGE_SETTINGS`` (memory share, max sequences, dtype); the memory share is also passed as
   ``--memory-fraction``, which each stage applies as a per-process CUDA allocator cap.
+* Every port is checked before any child starts (:func:`plan_ports`): a taken one stops the launch with
+  exit status 1 naming it, or with ``--stage-ports auto`` (the default without ``--checkpoint``) free
+  stage ports are picked instead.
 * The gateway child gets every replica's address (``ip:port`` lists, balanced round-robin) and the
   resolved profile (overrides applied) as a YAML file.
 * Stages that share a GPU share it as the profile's ``gpu_sharing`` says: with ``mps`` a private MPS
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -50,6 +55,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -101,7 +107,16 @@ def stage_flags(sp: StageProfile) -> list[str]:
     The stage would also take them from ``MINICPMO_STAGE_SETTINGS``; spelling them out keeps the child's
     command line (``ps``, the log) self-explanatory.
     """
-    memory = ["--memory-fraction", f"{sp.memory_fraction:g}"] if sp.memory_fraction is not None else []
+    extra = ["--memory-fraction", f"{sp.memory_fraction:g}"] if sp.memory_fraction is not None else []
+    # Keys the bundled profiles leave at their defaults: spelled out only when a profile sets them.
+    if sp.slow_step_ms != StageProfile.slow_step_ms:
+        extra = ["--slow-step-ms", f"{sp.slow_step_ms:g}", *extra]
+    if sp.name != "code2wav" and sp.kernels != "auto":
+        extra = ["--kernels", sp.kernels, *extra]
+    if sp.name == "thinker" and sp.kernel_table:
+        extra = ["--kernel-table", sp.kernel_table, *extra]
+    if sp.name == "talker" and sp.steps_per_replay is not None:
+        extra = ["--steps-per-replay", str(sp.steps_per_replay), *extra]
     if sp.name == "thinker":
         flags = ["--dtype", sp.dtype, "--max-num-seqs", str(sp.max_num_seqs)]
         if sp.max_model_len:
@@ -114,10 +129,11 @@ def stage_flags(sp: StageProfile) -> list[str]:
                 "--duplex-window-low",
                 str(sp.duplex_window_low),
             ]
-        return flags + memory
+        flags += ["--prefix-caching" if sp.prefix_caching else "--no-prefix-caching"]
+        return flags + extra
     if sp.name == "talker":
-        return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *memory]
-    return ["--max-batch", str(sp.max_num_seqs), *memory]  # code2wav: windows vocoded per engine step
+        return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *extra]
+    return ["--max-batch", str(sp.max_num_seqs), *extra]  # code2wav: windows vocoded per engine step
 
 
 def tls_flags(tls: TLSProfile | None) -> list[str]:
@@ -212,7 +228,10 @@ def share_gpus(
 
 # ---- checkpoint ---------------------------------------------------------------------------------
 def cache_dir() -> Path:
-    return Path(os.environ.get("MINICPMO_CACHE_DIR", Path.home() / ".cache" / "minicpmo")).expanduser()
+    """Where the tiny checkpoint is cached: ``$XDG_CACHE_HOME/minicpmo`` (the XDG base-directory rule
+    every Linux tool follows; default ``~/.cache/minicpmo``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "minicpmo"
 
 
 def ensure_tiny_checkpoint(log: Callable[..., None] = print) -> Path:
@@ -245,8 +264,25 @@ def ensure_tiny_checkpoint(log: Callable[..., None] = print) -> Path:
 
 
 # ---- ports --------------------------------------------------------------------------------------
+class PortsTaken(SystemExit):
+    """Ports the launch needs are taken: exits the launcher with status 1 and a message naming them."""
+
+    def __init__(self, taken: Sequence[str], host: str) -> None:
+        super().__init__(
+            f"minicpmo-serve: {'; '.join(taken)} already in use on {host}. Free it, choose another "
+            "(--port for the gateway; the profile's or --stage-overrides' port for a stage), or let the "
+            "launcher pick free stage ports with --stage-ports auto"
+        )
+
+
 def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listener could bind ``host:port`` now. SO_REUSEADDR as servers set it, so a port left in
+    TIME_WAIT by a process that just exited counts as free; a live listener (even one with SO_REUSEPORT,
+    as gRPC's default) does not."""
+    if not 0 < port < 65536:
+        return False
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -254,21 +290,51 @@ def _port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def pick_free_stage_ports(profile: DeployProfile) -> dict[str, list[int]]:
-    """Free ports for every replica such that port + 1000 (its metrics port) is free too."""
-    taken: set[int] = set()
+def plan_ports(
+    profile: DeployProfile, mode: str, host: str, gateway_port: int
+) -> dict[str, list[int]] | None:
+    """The stage ports for :func:`plan_children`: None (the profile's) or free ones (``mode`` ``auto``).
+
+    Checked before any child starts, so a taken port stops the launch at once with its number instead of
+    a stage failing minutes later, after loading its weights: the gateway's port, and with the profile's
+    ports every replica's gRPC port and its metrics port (gRPC port + 1000). Raises :class:`PortsTaken`.
+    """
+    taken = [] if _port_free(gateway_port, host) else [f"gateway port {gateway_port}"]
+    if mode == "auto":
+        if taken:
+            raise PortsTaken(taken, host)
+        return pick_free_stage_ports(profile, host, avoid={gateway_port})
+    for stage in STAGES:
+        sp = profile.stage(stage)
+        for index in range(sp.replicas):
+            port = sp.replica_port(index)
+            if not _port_free(port, host):
+                taken.append(f"{stage}-{index} port {port}")
+            if not _port_free(port + 1000, host):
+                taken.append(f"{stage}-{index} metrics port {port + 1000}")
+    if taken:
+        raise PortsTaken(taken, host)
+    return None
+
+
+def pick_free_stage_ports(
+    profile: DeployProfile, host: str = "127.0.0.1", avoid: set[int] | None = None
+) -> dict[str, list[int]]:
+    """Free ports for every replica such that port + 1000 (its metrics port) is free too; none of them,
+    nor their metrics ports, in ``avoid`` (the gateway's port)."""
+    taken: set[int] = set(avoid or ())
     out: dict[str, list[int]] = {}
     for stage in STAGES:
         for _ in range(profile.stage(stage).replicas):
             for _attempt in range(200):
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind(("127.0.0.1", 0))
+                    s.bind((host, 0))
                     port = s.getsockname()[1]
                 if (
                     port < 64000
                     and port not in taken
                     and port + 1000 not in taken
-                    and _port_free(port + 1000)
+                    and _port_free(port + 1000, host)
                 ):
                     break
             else:
@@ -464,17 +530,43 @@ class Supervisor:
                 proc.wait(timeout=5)
 
 
+def _cuda_device_count() -> int:
+    """CUDA devices the driver shows this process (``CUDA_VISIBLE_DEVICES`` applies), asked through the
+    driver library itself: the launcher stays free of torch, like the gateway it starts."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
 def _default_profile_name(device: str | None) -> str:
     if device == "cpu":
         return "cpu"
     if device == "cuda":
         return "minicpmo_4_5"
-    try:
-        import torch
+    return "minicpmo_4_5" if _cuda_device_count() > 0 else "cpu"
 
-        return "minicpmo_4_5" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
+
+def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``--stage-overrides`` with the capacity flags merged in (a flag wins over the same key in the JSON);
+    the profile validates the values as it validates a file's."""
+    overrides = parse_overrides(args.stage_overrides)
+    capacity = {
+        key: value
+        for key, value in (
+            ("max_concurrent_requests", args.max_concurrent_requests),
+            ("max_realtime_sessions", args.max_realtime_sessions),
+        )
+        if value is not None
+    }
+    if capacity:
+        gateway = overrides.get("gateway")
+        overrides["gateway"] = {**(gateway if isinstance(gateway, dict) else {}), **capacity}
+    return overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -496,8 +588,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stage-ports",
         choices=["profile", "auto"],
-        default="profile",
-        help="stage ports from the profile (50051..) or free ports picked at start",
+        default=None,
+        help="stage ports from the profile (50051..) or free ports picked at start (default: auto for the "
+        "tiny demo, i.e. without --checkpoint, else profile); a taken profile port stops the launch",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="chat completions served at once, more get 429 (profile gateway.max_concurrent_requests)",
+    )
+    p.add_argument(
+        "--max-realtime-sessions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="realtime sessions admitted at once (profile gateway.max_realtime_sessions)",
     )
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every child")
     p.add_argument("--log-dir", default=None, help="child logs (default: a fresh temp dir)")
@@ -515,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.deploy_config or _default_profile_name(args.device))
         if args.device:
             profile = profile.with_device(args.device)
-        profile = profile.with_overrides(parse_overrides(args.stage_overrides))
+        profile = profile.with_overrides(cli_overrides(args))
     except ProfileError as exc:
         print(f"minicpmo-serve: {exc}", file=sys.stderr)
         return 2
@@ -538,7 +645,9 @@ def main(argv: list[str] | None = None) -> int:
             gateway_args += [flag, value]
     if args.enable_http_fetch:
         gateway_args.append("--enable-http-fetch")
-    stage_ports = pick_free_stage_ports(profile) if args.stage_ports == "auto" else None
+    stage_ports = plan_ports(
+        profile, args.stage_ports or ("profile" if args.checkpoint else "auto"), args.host, port
+    )
     children = plan_children(
         profile,
         checkpoint.resolve(),

@@ -35,7 +35,7 @@ from gateway.stage_clients import StageSet
 from gateway.stage_failure import StageFailure
 from gateway.stage_stream_client import StageStream
 from services.common.pb import code2wav_pb2, common_pb2, talker_pb2, thinker_pb2
-from services.common.tensors import pcm_to_float
+from services.common.pcm import pcm_to_float
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,12 @@ class ChatJob:
     deadline_s: float = 600.0
     # Function tools for the chat template (one JSON signature each; gateway.openai.tools).
     tools_json: list[str] = field(default_factory=list)
+    # /v1/audio/speech: the spoken reply is exactly this text (the thinker is teacher-forced over it).
+    teacher_text: str | None = None
+    # A registered voice's stored features, sent instead of ref_audio: the thinker's audio-encoder rows
+    # for its speech system prompt and code2wav's prompt.
+    thinker_voice: thinker_pb2.VoiceEmbedding | None = None
+    voice_prompt: code2wav_pb2.VoicePrompt | None = None
 
 
 @dataclass
@@ -92,7 +98,7 @@ class FinishEvent:
     completion_tokens: int
     audio_samples: int = 0
     timings: dict[str, float] = field(default_factory=dict)
-    cached_tokens: int = 0  # prompt tokens served from the thinker's prefix cache
+    cached_tokens: int = 0  # prompt tokens the thinker found in its prefix cache
 
 
 PipelineEvent = TextEvent | AudioEvent | FinishEvent
@@ -202,7 +208,7 @@ class PipelineRun:
         job = self.job
         open_msg = thinker_pb2.ThinkerOpen(
             id=seq.next(),
-            mode=thinker_pb2.STREAM_MODE_TURN,
+            mode=common_pb2.STREAM_MODE_TURN,
             messages=job.messages,
             sampling=job.thinker_sampling,
             use_tts_template=job.use_tts_template,
@@ -213,8 +219,12 @@ class PipelineRun:
             hidden_dtype=job.hidden_dtype,
             tools_json=job.tools_json,
         )
-        if job.ref_audio is not None:
+        if job.thinker_voice is not None:
+            open_msg.voice.CopyFrom(job.thinker_voice)
+        elif job.ref_audio is not None:
             open_msg.ref_audio.CopyFrom(job.ref_audio)
+        if job.teacher_text:
+            open_msg.teacher_text = job.teacher_text
         return thinker_pb2.ThinkerRequest(open=open_msg)
 
     async def _thinker_pump(self) -> None:
@@ -295,7 +305,7 @@ class PipelineRun:
         open_id = common_pb2.Identity(request_id=job.request_id, chunk_seq=0)
         talker_open = talker_pb2.TalkerOpen(
             id=open_id,
-            mode=thinker_pb2.STREAM_MODE_TURN,
+            mode=common_pb2.STREAM_MODE_TURN,
             sampling=job.talker_sampling,
             window_frames=job.window_frames,
             left_context=job.left_context_frames,
@@ -304,7 +314,9 @@ class PipelineRun:
         c2w_open = code2wav_pb2.Code2WavOpen(id=open_id, output_format=common_pb2.PCM_FORMAT_S16LE)
         if job.seed is not None:
             c2w_open.seed = job.seed
-        if job.ref_audio is not None:
+        if job.voice_prompt is not None:
+            c2w_open.voice.CopyFrom(job.voice_prompt)
+        elif job.ref_audio is not None:
             c2w_open.ref_audio.CopyFrom(job.ref_audio)
         await talker.write(talker_pb2.TalkerRequest(open=talker_open))
         await code2wav.write(code2wav_pb2.Code2WavRequest(open=c2w_open))

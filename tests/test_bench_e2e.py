@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -233,3 +234,125 @@ def test_bursts_send_together_on_fresh_connections() -> None:
     assert max(first) - min(first) < 0.04 and min(second) - max(first) >= 0.2  # together, then the gap
     assert [r["burst"] for r in rows] == [0, 1] and all(r["ok"] == 3 for r in rows)
     assert rows[0]["ttfp_p50_ms"] >= 50 and len(rows[1]["ttft_ms_in_send_order"]) == 3
+
+
+def test_timeline_records_failed_requests_and_goes_on() -> None:
+    """A slow request (httpx.ReadTimeout), an error status and a body that is not JSON are recorded in
+    ``errors``; the request that answered still gives its marks."""
+    import asyncio
+
+    from bench.e2e import timeline
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(x for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
+        kind = json.loads(await reader.readexactly(int(length.split(b":")[1])))["kind"]
+        if kind == "slow":
+            await asyncio.sleep(2.0)
+        status, payload = {
+            "ok": (b"200 OK", json.dumps({"metrics": {"first_text": 0.1, "audio_done": 0.5}}).encode()),
+            "slow": (b"200 OK", b"{}"),
+            "error": (b"500 Internal Server Error", b'{"error": {"message": "boom"}}'),
+            "garbage": (b"200 OK", b"not json"),
+        }[kind]
+        writer.write(b"HTTP/1.1 " + status + f"\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    async def main() -> tuple[list[dict[str, float]], list[dict]]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        errors: list[dict] = []
+        bodies = [{"kind": k} for k in ("slow", "ok", "error", "garbage")]
+        async with server:
+            marks = await timeline(f"http://127.0.0.1:{port}", bodies, 0.5, concurrency=2, errors=errors)
+        return marks, errors
+
+    marks, errors = asyncio.run(main())
+    assert len(marks) == 1 and marks[0]["first_text"] == 0.1 and marks[0]["send_index"] == 1.0
+    assert sorted((e["burst"], e["send_index"]) for e in errors) == [(0, 0), (1, 0), (1, 1)]
+    by_index = {(e["burst"], e["send_index"]): e["error"] for e in errors}
+    assert by_index[(0, 0)].startswith("ReadTimeout")
+    assert by_index[(1, 0)].startswith("HTTP 500") and by_index[(1, 1)].startswith("JSONDecodeError")
+
+
+def test_a_stray_http_error_is_recorded_not_raised() -> None:
+    """guarded_run turns an HTTP client error that escaped the bench body into rc 1 and a status, so the
+    caller still writes its report."""
+    import httpx
+
+    from bench.launch import guarded_run
+
+    report: dict = {}
+    stopped: list[bool] = []
+    with guarded_run(report, "test") as run:
+        run.teardown.append(lambda: stopped.append(True))
+        raise httpx.ReadTimeout("timed out")
+    assert run.rc == 1 and report["status"].startswith("error: timed out") and stopped == [True]
+
+
+def test_launch_passes_no_kv_budget_unless_asked() -> None:
+    """The thinker sizes its KV pool from its cap by default; an explicit budget is handed through."""
+    import argparse
+
+    from bench.launch import add_launch_flags, stage_args_for
+    from services.common.deploy_profile import load_profile
+
+    p = argparse.ArgumentParser()
+    add_launch_flags(p)
+    profile = load_profile("minicpmo_4_5")  # every stage on cuda:0
+    args = p.parse_args(["--checkpoint", "x"])
+    assert args.thinker_kv_budget == "auto" and "--kv-budget" not in stage_args_for(args, profile).get(
+        "thinker", []
+    )
+    args = p.parse_args(["--checkpoint", "x", "--thinker-kv-budget", "12G"])
+    assert stage_args_for(args, profile)["thinker"] == ["--kv-budget", "12G"]
+
+
+def test_prefix_cache_bench_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """``bench.prefix_cache`` end to end on the tiny checkpoint (text only, short prompts): the second
+    request with a shared prefix and the repeated image report cached tokens, the JSON is written."""
+    out = tmp_path / "prefix"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.prefix_cache",
+        "--checkpoint",
+        str(tiny_ckpt),
+        "--deploy-config",
+        "cpu",
+        "--device",
+        "cpu",
+        "--modalities",
+        "text",
+        "--prefix-tokens",
+        "200",
+        "--short-tokens",
+        "32",
+        "--turn-system-tokens",
+        "60",
+        "--turn-user-tokens",
+        "20",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--spoken-tokens",
+        "3",
+        "--out-dir",
+        str(out),
+    ]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "prefix_cache.json").read_text())
+    r = report["results"]
+    assert r["shared_prefix"]["first_cached_tokens"] == [0]
+    assert r["shared_prefix"]["second_cached_tokens"][0] >= 192  # 200 system tokens + template, whole blocks
+    assert r["repeated_image"]["cached_tokens"][1] > r["repeated_image"]["cached_tokens"][0]
+    assert r["three_turn_chat"][1]["cached_tokens"] >= 64  # at least the system prompt and the first question
+    assert report["thinker_counters_delta"]["minicpmo_thinker_prefix_cache_hit_tokens_total"] > 0
+    assert (out / "logs" / "thinker-0.log").exists() and (out / "prefix_cache.md").exists()

@@ -24,7 +24,7 @@ def _module_source(module: str) -> str:
     if origin.name == "__init__.py" and (origin.parent / "__main__.py").exists():
         origin = origin.parent / "__main__.py"
     text = origin.read_text(encoding="utf-8")
-    if module in ("bench.e2e", "bench.realtime_duplex"):
+    if module in ("bench.e2e", "bench.realtime_duplex", "bench.audio_speech", "bench.prefix_cache"):
         text += (ROOT / "bench" / "launch.py").read_text(encoding="utf-8")  # shared pipeline flags
     return text
 

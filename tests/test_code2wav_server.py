@@ -16,7 +16,7 @@ from services.common.checkpoint import CODEC_SILENCE_ID
 from services.common.errors import BAD_REFERENCE_AUDIO, FAILED_PRECONDITION, OUT_OF_ORDER
 from services.common.grpc_server import ServeOptions, StageServer
 from services.common.pb import code2wav_pb2, code2wav_pb2_grpc, common_pb2
-from services.common.tensors import pcm_from_float
+from services.common.pcm import pcm_from_float
 
 CODES = [(i * 811) % 6561 for i in range(40)]
 

@@ -16,7 +16,7 @@ from services.common.audio import (
     wav_bytes,
 )
 from services.common.pb import common_pb2
-from services.common.tensors import pcm_from_float, pcm_to_float
+from services.common.pcm import pcm_from_float, pcm_to_float
 
 
 def _tone(seconds: float, rate: int, freq: float = 440.0) -> np.ndarray:

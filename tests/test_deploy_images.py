@@ -225,3 +225,32 @@ def test_http_probe_follows_the_status_code() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_entrypoint_turns_the_tls_environment_into_flags() -> None:
+    """compose/tls.yml and the Helm chart hand TLS files over as environment variables; the services take
+    flags only, so the entrypoint appends them (exec form and the Dockerfile's ``sh -c`` commands)."""
+    entry = _load_script("entrypoint")
+    env = {
+        "MINICPMO_TLS_CERT": "/tls/stage.pem",
+        "MINICPMO_TLS_KEY": "/tls/stage key.pem",
+        "MINICPMO_TLS_CLIENT_CA": "/tls/ca.pem",
+        "MINICPMO_STAGE_TLS_CA": "/tls/ca.pem",
+        "MINICPMO_STAGE_TLS_CERT": "/tls/gw.pem",
+    }
+    stage = ["python", "-m", "services.talker", "--checkpoint", "/models", "--tls-key", "/given.pem"]
+    assert entry.command_with_tls(stage, env) == [
+        *stage, "--tls-cert", "/tls/stage.pem", "--tls-client-ca", "/tls/ca.pem",
+    ]  # fmt: skip
+    gateway = ["python", "-m", "gateway", "--port", "8099"]
+    assert entry.command_with_tls(gateway, env) == [
+        *gateway, "--stage-tls-ca", "/tls/ca.pem", "--stage-tls-cert", "/tls/gw.pem",
+    ]  # fmt: skip
+    script = ["sh", "-c", "exec python -m services.${MINICPMO_STAGE} --port ${MINICPMO_GRPC_PORT}"]
+    got = entry.command_with_tls(script, env)
+    assert got[:2] == ["sh", "-c"]
+    assert got[2].endswith(
+        "--tls-cert /tls/stage.pem --tls-key '/tls/stage key.pem' --tls-client-ca /tls/ca.pem"
+    )
+    assert entry.command_with_tls(stage, {}) == stage
+    assert entry.command_with_tls(["true"], env) == ["true"]

@@ -30,8 +30,9 @@ import services.common.pb.talker_pb2_grpc as talker_pb2_grpc
 import services.common.pb.thinker_pb2 as thinker_pb2
 import services.common.pb.thinker_pb2_grpc as thinker_pb2_grpc
 from services.common.checkpoint import CODEC_SILENCE_ID
+from services.common.pcm import pcm_from_float
 from services.common.stage_stream import Admit, EpochFence
-from services.common.tensors import pcm_from_float, tensor_to_proto
+from services.common.tensors import tensor_to_proto
 
 STAGES = ("thinker", "talker", "code2wav")
 
@@ -51,7 +52,7 @@ def _thinker_open(epoch: int) -> thinker_pb2.ThinkerRequest:
     return thinker_pb2.ThinkerRequest(
         open=thinker_pb2.ThinkerOpen(
             id=common_pb2.Identity(request_id="c", session_id="c", epoch=epoch),
-            mode=thinker_pb2.STREAM_MODE_DUPLEX,
+            mode=common_pb2.STREAM_MODE_DUPLEX,
             sampling=thinker_pb2.SamplingParams(temperature=0.0),
             force_listen_units=100,  # one decision token per unit: quick on CPU
         )
@@ -70,7 +71,7 @@ def _talker_open(epoch: int) -> talker_pb2.TalkerRequest:
     return talker_pb2.TalkerRequest(
         open=talker_pb2.TalkerOpen(
             id=common_pb2.Identity(request_id="c", session_id="c", epoch=epoch),
-            mode=thinker_pb2.STREAM_MODE_TURN,
+            mode=common_pb2.STREAM_MODE_TURN,
             sampling=talker_pb2.TalkerSampling(fixed_frames=8, seed=1),  # one short window per turn
         )
     )

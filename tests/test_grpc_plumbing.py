@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.common.grpc_server import ServeOptions, StageServer
 from services.common.pb import code2wav_pb2, code2wav_pb2_grpc, common_pb2
-from services.common.tensors import pcm_from_float, pcm_to_float, tensor_from_proto, tensor_to_proto
+from services.common.pcm import pcm_from_float, pcm_to_float
+from services.common.tensors import tensor_from_proto, tensor_to_proto
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32])

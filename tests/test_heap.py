@@ -28,10 +28,7 @@ def _pauses(generation: str) -> float:
     return 0.0
 
 
-def test_prepare_freezes_live_objects_and_times_collections(
-    clean_gc: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv(heap.FREEZE_ENV, raising=False)
+def test_prepare_freezes_live_objects_and_times_collections(clean_gc: None) -> None:
     keep = [object() for _ in range(1000)]
     before = _pauses("2")
     frozen = heap.prepare_heap_for_serving()
@@ -41,9 +38,8 @@ def test_prepare_freezes_live_objects_and_times_collections(
     assert gc.callbacks.count(heap._on_gc) == 1
 
 
-def test_freeze_can_be_turned_off(clean_gc: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(heap.FREEZE_ENV, "0")
-    assert heap.prepare_heap_for_serving() == 0 and gc.get_freeze_count() == 0
+def test_freeze_can_be_turned_off(clean_gc: None) -> None:
+    assert heap.prepare_heap_for_serving(freeze=False) == 0 and gc.get_freeze_count() == 0
     before = _pauses("0")
     gc.collect(0)
     assert _pauses("0") == before + 1  # still timed

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.launcher import ChildSpec, Supervisor, build_parser, pick_free_stage_ports, plan_children
-from services.common.deploy_profile import STAGE_SETTINGS_ENV, load_profile
+from services.common.deploy_profile import STAGE_SETTINGS_ENV, ProfileError, load_profile
 
 
 def _arg(argv: list[str], flag: str) -> str:
@@ -60,6 +60,18 @@ def test_8x4090_replicas_get_one_gpu_and_port_each() -> None:
     assert _arg(gw.argv, "--thinker-addr") == ",".join(f"127.0.0.1:{p}" for p in (50051, 50061, 50071, 50081))
 
 
+def test_prefix_caching_profile_key_reaches_the_thinker_and_only_it() -> None:
+    off = load_profile("cpu").with_overrides({"thinker": {"prefix_caching": False}})
+    children = {c.stage: c for c in plan_children(off, "/ckpt", "/p.yaml", 8099, python="py") if c.stage}
+    assert "--no-prefix-caching" in children["thinker"].argv
+    assert json.loads(children["thinker"].env[STAGE_SETTINGS_ENV])["prefix_caching"] is False
+    assert not any("prefix-caching" in a for a in children["talker"].argv)
+    with pytest.raises(ProfileError, match="prefix caching is a thinker setting"):
+        load_profile("cpu").with_overrides({"talker": {"prefix_caching": False}})
+    with pytest.raises(ProfileError, match="prefix_caching"):
+        load_profile("cpu").with_overrides({"thinker": {"prefix_caching": "maybe"}})
+
+
 def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
     profile = load_profile("minicpmo_4_5")
     children = {c.stage: c for c in plan_children(profile, "/ckpt", "/p.yaml", 8099, python="py") if c.stage}
@@ -77,6 +89,7 @@ def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
             "8000",
             "--duplex-window-low",
             "6000",
+            "--prefix-caching",
             "--memory-fraction",
             "0.4",
         ],

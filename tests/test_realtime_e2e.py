@@ -310,6 +310,14 @@ def test_stock_openai_realtime_client_turn_lane(gateway_url: str) -> None:
     assert done.type == "response.done" and done.response.status == "completed"
     assert all(isinstance(v, str) for v in done.response.metadata.values())
     assert done.response.output[0].content[0].type == "output_audio"
+    # Usage in thinker tokens: the session's context before the response (its prefix) is cached input.
+    usage = done.response.usage
+    assert (
+        usage is not None
+        and usage.output_tokens > 0
+        and usage.input_tokens > usage.input_token_details.cached_tokens > 0
+    )
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     part = next(e for e in seen if e.type == "response.content_part.done")
     assert part.part.type == "audio" and part.part.transcript == done.response.output[0].content[0].transcript
 

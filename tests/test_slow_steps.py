@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from services.common import slow_steps
 from services.common.metrics import SLOW_STEPS
-from services.common.slow_steps import ENV, StepTimer, threshold_ms
+from services.common.slow_steps import StepTimer, threshold_ms
 
 
 def _count(stage: str) -> float:
@@ -35,17 +36,22 @@ def test_a_slow_step_is_logged_with_its_phases(caplog: pytest.LogCaptureFixture)
     assert timer.finish() is None and _count("unit-a") == before + 1
 
 
-def test_threshold_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV, raising=False)
+def test_threshold_is_the_process_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage CLI configures it from ``--slow-step-ms`` (the profile's ``slow_step_ms``); timers built
+    before that (the engine is built first) follow it."""
+    monkeypatch.setattr(slow_steps, "_threshold_ms", slow_steps.DEFAULT_MS)
     assert threshold_ms() == 50.0
-    monkeypatch.setenv(ENV, "0")
     timer = StepTimer("unit-b")
+    slow_steps.configure(0)
     timer.start()
     time.sleep(0.002)
     assert timer.finish() is None  # 0: off
-    monkeypatch.setenv(ENV, "soon")
-    with pytest.raises(ValueError, match=ENV):
-        threshold_ms()
+    slow_steps.configure(1.0)
+    timer.start()
+    time.sleep(0.002)
+    assert timer.finish() is not None
+    with pytest.raises(ValueError, match="slow_step_ms"):
+        slow_steps.configure(-1)
 
 
 def test_talker_engine_logs_slow_steps(
@@ -57,7 +63,7 @@ def test_talker_engine_logs_slow_steps(
     from services.talker.model.tts import MiniCPMTTS
     from tests.test_talker_engine import Sink, cond_input
 
-    monkeypatch.setenv(ENV, "0.001")
+    monkeypatch.setattr(slow_steps, "_threshold_ms", 0.001)
     ckpt = Checkpoint(tiny_ckpt)
     model = MiniCPMTTS.from_checkpoint(ckpt)
     engine = TalkerEngine(model, max_streams=2)

@@ -26,6 +26,8 @@ from services.thinker.kv_cache import (
     KV_HEADROOM_BYTES,
     KVBudgetError,
     KVLayout,
+    check_explicit_kv_budget,
+    check_kv_budget,
     default_kv_budget,
     kv_budget_for_memory_fraction,
 )
@@ -33,6 +35,7 @@ from services.thinker.kv_cache import (
 GIB = 2**30
 H200_BYTES = 143_771 * 2**20  # what torch reports for the H200 the profile was measured on
 RTX4090_BYTES = int(23.65 * GIB)
+H100_BYTES = int(79.19 * GIB)  # an 80 GB H100 as torch reports it
 THINKER_WEIGHTS = int(16.4 * GIB)  # 16.4 GB measured, counted as GiB to stay on the safe side
 
 
@@ -76,6 +79,50 @@ def test_kv_budget_error_names_the_numbers_and_the_setting() -> None:
     assert kv_budget_for_memory_fraction(fraction, total, held, min_bytes=least) >= least - 1
     with pytest.raises(KVBudgetError):
         kv_budget_for_memory_fraction(fraction * 0.999, total, held, min_bytes=least)
+
+
+def test_explicit_kv_budget_is_checked_against_the_cap() -> None:
+    """The H100 failure: --kv-budget 16G under a 0.40 cap with 16.6 GiB of weights (13.08 GiB of room)."""
+    weights = int(16.6 * GIB)
+    with pytest.raises(KVBudgetError) as info:
+        check_kv_budget(16 * GIB, total_bytes=H100_BYTES, held_bytes=weights, fraction=0.40)
+    message = str(info.value)
+    for text in (
+        "--kv-budget 16.00 GiB",
+        "stages.thinker.memory_fraction = 0.4",
+        "31.68 GiB",
+        "16.60 GiB",
+        "13.08 GiB",
+        "--kv-budget auto",
+        "at least 0.437",
+    ):
+        assert text in message, (text, message)
+    check_kv_budget(13 * GIB, total_bytes=H100_BYTES, held_bytes=weights, fraction=0.40)
+    check_kv_budget(16 * GIB, total_bytes=H200_BYTES, held_bytes=weights, fraction=0.40)  # 37.6 GiB room
+    # Without a fraction the free memory bounds it.
+    check_kv_budget(10 * GIB, total_bytes=H100_BYTES, held_bytes=weights, free_bytes=12 * GIB)
+    with pytest.raises(KVBudgetError, match="free device memory"):
+        check_kv_budget(11 * GIB, total_bytes=H100_BYTES, held_bytes=weights, free_bytes=12 * GIB)
+
+
+def test_explicit_budget_check_reads_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, total=H100_BYTES, reserved=int(16.6 * GIB), free=60 * GIB)
+    cuda = torch.device("cuda:0")
+    with pytest.raises(KVBudgetError, match="--memory-fraction = 0.4"):
+        check_explicit_kv_budget(16 * GIB, cuda, 0.40, "--memory-fraction")
+    check_explicit_kv_budget(12 * GIB, cuda, 0.40)
+    check_explicit_kv_budget(50 * GIB, cuda)  # no cap: 60 GiB free
+    with pytest.raises(KVBudgetError):
+        check_explicit_kv_budget(12 * GIB, cuda, 0.40, reserve_bytes=2 * GIB)  # duplex caches' share
+    check_explicit_kv_budget(1 << 40, torch.device("cpu"), 0.01)  # CPU: the operator's call
+
+
+def test_kv_budget_flag_takes_auto() -> None:
+    from services.thinker.__main__ import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--checkpoint", "x", "--kv-budget", "auto"]).kv_budget is None
+    assert parser.parse_args(["--checkpoint", "x", "--kv-budget", "1.5GiB"]).kv_budget == int(1.5 * GIB)
 
 
 def _layout() -> KVLayout:
@@ -134,12 +181,13 @@ def test_kv_budget_flag_wins_over_the_fraction(monkeypatch: pytest.MonkeyPatch, 
 
 
 # ---- bundled profiles against their cards --------------------------------------------------------
-# Smallest card each GPU profile is written for (torch's total_memory).
+# Every card each GPU profile is written for (torch's total_memory): the 80 GB / 141 GB profiles run
+# on an H100 and an H200 alike.
 PROFILE_CARDS = {
-    "minicpmo_4_5": H200_BYTES,
-    "minicpmo_4_5_2gpu": int(79.15 * GIB),  # 80 GB class
-    "minicpmo_4_5_3gpu": int(79.15 * GIB),
-    "minicpmo_4_5_8x4090": RTX4090_BYTES,
+    "minicpmo_4_5": (H100_BYTES, H200_BYTES),
+    "minicpmo_4_5_2gpu": (H100_BYTES, H200_BYTES),
+    "minicpmo_4_5_3gpu": (H100_BYTES, H200_BYTES),
+    "minicpmo_4_5_8x4090": (RTX4090_BYTES,),
 }
 QWEN3_8B_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads, head_dim 128, bf16
 
@@ -148,8 +196,11 @@ QWEN3_8B_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV h
 def test_thinker_fraction_holds_weights_and_one_full_sequence(name: str) -> None:
     thinker = load_profile(name).stage("thinker")
     assert thinker.memory_fraction is not None and thinker.max_model_len is not None
-    budget = kv_budget_for_memory_fraction(thinker.memory_fraction, PROFILE_CARDS[name], THINKER_WEIGHTS)
-    assert budget >= thinker.max_model_len * QWEN3_8B_KV_BYTES_PER_TOKEN
+    for card in PROFILE_CARDS[name]:
+        # 16.6 GiB: what the thinker held on an H100 (the weights plus the CUDA allocator's rounding)
+        held = max(THINKER_WEIGHTS, int(16.6 * GIB)) if card == H100_BYTES else THINKER_WEIGHTS
+        budget = kv_budget_for_memory_fraction(thinker.memory_fraction, card, held)
+        assert budget >= thinker.max_model_len * QWEN3_8B_KV_BYTES_PER_TOKEN, (name, card)
 
 
 @pytest.mark.parametrize("name", sorted(PROFILE_CARDS))

@@ -14,7 +14,7 @@ import torch
 
 from services.common.checkpoint import Checkpoint
 from services.talker import sampling as smp
-from services.talker.fused_decode import ENV_VAR, select_backend
+from services.talker.fused_decode import select_backend
 from services.talker.model.tts import MiniCPMTTS
 from services.talker.runner import TalkerRunner
 
@@ -26,24 +26,20 @@ def model(tiny_ckpt: Path) -> MiniCPMTTS:
     return MiniCPMTTS.from_checkpoint(Checkpoint(tiny_ckpt))
 
 
-def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backend_selection() -> None:
     cpu = torch.device("cpu")
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    assert select_backend(cpu) == "torch"  # auto never picks the interpreter
+    assert select_backend(cpu) == select_backend(cpu, "auto") == "torch"  # auto never picks the interpreter
     assert select_backend(cpu, "triton") == "triton"
-    monkeypatch.setenv(ENV_VAR, "triton")
-    assert select_backend(cpu) == "triton"
-    assert select_backend(cpu, "torch") == "torch"  # an explicit request wins over the environment
-    monkeypatch.setenv(ENV_VAR, "cuda-magic")
-    with pytest.raises(ValueError, match=ENV_VAR):
-        select_backend(cpu)
+    assert select_backend(cpu, "torch") == "torch"
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        select_backend(cpu, "cuda-magic")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_rounds_like_the_torch_path(dtype: torch.dtype) -> None:
     """fp16 stands in for bf16: Triton's interpreter (numpy) does not round bf16 casts to nearest."""
-    from services.thinker.kernels import TorchOps
-    from services.thinker.kernels.triton_ops import TritonOps
+    from services.common.kernels import TorchOps
+    from services.common.kernels.triton_ops import TritonOps
 
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, slots, rows = 4, 2, 16, 3, 9

@@ -12,7 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import ServeOptions
-from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
+from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common.tensors import tensor_to_proto
 from services.talker.server import build_engine, make_server, stage_info
 
@@ -33,7 +33,7 @@ def _chunk(n: int, seed: int, *, last: bool, epoch: int = 0, width: int = 128, t
     )
 
 
-def _open(mode: int = thinker_pb2.STREAM_MODE_TURN, **sampling: int) -> talker_pb2.TalkerRequest:
+def _open(mode: int = common_pb2.STREAM_MODE_TURN, **sampling: int) -> talker_pb2.TalkerRequest:
     return talker_pb2.TalkerRequest(
         open=talker_pb2.TalkerOpen(
             id=common_pb2.Identity(request_id="r", session_id="s"),
@@ -100,7 +100,7 @@ def test_loopback_round_trip(tiny_ckpt: Path) -> None:
                 resp = await _collect(
                     stub,
                     [
-                        _open(thinker_pb2.STREAM_MODE_DUPLEX),
+                        _open(common_pb2.STREAM_MODE_DUPLEX),
                         _chunk(5, 3, last=False),
                         _chunk(5, 4, last=False),
                         _chunk(5, 5, last=False, turn_end=True),

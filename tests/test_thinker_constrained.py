@@ -67,7 +67,7 @@ def _open(
     msg = thinker_pb2.ChatMessage(role="user", content=[thinker_pb2.ContentPart(text=text)])
     ident = common_pb2.Identity(request_id="req-c", session_id="s-c", epoch=1, turn_id=1)
     return thinker_pb2.ThinkerOpen(
-        id=ident, mode=thinker_pb2.STREAM_MODE_TURN, messages=[msg], sampling=sampling
+        id=ident, mode=common_pb2.STREAM_MODE_TURN, messages=[msg], sampling=sampling
     )
 
 

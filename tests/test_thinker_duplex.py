@@ -16,7 +16,8 @@ import torch
 from services.common.errors import CONTEXT_LENGTH_EXCEEDED
 from services.common.grpc_server import ServeOptions
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
-from services.common.tensors import pcm_from_float, tensor_from_proto
+from services.common.pcm import pcm_from_float
+from services.common.tensors import tensor_from_proto
 from services.thinker.backend import build_backend
 from services.thinker.duplex import (
     CHUNK_EOS,
@@ -61,7 +62,7 @@ def duplex_open(**kw: object) -> thinker_pb2.ThinkerRequest:
     return thinker_pb2.ThinkerRequest(
         open=thinker_pb2.ThinkerOpen(
             id=ident,
-            mode=thinker_pb2.STREAM_MODE_DUPLEX,
+            mode=common_pb2.STREAM_MODE_DUPLEX,
             sampling=greedy,
             hidden_dtype=common_pb2.DTYPE_FLOAT32,
             **({"want_speech": True} | kw),

@@ -20,7 +20,8 @@ import torch
 
 from services.common.grpc_server import ServeOptions
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
-from services.common.tensors import pcm_from_float, tensor_from_proto
+from services.common.pcm import pcm_from_float
+from services.common.tensors import tensor_from_proto
 from services.thinker import duplex_stream
 from services.thinker.backend import build_backend
 from services.thinker.duplex import LISTEN, DuplexSession
@@ -55,7 +56,7 @@ def _open() -> thinker_pb2.ThinkerRequest:
     return thinker_pb2.ThinkerRequest(
         open=thinker_pb2.ThinkerOpen(
             id=common_pb2.Identity(session_id="ahead", request_id="r-ahead"),
-            mode=thinker_pb2.STREAM_MODE_DUPLEX,
+            mode=common_pb2.STREAM_MODE_DUPLEX,
             sampling=thinker_pb2.SamplingParams(temperature=0.7, seed=1234),
             hidden_dtype=common_pb2.DTYPE_FLOAT32,
             want_speech=True,

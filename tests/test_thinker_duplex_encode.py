@@ -17,7 +17,7 @@ import torch
 
 from services.common.errors import StageError
 from services.common.pb import common_pb2, thinker_pb2
-from services.common.tensors import pcm_from_float
+from services.common.pcm import pcm_from_float
 from services.thinker.backend import build_backend
 from services.thinker.duplex import CHUNK_EOS, LISTEN, UNIT_CLOSE, WHISPER_BATCH, DuplexSession
 from services.thinker.duplex_encode import DuplexUnitEncoder, encode_unit, encode_units
@@ -49,7 +49,7 @@ def _unit(seed: int) -> thinker_pb2.ThinkerUnit:
 def _open(name: str) -> thinker_pb2.ThinkerOpen:
     return thinker_pb2.ThinkerOpen(
         id=common_pb2.Identity(session_id=name),
-        mode=thinker_pb2.STREAM_MODE_DUPLEX,
+        mode=common_pb2.STREAM_MODE_DUPLEX,
         sampling=thinker_pb2.SamplingParams(temperature=0.0),
         want_speech=True,
     )

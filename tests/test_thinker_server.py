@@ -22,7 +22,8 @@ from services.common.errors import (
 )
 from services.common.grpc_server import ServeOptions
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
-from services.common.tensors import pcm_from_float, tensor_from_proto
+from services.common.pcm import pcm_from_float
+from services.common.tensors import tensor_from_proto
 from services.thinker.backend import build_backend
 from services.thinker.engine import EngineConfig
 from services.thinker.server import make_server
@@ -44,7 +45,7 @@ def backend(tiny_ckpt: Path):
 def text_open(text: str, **kw: object) -> thinker_pb2.ThinkerOpen:
     msg = thinker_pb2.ChatMessage(role="user", content=[thinker_pb2.ContentPart(text=text)])
     ident = common_pb2.Identity(request_id="req-1", session_id="s-1", epoch=3, turn_id=1)
-    return thinker_pb2.ThinkerOpen(id=ident, mode=thinker_pb2.STREAM_MODE_TURN, messages=[msg], **kw)
+    return thinker_pb2.ThinkerOpen(id=ident, mode=common_pb2.STREAM_MODE_TURN, messages=[msg], **kw)
 
 
 async def _with_server(backend, body) -> None:  # noqa: ANN001

@@ -1,6 +1,6 @@
-"""The skinny decode GEMMs (services.thinker.kernels.skinny) against the torch composition, on CPU.
+"""The skinny decode GEMMs (services.common.kernels.skinny) against the torch composition, on CPU.
 
-As in ``test_thinker_kernels.py`` the Triton kernels run through Triton's interpreter (fp32 and fp16: the
+As in ``test_common_kernels.py`` the Triton kernels run through Triton's interpreter (fp32 and fp16: the
 interpreter has no bf16 arithmetic). Each op is compared with TorchOps' norm/gate followed by an fp32
 ``F.linear``; the residual must be the old one bit for bit. Then the runner must pick the skinny path for a
 packed-row step of few rows, and only then, and give the torch backend's logits and tokens through it.
@@ -19,8 +19,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: ker
 triton = pytest.importorskip("triton")
 
 from services.common.checkpoint import Checkpoint  # noqa: E402
+from services.common.kernels import TorchOps, skinny_enabled  # noqa: E402
 from services.thinker.engine import EngineConfig, ThinkerEngine  # noqa: E402
-from services.thinker.kernels import TorchOps, skinny_enabled  # noqa: E402
 from services.thinker.runner import DecodeRow, PrefillChunk, StepInput, build_qwen3_llm  # noqa: E402
 from tests.thinker_greedy import greedy_tokens  # noqa: E402
 
@@ -31,7 +31,7 @@ def _interpreter_scalars(triton_interpreter_scalars: None) -> None:
 
 
 def _sk():  # noqa: ANN202
-    from services.thinker.kernels import skinny
+    from services.common.kernels import skinny
 
     return skinny
 
@@ -101,7 +101,7 @@ def test_skinny_prologues_round_like_the_old_kernels(dtype: torch.dtype) -> None
     k = 192
     eye = torch.eye(k, dtype=dtype)
     cfg = sk.SkinnyConfig(64, 64, 3, 4, 1, True)  # split: each output column still has one nonzero term
-    from services.thinker.kernels.triton_ops import TritonOps
+    from services.common.kernels.triton_ops import TritonOps
 
     gate_up = torch.randn(3, 2 * k, generator=g).to(dtype)
     assert torch.equal(sk.linear_silu_mul(gate_up, eye, config=cfg), TritonOps.silu_mul(gate_up))
@@ -142,18 +142,12 @@ def test_linear_accumulate_is_addmm_into_the_residual(dtype: torch.dtype, m: int
         sk.linear_accumulate(h, w, res[:, :40])
 
 
-def test_skinny_o_switch_and_its_tuned_configs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The skinny O projection is on unless ``MINICPMO_THINKER_SKINNY_O=0``; the built-in table holds its
+def test_skinny_o_is_on_and_has_tuned_configs() -> None:
+    """The skinny O projection is the default (a benchmark may turn it off); the built-in table holds its
     H200 configs (1 and 16 rows), so the engine never runs it on the untuned default config."""
-    from services.thinker.kernels import SKINNY_O_ENV_VAR, skinny_o_enabled
+    from services.common.kernels import skinny_o_enabled
 
-    monkeypatch.delenv(SKINNY_O_ENV_VAR, raising=False)
-    assert skinny_o_enabled() and not skinny_o_enabled(False)
-    monkeypatch.setenv(SKINNY_O_ENV_VAR, "0")
-    assert not skinny_o_enabled() and skinny_o_enabled(True)
-    monkeypatch.setenv(SKINNY_O_ENV_VAR, "maybe")
-    with pytest.raises(ValueError):
-        skinny_o_enabled()
+    assert skinny_o_enabled() and not skinny_o_enabled(False) and skinny_o_enabled(True)
     sk = _sk()
     assert {(1, 4096, 4096), (16, 4096, 4096)} <= set(sk.SKINNY_CONFIGS)
     assert sk.config_for(8, 4096, 4096) is sk.SKINNY_CONFIGS[(16, 4096, 4096)]
@@ -204,23 +198,17 @@ def test_microbench_table_file_feeds_the_lookup(tmp_path: Path, monkeypatch: pyt
         (4, 6144, 4096): sk.SkinnyConfig(32, 256, 2, 4, 3, False),
     }
     monkeypatch.setattr(sk, "SKINNY_CONFIGS", {})
-    monkeypatch.setenv(sk.TABLE_ENV, str(path))
-    sk._load_env_table()
+    assert sk.use_table(path) == 2
     assert sk.config_for(9, 4096, 12288) == sk.SkinnyConfig(128, 128, 4, 8, 4, True)
     assert sk.config_for(1, 24576, 4096) == sk.default_config(1, 24576, 4096)
 
 
-def test_skinny_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_skinny_switch() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv("MINICPMO_THINKER_SKINNY_GEMM", raising=False)
     # off unless asked: it measured slower than norm kernels + cuBLAS on the H200
     assert not skinny_enabled(cuda, "triton") and not skinny_enabled(cpu, "triton")
     assert not skinny_enabled(cuda, "torch", True)  # the torch backend never takes it
     assert skinny_enabled(cpu, "triton", True) and not skinny_enabled(cuda, "triton", False)
-    monkeypatch.setenv("MINICPMO_THINKER_SKINNY_GEMM", "0")
-    assert not skinny_enabled(cuda, "triton")
-    monkeypatch.setenv("MINICPMO_THINKER_SKINNY_GEMM", "1")
-    assert skinny_enabled(cpu, "triton") and skinny_enabled(cuda, "triton")
 
 
 @pytest.fixture(scope="module")
@@ -245,12 +233,9 @@ def _prefilled(llm: torch.nn.Module) -> tuple[ThinkerEngine, list[int], list[int
     return engine, blocks_a, blocks_b
 
 
-def test_runner_selects_skinny_for_packed_decode_steps(
-    llm: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_runner_selects_skinny_for_packed_decode_steps(llm: torch.nn.Module) -> None:
     """Packed-row steps of ≤ 16 rows take the skinny GEMMs when on; eager steps, big packed steps, the
-    env switch and the torch backend do not. Through them the step gives the torch backend's outputs."""
-    monkeypatch.delenv("MINICPMO_THINKER_SKINNY_GEMM", raising=False)
+    default and the torch backend do not. Through them the step gives the torch backend's outputs."""
     engine, blocks_a, blocks_b = _prefilled(llm)
     runner = engine.runner
     assert not runner.skinny_gemm  # CPU: off unless asked for
@@ -268,8 +253,7 @@ def test_runner_selects_skinny_for_packed_decode_steps(
     )
     runner.packed_step_eager(big)  # 18 rows: above the skinny limit
     assert fused.skinny_passes == before + 1
-    monkeypatch.setenv("MINICPMO_THINKER_SKINNY_GEMM", "0")
-    runner.set_skinny_gemm(None)
+    runner.set_skinny_gemm(None)  # the default: off
     plain_out = runner.packed_step_eager(step)
     assert fused.skinny_passes == before + 1 and not runner.skinny_gemm
     runner.set_kernels("torch")

@@ -13,7 +13,7 @@ names=(
   stepaudio2-minicpmo s3tokenizer HyperPyYAML ruamel.yaml ruamel.yaml.clib diffusers importlib_metadata zipp
   librosa audioread soxr pooch decorator lazy-loader soundfile cffi pycparser platformdirs silero-vad av
   fastapi starlette pydantic pydantic_core typing-inspection annotated-types opentelemetry-api
-  uvicorn websockets grpcio-tools grpcio-health-checking grpcio-reflection
+  uvicorn websockets grpcio-tools grpcio-health-checking grpcio-reflection python-multipart
 )
 reqs=()
 for n in "${names[@]}"; do

@@ -13,13 +13,13 @@ bytes and FLOPs), in one process and one run:
 * the levers A/B in the same run (``--overlap on|off|both``): engine decode with and without the
   overlapped decode of :mod:`services.thinker.overlap` (same engine, same graphs), each row reporting
   engine ms, the replay alone, the floor and the ratios;
-* the skinny decode GEMMs A/B (``--skinny on|off|both``, :mod:`services.thinker.kernels.skinny`): each arm
+* the skinny decode GEMMs A/B (``--skinny on|off|both``, :mod:`services.common.kernels.skinny`): each arm
   drops the captured graphs and recaptures them with the GEMM path switched (same engine and weights);
 * the folded-norm loop A/B (``--norm-fold on|off|both``, :mod:`services.thinker.fused_forward`): the
   norm weights are folded once (one-way); the ``off`` arm runs the norm kernels on the folded weights,
   the same kernels and launches as an unfolded model; each arm recaptures the graphs;
 * the one-launch rotary + attention A/B (``--rope-attention on|off|both``,
-  :mod:`services.thinker.kernels.rope_attention`): each arm recaptures the graphs;
+  :mod:`services.common.kernels.rope_attention`): each arm recaptures the graphs;
 * the same-run floors of :mod:`bench.thinker.floor`: the step's weight matmuls alone in one CUDA graph
   per batch (decode is reported as a ratio to it) and the dense matmul rate (prefill is reported as the
   share of it its matmul FLOPs reach).
@@ -42,8 +42,8 @@ import torch
 
 from bench.thinker import floor
 from services.common.checkpoint import Checkpoint
+from services.common.kernels import rope_attention_enabled, skinny_o_enabled
 from services.thinker.engine import EngineConfig, ThinkerEngine
-from services.thinker.kernels import rope_attention_enabled, skinny_o_enabled
 from services.thinker.runner import build_qwen3_llm
 from services.thinker.sampling import Sampler, SamplingConfig
 from services.thinker.scheduler import Sequence, WorkItem
@@ -286,7 +286,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 # A lever's arms: on, off, both (an A/B in one run; graph levers recapture per arm), or the engine's
-# default (None: its environment switch or device rule decides).
+# default (None: its device rule decides).
 ARMS: dict[str, list[bool | None]] = {"on": [True], "off": [False], "both": [False, True], "default": [None]}
 
 
@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_budget_bytes=budget,
             use_cuda_graphs=not args.no_cuda_graphs,
             compile_layers=args.compile,
+            # The engine's compute is measured: prompts repeated by the profiler pass must not hit a cache.
+            prefix_caching=False,
         ),
         device,
     )

@@ -3,7 +3,7 @@
     python -m bench.thinker.attention [--device cuda] [--batches 1,8,16] [--contexts 512,4096]
 
 * ``gather_sdpa``: the pure-torch path (gather each row's slots into ``[B, L]``, mask, SDPA);
-* ``triton``: the paged kernel of ``services.thinker.kernels`` (no gather copy), with and without key
+* ``triton``: the paged kernel of ``services.common.kernels`` (no gather copy), with and without key
   splits (what the runner picks for the bucket, and 1);
 * ``--rope``: rotary + attention as two kernels against the one-launch ``rope_attention`` at each of
   its launches, same conditions as ``--sweep``;
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.thinker import floor
-from services.thinker.kernels import AttentionTiles, TorchOps, key_splits
+from services.common.kernels import AttentionTiles, TorchOps, key_splits
 
 
 def _graph_us(fn, device: torch.device, layers: int = 36, iters: int = 20) -> float:  # noqa: ANN001
@@ -146,7 +146,7 @@ def _rope_sweep(  # noqa: PLR0913
     default launch is timed then. ``split_factors``: the one launch also at these multiples of the rule's
     key splits (keys ``"s=N (bn, w, st)"``); ``launches``: a subset of :data:`ROPE_SWEEP`.
     """
-    from services.thinker.kernels.triton_ops import TritonOps as ops
+    from services.common.kernels.triton_ops import TritonOps as ops
 
     hq, hkv, d, page, hidden = 32, 8, 128, 16, 4096
     bf = torch.bfloat16
@@ -210,7 +210,7 @@ def _rope_sweep(  # noqa: PLR0913
 
 def run(device: torch.device, batches: list[int], contexts: list[int], splits_for) -> list[dict]:  # noqa: ANN001
     if device.type == "cuda":
-        from services.thinker.kernels.triton_ops import TritonOps as ops
+        from services.common.kernels.triton_ops import TritonOps as ops
     else:
         ops = TorchOps
     return [_case(device, ops, b, ctx, splits_for) for ctx in contexts for b in batches]
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         return 0
     if args.sweep:
-        from services.thinker.kernels.triton_ops import TritonOps
+        from services.common.kernels.triton_ops import TritonOps
 
         points = [
             _sweep(device, TritonOps, b, ctx, splits_for)

@@ -7,7 +7,7 @@ add+RMSNorm prologue) and down (4096 x 12288, SwiGLU prologue) at each row count
 
 * ``cublas``: ``F.linear`` alone (the GEMM the step runs today, without its norm);
 * ``unfused``: today's pair, the Triton norm/gate kernel of ``TritonOps`` then ``F.linear``;
-* every candidate config of :mod:`services.thinker.kernels.skinny` (column tile, K tile, split-K,
+* every candidate config of :mod:`services.common.kernels.skinny` (column tile, K tile, split-K,
   warps, stages, ``tl.dot`` or broadcast-sum), its output checked against ``unfused`` (max abs error).
 
 Each variant is 36 calls (one per layer) recorded into one CUDA graph, so launch gaps count as in the
@@ -58,7 +58,7 @@ def _graph_us(fn: Callable[[int], object], device: torch.device, iters: int = 20
 def candidates(m: int, n: int, k: int, sms: int) -> list:  # (SkinnyConfig list: skinny imports triton)
     """~12-16 configs per shape: dot tiles at the split that first fills the SMs and twice it, broadcast
     tiles (≤ 8192 products per step) for M ≤ 4, and the default."""
-    from services.thinker.kernels.skinny import SkinnyConfig, default_config, row_bucket
+    from services.common.kernels.skinny import SkinnyConfig, default_config, row_bucket
 
     def split_for(block_n: int, block_k: int) -> int:
         tiles = -(-n // block_n)
@@ -89,8 +89,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list:  # (SkinnyConfig list:
 
 def _case(device: torch.device, dtype: torch.dtype, m: int, name: str, scale: int, sms: int) -> dict:
     """One (rows, shape) point: cuBLAS, the unfused pair and every candidate on the same inputs."""
-    from services.thinker.kernels import skinny
-    from services.thinker.kernels.triton_ops import TritonOps
+    from services.common.kernels import skinny
+    from services.common.kernels.triton_ops import TritonOps
 
     n, k, prologue = SHAPES[name]
     n, k = n // scale, k // scale
@@ -194,7 +194,7 @@ def report(rows: list[dict], show_all: bool) -> str:
 
 def config_literal(rows: list[dict]) -> str:
     """The best config per (row bucket, N, K) in ``SKINNY_CONFIGS``' literal form."""
-    from services.thinker.kernels.skinny import row_bucket
+    from services.common.kernels.skinny import row_bucket
 
     body = [
         f"    ({row_bucket(r['rows'])}, {r['n']}, {r['k']}): {r['best']['config']!r},  # {r['shape']}: "

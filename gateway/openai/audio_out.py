@@ -12,8 +12,8 @@ Two dialects share the route (docs/api.md, "Audio output"):
 * vLLM-Omni (no ``audio`` object): speech as base64 chunks in ``delta.content`` with ``modality``
   ``"audio"`` and ``audio_metadata``; unchanged.
 
-Voices: this model speaks with its default voice (or the request's ``ref_audio``); OpenAI voice names
-(``alloy``, ``verse``, ...) and any other name map to it.
+Voices (gateway/audio/chat_voice.py): OpenAI's voice names (``alloy``, ``verse``, ...) map to the
+default voice, a registered voice is used by its name, ``ref_audio`` sets one inline.
 """
 
 from __future__ import annotations

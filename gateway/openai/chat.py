@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import metrics
+from gateway.audio.chat_voice import resolve_chat_voice
 from gateway.audio_encoding import encode_audio
 from gateway.openai import tools as tool_calls
 from gateway.openai.audio_out import OpenAIAudioOut
@@ -169,7 +170,11 @@ async def create_chat_completion(request: Request) -> Response:
     try:
         messages = await build_thinker_messages(req.messages, runtime.media_policy)
         ref = await load_ref_audio(req.ref_audio, runtime.media_policy) if req.ref_audio else None
+        named = req.openai_audio.voice if req.openai_audio is not None else None
+        voice = resolve_chat_voice(request, named) if req.want_audio else None
         job = _build_job(runtime, req, messages, ref)
+        if voice is not None and ref is None:  # a registered voice: the stages' stored features
+            job.thinker_voice, job.voice_prompt = voice.thinker, voice.code2wav
         try:  # a stage known down: 503 + Retry-After now (after input checks), not an SSE error after a 200
             runtime.monitor.require(("thinker", "talker", "code2wav") if req.want_audio else ("thinker",))
         except StageFailure as exc:
@@ -316,6 +321,7 @@ class _Chunks:
         # The thinker repeats the prompt length on each TextDelta, so it is known from the first chunk on.
         self.prompt_tokens = first.prompt_tokens if isinstance(first, TextEvent) else 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # known with the thinker's Done
 
     def count(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens or self.prompt_tokens
@@ -335,6 +341,7 @@ class _Chunks:
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             }
         return _sse(body)
 
@@ -413,6 +420,7 @@ async def _stream_body(
                         yield chunk("text", {"tool_calls": calls})
                 _observe(event)
                 out.prompt_tokens, out.completion_tokens = event.prompt_tokens, event.completion_tokens
+                out.cached_tokens = event.cached_tokens
                 last_modality = "audio" if req.want_audio else "text"
                 made_calls = parser is not None and bool(parser.calls)
                 yield chunk(last_modality, {}, finish_reason=_finish_reason(event, made_calls))

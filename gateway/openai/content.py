@@ -15,7 +15,7 @@ from gateway.media_pool import MEDIA_POOL
 from gateway.openai.errors import INVALID_REQUEST, APIError
 from gateway.openai.protocol import ContentPart, Message
 from services.common.pb import common_pb2, thinker_pb2
-from services.common.tensors import pcm_from_float
+from services.common.pcm import pcm_from_float
 
 
 def _media_api_error(exc: MediaError) -> APIError:

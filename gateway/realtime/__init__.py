@@ -34,6 +34,9 @@ def mount_realtime(app: FastAPI) -> None:
             settings.served_model = config.model_name
             settings.max_sessions = config.realtime_session_limit
             settings.first_window_frames = config.profile.stage("talker").codec.first_window_frames
+        voices = getattr(app.state, "voices", None)
+        if voices is not None:
+            settings.voice_lookup = voices.realtime_voice
         app.state.realtime_settings = settings
 
     def pipeline_factory(session: PipelineHost) -> SessionPipeline:

@@ -58,7 +58,14 @@ async def dispatch(s: CommandHost, event: dict[str, Any]) -> None:
 
 
 async def session_update(s: CommandHost, event: dict[str, Any]) -> None:
-    s.reconfigure(parse_session(event.get("session"), current=s.cfg, audio_started=s.input.started))
+    s.reconfigure(
+        parse_session(
+            event.get("session"),
+            current=s.cfg,
+            audio_started=s.input.started,
+            voices=s.settings.voice_lookup,
+        )
+    )
 
 
 async def session_resume_mid_session(s: CommandHost, event: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -87,6 +88,7 @@ class SessionConfig:
     voice: str | None = None
     ref_audio_uri: str | None = None
     ref_audio: np.ndarray | None = None  # mono float32 at 16 kHz, trimmed to 100 ms multiples
+    voice_prompt: Any = None  # a registered voice's stored code2wav features (code2wav_pb2.VoicePrompt)
     input_format: str = "pcm16"
     input_rate: int = UNIT_RATE
     output_format: str = "pcm16"
@@ -233,7 +235,11 @@ def _validate_turn_detection(td: Any, overlap_policy: str, opening: bool) -> dic
 
 
 def parse_session(
-    obj: object, *, current: SessionConfig | None = None, audio_started: bool = False
+    obj: object,
+    *,
+    current: SessionConfig | None = None,
+    audio_started: bool = False,
+    voices: Callable[[str], tuple[Any, Any] | None] | None = None,
 ) -> SessionConfig:
     """Build a config from a ``session`` object; with ``current``, apply it as a live update.
 
@@ -241,12 +247,18 @@ def parse_session(
     an exception that could take the socket down.
     """
     try:
-        return _parse_session(obj, current=current, audio_started=audio_started)
+        return _parse_session(obj, current=current, audio_started=audio_started, voices=voices)
     except (TypeError, ValueError, AttributeError) as exc:
         raise RealtimeError("invalid_session_config", f"malformed session field: {exc}") from exc
 
 
-def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bool) -> SessionConfig:
+def _parse_session(
+    obj: Any,
+    *,
+    current: SessionConfig | None,
+    audio_started: bool,
+    voices: Callable[[str], tuple[Any, Any] | None] | None = None,
+) -> SessionConfig:
     """Apply the four groups of fields in order: the first group with a bad field names the error."""
     if obj is None:
         obj = {}
@@ -261,6 +273,7 @@ def _parse_session(obj: Any, *, current: SessionConfig | None, audio_started: bo
     if not isinstance(extra, dict):
         raise RealtimeError("bad_event", "extra_body must be an object", param="extra_body")
     _apply_fixed_at_open(cfg, obj, extra, opening, audio_started)
+    _apply_registered_voice(cfg, obj, extra, voices)
     _apply_knobs(cfg, obj, extra, opening)
     check_tools(obj, "session")  # 5. function tools: validated by field, then refused (no realtime calls)
     if cfg.wants_audio and cfg.ref_audio is None:
@@ -373,6 +386,29 @@ def _apply_fixed_at_open(
     ):
         if knob in extra and not opening and extra[knob] != cfg.extra_body.get(knob):
             raise RealtimeError("sliding_window_update_unsupported", f"{knob} is fixed at open", param=knob)
+
+
+def _apply_registered_voice(
+    cfg: SessionConfig,
+    obj: dict[str, Any],
+    extra: dict[str, Any],
+    voices: Callable[[str], tuple[Any, Any] | None] | None,
+) -> None:
+    """``voice`` naming a registered voice (/v1/audio/voices) supplies the reference clip and code2wav's
+    stored features, unless ``ref_audio`` is given inline; an unknown name is refused."""
+    if voices is None or cfg.voice is None or cfg.ref_audio_uri is not None:
+        return
+    from gateway.audio.voices import is_builtin
+
+    if is_builtin(cfg.voice.lower()):
+        return
+    found = voices(cfg.voice)
+    if found is None:
+        raise RealtimeError("invalid_voice", f"unknown voice {cfg.voice!r}", param="voice")
+    clip, features = found
+    keep = (clip.size // (UNIT_RATE // 10)) * (UNIT_RATE // 10)
+    cfg.ref_audio = np.asarray(clip[:keep], dtype=np.float32)
+    cfg.voice_prompt = features
 
 
 def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any], opening: bool) -> None:

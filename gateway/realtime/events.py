@@ -97,6 +97,32 @@ class ResponseState:
     superseded_by_user_turn: bool = False
     speech_turn: int = 0  # the pipeline's speaking turn voicing this response (0: not known yet)
     max_tokens_reached: bool = False  # the model's turn was ended by the response's max_output_tokens
+    # Usage: the session's thinker context before the response's first unit (held in its KV: cached),
+    # after its latest unit, and the tokens the thinker generated on the response's units.
+    context_before: int | None = None
+    context_after: int = 0
+    output_tokens: int = 0
+
+    def count_unit(self, context_before: int, context_after: int, output_tokens: int) -> None:
+        """A unit decided for this response: its context and its output go into the usage."""
+        if self.context_before is None:
+            self.context_before = context_before
+        self.context_after = max(self.context_after, context_after)
+        self.output_tokens += output_tokens
+
+    def usage(self) -> dict[str, Any]:
+        """``response.done`` usage in thinker tokens: the input is the context the model read for this
+        response (everything but its own output); of it, the context the session already held before the
+        response's first unit was not computed again (its KV is the session's, including a session prefix
+        found in the thinker's prefix cache): ``input_token_details.cached_tokens``."""
+        cached = self.context_before or 0
+        inputs = max(cached, self.context_after - self.output_tokens)
+        return {
+            "total_tokens": inputs + self.output_tokens,
+            "input_tokens": inputs,
+            "output_tokens": self.output_tokens,
+            "input_token_details": {"cached_tokens": cached},
+        }
 
     @property
     def item_id(self) -> str:

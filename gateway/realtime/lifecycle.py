@@ -15,7 +15,6 @@ fence: the stages drop them too once they see the interrupt).
 from __future__ import annotations
 
 import base64
-import os
 import time
 from typing import Any, Protocol
 
@@ -37,10 +36,10 @@ from gateway.realtime.pipeline.events import (
 )
 from gateway.realtime.response_options import ResponseOptions, session_defaults
 
-# Turn lane: keep one silent unit queued behind the one being decided (MINICPMO_REALTIME_TURN_LOOKAHEAD=0
-# sends each only after the previous decision, as before: an A/B switch for bench.realtime_duplex).
+# Turn lane: keep one silent unit queued behind the one being decided (False sends each only after the
+# previous decision: the other arm of its A/B; the look-ahead won and is the default).
 HELD_TAIL_SAMPLES = 480  # 20 ms at 24 kHz: what an audio delta keeps back for the turn's last delta
-TURN_LOOKAHEAD = os.environ.get("MINICPMO_REALTIME_TURN_LOOKAHEAD", "1") != "0"
+TURN_LOOKAHEAD = True
 
 
 def status_details(status: str, reason: str) -> dict[str, Any] | None:
@@ -232,6 +231,7 @@ class ResponseLifecycle:
         if resp.thinker_turn_ended:
             return  # a decision after the turn ended belongs to no response (the talker is finishing)
         resp.units_seen += 1
+        resp.count_unit(out.context_before, out.context_tokens, out.output_tokens)
         if speak:
             if not resp.spoke:
                 resp.spoke = True
@@ -456,6 +456,7 @@ class ResponseLifecycle:
                 "modalities": resp.modalities,
                 "output_modalities": resp.modalities,
                 "metadata": ev.string_metadata(metadata),
+                "usage": resp.usage(),
             },
         )
         s.emit("rate_limits.updated", rate_limits=[])

@@ -98,7 +98,9 @@ class RealtimeEndpoint:
         first: dict[str, Any] | None = None
         try:
             if params.get("model") and autostart:
-                session = self.registry.open(parse_session({"model": params["model"]}))
+                session = self.registry.open(
+                    parse_session({"model": params["model"]}, voices=self.settings.voice_lookup)
+                )
                 attachment = session.attach_new()
             else:
                 try:
@@ -119,7 +121,7 @@ class RealtimeEndpoint:
                 else:
                     obj = first.get("session") if kind == "session.update" else {}
                     try:
-                        cfg = parse_session(obj)
+                        cfg = parse_session(obj, voices=self.settings.voice_lookup)
                     except RealtimeError as exc:
                         exc.event_id = exc.event_id or _client_id(first)
                         raise

@@ -3,11 +3,16 @@ values)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
 class RealtimeSettings:
+    # session.voice naming a registered voice -> (its clip as 16 kHz mono float32, code2wav's stored
+    # VoicePrompt); None when the name is not registered. Set from the voice registry by mount_realtime.
+    voice_lookup: Callable[[str], tuple[Any, Any] | None] | None = None
     thinker_target: str = "127.0.0.1:50051"
     talker_target: str = "127.0.0.1:50052"
     code2wav_target: str = "127.0.0.1:50053"

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.code2wav.model.prompt import PromptFeatures, ReferenceAudioError, ReferenceVoiceEncoder
@@ -179,6 +180,7 @@ class Code2WavEngine:
         seed: int | None,
         epoch: int = 0,
         outputs: Any = None,
+        prompt: PromptFeatures | None = None,
     ) -> StreamHandle:
         """Featurise the voice (LRU-cached) and create the stream from its origin cache.
 
@@ -191,7 +193,9 @@ class Code2WavEngine:
             raise StageError(
                 RESOURCE_EXHAUSTED, f"code2wav already serves {self.max_streams} streams", "open"
             )
-        if reference is None:
+        if prompt is not None:  # a registered voice: its features were computed once, at registration
+            pass
+        elif reference is None:
             prompt = self._default_prompt
             assert prompt is not None, "engine not started"
         else:
@@ -209,6 +213,38 @@ class Code2WavEngine:
         STREAMS_OPEN.set(len(self.streams))
         self._update_cache_gauge()
         return handle
+
+    async def encode_voice(self, samples: np.ndarray, sample_rate: int) -> PromptFeatures:
+        """The prompt features of a reference clip (voice registry); ``ReferenceAudioError`` if unusable."""
+        return await self._in_worker(self.voices.encode, samples, sample_rate)
+
+    def prompt_from_parts(
+        self, tokens: torch.Tensor, mel: torch.Tensor, spk_emb: torch.Tensor, digest: str
+    ) -> PromptFeatures:
+        """Stored features -> :class:`PromptFeatures` on the model device, checked against the default
+        voice's shapes (every stream's prompt has the same shape, so they batch together)."""
+        ref = self._default_prompt
+        assert ref is not None, "engine not started"
+        for name, got, want in (
+            ("tokens", tokens, ref.tokens),
+            ("mel", mel, ref.mel),
+            ("spk_emb", spk_emb, ref.spk_emb),
+        ):
+            if tuple(got.shape) != tuple(want.shape):
+                raise StageError(
+                    BAD_REFERENCE_AUDIO,
+                    f"voice {name} has shape {list(got.shape)}; this model needs {list(want.shape)}",
+                    f"open.voice.{name}",
+                )
+        if not (torch.isfinite(mel).all() and torch.isfinite(spk_emb).all()):
+            raise StageError(BAD_REFERENCE_AUDIO, "voice features are not finite", "open.voice")
+        dev = ref.mel.device
+        return PromptFeatures(
+            tokens=tokens.to(dev, torch.int32),
+            mel=mel.to(dev, ref.mel.dtype).contiguous(),
+            spk_emb=spk_emb.to(dev, ref.spk_emb.dtype),
+            digest=digest,
+        )
 
     def submit(
         self, handle: StreamHandle, codes: list[int], left_context: int, is_last: bool, tag: Any

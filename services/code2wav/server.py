@@ -16,13 +16,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+import torch
 
 from services.code2wav.engine import STAGE, Code2WavEngine, StreamHandle
+from services.code2wav.model.prompt import PromptFeatures, ReferenceAudioError
 from services.code2wav.runner import MAX_NEW_TOKENS, WindowResult
-from services.common.errors import FAILED_PRECONDITION, OUT_OF_ORDER, StageError
+from services.common.errors import FAILED_PRECONDITION, INVALID_ARGUMENT, OUT_OF_ORDER, StageError
 from services.common.pb import code2wav_pb2, code2wav_pb2_grpc, common_pb2
+from services.common.pcm import pcm_from_float, pcm_to_float
 from services.common.stage_stream import Inbox, Interrupted, StageServicer, StageStream, StageStreamDriver
-from services.common.tensors import pcm_from_float, pcm_to_float
+from services.common.tensors import tensor_from_proto, tensor_to_proto
 
 SERVICE_FULL_NAME = "minicpmo.v1.Code2WavService"
 Response = code2wav_pb2.Code2WavResponse
@@ -53,8 +56,18 @@ class Code2WavStream(StageStream[Response]):
         opened = self.opened
         reference = pcm_to_float(opened.ref_audio) if opened.ref_audio.data else None
         seed = opened.seed if opened.HasField("seed") else None
+        prompt = None
+        if opened.HasField("voice"):
+            if reference is not None:
+                raise StageError(INVALID_ARGUMENT, "send either ref_audio or voice, not both", "open.voice")
+            prompt = self.engine.prompt_from_parts(*voice_parts(opened.voice))
         self.handle = await self.engine.open_stream(
-            opened.id.request_id or uuid.uuid4().hex, reference, seed, epoch=opened.id.epoch, outputs=inbox
+            opened.id.request_id or uuid.uuid4().hex,
+            reference,
+            seed,
+            epoch=opened.id.epoch,
+            outputs=inbox,
+            prompt=prompt,
         )
         return ()
 
@@ -121,6 +134,39 @@ class Code2WavServicer(StageServicer, code2wav_pb2_grpc.Code2WavServiceServicer)
             lambda opened: Code2WavStream(engine, opened),
             missing_open_code=FAILED_PRECONDITION,
         )
+
+    async def EncodeVoice(  # noqa: N802
+        self, request: code2wav_pb2.Code2WavVoiceRequest, context: grpc.aio.ServicerContext
+    ) -> code2wav_pb2.VoicePrompt:
+        """Featurise a reference clip once (voice registry); an unusable clip is INVALID_ARGUMENT."""
+        if not request.ref_audio.data:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ref_audio is empty")
+        try:
+            samples, rate = pcm_to_float(request.ref_audio)
+            features = await self.engine.encode_voice(samples, rate)
+        except (ReferenceAudioError, StageError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return voice_prompt(features)
+
+
+def voice_parts(msg: code2wav_pb2.VoicePrompt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """A stored VoicePrompt -> (tokens, mel, spk_emb, digest) tensors on the CPU."""
+    return (
+        tensor_from_proto(msg.tokens),
+        tensor_from_proto(msg.mel),
+        tensor_from_proto(msg.spk_emb),
+        msg.digest,
+    )
+
+
+def voice_prompt(features: PromptFeatures) -> code2wav_pb2.VoicePrompt:
+    """Prompt features -> the VoicePrompt the gateway stores (tokens int32, mel and x-vector fp32)."""
+    return code2wav_pb2.VoicePrompt(
+        tokens=tensor_to_proto(features.tokens.to(torch.int32)),
+        mel=tensor_to_proto(features.mel, torch.float32),
+        spk_emb=tensor_to_proto(features.spk_emb, torch.float32),
+        digest=features.digest,
+    )
 
 
 def stage_info(engine: Code2WavEngine, model_version: str) -> common_pb2.StageInfo:

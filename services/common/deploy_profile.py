@@ -17,16 +17,21 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     served_model_name: openbmb/MiniCPM-o-4_5
     gpu_sharing: mps   # or time_slice (default): how stages placed on one GPU share it (gpu_sharing.py)
     gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s,
-                default_modalities, media: {...}}
+                default_modalities, media: {...}, voice_dir}
     tls:       {ca_file, cert_file, key_file, client_cert_file, client_key_file, require_client_cert}  # optional
     stages:
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
                  dtype: bfloat16, port: 50051, sampling: {...}, hidden_chunk_tokens: 10,
                  first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16,
-                 duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000}
+                 duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000,
+                 prefix_caching: true, kernels: auto, kernel_table: null, slow_step_ms: 50}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
-                 codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25}}
-      code2wav: {devices, memory_fraction, max_num_seqs, dtype, port}
+                 codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25},
+                 kernels: auto, steps_per_replay: 4, slow_step_ms: 50}
+      code2wav: {devices, memory_fraction, max_num_seqs, dtype, port, slow_step_ms}
+
+Every key, its type, default and range: docs/config.md (generated from these models by
+``python -m services.common.config_table``).
 
 ``devices`` has one entry per replica (``cpu``, ``cuda`` or ``cuda:N``), so ``[cuda:0, cuda:1]`` means two
 replicas, one per GPU. A replica on ``cuda:N`` is started with ``CUDA_VISIBLE_DEVICES=N`` and
@@ -106,12 +111,22 @@ class StageProfile:
     hidden_chunk_tokens: int = 10
     first_hidden_chunk_tokens: int = 11
     hidden_dtype: str = "bfloat16"
+    # every stage: engine steps slower than this are logged with their phases (0: off)
+    slow_step_ms: float = 50.0
+    # thinker and talker: decode kernel backend, auto | torch | triton
+    kernels: str = "auto"
+    # thinker only: a microbench table of skinny-GEMM configs (None: the built-in table)
+    kernel_table: str | None = None
+    # talker only: decode steps per CUDA-graph replay (None: 4 with graphs, 1 without)
+    steps_per_replay: int | None = None
     # thinker only: the duplex sliding context window, on unless a profile turns it off, so a long call
     # trims its oldest units instead of ending with context_length_exceeded (docs/model.md, Duplex context
     # window)
     duplex_window: str = "basic"
     duplex_window_high: int = 8000
     duplex_window_low: int = 6000
+    # thinker only: automatic prefix caching (full KV blocks shared by content hash), on by default
+    prefix_caching: bool = True
     # talker only
     codec: CodecWindows = field(default_factory=CodecWindows)
 
@@ -157,6 +172,9 @@ class GatewayProfile:
     # as OpenAI, ["text", "audio"] for deployments whose clients expect speech without asking.
     default_modalities: tuple[str, ...] = ("text",)
     media: MediaLimits = field(default_factory=MediaLimits)
+    # Registered voices (/v1/audio/voices): one sub-directory per voice holding the clip and the stage
+    # features derived from it once. Shared by every gateway replica (a volume); None: registry off.
+    voice_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -242,13 +260,17 @@ class DeployProfile:
                     "hidden_chunk_tokens",
                     "first_hidden_chunk_tokens",
                     "hidden_dtype",
+                    "kernel_table",
+                    "prefix_caching",
                     *THINKER_WINDOW_KEYS,
                 ):
                     sp.pop(key)
             if name != "talker":
                 sp.pop("codec")
+                sp.pop("steps_per_replay")
             if name == "code2wav":
                 sp.pop("sampling")
+                sp.pop("kernels")
         return data
 
 

@@ -19,6 +19,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     model_validator,
 )
@@ -115,7 +116,13 @@ HiddenOnlyThinker = Annotated[None, _refuse("only the thinker exports hidden sta
 CodecOnlyTalker = Annotated[None, _refuse("codec windows are a talker setting")]
 NoSampling = Annotated[None, _refuse("code2wav has no sampling parameters")]
 WindowOnlyThinker = Annotated[None, _refuse("the duplex context window is a thinker setting")]
+PrefixOnlyThinker = Annotated[None, _refuse("prefix caching is a thinker setting")]
 WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+Kernels = Annotated[
+    str, _rule(lambda v: v in KERNEL_BACKENDS, f"expected one of {list(KERNEL_BACKENDS)}, got {{v!r}}")
+]
+Milliseconds = Annotated[float, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
 
 
 class _Doc(BaseModel):
@@ -179,6 +186,8 @@ class _StageDoc(_Doc):
     max_num_seqs: PositiveInt | None = None
     max_model_len: PositiveInt | None = None
     dtype: DType | None = None
+    # An engine step slower than this many ms is logged with its phases (services/common/slow_steps.py); 0: off.
+    slow_step_ms: Milliseconds | None = None
     notes: str | None = None
 
     @model_validator(mode="before")
@@ -208,6 +217,13 @@ class ThinkerDoc(_StageDoc):
     duplex_window: WindowMode | None = None
     duplex_window_high: PositiveInt | None = None
     duplex_window_low: PositiveInt | None = None
+    # Decode kernels (services/common/kernels): auto = Triton on CUDA, torch elsewhere.
+    kernels: Kernels | None = None
+    # A `bench.thinker.skinny --json-out` table of skinny-GEMM configs for a GPU the built-in one was not
+    # measured on (services/common/kernels/skinny.py); a path as the thinker process sees it.
+    kernel_table: str | None = None
+    # Automatic prefix caching of full KV blocks (on unless a profile says false).
+    prefix_caching: StrictBool | None = None
     codec: CodecOnlyTalker = None
 
     @model_validator(mode="after")
@@ -231,11 +247,16 @@ class _NoHiddenDoc(_StageDoc):
     duplex_window: WindowOnlyThinker = None
     duplex_window_high: WindowOnlyThinker = None
     duplex_window_low: WindowOnlyThinker = None
+    prefix_caching: PrefixOnlyThinker = None
 
 
 class TalkerDoc(_NoHiddenDoc):
     sampling: TalkerSamplingDoc | None = None
     codec: CodecDoc | None = None
+    # Fused decode kernels (services/talker/fused_decode.py): auto = Triton on CUDA, torch elsewhere.
+    kernels: Kernels | None = None
+    # Decode steps per CUDA-graph replay (services/talker/multistep.py); default 4 with graphs, 1 without.
+    steps_per_replay: PositiveInt | None = None
 
 
 class Code2WavDoc(_NoHiddenDoc):
@@ -270,6 +291,7 @@ class GatewayDoc(_Doc):
     # Output of a chat request that names no ``modalities`` (OpenAI's default: text only).
     default_modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
     media: MediaDoc | None = None
+    voice_dir: Annotated[str, _rule(bool, "must not be empty")] | None = None
 
 
 class TLSDoc(_Doc):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import slow_steps
 from services.common.deploy_profile import DEFAULT_STAGE_PORTS
 from services.common.heap import prepare_heap_for_serving
 from services.common.metrics import DRAINING
@@ -46,11 +47,19 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
 # The gateway's channels ping every 20 s (GRPC_OPTIONS) so a dead stage is noticed mid-stream; the
 # server must accept pings that often, or after two "strikes" it sends GOAWAY(too_many_pings) and every
 # stream on that connection dies.
+# gRPC sets SO_REUSEPORT on its listening sockets by default: a second stage started on a taken port then
+# binds beside the holder, reports SERVING, and never sees a connection (the kernel hands them to the
+# holder). Off, a taken port fails the bind and the stage exits naming it.
 SERVER_OPTIONS: list[tuple[str, int]] = [
     *GRPC_OPTIONS,
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),
 ]
+
+
+class PortInUseError(RuntimeError):
+    """A stage's gRPC or metrics port could not be bound; the message names it."""
 
 
 @dataclass
@@ -82,21 +91,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to let in-flight streams finish on SIGTERM"
     )
-    env = os.environ.get
     parser.add_argument(
-        "--tls-cert",
-        default=env("MINICPMO_TLS_CERT") or None,
-        help="serve gRPC over TLS with this certificate chain (PEM; env MINICPMO_TLS_CERT)",
+        "--slow-step-ms",
+        type=float,
+        default=slow_steps.DEFAULT_MS,
+        metavar="MS",
+        help="log an engine step slower than this with its phases (0: off; profile slow_step_ms)",
     )
     parser.add_argument(
-        "--tls-key",
-        default=env("MINICPMO_TLS_KEY") or None,
-        help="private key of --tls-cert (PEM; env MINICPMO_TLS_KEY)",
+        "--tls-cert", default=None, help="serve gRPC over TLS with this certificate chain (PEM)"
     )
+    parser.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
     parser.add_argument(
         "--tls-client-ca",
-        default=env("MINICPMO_TLS_CLIENT_CA") or None,
-        help="mutual TLS: require client certificates signed by this CA (PEM; env MINICPMO_TLS_CLIENT_CA)",
+        default=None,
+        help="mutual TLS: require client certificates signed by this CA (PEM)",
     )
 
 
@@ -145,18 +154,30 @@ class StageServer:
         )
         address = f"{self.options.host}:{self.options.port}"
         tls = self.options.tls
-        self.port = (
-            server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
-        )
+        taken = f"{self.stage}: cannot bind gRPC port {self.options.port} on {self.options.host} (in use?)"
+        try:
+            self.port = (
+                server.add_secure_port(address, tls.credentials())
+                if tls
+                else server.add_insecure_port(address)
+            )
+        except RuntimeError as exc:  # grpcio raises "Failed to bind" where older versions returned 0
+            raise PortInUseError(taken) from exc
         if self.port == 0:
-            raise RuntimeError(f"{self.stage}: cannot bind {self.options.host}:{self.options.port}")
+            raise PortInUseError(taken)
         await server.start()
         self.server = server
         mport = self.options.resolved_metrics_port()
         if mport:
             from prometheus_client import start_http_server
 
-            start_http_server(mport, addr=self.options.host)
+            try:
+                start_http_server(mport, addr=self.options.host)
+            except OSError as exc:
+                await server.stop(None)
+                raise PortInUseError(
+                    f"{self.stage}: cannot bind metrics port {mport} on {self.options.host}: {exc.strerror}"
+                ) from exc
             self.metrics_port = mport
         await self.set_serving(True)
         mode = "plaintext" if tls is None else ("mutual TLS" if tls.client_ca_file else "TLS")
@@ -205,7 +226,11 @@ async def serve_forever(server: StageServer) -> None:
     The stage's model, warm-up and graphs exist by now: their objects leave the GC's full passes first
     (:mod:`services.common.heap`)."""
     prepare_heap_for_serving()
-    await server.start()
+    try:
+        await server.start()
+    except PortInUseError as exc:
+        print(f"[{server.stage}] {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     print(f"[{server.stage}] listening on {server.options.host}:{server.port}", flush=True)
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()

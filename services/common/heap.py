@@ -8,14 +8,13 @@ start-up they are moved to the permanent generation (``gc.freeze``) and later co
 serving allocates. ``minicpmo_gc_pause_seconds`` (per generation) shows what collections still cost.
 
 Servers call :func:`prepare_heap_for_serving` once, after their warm-up and before they take traffic;
-``MINICPMO_GC_FREEZE=0`` leaves the heap unfrozen (the pauses are still timed), for A/B runs.
+``freeze=False`` leaves the heap unfrozen (the pauses are still timed), for A/B runs.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from typing import Any
 
@@ -23,7 +22,6 @@ from prometheus_client import Histogram
 
 log = logging.getLogger(__name__)
 
-FREEZE_ENV = "MINICPMO_GC_FREEZE"
 GC_PAUSE = Histogram(
     "minicpmo_gc_pause_seconds",
     "Wall time of one Python garbage collection in this process (the GIL is held throughout)",
@@ -60,11 +58,11 @@ def freeze_startup_heap() -> int:
     return frozen
 
 
-def prepare_heap_for_serving() -> int:
-    """Time collections from now on and freeze the start-up heap (unless ``MINICPMO_GC_FREEZE=0``);
-    returns the frozen object count (0 when not frozen)."""
+def prepare_heap_for_serving(freeze: bool = True) -> int:
+    """Time collections from now on and freeze the start-up heap (unless ``freeze`` is False); returns
+    the frozen object count (0 when not frozen)."""
     watch_gc_pauses()
-    if os.environ.get(FREEZE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
-        log.info("%s=0: the start-up heap stays in the GC's full passes", FREEZE_ENV)
+    if not freeze:
+        log.info("the start-up heap stays in the GC's full passes")
         return 0
     return freeze_startup_heap()

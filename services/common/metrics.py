@@ -23,7 +23,7 @@ STALE_ITEMS = Counter(
 )
 SLOW_STEPS = Counter(
     "minicpmo_stage_slow_steps_total",
-    "Engine steps slower than MINICPMO_SLOW_STEP_MS, each logged with its phases (services.common.slow_steps)",
+    "Engine steps slower than the slow_step_ms setting, each logged with its phases (services.common.slow_steps)",
     ["stage"],
 )
 BATCH_SIZE = Histogram(

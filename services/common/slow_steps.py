@@ -3,31 +3,35 @@
 Why: a stall of one batched step stalls every stream in it at once, and the step histograms only say
 that some steps were slow, not which phase (commands, prefills, decode) or what shapes they ran. A
 step over the threshold logs its phases and their facts (batch sizes, rows) once, and counts in
-``minicpmo_stage_slow_steps_total``. Threshold: ``MINICPMO_SLOW_STEP_MS`` (default 50 ms; 0 turns the
-log off).
+``minicpmo_stage_slow_steps_total``. Threshold: the stage's ``slow_step_ms`` profile key
+(``--slow-step-ms`` of every stage CLI; default 50 ms, 0 turns the log off), set once per process by
+:func:`configure`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
 from services.common.metrics import SLOW_STEPS
 
 log = logging.getLogger(__name__)
-ENV = "MINICPMO_SLOW_STEP_MS"
 DEFAULT_MS = 50.0
+_threshold_ms = DEFAULT_MS
+
+
+def configure(ms: float) -> None:
+    """Set this process's slow-step threshold in ms (0: off); timers without their own limit use it."""
+    global _threshold_ms
+    if not ms >= 0:
+        raise ValueError(f"slow_step_ms must be >= 0 (got {ms!r})")
+    _threshold_ms = float(ms)
 
 
 def threshold_ms() -> float:
-    """The slow-step threshold from the environment (ms); 0 or less: off."""
-    raw = os.environ.get(ENV, "").strip()
-    try:
-        return float(raw) if raw else DEFAULT_MS
-    except ValueError as exc:
-        raise ValueError(f"{ENV} must be a number of milliseconds (got {raw!r})") from exc
+    """The process's slow-step threshold (ms); 0: off."""
+    return _threshold_ms
 
 
 class StepTimer:
@@ -35,7 +39,7 @@ class StepTimer:
 
     def __init__(self, stage: str, limit_ms: float | None = None) -> None:
         self.stage = stage
-        self.limit_ms = threshold_ms() if limit_ms is None else limit_ms
+        self._limit_ms = limit_ms  # None: the process's threshold (configure), read at each finish
         self._counter = SLOW_STEPS.labels(stage)
         self._t0 = self._last = 0.0
         self._phases: list[tuple[str, float, dict[str, Any]]] = []
@@ -52,7 +56,8 @@ class StepTimer:
     def finish(self) -> float | None:
         """Ends the step; logs and counts it when slower than the threshold. Returns its ms if it was."""
         total = 1e3 * (time.perf_counter() - self._t0)
-        if self.limit_ms <= 0 or total < self.limit_ms:
+        limit = threshold_ms() if self._limit_ms is None else self._limit_ms
+        if limit <= 0 or total < limit:
             return None
         self._counter.inc()
         parts = []

@@ -39,7 +39,8 @@ from services.common.pb import (
     thinker_pb2,
     thinker_pb2_grpc,
 )
-from services.common.tensors import pcm_from_float, pcm_to_float, tensor_to_proto
+from services.common.pcm import pcm_from_float, pcm_to_float
+from services.common.tensors import tensor_to_proto
 
 _STUBS: dict[str, type[Any]] = {  # the generated stub classes share no base class
     "thinker": thinker_pb2_grpc.ThinkerServiceStub,
@@ -93,7 +94,7 @@ async def _thinker_requests(args: argparse.Namespace) -> AsyncIterator[thinker_p
     sampling = thinker_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     open_msg = thinker_pb2.ThinkerOpen(
         id=_identity(args),
-        mode=thinker_pb2.STREAM_MODE_TURN,
+        mode=common_pb2.STREAM_MODE_TURN,
         messages=[thinker_pb2.ChatMessage(role="user", content=parts)],
         sampling=sampling,
         use_tts_template=args.speech,
@@ -111,7 +112,7 @@ async def _talker_requests(
     if args.frames:
         sampling.fixed_frames = args.frames
     yield talker_pb2.TalkerRequest(
-        open=talker_pb2.TalkerOpen(id=ident, mode=thinker_pb2.STREAM_MODE_TURN, sampling=sampling)
+        open=talker_pb2.TalkerOpen(id=ident, mode=common_pb2.STREAM_MODE_TURN, sampling=sampling)
     )
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(1000, 100000, (args.tokens,), generator=gen).tolist()

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.common import slow_steps
 from services.common.deploy_profile import STAGE_SETTINGS_ENV, apply_memory_fraction, stage_settings_from_env
 
 MEMORY_FRACTION_FLAG = "--memory-fraction"
@@ -38,9 +39,19 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "duplex_window": "duplex_window",
         "duplex_window_high": "duplex_window_high",
         "duplex_window_low": "duplex_window_low",
+        "kernels": "kernels",
+        "kernel_table": "kernel_table",
+        "slow_step_ms": "slow_step_ms",
+        "prefix_caching": "prefix_caching",
     },
-    "talker": {"max_num_seqs": "max_streams", "dtype": "dtype"},
-    "code2wav": {"max_num_seqs": "max_batch"},
+    "talker": {
+        "max_num_seqs": "max_streams",
+        "dtype": "dtype",
+        "kernels": "kernels",
+        "steps_per_replay": "steps_per_replay",
+        "slow_step_ms": "slow_step_ms",
+    },
+    "code2wav": {"max_num_seqs": "max_batch", "slow_step_ms": "slow_step_ms"},
 }
 
 
@@ -126,6 +137,7 @@ def parse_stage_args(
     args = parser.parse_args(argv)
     try:
         choice = resolve_memory_fraction(stage, args.memory_fraction, settings)
+        slow_steps.configure(args.slow_step_ms)
     except ValueError as exc:
         parser.error(str(exc))
     return args, choice

@@ -132,7 +132,7 @@ class TalkerEngine:
         steps_per_replay: int | None = None,
     ) -> None:
         """``steps_per_replay``: decode steps per graph replay (:mod:`multistep`); default
-        :func:`multistep.select_steps` (4 with CUDA graphs, 1 without, ``$MINICPMO_TALKER_STEPS_PER_REPLAY``)."""
+        :func:`multistep.select_steps` (4 with CUDA graphs, 1 without; the profile's ``steps_per_replay``)."""
         self.model = model
         self.cfg = model.cfg
         self.runner = TalkerRunner(
@@ -157,7 +157,7 @@ class TalkerEngine:
         self._queue_depth = QUEUE_DEPTH.labels(STAGE)
         self._batch_size = BATCH_SIZE.labels(STAGE)
         self._step_seconds = STEP_SECONDS.labels(STAGE)
-        self._timer = StepTimer(STAGE)  # logs a step slower than MINICPMO_SLOW_STEP_MS with its phases
+        self._timer = StepTimer(STAGE)  # logs a step slower than slow_step_ms with its phases
         # Optional tap on the raw fp32 logits each stream samples from (fidelity dumps, tests).
         self.logits_observer: Callable[[StreamState, torch.Tensor], None] | None = None
 

@@ -4,47 +4,46 @@ Why: a talker decode step moves ~0.2 GB of weights (≈ 50 µs of HBM time) yet 
 the H200 as ~580 kernels of 1–8 µs each (BENCHMARKS.md, "Talker decode kernels"). Per layer this path runs: RMSNorm (the
 residual add of the previous MLP folded in), the q|k|v GEMM, one kernel for rotary on q/k plus the K/V
 store, paged attention straight over the slot cache, the o GEMM, residual add + RMSNorm, the gate|up
-GEMM, SiLU·up, the down GEMM. Every kernel is the thinker's (:mod:`services.thinker.kernels`; its
+GEMM, SiLU·up, the down GEMM. Every kernel is shared with the thinker (:mod:`services.common.kernels`; its
 rotary+store without the q/k norms Qwen3 has and Llama lacks): the talker cache ``[slots, context + 1, kv_heads, D]``
 per layer is the thinker's token-major layout with one page of ``context + 1`` rows per slot, so its
 paged kernel reads it through a one-column block table (page = slot).
 
 The per-element arithmetic rounds where :meth:`TalkerRunner._layers` rounds (residual sums, the
 normalised row before its weight, each rotary product, the SiLU before ·up); only attention differs by
-its fp32 summation order (online softmax). ``MINICPMO_TALKER_KERNELS`` = ``torch`` | ``triton`` |
-``auto`` picks the backend (see :func:`select_backend`); the torch path stays the CPU/CI path and the
+its fp32 summation order (online softmax). The talker's ``kernels`` profile key (``--kernels``) =
+``torch`` | ``triton`` | ``auto`` picks the backend (see :func:`select_backend`); the torch path stays the CPU/CI path and the
 reference that tests and ``bench.cuda_smoke`` compare this one with.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from services.common.kernels import AttentionTiles, get_ops, key_splits, triton_usable
 from services.talker.kv_cache import SlotKVCache
-from services.thinker.kernels import AttentionTiles, get_ops, key_splits, triton_usable
 
-ENV_VAR = "MINICPMO_TALKER_KERNELS"
 BACKENDS = ("torch", "triton")
 # What ``auto`` picks on CUDA: the fused path, since the H200 run of ``bench.talker --kernels auto,triton``
 # and ``bench.cuda_smoke --stages talker --graph-kernels triton`` (BENCHMARKS.md, "Talker decode kernels") found
 # it 19 % / 11 % faster per stream at batch 1 / 16 and every difference a bf16 near-tie;
-# ``MINICPMO_TALKER_KERNELS=torch`` keeps the torch path.
+# ``kernels: torch`` in the profile keeps the torch path.
 AUTO_ON_CUDA = "triton"
 
 
 def select_backend(device: torch.device, requested: str | None = None) -> str:
-    """The talker's decode kernel backend for ``device``: ``requested``, else the environment, else auto.
+    """The talker's decode kernel backend for ``device``: ``requested`` (the profile's ``kernels`` key,
+    ``--kernels``), else auto.
 
     ``auto`` is :data:`AUTO_ON_CUDA` on CUDA (when Triton imports) and ``torch`` elsewhere; ``triton`` on
     CPU needs ``TRITON_INTERPRET=1`` (tests).
     """
-    want = (requested or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    want = (requested or "auto").strip().lower()
     if want not in (*BACKENDS, "auto"):
-        raise ValueError(f"{ENV_VAR} must be one of torch, triton, auto (got {want!r})")
+        raise ValueError(f"kernels must be one of torch, triton, auto (got {want!r})")
     if want == "auto":
         return AUTO_ON_CUDA if device.type == "cuda" and triton_usable(device) else "torch"
     if want == "triton" and not triton_usable(device):

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -68,7 +67,6 @@ class BlockHost(Protocol):
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "MINICPMO_TALKER_STEPS_PER_REPLAY"
 # Steps per replay with CUDA graphs on: 4 keeps an interrupt's wait at ~4 decode steps (~4 ms) while the
 # fixed host cost per frame drops 4×; ``bench.talker --steps-per-replay 1,4,8`` measures the choice.
 DEFAULT_STEPS_ON_CUDA = 4
@@ -84,13 +82,13 @@ ACTIVE_COLUMNS = slice(_STEPS + 1, None, STEP_INTS)  # every step's ``active`` c
 
 
 def select_steps(requested: int | None, graphs: bool) -> int:
-    """Steps per replay: ``requested``, else ``$MINICPMO_TALKER_STEPS_PER_REPLAY``, else 4 with graphs, 1 without.
+    """Steps per replay: ``requested`` (the profile's ``steps_per_replay``, ``--steps-per-replay``), else 4
+    with graphs, 1 without.
 
     Without CUDA graphs (CPU, tests, fidelity dumps) nothing is saved by blocks, so the default stays 1.
     """
     if requested is None:
-        env = os.environ.get(ENV_VAR, "").strip()
-        requested = int(env) if env else (DEFAULT_STEPS_ON_CUDA if graphs else 1)
+        requested = DEFAULT_STEPS_ON_CUDA if graphs else 1
     if requested < 1:
         raise ValueError(f"steps per replay must be ≥ 1 (got {requested})")
     return int(requested)

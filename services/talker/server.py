@@ -34,7 +34,7 @@ from services.common.grpc_server import (
     serve_forever,
     serve_options_from_args,
 )
-from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc, thinker_pb2
+from services.common.pb import common_pb2, talker_pb2, talker_pb2_grpc
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
 from services.common.stage_stream import Inbox, Interrupted, StageServicer, StageStream, StageStreamDriver
 from services.common.tensors import TORCH_DTYPES, compute_dtype, dtype_to_proto, tensor_from_proto
@@ -141,7 +141,7 @@ class TalkerServicer(StageServicer, talker_pb2_grpc.TalkerServiceServicer):
         return self.engine.make_settings(
             request_id=msg.id.request_id,
             session_id=msg.id.session_id,
-            duplex=msg.mode == thinker_pb2.STREAM_MODE_DUPLEX,
+            duplex=msg.mode == common_pb2.STREAM_MODE_DUPLEX,
             sampling=sampling,
             min_new_frames=sp.min_new_frames if sp.HasField("min_new_frames") else None,
             max_new_frames=sp.max_new_frames if sp.HasField("max_new_frames") else None,
@@ -265,11 +265,23 @@ def stage_info(engine: TalkerEngine, ckpt: Checkpoint, device: str) -> common_pb
 
 
 def build_engine(
-    checkpoint: str, device: str, dtype: str | None, max_streams: int, cuda_graphs: bool | None
+    checkpoint: str,
+    device: str,
+    dtype: str | None,
+    max_streams: int,
+    cuda_graphs: bool | None,
+    kernels: str | None = None,
+    steps_per_replay: int | None = None,
 ) -> tuple[TalkerEngine, Checkpoint]:
     ckpt = Checkpoint(checkpoint)
     model = MiniCPMTTS.from_checkpoint(ckpt, dtype=compute_dtype(dtype, device), device=device)
-    engine = TalkerEngine(model, max_streams=max_streams, use_cuda_graphs=cuda_graphs)
+    engine = TalkerEngine(
+        model,
+        max_streams=max_streams,
+        use_cuda_graphs=cuda_graphs,
+        kernels=kernels,
+        steps_per_replay=steps_per_replay,
+    )
     return engine, ckpt
 
 
@@ -303,6 +315,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--no-graph-warmup", action="store_true", help="capture CUDA graphs lazily instead of at start"
     )
+    ap.add_argument(
+        "--kernels",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="decode kernels: auto = Triton on CUDA, torch elsewhere (profile kernels)",
+    )
+    ap.add_argument(
+        "--steps-per-replay",
+        type=int,
+        default=None,
+        metavar="K",
+        help="decode steps per CUDA-graph replay (default 4 with graphs, 1 without; profile steps_per_replay)",
+    )
     ap.add_argument("--log-level", default="INFO")
     add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
@@ -314,7 +339,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     apply_memory_cap(STAGE, args.device, fraction, log)  # before the weights load, so they count too
     engine, ckpt = build_engine(
-        args.checkpoint, args.device, args.dtype, args.max_streams, False if args.no_cuda_graphs else None
+        args.checkpoint,
+        args.device,
+        args.dtype,
+        args.max_streams,
+        False if args.no_cuda_graphs else None,
+        kernels=args.kernels,
+        steps_per_replay=args.steps_per_replay,
     )
     if not args.no_graph_warmup:
         if engine.runner.device.type == "cuda":  # the first burst's allocations and first calls, now

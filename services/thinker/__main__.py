@@ -45,8 +45,10 @@ def _dump(argv: list[str]) -> int:
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {"dump": _dump}
 
 
-def parse_size(text: str) -> int:
-    """``--kv-budget`` accepts bytes or a suffix: 512M, 20G, 1.5GiB."""
+def parse_size(text: str) -> int | None:
+    """``--kv-budget`` accepts bytes or a suffix: 512M, 20G, 1.5GiB; ``auto`` (None) sizes it from the cap."""
+    if text.strip().lower() == "auto":
+        return None
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     if t and t[-1] in scale:
@@ -63,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-budget",
         type=parse_size,
         default=None,
-        help="KV cache bytes (e.g. 20G); default: the memory fraction's cap minus the weights and 2 GiB "
-        "headroom, or without a fraction 90%% of free GPU memory after the headroom",
+        help="KV cache bytes (e.g. 20G), checked against the memory fraction's cap at start; 'auto' (the "
+        "default): the cap minus the weights and 2 GiB headroom, or without a fraction 90%% of free GPU "
+        "memory after the headroom",
     )
     ap.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--max-context", type=int, default=None, help="cap below config max_position_embeddings")
@@ -91,6 +94,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--duplex-window-high", type=int, default=8000, help="tokens that trigger a trim (basic)")
     ap.add_argument("--duplex-window-low", type=int, default=6000, help="tokens kept after a trim (basic)")
+    ap.add_argument(
+        "--kernels",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="decode kernels: auto = Triton on CUDA, torch elsewhere (profile kernels)",
+    )
+    ap.add_argument(
+        "--kernel-table",
+        default=None,
+        metavar="JSON",
+        help="skinny-GEMM configs measured by `bench.thinker.skinny --json-out` for this GPU (profile kernel_table)",
+    )
+    ap.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share full KV blocks of repeated prompt prefixes (and repeated images/audio) across requests; "
+        "profile key stages.thinker.prefix_caching",
+    )
     ap.add_argument("--log-level", default="INFO")
     add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
@@ -111,11 +133,20 @@ def serve(argv: list[str]) -> int:
         compile_layers=args.compile,
         memory_fraction=apply_memory_cap(STAGE, args.device, fraction, log),
         memory_fraction_key=fraction.key,
+        prefix_caching=args.prefix_caching,
     )
     try:
         backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
     except KVBudgetError as exc:
         raise SystemExit(f"thinker: {exc}") from None
+    if args.kernels != "auto":
+        backend.engine.runner.set_kernels(args.kernels)
+    if args.kernel_table:
+        from services.common.kernels import skinny
+
+        log.info(
+            "thinker: %d skinny-GEMM configs from %s", skinny.use_table(args.kernel_table), args.kernel_table
+        )
     if args.duplex_window == "basic":
         try:
             window = DuplexWindow(args.duplex_window_high, args.duplex_window_low)

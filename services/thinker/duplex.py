@@ -36,7 +36,8 @@ from services.common.audio import resample
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.common.pb import common_pb2, thinker_pb2
-from services.common.tensors import dtype_from_proto, pcm_to_float, tensor_to_proto
+from services.common.pcm import pcm_to_float
+from services.common.tensors import dtype_from_proto, tensor_to_proto
 from services.thinker.backend import ThinkerBackend
 from services.thinker.duplex_policy import (
     CHUNK_EOS,
@@ -53,6 +54,7 @@ from services.thinker.duplex_policy import (
     forbidden_mask_for,
 )
 from services.thinker.engine import EngineEvent
+from services.thinker.prefix_hash import MediaSpan, media_digest
 from services.thinker.scheduler import WorkItem
 
 if TYPE_CHECKING:
@@ -211,8 +213,10 @@ class DuplexSession:
         from services.thinker.processor.duplex_layout import duplex_session_prefix
 
         ref_rows: list[torch.Tensor] = []
+        ref_digest = b""
         if self.open.ref_audio.data:
             samples, rate = pcm_to_float(self.open.ref_audio)
+            ref_digest = media_digest("ref_audio", rate, samples.dtype.str, samples.tobytes())
             feats, lens, _count = self.processor.process_audio(AudioClip(samples, rate), "ref_audio")
             ref_rows = self.model.get_audio_embeds(feats, lens, self.model.dims.audio.chunk_length_s)
         seeded = [
@@ -230,9 +234,16 @@ class DuplexSession:
         )
         ids, image_bounds, audio_bounds = layout.tensors()
         embeds = None
+        media: list[MediaSpan] | None = None
         if ref_rows:
             embeds = self.model.merge_embeddings(ids, None, image_bounds, ref_rows, audio_bounds).detach()
-        return WorkItem(ids.tolist(), embeds, sampler=None, tag=("prefix", self.epoch))
+            # The reference voice's rows keyed by its samples, so sessions that open with the same
+            # instructions and voice share the prefix's KV (the prefix cache).
+            media, rows = [], 0
+            for start, end in audio_bounds.tolist():
+                media.append(MediaSpan(start, end, ref_digest, rows))
+                rows += end - start
+        return WorkItem(ids.tolist(), embeds, sampler=None, tag=("prefix", self.epoch), media=media)
 
     def prepare_unit(self, unit: thinker_pb2.ThinkerUnit) -> PreparedUnit:
         """The unit's mel chunk and frames: the host work before the encoders (advances the mel stream and

@@ -404,7 +404,7 @@ def warmup_duplex_policy(ckpt_root: Any, vocab_size: int, device: torch.device, 
     """Capture the policy's draw for up to ``max_rows`` duplex rows at the default sampling (CUDA only).
 
     Sessions with the default top-k and penalty window then take one replay a step; returns the number of
-    graphs captured (0 off CUDA or with ``MINICPMO_DUPLEX_POLICY_GRAPHS=0``).
+    graphs captured (0 off CUDA or with :data:`services.thinker.duplex_policy_graph.ENABLED` False).
     """
     if device.type != "cuda":
         return 0

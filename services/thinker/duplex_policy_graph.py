@@ -24,7 +24,6 @@ capturing while other threads use the device.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +32,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "MINICPMO_DUPLEX_POLICY_GRAPHS"  # "0" keeps every step on the eager policy
+# The captured draws are the default; ``bench.duplex_policy`` sets this False for its eager arm.
+ENABLED = True
 PARAMS = 6  # divisor, temperature, top-k, top-p, sampled, forced (one float row per policy)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -199,7 +199,7 @@ _REGISTRY: dict[int, PolicyGraphs] = {}  # by id() of the shared forbidden mask;
 
 def graphs_for(forbidden: torch.Tensor) -> PolicyGraphs | None:
     """The captured draws for sessions sharing ``forbidden``, or None (none captured, or turned off)."""
-    if os.environ.get(ENV_VAR, "1") == "0":
+    if not ENABLED:
         return None
     return _REGISTRY.get(id(forbidden))
 
@@ -214,7 +214,7 @@ def warmup_policy_graphs(
     penalty: float,
 ) -> int:
     """Capture the draw for every row bucket up to ``max_rows`` at the default top-k; returns how many."""
-    if forbidden.device.type != "cuda" or os.environ.get(ENV_VAR, "1") == "0":
+    if forbidden.device.type != "cuda" or not ENABLED:
         return 0
     graphs = _REGISTRY.get(id(forbidden))
     if graphs is None:

@@ -11,7 +11,7 @@ mode; what a unit means to the model (its tokens, embeddings, policy and results
   before it** (encode-ahead: its audio does not depend on that unit's decision, so the encode is off the
   unit-to-unit critical path); once the previous unit's decision is in, the encoded unit is assembled
   (token layout, embeddings, policy) and goes to the engine (:meth:`DuplexStream.advance`).
-  ``MINICPMO_DUPLEX_ENCODE_AHEAD=0`` encodes only after the decision, as before (an A/B switch);
+  it is the default (tests compare it with encoding after the decision through :data:`ENCODE_AHEAD`);
 * with ``--duplex-window basic`` a unit that would pass the window's high mark first replaces the
   sequence with a trimmed one (prefix + newest units) and follows that prefill;
 * an interrupt to a newer epoch (the fence is the driver's) cancels the running unit, drops the queued
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ WINDOW_TRIMS = Counter(
     "Duplex sessions' context trims by the sliding window (--duplex-window basic)",
 )
 Response = thinker_pb2.ThinkerResponse
-ENCODE_AHEAD = os.environ.get("MINICPMO_DUPLEX_ENCODE_AHEAD", "1") != "0"
+ENCODE_AHEAD = True  # False: encode a unit only after the previous decision (the tests' other arm)
 
 
 @dataclass
@@ -72,6 +71,7 @@ class RunningUnit:
     epoch: int
     outcome: UnitOutcome
     submitted: float  # perf_counter when it went to the engine
+    context_before: int = 0  # the session's context when it was submitted (held in the KV)
 
 
 UNIT_PERIOD_S = 1.0  # a unit is 1 s of audio: its decision is due before the next one arrives
@@ -108,6 +108,7 @@ class DuplexStream(StageStream[Response]):
         self.busy = True  # the engine computes something of this session (the prefix at first)
         self.ending = False
         self.context_tokens = 0
+        self.cached_tokens = 0  # prompt tokens of this session's prefills found in the prefix cache
 
     def identity(self) -> common_pb2.Identity:
         if self.session is not None:
@@ -278,7 +279,7 @@ class DuplexStream(StageStream[Response]):
         if self.record is not None:
             self.record.record(start, encoded.work)
         self.engine.submit(self.seq, encoded.work)
-        self.current = RunningUnit(encoded.unit_seq, session.epoch, UnitOutcome(), submitted)
+        self.current = RunningUnit(encoded.unit_seq, session.epoch, UnitOutcome(), submitted, start)
         self.busy = True
 
     def _fail(self, err: StageError, unit_seq: int) -> list[Response]:
@@ -295,6 +296,7 @@ class DuplexStream(StageStream[Response]):
             prompt_tokens=fed - session.total_generated,
             completion_tokens=session.total_generated,
             total_tokens=fed,
+            cached_tokens=self.cached_tokens,
         )
         usage.extra["units"] = session.units_done
         if record is not None:
@@ -307,6 +309,8 @@ class DuplexStream(StageStream[Response]):
         self.context_tokens = ev.context_tokens
         if ev.error is not None:
             raise ev.error
+        if ev.finish_reason == "prefilled":
+            self.cached_tokens += ev.cached_tokens  # a prefix (or trimmed re-prefill) found in the cache
         if ev.finish_reason == "prefilled" and self.deferred is not None:
             deferred, self.deferred = self.deferred, None
             self._submit(deferred, ev.context_tokens)
@@ -324,7 +328,11 @@ class DuplexStream(StageStream[Response]):
         self.busy, self.current = False, None
         if current.epoch < session.epoch:
             return ()  # finished just before an interrupt was applied: drop its output
-        return session.unit_responses(current.unit_seq, current.outcome, self.context_tokens)
+        responses = session.unit_responses(current.unit_seq, current.outcome, self.context_tokens)
+        for r in responses:
+            if r.HasField("unit"):
+                r.unit.context_before = current.context_before
+        return responses
 
     async def close(self) -> None:
         for task in (self.ahead.task if self.ahead is not None else None, self.dropped_ahead):

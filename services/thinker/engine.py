@@ -37,6 +37,10 @@ from services.common.metrics import IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH
 from services.thinker.engine_metrics import (
     KV_BUDGET_BYTES,
     KV_USED_BYTES,
+    PREFIX_CACHED_BLOCKS,
+    PREFIX_EVICTIONS,
+    PREFIX_HITS,
+    PREFIX_MISSES,
     RUNNING,
     SESSIONS,
     STAGE,
@@ -44,7 +48,7 @@ from services.thinker.engine_metrics import (
     observe_step,
 )
 from services.thinker.errors import failure
-from services.thinker.kv_cache import KVLayout, PagedKVCache, default_kv_budget
+from services.thinker.kv_cache import KVLayout, PagedKVCache, check_explicit_kv_budget, default_kv_budget
 from services.thinker.overlap import (
     InFlight,
     Prefetched,
@@ -52,7 +56,6 @@ from services.thinker.overlap import (
     copy_to_host,
     deferrable,
     launch_successor,
-    overlap_enabled,
     prefetch,
 )
 from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
@@ -77,12 +80,12 @@ class EngineConfig:
     reserve_bytes: int = 0
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
-    # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.thinker.kernels.skinny);
-    # None: MINICPMO_THINKER_SKINNY_GEMM decides, else off (measured slower than cuBLAS on the H200).
+    # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.common.kernels.skinny);
+    # None: off (measured slower than cuBLAS on the H200; a benchmark arm turns it on).
     skinny_gemm: bool | None = None
     # Graphed decode steps without RMSNorm kernels: the norm weights folded into the QKV and gate|up GEMMs,
-    # residual adds inside the O and down GEMMs (services.thinker.fused_forward). None:
-    # MINICPMO_THINKER_NORM_FOLD decides, else on with CUDA and the Triton kernels.
+    # residual adds inside the O and down GEMMs (services.thinker.fused_forward). None: on with CUDA and
+    # the Triton kernels.
     norm_fold: bool | None = None
     # The process's GIL switch interval while the engine thread runs (None: Python's 5 ms). Each CUDA sync
     # of a step drops the GIL; getting it back from a thread busy in pure Python (the event loop encoding
@@ -90,8 +93,11 @@ class EngineConfig:
     # cost ~10 ms of host time with 16 duplex sessions. At 1 ms a wait costs ~0.5 ms (measured on CPU).
     gil_switch_interval_s: float | None = 0.001
     # Launch the next all-greedy decode step before reading this one's tokens (services.thinker.overlap);
-    # only graph steps qualify. MINICPMO_THINKER_OVERLAP=0 turns it off.
+    # only graph steps qualify.
     overlap_decode: bool = True
+    # Automatic prefix caching: full KV blocks shared by content hash across sequences
+    # (services.thinker.scheduler); the deploy profile's stages.thinker.prefix_caching turns it off.
+    prefix_caching: bool = True
 
 
 @dataclass
@@ -110,6 +116,10 @@ class EngineEvent:
     completion_tokens: int = 0
     # With logprobs requested: (chosen token's logprob, [(id, logprob)] best first).
     logprobs: tuple[float, list[tuple[int, float]]] | None = None
+    # Prefill rows a work item asked for (``WorkItem.export_from``): ids and their hidden rows (CPU).
+    prompt_row_ids: list[int] | None = None
+    prompt_rows: torch.Tensor | None = None
+    cached_tokens: int = 0  # prompt tokens of the work item found in the prefix cache (not computed)
 
 
 Sink = Callable[[EngineEvent], None]
@@ -129,7 +139,11 @@ class ThinkerEngine:
         )
         self.max_context = min(int(config.max_context), int(cfg.max_position_embeddings))
         budget = config.kv_budget_bytes
-        if budget is None:
+        if budget is not None:
+            check_explicit_kv_budget(
+                budget, self.device, config.memory_fraction, config.memory_fraction_key, config.reserve_bytes
+            )
+        else:
             budget = default_kv_budget(
                 self.layout,
                 self.device,
@@ -139,7 +153,7 @@ class ThinkerEngine:
                 memory_fraction_key=config.memory_fraction_key,
                 reserve_bytes=config.reserve_bytes,
             )
-        self.cache = PagedKVCache(self.layout, budget, self.device)
+        self.cache = PagedKVCache(self.layout, budget, self.device, prefix_caching=config.prefix_caching)
         self.runner = ModelRunner(
             llm,
             self.cache,
@@ -163,10 +177,11 @@ class ThinkerEngine:
         self._sequences: dict[int, Sequence] = {}
         self.max_kv_used_bytes = 0  # high-water mark, for tests and capacity planning
         self._pending_metrics: tuple | None = None  # the last step's, observed after the next launch
-        self.overlap = overlap_enabled(config.overlap_decode)
+        self.overlap = config.overlap_decode
         self._inflight: InFlight | None = None  # a launched decode step whose tokens are not consumed yet
         self.chained_steps = 0  # steps launched before their predecessor was consumed (tests, bench)
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)
+        self._exported = (0, 0, 0)  # prefix hits, misses, evictions already added to the counters
         self._update_gauges()
 
     # ------------------------------------------------------------------------------------ public API
@@ -421,6 +436,7 @@ class ThinkerEngine:
             if seq.prompt_embeds is not None:
                 embeds = seq.prompt_embeds[seq.prompt_offset : seq.prompt_offset + n]
             finishes_prompt = n == len(seq.prompt)
+            export = seq.work.export_from
             inp.prefill.append(
                 PrefillChunk(
                     seq.prompt[:n],
@@ -428,6 +444,7 @@ class ThinkerEngine:
                     seq.blocks,
                     embeds=embeds,
                     want_logits=finishes_prompt and seq.work.sampler is not None,
+                    want_hidden=export is not None and seq.prompt_offset + n > export,
                 )
             )
         return inp
@@ -449,6 +466,7 @@ class ThinkerEngine:
             assert fed is not None and seq.work is not None
             seq.tokens.append(fed)
             seq.next_token = None
+            self.scheduler.commit_blocks(seq)
             row = hidden_cpu[i] if hidden_cpu is not None and seq.work.emit_hidden else None
             if seq.finishing is not None:  # emitted once the rows have landed (below)
                 finishing.append((seq, EngineEvent(seq.seq_id, fed_token=fed, hidden=row)))
@@ -456,12 +474,16 @@ class ThinkerEngine:
             to_sample.append((seq, None if host is not None else out.decode_logits[i], fed, row))
             greedy_index.append(i)
         k = len(plan.decode)
-        for (seq, n), logits in zip(plan.prefill, out.prefill_logits, strict=True):
+        prefill_hidden = out.prefill_hidden or [None] * len(plan.prefill)
+        for (seq, n), logits, rows in zip(plan.prefill, out.prefill_logits, prefill_hidden, strict=True):
             assert seq.work is not None
             k += logits is not None
+            if rows is not None and seq.work.export_from is not None:
+                self._export_rows(seq, n, rows)
             seq.tokens.extend(seq.prompt[:n])
             seq.prompt = seq.prompt[n:]
             seq.prompt_offset += n
+            self.scheduler.commit_blocks(seq)
             if seq.prompt:
                 continue
             seq.prompt_embeds = None
@@ -518,6 +540,16 @@ class ThinkerEngine:
             else:
                 self._finish(seq, ev, reason)
 
+    def _export_rows(self, seq: Sequence, n: int, rows: torch.Tensor) -> None:
+        """Emit the hidden rows of this prefill chunk that lie at or after ``work.export_from``."""
+        assert seq.work is not None and seq.work.export_from is not None
+        skip = max(0, seq.work.export_from - seq.prompt_offset)
+        if skip >= n:
+            return
+        ids = seq.prompt[skip:n]
+        host = rows[skip:n].to("cpu", copy=True)
+        self._emit(seq, EngineEvent(seq.seq_id, prompt_row_ids=list(ids), prompt_rows=host))
+
     def _finish(self, seq: Sequence, ev: EngineEvent, reason: str) -> None:
         ev.finish_reason = reason
         self._emit(seq, ev)
@@ -530,6 +562,7 @@ class ThinkerEngine:
         if seq.work is not None:
             ev.tag = seq.work.tag if ev.tag is None else ev.tag
             ev.prompt_tokens = len(seq.work.token_ids)
+            ev.cached_tokens = seq.cached_tokens
         ev.completion_tokens = len(seq.generated)
         ev.context_tokens = len(seq.tokens)
         if seq.sink is not None:
@@ -546,3 +579,13 @@ class ThinkerEngine:
         RUNNING.set(len(self.scheduler.running))
         IN_FLIGHT.labels(STAGE).set(len(self.scheduler.running) + self.scheduler.queue_depth)
         SESSIONS.set(len(self._sequences))
+        sched, pool = self.scheduler, self.cache.pool
+        now = (sched.hit_tokens, sched.miss_tokens, pool.evictions)
+        if now != self._exported:
+            for counter, new, old in zip(
+                (PREFIX_HITS, PREFIX_MISSES, PREFIX_EVICTIONS), now, self._exported, strict=True
+            ):
+                if new > old:
+                    counter.inc(new - old)
+            self._exported = now
+        PREFIX_CACHED_BLOCKS.set(pool.cached_blocks)

@@ -27,6 +27,19 @@ STEP_PHASE_SECONDS = Histogram(
     ["phase"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
 )
+PREFIX_HITS = Counter(
+    "minicpmo_thinker_prefix_cache_hit_tokens_total", "Prompt tokens whose KV came from the prefix cache"
+)
+PREFIX_MISSES = Counter(
+    "minicpmo_thinker_prefix_cache_miss_tokens_total",
+    "Prompt tokens prefilled (not found in the prefix cache)",
+)
+PREFIX_EVICTIONS = Counter(
+    "minicpmo_thinker_prefix_cache_evictions_total", "Cached KV blocks reclaimed (LRU) for new content"
+)
+PREFIX_CACHED_BLOCKS = Gauge(
+    "minicpmo_thinker_prefix_cache_blocks", "KV blocks registered in the prefix cache (held or evictable)"
+)
 TTFT = Histogram(
     "minicpmo_thinker_ttft_seconds",
     "Submit to first sampled token",

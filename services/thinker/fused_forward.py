@@ -1,4 +1,4 @@
-"""The thinker's decoder layers through the fused kernels (:mod:`services.thinker.kernels`).
+"""The thinker's decoder layers through the fused kernels (:mod:`services.common.kernels`).
 
 :class:`FusedForward` is what :class:`~services.thinker.runner.ModelRunner` runs instead of its
 pure-torch layer loop when the kernel backend is not ``torch``: per layer add+RMSNorm, the QKV GEMM,
@@ -9,7 +9,7 @@ tiles of a step: one-row tiles for a packed-row (graph) step, derived on the dev
 inputs; 16-row tiles of each prefill chunk for an eager step, built on the host.
 
 A packed-row step of at most :data:`SKINNY_MAX_ROWS` rows (a graphed decode step) with the runner's
-``skinny_gemm`` on runs its GEMMs through :mod:`services.thinker.kernels.skinny` instead of cuBLAS, each
+``skinny_gemm`` on runs its GEMMs through :mod:`services.common.kernels.skinny` instead of cuBLAS, each
 with the preceding norm or SwiGLU as its prologue: per layer the QKV GEMM (add + input norm), O, gate|up
 (add + post norm) and down (SwiGLU) — six launches with rotary/cache write and attention, not nine. At
 these row counts the GEMMs only stream weights, and the three removed launches per layer are most of what
@@ -23,9 +23,9 @@ into the residual in place (cuBLAS with beta = 1). Per layer that is seven launc
 GEMMs, not nine: the 72 norm launches of a step and their gaps were what the replay spent beyond the
 matmuls and attention. Eager steps keep the norm kernels (with ones as weights once folded).
 
-In every packed-row step (with :attr:`FusedForward.rope_attention`, on unless
-``MINICPMO_THINKER_ROPE_ATTENTION=0``) the q/k norm + rotary + K/V write and the paged attention are one
-launch (:mod:`services.thinker.kernels.rope_attention`): six launches per layer on the folded path.
+In every packed-row step (with :attr:`FusedForward.rope_attention`, on unless a benchmark arm turns it
+off) the q/k norm + rotary + K/V write and the paged attention are one
+launch (:mod:`services.common.kernels.rope_attention`): six launches per layer on the folded path.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from services.thinker.kernels import AttentionTiles, key_splits, rope_attention_enabled, skinny_o_enabled
+from services.common.kernels import AttentionTiles, key_splits, rope_attention_enabled, skinny_o_enabled
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import FusedLayer
 
@@ -132,7 +132,7 @@ class FusedForward:
         ops = r.ops
         skinny_o = self.skinny_o and x.shape[0] <= SKINNY_MAX_ROWS
         if skinny_o:
-            from services.thinker.kernels import skinny
+            from services.common.kernels import skinny
         for idx, lay in enumerate(r.layers):
             qkv = F.linear(x, lay.qkv_weight)
             o = self._attention(
@@ -150,7 +150,7 @@ class FusedForward:
         self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
     ) -> torch.Tensor:
         """The layer loop of :meth:`layers` with the norms and SwiGLU inside the skinny GEMMs."""
-        from services.thinker.kernels import skinny
+        from services.common.kernels import skinny
 
         r = self.runner
         delta: torch.Tensor | None = None

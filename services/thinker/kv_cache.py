@@ -15,6 +15,7 @@ never exceed the budget, whatever the scheduler does.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -47,16 +48,31 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    """Free-list allocator of block ids; block 0 is reserved as scratch and never handed out."""
+    """Reference-counted allocator of block ids with an optional prefix index; block 0 is scratch.
+
+    A block is in one of three states: *free* (no content of value), *in use* (held by one or more
+    sequences: ``refcount > 0``) or *cached* (refcount 0 but its content is registered under a prefix
+    hash, kept in LRU order and reclaimed only when the free list runs dry). Only full blocks are ever
+    registered (:meth:`register`), and a full block is never written again, so any number of sequences
+    can read one block through their block tables without copies. ``prefix_caching=False`` makes
+    :meth:`register` a no-op, which turns the pool back into a plain free list.
+    """
 
     SCRATCH_BLOCK = 0
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, prefix_caching: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (1 scratch + 1 usable), got {num_blocks}")
         self.num_blocks = num_blocks
+        self.prefix_caching = prefix_caching
         # Pop from the end so low ids are handed out first (easier to read in debugging).
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._refs: list[int] = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+        # Cached blocks nobody holds, least recently released first (the eviction order).
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.evictions = 0  # cached blocks reclaimed for new content (a counter the engine exports)
 
     @property
     def capacity(self) -> int:
@@ -65,26 +81,97 @@ class BlockPool:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: the free list plus cached blocks nobody holds."""
+        return len(self._free) + len(self._lru)
 
     @property
     def used_blocks(self) -> int:
-        return self.capacity - len(self._free)
+        """Blocks held by at least one sequence."""
+        return self.capacity - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks registered in the prefix index (held or not)."""
+        return len(self._by_hash)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
+        """``n`` fresh blocks (refcount 1): the free list first, then the least recently used cached ones."""
+        if n > self.free_blocks:
+            raise OutOfBlocks(f"need {n} KV blocks, {self.free_blocks} free")
+        out: list[int] = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._lru.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(block)]
+                self.evictions += 1
+            self._refs[block] = 1
+            out.append(block)
         return out
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """Drop one reference to each block. Unheld registered blocks stay cached; the rest are freed.
+
+        Released last block first, so the deep end of a prefix chain is the first evicted (evicting its
+        head would strand every block after it).
+        """
+        for block in reversed(blocks):
+            refs = self._refs[block] - 1
+            if refs < 0:
+                raise RuntimeError(f"KV block {block} released more often than it was taken")
+            self._refs[block] = refs
+            if refs:
+                continue
+            if block in self._hash_of:
+                self._lru[block] = None
+            else:
+                self._free.append(block)
+
+    # ---------------------------------------------------------------------------------- prefix index
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Blocks of the longest run of ``hashes`` (a chain from position 0) that the index holds."""
+        out: list[int] = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def unheld(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` are cached and held by nobody (taking them shrinks :attr:`free_blocks`)."""
+        return sum(1 for b in blocks if self._refs[b] == 0)
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Take one reference to each (cached or in-use) block found by :meth:`lookup`."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._lru[block]
+            self._refs[block] += 1
+
+    def register(self, block: int, h: bytes) -> bool:
+        """File a full, held block under its prefix hash; False when off or the hash is filed already.
+
+        A second block with the same content (two sequences computed one prefix at once) stays private
+        and goes back to the free list when released.
+        """
+        if not self.prefix_caching or h in self._by_hash or block in self._hash_of:
+            return False
+        self._by_hash[h] = block
+        self._hash_of[block] = h
+        return True
 
 
 class PagedKVCache:
     """Per-layer K/V storage plus the block pool that accounts it."""
 
-    def __init__(self, layout: KVLayout, budget_bytes: int, device: torch.device | str) -> None:
+    def __init__(
+        self, layout: KVLayout, budget_bytes: int, device: torch.device | str, *, prefix_caching: bool = False
+    ) -> None:
         num_blocks = budget_bytes // layout.bytes_per_block
         if num_blocks < 2:
             raise ValueError(
@@ -93,17 +180,23 @@ class PagedKVCache:
         self.layout = layout
         self.budget_bytes = budget_bytes
         self.device = torch.device(device)
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, prefix_caching=prefix_caching)
         num_slots = num_blocks * layout.block_size
         shape = (num_slots, layout.num_kv_heads, layout.head_dim)
         # Uninitialised storage (pages are touched only when used); only the scratch block must hold
         # finite values, because padded rows attend to it and NaN * 0 would still be NaN.
-        self.k: list[torch.Tensor] = [
-            torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
-        ]
-        self.v: list[torch.Tensor] = [
-            torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
-        ]
+        try:
+            self.k: list[torch.Tensor] = [
+                torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
+            ]
+            self.v: list[torch.Tensor] = [
+                torch.empty(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)
+            ]
+        except torch.OutOfMemoryError as exc:  # a last line behind check_kv_budget: a startup error, typed
+            raise KVBudgetError(
+                f"the KV cache of {_gib(budget_bytes)} does not fit in the device memory this process may use "
+                f"({str(exc).splitlines()[0]}); give --kv-budget auto or a smaller budget"
+            ) from None
         scratch = slice(
             BlockPool.SCRATCH_BLOCK * layout.block_size, (BlockPool.SCRATCH_BLOCK + 1) * layout.block_size
         )
@@ -156,7 +249,7 @@ def kv_budget_for_memory_fraction(
     ``key`` names the setting to change in the error.
     """
     cap = int(fraction * total_bytes)
-    budget = cap - int(held_bytes) - int(headroom_bytes)
+    budget = kv_budget_room(fraction, total_bytes, held_bytes, headroom_bytes)
     if budget < min_bytes:
         # rounded up, so the suggested value is really enough
         needed = math.ceil(1000 * (int(held_bytes) + int(headroom_bytes) + min_bytes) / total_bytes) / 1000
@@ -166,6 +259,76 @@ def kv_budget_for_memory_fraction(
             f"for activations, CUDA-graph pools and duplex audio caches. Raise {key} to at least {needed:.3f}, or give --kv-budget."
         )
     return budget
+
+
+def kv_budget_room(
+    fraction: float, total_bytes: int, held_bytes: int, headroom_bytes: int = KV_HEADROOM_BYTES
+) -> int:
+    """Bytes a KV pool may take inside a per-process cap: ``fraction × total − held − headroom``."""
+    return int(fraction * total_bytes) - int(held_bytes) - int(headroom_bytes)
+
+
+def check_kv_budget(
+    budget_bytes: int,
+    *,
+    total_bytes: int,
+    held_bytes: int,
+    fraction: float | None = None,
+    free_bytes: int | None = None,
+    headroom_bytes: int = KV_HEADROOM_BYTES,
+    key: str = "stages.thinker.memory_fraction",
+) -> None:
+    """An explicit ``--kv-budget`` must fit what the stage may hold, or the pool's allocation (or the first
+    prefill after it) dies with an out-of-memory error instead of a clear startup message.
+
+    With a memory ``fraction`` the room is the cap minus what the process holds (the weights) minus the
+    headroom; without one it is the device's free memory minus the headroom.
+    """
+    if fraction is not None:
+        room = kv_budget_room(fraction, total_bytes, held_bytes, headroom_bytes)
+        if budget_bytes <= room:
+            return
+        needed = math.ceil(1000 * (int(held_bytes) + int(headroom_bytes) + budget_bytes) / total_bytes) / 1000
+        cap = int(fraction * total_bytes)
+        raise KVBudgetError(
+            f"--kv-budget {_gib(budget_bytes)} does not fit the thinker's memory cap: {key} = {fraction:g} of "
+            f"{_gib(total_bytes)} is {_gib(cap)}, the weights already hold {_gib(held_bytes)} and "
+            f"{_gib(headroom_bytes)} is kept for activations, CUDA-graph pools and duplex audio caches, which "
+            f"leaves {_gib(max(0, room))} for the KV cache. Give --kv-budget auto (sized from the cap) or at "
+            f"most {_gib(max(0, room))}, or raise {key} to at least {needed:.3f}."
+        )
+    if free_bytes is not None and budget_bytes > free_bytes - headroom_bytes:
+        raise KVBudgetError(
+            f"--kv-budget {_gib(budget_bytes)} does not fit the free device memory: {_gib(free_bytes)} of "
+            f"{_gib(total_bytes)} is free and {_gib(headroom_bytes)} is kept for activations and CUDA-graph "
+            f"pools, which leaves {_gib(max(0, free_bytes - headroom_bytes))}. Give --kv-budget auto or a "
+            "smaller budget."
+        )
+
+
+def check_explicit_kv_budget(
+    budget_bytes: int,
+    device: torch.device,
+    memory_fraction: float | None = None,
+    memory_fraction_key: str = "stages.thinker.memory_fraction",
+    reserve_bytes: int = 0,
+) -> None:
+    """:func:`check_kv_budget` with the device's numbers (CUDA only; a CPU budget is the operator's call)."""
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    held = max(torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
+    free = None if memory_fraction is not None else torch.cuda.mem_get_info(device)[0]
+    check_kv_budget(
+        budget_bytes,
+        total_bytes=total,
+        held_bytes=held,
+        fraction=memory_fraction,
+        free_bytes=free,
+        headroom_bytes=KV_HEADROOM_BYTES + reserve_bytes,
+        key=memory_fraction_key,
+    )
 
 
 def default_kv_budget(

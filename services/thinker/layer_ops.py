@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.thinker.kernels import rms_norm_ref, rotate_ref
+from services.common.kernels import rms_norm_ref, rotate_ref
 
 
 @dataclass

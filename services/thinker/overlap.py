@@ -25,12 +25,11 @@ Rules that keep the tokens exactly those of the synchronous path:
   sequence, that sequence's writes are queued after step n+1 on the same stream, and it only reads
   positions it has written itself; a persistent sequence rewrites that position before reading it.
 
-Off switch: ``MINICPMO_THINKER_OVERLAP=0`` (or ``EngineConfig.overlap_decode=False``).
+On by default; ``EngineConfig.overlap_decode=False`` turns it off (tests, the benchmark's other arm).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,18 +41,6 @@ from services.thinker.step_types import DecodeRow, StepOutput
 if TYPE_CHECKING:
     from services.thinker.row_graph import RowGraph
     from services.thinker.runner import ModelRunner
-
-ENV_VAR = "MINICPMO_THINKER_OVERLAP"
-
-
-def overlap_enabled(requested: bool) -> bool:
-    """The config's choice unless the environment turns it off (``0``/``off``/``false``/``no``)."""
-    env = os.environ.get(ENV_VAR, "").strip().lower()
-    if env in ("0", "off", "false", "no"):
-        return False
-    if env in ("1", "on", "true", "yes"):
-        return True
-    return requested
 
 
 @dataclass

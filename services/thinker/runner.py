@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
 from services.thinker.fused_forward import FusedForward
-from services.thinker.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
 from services.thinker.kv_cache import BlockPool, PagedKVCache
 from services.thinker.layer_ops import (
     FusedLayer,
@@ -115,8 +115,8 @@ class ModelRunner:
             self._post = torch.compile(post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
-        self._skinny_request = skinny_gemm  # None: MINICPMO_THINKER_SKINNY_GEMM, else off
-        self._fold_request = norm_fold  # None: MINICPMO_THINKER_NORM_FOLD, else on with CUDA + Triton
+        self._skinny_request = skinny_gemm  # None: off
+        self._fold_request = norm_fold  # None: on with CUDA + Triton
         self.set_kernels(kernels)
         self.fused = FusedForward(self)
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
@@ -125,7 +125,7 @@ class ModelRunner:
         self.graph_capture: Capture | None = None  # None: real CUDA graphs (tests emulate them on CPU)
 
     def set_kernels(self, kernels: str | None) -> None:
-        """Choose the kernel backend (``torch`` | ``triton`` | ``auto``/None, see services.thinker.kernels).
+        """Choose the kernel backend (``torch`` | ``triton`` | ``auto``/None, see services.common.kernels).
 
         Only before any graph is captured: a captured graph keeps the kernels it recorded.
         """
@@ -133,8 +133,8 @@ class ModelRunner:
             raise RuntimeError("set_kernels after a CUDA graph was captured")
         self.kernel_backend = select_backend(self.device, kernels)
         self.ops = get_ops(self.kernel_backend)
-        # When on (opt-in), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
-        # norms and SwiGLU fused in (services.thinker.kernels.skinny); eager steps always keep cuBLAS.
+        # When on (opt-in, a benchmark arm), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
+        # norms and SwiGLU fused in (services.common.kernels.skinny); eager steps always keep cuBLAS.
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, self._skinny_request)
         self._apply_norm_fold()
         if self.kernel_backend != "torch" and self._pre is not pre_attention:
@@ -149,14 +149,14 @@ class ModelRunner:
         )
 
     def set_skinny_gemm(self, enabled: bool | None) -> None:
-        """Turn the skinny decode GEMMs on/off (None: the environment's default), before any capture."""
+        """Turn the skinny decode GEMMs on/off (None: the default, off), before any capture."""
         if self._graphs:
             raise RuntimeError("set_skinny_gemm after a CUDA graph was captured (drop_graphs first)")
         self._skinny_request = enabled
         self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, enabled)
 
     def set_norm_fold(self, enabled: bool | None) -> None:
-        """Turn the folded-norm decode loop on/off (None: the environment's default), before any capture.
+        """Turn the folded-norm decode loop on/off (None: the default, on with CUDA), before any capture.
 
         Folding the weights is one-way (the module keeps computing the same function); turning the loop
         off again runs the norm kernels with the folded weights and ones as norm weights (same kernels and
@@ -408,10 +408,13 @@ class ModelRunner:
         b = len(inp.decode)
         prefill_logits: list[torch.Tensor | None] = []
         last_rows: list[int] = []
+        prefill_hidden: list[torch.Tensor | None] = []
         row = b
         for chunk in inp.prefill:
+            start = row
             row += len(chunk.token_ids)
             prefill_logits.append(logits[row - 1].to(torch.float32, copy=True) if chunk.want_logits else None)
+            prefill_hidden.append(hidden[start:row].clone() if chunk.want_hidden else None)
             if chunk.want_logits:
                 last_rows.append(row - 1)
         decode_hidden = hidden[:b].clone() if clone else hidden[:b]
@@ -422,7 +425,7 @@ class ModelRunner:
                 index = torch.tensor(list(range(b)) + last_rows, device=tokens.device)
                 greedy = tokens.index_select(0, index)
         decode_logits = logits[:b].to(torch.float32, memory_format=torch.contiguous_format, copy=clone)
-        return StepOutput(decode_hidden, decode_logits, prefill_logits, greedy)
+        return StepOutput(decode_hidden, decode_logits, prefill_logits, greedy, prefill_hidden)
 
     def _eager_step(self, inp: StepInput) -> StepOutput:
         dev = self.device
@@ -481,8 +484,13 @@ class ModelRunner:
                 want.append(row - 1)
         logits = self.llm.lm_head(hidden[want]).float() if want else hidden.new_zeros((0, 1))
         prefill_logits: list[torch.Tensor | None] = []
+        prefill_hidden: list[torch.Tensor | None] = []
         k = b
+        row = b
         for chunk in inp.prefill:
+            n = len(chunk.token_ids)
+            prefill_hidden.append(hidden[row : row + n] if chunk.want_hidden else None)
+            row += n
             if chunk.want_logits:
                 prefill_logits.append(logits[k])
                 k += 1
@@ -492,6 +500,7 @@ class ModelRunner:
             decode_hidden=hidden[:b],
             decode_logits=logits[:b],
             prefill_logits=prefill_logits,
+            prefill_hidden=prefill_hidden,
         )
 
     # ------------------------------------------------------------------------------------ cuda graphs

@@ -20,6 +20,15 @@ the pool, sized from the byte budget, bounds the gauge by construction. A reques
 waits (head of line); one that could never fit is rejected by the engine before it is queued.
 Persistent sequences (duplex sessions) keep their blocks between work items and give back the unused
 reservation when an item ends.
+
+Automatic prefix caching (when the pool has it on): a fresh sequence's prompt is hashed block by block
+at enqueue (:mod:`services.thinker.prefix_hash`); at admission the longest run of those hashes the pool
+still holds becomes the head of its block table (shared, reference-counted), its tokens count as already
+in the cache and only the rest is prefilled. The hit stops one block short when the prompt ends on a
+block boundary, so at least one token is computed and its logits exist. Every block a sequence fills
+is registered as soon as it is full (:meth:`Scheduler.commit_blocks`), so requests that arrive while
+the first one still runs share what it has computed. A full block is never written again, which is
+why sharing needs no copy-on-write: the partial last block of every sequence is always its own.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from enum import Enum
 import torch
 
 from services.thinker.kv_cache import BlockPool, KVLayout
+from services.thinker.prefix_hash import MediaSpan, block_hash, chain_hashes
 from services.thinker.sampling import Sampler
 
 
@@ -62,6 +72,12 @@ class WorkItem:
     # time.perf_counter() by which the item's result is due (a duplex unit: arrival + the unit period);
     # None: no deadline (best effort after deadlined work)
     deadline: float | None = None
+    # Teacher-forced speech: emit the final-norm hidden rows of ``token_ids[export_from:]`` as they are
+    # prefilled (events carry ``prompt_rows``); None exports nothing.
+    export_from: int | None = None
+    # Rows of token_ids embedded from media, keyed by the media's content digest (prefix caching). With
+    # ``embeds`` and no ``media`` the rows cannot be named and nothing from this item on is cached.
+    media: list[MediaSpan] | None = None
 
 
 _ids = itertools.count(1)
@@ -87,6 +103,14 @@ class Sequence:
     finishing: str | None = None  # finish reason held while feed_last runs
     submitted_at: float = 0.0
     first_token_at: float | None = None
+    # Prefix caching: media spans (absolute positions), hashes of the full blocks registered so far,
+    # the first position that has no key (None: all keyed), the prompt's lookup hashes (fresh sequences)
+    # and how many tokens of the current work item came from the cache.
+    media: list[MediaSpan] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    hash_limit: int | None = None
+    prompt_hashes: list[bytes] = field(default_factory=list)
+    cached_tokens: int = 0
 
     @property
     def context_len(self) -> int:
@@ -141,6 +165,13 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Prompt tokens of admitted work items taken from the prefix cache / computed (engine metrics).
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.prefix_caching
 
     # ------------------------------------------------------------------------------------ lifecycle
     def enqueue(self, seq: Sequence, work: WorkItem) -> None:
@@ -153,6 +184,20 @@ class Scheduler:
         seq.generated = []
         seq.finishing = None
         seq.first_token_at = None
+        seq.cached_tokens = 0
+        seq.prompt_hashes = []
+        base = len(seq.tokens)
+        if work.media is not None:
+            seq.media.extend(span.shifted(base) for span in work.media)
+        elif work.embeds is not None and seq.hash_limit is None:
+            seq.hash_limit = base  # rows we cannot name: no block from here on is shared
+        if self.prefix_caching and base == 0 and seq.hash_limit is None:
+            # At least one prompt token stays to compute, so the hit ends at len - 1 at most; rows a
+            # work item exports (teacher-forced speech) must be computed, so the hit ends before them.
+            limit = len(seq.prompt) - 1
+            if work.export_from is not None:
+                limit = min(limit, work.export_from)
+            seq.prompt_hashes = chain_hashes(seq.prompt, self.layout.block_size, seq.media, limit=limit)
         seq.submitted_at = time.perf_counter()
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
@@ -195,14 +240,45 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = min(self.waiting, key=urgency)
-            need = self.layout.blocks_for(seq.reservation_tokens(self.max_context)) - len(seq.blocks)
-            if need > self.pool.free_blocks:
+            hit = self.pool.lookup(seq.prompt_hashes) if seq.prompt_hashes and not seq.tokens else []
+            need = (
+                self.layout.blocks_for(seq.reservation_tokens(self.max_context)) - len(seq.blocks) - len(hit)
+            )
+            if need > self.pool.free_blocks - self.pool.unheld(hit):
                 return  # less urgent work does not overtake the most urgent one waiting for memory
+            if hit:
+                self.pool.acquire(hit)
+                seq.blocks.extend(hit)
+                self._take_hit(seq, len(hit))
             if need > 0:
                 seq.blocks.extend(self.pool.allocate(need))
+            self.hit_tokens += seq.cached_tokens
+            self.miss_tokens += len(seq.prompt)
+            seq.prompt_hashes = []
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+
+    def _take_hit(self, seq: Sequence, blocks: int) -> None:
+        """The first ``blocks`` blocks of the prompt are in the cache: count them as fed."""
+        n = blocks * self.layout.block_size
+        seq.tokens.extend(seq.prompt[:n])
+        seq.prompt = seq.prompt[n:]
+        seq.prompt_offset = n
+        seq.block_hashes = seq.prompt_hashes[:blocks]
+        seq.cached_tokens = n
+
+    def commit_blocks(self, seq: Sequence) -> None:
+        """Register every block of ``seq`` that became full (and is keyed) in the prefix index."""
+        if not self.prefix_caching:
+            return
+        bs = self.layout.block_size
+        end = len(seq.tokens) if seq.hash_limit is None else min(len(seq.tokens), seq.hash_limit)
+        for b in range(len(seq.block_hashes), end // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            h = block_hash(parent, seq.tokens[b * bs : (b + 1) * bs], b * bs, seq.media)
+            self.pool.register(seq.blocks[b], h)
+            seq.block_hashes.append(h)
 
     def plan(self) -> StepPlan:
         self._admit()

@@ -29,6 +29,8 @@ class PrefillChunk:
     blocks: list[int]
     embeds: torch.Tensor | None = None
     want_logits: bool = False
+    # Return this chunk's final-norm hidden rows (teacher-forced speech exports the rows of prompt tokens).
+    want_hidden: bool = False
 
 
 @dataclass
@@ -52,3 +54,5 @@ class StepOutput:
     # inside the graph (bf16 argmax = fp32 argmax, first index on ties). A device view, valid until the
     # next step; None for eager steps.
     greedy_tokens: torch.Tensor | None = None
+    # Per prefill chunk: its hidden rows [n, hidden] (a copy) when the chunk asked (``want_hidden``).
+    prefill_hidden: list[torch.Tensor | None] = field(default_factory=list)

@@ -235,7 +235,25 @@ class TurnOutput:
             )
         return out
 
-    def finish(self, reason: str, prompt_tokens: int) -> None:
+    def on_forced(self, token_ids: list[int], rows: torch.Tensor) -> None:
+        """Teacher-forced tokens with their prefill rows: text, then spoken rows, as sampled ones would be."""
+        for token, row in zip(token_ids, rows, strict=True):
+            self.generated.append(int(token))
+            text = self.detok.push(int(token))
+            self._emit(
+                thinker_pb2.ThinkerResponse(
+                    text=thinker_pb2.TextDelta(
+                        id=self._id(), token_ids=[int(token)], text=text, prompt_tokens=self.prompt_tokens
+                    )
+                )
+            )
+            self.chunker.add(int(token), row)
+            self.speech_tokens += 1
+            while self.chunker.ready():
+                ids, hidden = self.chunker.take(self.hidden_size)
+                self._send_speech(ids, hidden, is_last=False)
+
+    def finish(self, reason: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
         tail = self.detok.flush()
         if self.stop_text is not None:
             tail = self.stop_text.feed(tail) + self.stop_text.flush()
@@ -247,7 +265,10 @@ class TurnOutput:
             self._send_speech(ids, hidden, is_last=True)
         completion = len(self.generated)
         usage = common_pb2.Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+            cached_tokens=cached_tokens,
         )
         if self.want_speech:
             usage.extra["speech_tokens"] = self.speech_tokens

@@ -11,6 +11,7 @@ Half-closing the request side does not stop generation. The stream skeleton is
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,16 +21,19 @@ import torch
 
 from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
 from services.common.pb import common_pb2, thinker_pb2
+from services.common.pcm import pcm_to_float
 from services.common.stage_stream import Inbox, Interrupted, StageStream
-from services.common.tensors import dtype_from_proto, pcm_to_float
+from services.common.tensors import dtype_from_proto
 from services.thinker.backend import ThinkerBackend
 from services.thinker.constrained import GrammarCompiler
 from services.thinker.engine import EngineEvent
 from services.thinker.errors import failure
+from services.thinker.prefix_hash import MediaSpan
 from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig, StopCheck, StopText
 from services.thinker.scheduler import Sequence as EngineSequence
 from services.thinker.scheduler import WorkItem
 from services.thinker.turn import TTS_BOS_ID, IncrementalDetokenizer, TurnOutput
+from services.thinker.voice import speech_system_prefix, voice_rows
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ def messages_from_proto(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOp
     from services.thinker.processor.chat import ToolCall, speech_system_message
 
     out: list[Any] = []
-    if open_msg.want_speech and open_msg.ref_audio.data:
+    if (open_msg.want_speech or open_msg.teacher_text) and open_msg.ref_audio.data:
         samples, rate = pcm_to_float(open_msg.ref_audio)
         out.append(speech_system_message(AudioClip(samples, rate)))
     for i, m in enumerate(open_msg.messages):
@@ -119,6 +123,9 @@ def messages_from_proto(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOp
 class TurnPrompt:
     ids: list[int]
     embeds: torch.Tensor | None
+    # Teacher-forced speech: how many of ``ids`` (at the end) are the forced spoken tokens.
+    forced: int = 0
+    media: list[MediaSpan] | None = None  # the embedded rows' content keys (prefix caching)
 
 
 def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> TurnPrompt:
@@ -126,18 +133,50 @@ def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen
     if not open_msg.messages:
         raise StageError(INVALID_ARGUMENT, "messages must not be empty", "messages")
     messages = messages_from_proto(backend, open_msg)
-    use_tts = True if (open_msg.use_tts_template or open_msg.want_speech) else None
+    teacher = bool(open_msg.teacher_text)
+    speaking = bool(open_msg.want_speech) or teacher
+    voice = voice_rows(backend, open_msg) if speaking else None
+    use_tts = True if (open_msg.use_tts_template or speaking) else None
     processed = backend.processor(
         messages,
         enable_thinking=open_msg.enable_thinking,
         use_tts_template=use_tts,
         tools=list(open_msg.tools_json),
     )
-    backend.engine.check_prompt_length(processed.num_tokens)
+    ids = processed.input_ids.tolist()
+    forced: list[int] = []
+    if teacher:
+        forced = list(backend.tokenizer.encode(open_msg.teacher_text, add_special_tokens=False))
+        if not forced:
+            raise StageError(INVALID_ARGUMENT, "teacher_text has no tokens", "teacher_text")
+    prefix_ids: list[int] = []
+    prefix_embeds = None
+    if voice is not None:  # a registered voice: its stored rows stand where the clip's would
+        prefix_ids, prefix_embeds = speech_system_prefix(backend, voice)
+    backend.engine.check_prompt_length(len(prefix_ids) + len(ids) + len(forced))
     embeds = None
     if processed.image_bounds.numel() or processed.audio_bounds.numel():
         embeds = backend.model.embed_prompt(processed).detach()
-    return TurnPrompt(processed.input_ids.tolist(), embeds)
+    if embeds is not None or prefix_embeds is not None:
+        with torch.inference_mode():
+            if embeds is None:
+                embeds = backend.model.embed_tokens(torch.tensor(ids, device=backend.model.device))
+            parts = [embeds]
+            if prefix_embeds is not None:
+                parts.insert(0, prefix_embeds.to(embeds.dtype))
+            if forced:  # the forced tokens are plain text rows
+                text_rows = backend.model.embed_tokens(torch.tensor(forced, device=embeds.device))
+                parts.append(text_rows.to(embeds.dtype))
+            embeds = torch.cat(parts).detach()
+    media: list[MediaSpan] | None = None
+    if (
+        embeds is not None
+    ):  # every embedded row named by content: a cached block is reused only for equal rows
+        media = [span.shifted(len(prefix_ids)) for span in processed.media_spans]
+        if prefix_embeds is not None:  # a registered voice's stored rows (with the text around them)
+            digest = hashlib.blake2b(prefix_embeds.float().cpu().numpy().tobytes(), digest_size=16).digest()
+            media.insert(0, MediaSpan(0, len(prefix_ids), digest))
+    return TurnPrompt(prefix_ids + ids + forced, embeds, len(forced), media)
 
 
 class TurnStream(StageStream[Response]):
@@ -152,6 +191,7 @@ class TurnStream(StageStream[Response]):
         self.seq: EngineSequence | None = None
         self.turn: TurnOutput | None = None
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt, found in the prefix cache (the engine's events say)
         self.outbox: list[Response] = []
 
     def identity(self) -> common_pb2.Identity:
@@ -169,12 +209,14 @@ class TurnStream(StageStream[Response]):
         except Exception as exc:  # encoder/processor bug: typed INTERNAL, never a bare gRPC failure
             log.exception("thinker prompt build failed")
             raise failure("prompt build failed", exc) from exc
-        sampling = sampling_from_proto(open_msg.sampling, engine.max_context - len(prompt.ids))
+        teacher = prompt.forced > 0
+        room = engine.max_context - len(prompt.ids)
+        sampling = sampling_from_proto(open_msg.sampling, max(room, 1) if teacher else room)
         sampler = await loop.run_in_executor(
             backend.executor, make_sampler, backend, open_msg.sampling, sampling
         )
         hidden_dtype = dtype_from_proto(open_msg.hidden_dtype) if open_msg.hidden_dtype else None
-        want_speech = bool(open_msg.want_speech)
+        want_speech = bool(open_msg.want_speech) or teacher
         self.prompt_tokens = len(prompt.ids)
         self.turn = TurnOutput(
             backend.tokenizer,
@@ -182,7 +224,7 @@ class TurnStream(StageStream[Response]):
             self.outbox.append,
             hidden_size=backend.hidden_size,
             want_speech=want_speech,
-            prompt_ends_with_tts_bos=bool(prompt.ids) and prompt.ids[-1] == TTS_BOS_ID,
+            prompt_ends_with_tts_bos=bool(prompt.ids) and prompt.ids[-1 - prompt.forced] == TTS_BOS_ID,
             first_chunk_tokens=open_msg.first_chunk_tokens or open_msg.chunk_tokens or DEFAULT_CHUNK_TOKENS,
             chunk_tokens=open_msg.chunk_tokens or DEFAULT_CHUNK_TOKENS,
             hidden_dtype=hidden_dtype,
@@ -192,7 +234,25 @@ class TurnStream(StageStream[Response]):
             top_logprobs=sampling.top_logprobs if sampling.logprobs else None,
         )
         self.seq = engine.open(inbox.post_threadsafe)
-        work = WorkItem(prompt.ids, prompt.embeds, sampler, emit_hidden=want_speech, feed_last=want_speech)
+        if teacher:  # prefill only: the forced tokens' rows come back as they are prefilled
+            self.prompt_tokens -= prompt.forced
+            self.turn.prompt_tokens = self.prompt_tokens
+            work = WorkItem(
+                prompt.ids,
+                prompt.embeds,
+                None,
+                export_from=len(prompt.ids) - prompt.forced,
+                media=prompt.media,
+            )
+        else:
+            work = WorkItem(
+                prompt.ids,
+                prompt.embeds,
+                sampler,
+                emit_hidden=want_speech,
+                feed_last=want_speech,
+                media=prompt.media,
+            )
         engine.submit(self.seq, work)
         return ()
 
@@ -216,12 +276,16 @@ class TurnStream(StageStream[Response]):
         assert self.turn is not None
         if ev.error is not None:
             raise ev.error
+        self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
+        if ev.prompt_rows is not None and ev.prompt_row_ids is not None:
+            self.turn.on_forced(ev.prompt_row_ids, ev.prompt_rows)
         if ev.hidden is not None and ev.fed_token is not None:
             self.turn.on_row(ev.fed_token, ev.hidden)
         if ev.token is not None:
             self.turn.on_token(ev.token, ev.finish_reason, ev.logprobs)
         if ev.finish_reason is not None:
-            self.turn.finish(ev.finish_reason, self.prompt_tokens)
+            reason = "stop" if ev.finish_reason == "prefilled" else ev.finish_reason
+            self.turn.finish(reason, self.prompt_tokens, self.cached_tokens)
             self.finished = True
         return self._drain_outbox()
 

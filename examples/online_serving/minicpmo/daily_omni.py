@@ -44,7 +44,10 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from examples.online_serving.minicpmo.eval_media import (
+if not __package__:  # run by path (python examples/...py): the repository root goes first on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from examples.online_serving.minicpmo.eval_media import (  # noqa: E402
     AUDIO_RATE,
     data_url,
     frames_at,
@@ -52,7 +55,7 @@ from examples.online_serving.minicpmo.eval_media import (
     one_second_wavs,
     video_without_audio,
 )
-from services.common.audio import wav_bytes
+from services.common.audio import wav_bytes  # noqa: E402
 
 PACK_MODES = ("video+audio", "interleave")
 _LETTER = re.compile(r"(?<![A-Za-z])([A-D])(?![A-Za-z])")

@@ -24,6 +24,7 @@ import base64
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +33,11 @@ from typing import Any
 import httpx
 import numpy as np
 
-from examples.online_serving.minicpmo.eval_media import data_url
-from services.common.audio import float_to_pcm16, read_audio, resample, wav_bytes, write_wav
+if not __package__:  # run by path (python examples/...py): the repository root goes first on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from examples.online_serving.minicpmo.eval_media import data_url  # noqa: E402
+from services.common.audio import float_to_pcm16, read_audio, resample, wav_bytes, write_wav  # noqa: E402
 
 OUTPUT_RATE = 24_000
 _MIME = {

@@ -39,7 +39,7 @@ from gateway.realtime.settings import RealtimeSettings
 from gateway.stage_clients import StageSet
 from gateway.stage_stream_client import StageStream
 from services.common.pb import common_pb2, thinker_pb2
-from services.common.tensors import pcm_from_float
+from services.common.pcm import pcm_from_float
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class GrpcDuplexPipeline:
             sampling.seed = self.settings.seed
         open_msg = thinker_pb2.ThinkerOpen(
             id=self._identity(0, 0, 0),
-            mode=thinker_pb2.STREAM_MODE_DUPLEX,
+            mode=common_pb2.STREAM_MODE_DUPLEX,
             sampling=sampling,
             # With a reference voice any response may ask for speech (response.create output_modalities),
             # so the thinker exports the spoken span whenever a voice exists; text-only responses drop it.
@@ -287,7 +287,9 @@ class GrpcDuplexPipeline:
                 bool(unit.turn_end),
                 int(unit.context_tokens),
                 self._unit_turn.pop(int(unit.id.unit_seq), 0),
-                bool(unit.max_tokens_reached),
+                output_tokens=len(unit.token_ids),
+                context_before=int(unit.context_before),
+                max_tokens_reached=bool(unit.max_tokens_reached),
             )
         )
 
@@ -327,6 +329,7 @@ class GrpcDuplexPipeline:
             stages=self.stages,
             settings=self.settings,
             ref_pcm=self.ref_pcm,
+            voice_prompt=self.host.cfg.voice_prompt,
             report=self.host.post_pipeline,
             on_failure=self._turn_failed,
             on_finished=self._turn_finished,

@@ -37,8 +37,10 @@ class UnitOutcome:
     decision: str  # "speak" | "listen"
     transcript: str
     turn_end: bool
-    context_tokens: int
+    context_tokens: int  # the session's context after this unit (its input and its output fed)
     speech_turn: int = 0  # the pipeline's speaking turn this unit's speech went to (0: none)
+    output_tokens: int = 0  # tokens the thinker generated on this unit
+    context_before: int = 0  # the session's context when the unit was fed (held in its KV: cached input)
     max_tokens_reached: bool = False  # the turn ended because it spent its max_output_tokens budget
 
 

@@ -24,7 +24,7 @@ from gateway.stage_clients import StageSet
 from gateway.stage_failure import StageFailure
 from gateway.stage_stream_client import StageStream
 from services.common.pb import code2wav_pb2, common_pb2, talker_pb2, thinker_pb2
-from services.common.tensors import pcm_to_float
+from services.common.pcm import pcm_to_float
 
 _STAGE_ERROR_CODES = {
     common_pb2.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: "context_length_exceeded",
@@ -65,6 +65,7 @@ class SpeechTurn:
         stages: StageSet,
         settings: RealtimeSettings,
         ref_pcm: common_pb2.Pcm | None,
+        voice_prompt: code2wav_pb2.VoicePrompt | None = None,
         report: Callable[[PipelineEvent], None],
         on_failure: FailureCallback,
         on_finished: Callable[[SpeechTurn], None],
@@ -74,6 +75,7 @@ class SpeechTurn:
         self.turn_id = turn_id
         self.settings = settings
         self.ref_pcm = ref_pcm
+        self.voice_prompt = voice_prompt  # a registered voice: code2wav's stored features
         self.talker: StageStream = stages["talker"].open_stream(deadline_s=3600.0)
         self.code2wav: StageStream = stages["code2wav"].open_stream(deadline_s=3600.0)
         self._report = report
@@ -106,11 +108,13 @@ class SpeechTurn:
         if self.settings.seed is not None:
             tsampling.seed = self.settings.seed
             c2w_open.seed = self.settings.seed
-        if self.ref_pcm is not None:
+        if self.voice_prompt is not None:
+            c2w_open.voice.CopyFrom(self.voice_prompt)
+        elif self.ref_pcm is not None:
             c2w_open.ref_audio.CopyFrom(self.ref_pcm)
         talker_open = talker_pb2.TalkerOpen(
             id=open_id,
-            mode=thinker_pb2.STREAM_MODE_DUPLEX,
+            mode=common_pb2.STREAM_MODE_DUPLEX,
             sampling=tsampling,
             first_window_frames=self.settings.first_window_frames,
         )

@@ -68,6 +68,10 @@ app.kubernetes.io/part-of: minicpmo
 {{- default (printf "%s-model" (include "minicpmo.fullname" .)) .Values.model.volume.pvc.claimName }}
 {{- end }}
 
+{{- define "minicpmo.voicesClaimName" -}}
+{{- default (printf "%s-voices" (include "minicpmo.fullname" .)) .Values.gateway.voices.volume.pvc.claimName }}
+{{- end }}
+
 {{/* Address the gateway dials for one stage: DNS over the headless Service, so gRPC balances per stream. */}}
 {{- define "minicpmo.stageAddress" -}}
 {{- $stage := index .root.Values.stages .component }}

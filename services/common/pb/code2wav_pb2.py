@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as minicpmo_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aminicpmo/v1/code2wav.proto\x12\x0bminicpmo.v1\x1a\x18minicpmo/v1/common.proto\"\xa1\x01\n\x0c\x43ode2WavOpen\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12#\n\tref_audio\x18\x02 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12-\n\routput_format\x18\x04 \x01(\x0e\x32\x16.minicpmo.v1.PcmFormatB\x07\n\x05_seed\"\x99\x01\n\x0f\x43ode2WavRequest\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.minicpmo.v1.Code2WavOpenH\x00\x12*\n\x06window\x18\x02 \x01(\x0b\x32\x18.minicpmo.v1.CodecWindowH\x00\x12\'\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x14.minicpmo.v1.ControlH\x00\x42\x06\n\x04kind\"_\n\nAudioChunk\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x1d\n\x03pcm\x18\x02 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\x12\x0f\n\x07is_last\x18\x03 \x01(\x08\"\xc0\x01\n\x10\x43ode2WavResponse\x12(\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x17.minicpmo.v1.AudioChunkH\x00\x12!\n\x04\x64one\x18\x02 \x01(\x0b\x32\x11.minicpmo.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.minicpmo.v1.ErrorH\x00\x12\x32\n\rinterrupt_ack\x18\x04 \x01(\x0b\x32\x19.minicpmo.v1.InterruptAckH\x00\x42\x06\n\x04kind2\x9e\x01\n\x0f\x43ode2WavService\x12K\n\x08Generate\x12\x1c.minicpmo.v1.Code2WavRequest\x1a\x1d.minicpmo.v1.Code2WavResponse(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1b.minicpmo.v1.GetInfoRequest\x1a\x16.minicpmo.v1.StageInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aminicpmo/v1/code2wav.proto\x12\x0bminicpmo.v1\x1a\x18minicpmo/v1/common.proto\"\xca\x01\n\x0c\x43ode2WavOpen\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12#\n\tref_audio\x18\x02 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12-\n\routput_format\x18\x04 \x01(\x0e\x32\x16.minicpmo.v1.PcmFormat\x12\'\n\x05voice\x18( \x01(\x0b\x32\x18.minicpmo.v1.VoicePromptB\x07\n\x05_seed\"\x8a\x01\n\x0bVoicePrompt\x12#\n\x06tokens\x18\x01 \x01(\x0b\x32\x13.minicpmo.v1.Tensor\x12 \n\x03mel\x18\x02 \x01(\x0b\x32\x13.minicpmo.v1.Tensor\x12$\n\x07spk_emb\x18\x03 \x01(\x0b\x32\x13.minicpmo.v1.Tensor\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\";\n\x14\x43ode2WavVoiceRequest\x12#\n\tref_audio\x18\x01 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\"\x99\x01\n\x0f\x43ode2WavRequest\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.minicpmo.v1.Code2WavOpenH\x00\x12*\n\x06window\x18\x02 \x01(\x0b\x32\x18.minicpmo.v1.CodecWindowH\x00\x12\'\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x14.minicpmo.v1.ControlH\x00\x42\x06\n\x04kind\"_\n\nAudioChunk\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x1d\n\x03pcm\x18\x02 \x01(\x0b\x32\x10.minicpmo.v1.Pcm\x12\x0f\n\x07is_last\x18\x03 \x01(\x08\"\xc0\x01\n\x10\x43ode2WavResponse\x12(\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x17.minicpmo.v1.AudioChunkH\x00\x12!\n\x04\x64one\x18\x02 \x01(\x0b\x32\x11.minicpmo.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.minicpmo.v1.ErrorH\x00\x12\x32\n\rinterrupt_ack\x18\x04 \x01(\x0b\x32\x19.minicpmo.v1.InterruptAckH\x00\x42\x06\n\x04kind2\xea\x01\n\x0f\x43ode2WavService\x12K\n\x08Generate\x12\x1c.minicpmo.v1.Code2WavRequest\x1a\x1d.minicpmo.v1.Code2WavResponse(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1b.minicpmo.v1.GetInfoRequest\x1a\x16.minicpmo.v1.StageInfo\x12J\n\x0b\x45ncodeVoice\x12!.minicpmo.v1.Code2WavVoiceRequest\x1a\x18.minicpmo.v1.VoicePromptb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'minicpmo.v1.code2wav_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CODE2WAVOPEN']._serialized_start=70
-  _globals['_CODE2WAVOPEN']._serialized_end=231
-  _globals['_CODE2WAVREQUEST']._serialized_start=234
-  _globals['_CODE2WAVREQUEST']._serialized_end=387
-  _globals['_AUDIOCHUNK']._serialized_start=389
-  _globals['_AUDIOCHUNK']._serialized_end=484
-  _globals['_CODE2WAVRESPONSE']._serialized_start=487
-  _globals['_CODE2WAVRESPONSE']._serialized_end=679
-  _globals['_CODE2WAVSERVICE']._serialized_start=682
-  _globals['_CODE2WAVSERVICE']._serialized_end=840
+  _globals['_CODE2WAVOPEN']._serialized_end=272
+  _globals['_VOICEPROMPT']._serialized_start=275
+  _globals['_VOICEPROMPT']._serialized_end=413
+  _globals['_CODE2WAVVOICEREQUEST']._serialized_start=415
+  _globals['_CODE2WAVVOICEREQUEST']._serialized_end=474
+  _globals['_CODE2WAVREQUEST']._serialized_start=477
+  _globals['_CODE2WAVREQUEST']._serialized_end=630
+  _globals['_AUDIOCHUNK']._serialized_start=632
+  _globals['_AUDIOCHUNK']._serialized_end=727
+  _globals['_CODE2WAVRESPONSE']._serialized_start=730
+  _globals['_CODE2WAVRESPONSE']._serialized_end=922
+  _globals['_CODE2WAVSERVICE']._serialized_start=925
+  _globals['_CODE2WAVSERVICE']._serialized_end=1159
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Code2WavOpen(_message.Message):
-    __slots__ = ("id", "ref_audio", "seed", "output_format")
+    __slots__ = ("id", "ref_audio", "seed", "output_format", "voice")
     ID_FIELD_NUMBER: _ClassVar[int]
     REF_AUDIO_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     ref_audio: _common_pb2.Pcm
     seed: int
     output_format: _common_pb2.PcmFormat
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.PcmFormat, str]] = ...) -> None: ...
+    voice: VoicePrompt
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., seed: _Optional[int] = ..., output_format: _Optional[_Union[_common_pb2.PcmFormat, str]] = ..., voice: _Optional[_Union[VoicePrompt, _Mapping]] = ...) -> None: ...
+
+class VoicePrompt(_message.Message):
+    __slots__ = ("tokens", "mel", "spk_emb", "digest")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEL_FIELD_NUMBER: _ClassVar[int]
+    SPK_EMB_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    tokens: _common_pb2.Tensor
+    mel: _common_pb2.Tensor
+    spk_emb: _common_pb2.Tensor
+    digest: str
+    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., mel: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., spk_emb: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class Code2WavVoiceRequest(_message.Message):
+    __slots__ = ("ref_audio",)
+    REF_AUDIO_FIELD_NUMBER: _ClassVar[int]
+    ref_audio: _common_pb2.Pcm
+    def __init__(self, ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ...) -> None: ...
 
 class Code2WavRequest(_message.Message):
     __slots__ = ("open", "window", "control")

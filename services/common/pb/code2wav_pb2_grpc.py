@@ -45,6 +45,11 @@ class Code2WavServiceStub:
                 request_serializer=minicpmo_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=minicpmo_dot_v1_dot_common__pb2.StageInfo.FromString,
                 _registered_method=True)
+        self.EncodeVoice = channel.unary_unary(
+                '/minicpmo.v1.Code2WavService/EncodeVoice',
+                request_serializer=minicpmo_dot_v1_dot_code2wav__pb2.Code2WavVoiceRequest.SerializeToString,
+                response_deserializer=minicpmo_dot_v1_dot_code2wav__pb2.VoicePrompt.FromString,
+                _registered_method=True)
 
 
 class Code2WavServiceServicer:
@@ -62,6 +67,13 @@ class Code2WavServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeVoice(self, request, context):
+        """Voice registry: the prompt features of a reference clip, computed once and stored by the gateway.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_Code2WavServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +86,11 @@ def add_Code2WavServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=minicpmo_dot_v1_dot_common__pb2.GetInfoRequest.FromString,
                     response_serializer=minicpmo_dot_v1_dot_common__pb2.StageInfo.SerializeToString,
+            ),
+            'EncodeVoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.EncodeVoice,
+                    request_deserializer=minicpmo_dot_v1_dot_code2wav__pb2.Code2WavVoiceRequest.FromString,
+                    response_serializer=minicpmo_dot_v1_dot_code2wav__pb2.VoicePrompt.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +147,33 @@ class Code2WavService:
             '/minicpmo.v1.Code2WavService/GetInfo',
             minicpmo_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
             minicpmo_dot_v1_dot_common__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeVoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minicpmo.v1.Code2WavService/EncodeVoice',
+            minicpmo_dot_v1_dot_code2wav__pb2.Code2WavVoiceRequest.SerializeToString,
+            minicpmo_dot_v1_dot_code2wav__pb2.VoicePrompt.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StreamMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STREAM_MODE_UNSPECIFIED: _ClassVar[StreamMode]
+    STREAM_MODE_TURN: _ClassVar[StreamMode]
+    STREAM_MODE_DUPLEX: _ClassVar[StreamMode]
+
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
@@ -36,6 +42,9 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_UNSUPPORTED_MEDIA: _ClassVar[ErrorCode]
     ERROR_CODE_BAD_REFERENCE_AUDIO: _ClassVar[ErrorCode]
     ERROR_CODE_FAILED_PRECONDITION: _ClassVar[ErrorCode]
+STREAM_MODE_UNSPECIFIED: StreamMode
+STREAM_MODE_TURN: StreamMode
+STREAM_MODE_DUPLEX: StreamMode
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_BFLOAT16: DType

@@ -23,26 +23,25 @@ _sym_db = _symbol_database.Default()
 
 
 from services.common.pb import common_pb2 as minicpmo_dot_v1_dot_common__pb2
-from services.common.pb import thinker_pb2 as minicpmo_dot_v1_dot_thinker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18minicpmo/v1/talker.proto\x12\x0bminicpmo.v1\x1a\x18minicpmo/v1/common.proto\x1a\x19minicpmo/v1/thinker.proto\"\xd6\x02\n\x0eTalkerSampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emin_new_frames\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1b\n\x0emax_new_frames\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x19\n\x0c\x66ixed_frames\x18\x08 \x01(\rH\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x11\n\x0f_min_new_framesB\x11\n\x0f_max_new_framesB\x0f\n\r_fixed_frames\"\xcf\x01\n\nTalkerOpen\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12%\n\x04mode\x18\x02 \x01(\x0e\x32\x17.minicpmo.v1.StreamMode\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.minicpmo.v1.TalkerSampling\x12\x15\n\rwindow_frames\x18\x04 \x01(\r\x12\x14\n\x0cleft_context\x18\x05 \x01(\r\x12\x1b\n\x13\x66irst_window_frames\x18\x06 \x01(\r\"\x8b\x01\n\x0bTalkerChunk\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.minicpmo.v1.Tensor\x12\x10\n\x08turn_end\x18\x04 \x01(\x08\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\"\x94\x01\n\rTalkerRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.minicpmo.v1.TalkerOpenH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.minicpmo.v1.TalkerChunkH\x00\x12\'\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x14.minicpmo.v1.ControlH\x00\x42\x06\n\x04kind\"\xc0\x01\n\x0eTalkerResponse\x12*\n\x06window\x18\x01 \x01(\x0b\x32\x18.minicpmo.v1.CodecWindowH\x00\x12!\n\x04\x64one\x18\x02 \x01(\x0b\x32\x11.minicpmo.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.minicpmo.v1.ErrorH\x00\x12\x32\n\rinterrupt_ack\x18\x04 \x01(\x0b\x32\x19.minicpmo.v1.InterruptAckH\x00\x42\x06\n\x04kind2\x98\x01\n\rTalkerService\x12G\n\x08Generate\x12\x1a.minicpmo.v1.TalkerRequest\x1a\x1b.minicpmo.v1.TalkerResponse(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1b.minicpmo.v1.GetInfoRequest\x1a\x16.minicpmo.v1.StageInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18minicpmo/v1/talker.proto\x12\x0bminicpmo.v1\x1a\x18minicpmo/v1/common.proto\"\xd6\x02\n\x0eTalkerSampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emin_new_frames\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1b\n\x0emax_new_frames\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x19\n\x0c\x66ixed_frames\x18\x08 \x01(\rH\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x11\n\x0f_min_new_framesB\x11\n\x0f_max_new_framesB\x0f\n\r_fixed_frames\"\xcf\x01\n\nTalkerOpen\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12%\n\x04mode\x18\x02 \x01(\x0e\x32\x17.minicpmo.v1.StreamMode\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.minicpmo.v1.TalkerSampling\x12\x15\n\rwindow_frames\x18\x04 \x01(\r\x12\x14\n\x0cleft_context\x18\x05 \x01(\r\x12\x1b\n\x13\x66irst_window_frames\x18\x06 \x01(\r\"\x8b\x01\n\x0bTalkerChunk\x12!\n\x02id\x18\x01 \x01(\x0b\x32\x15.minicpmo.v1.Identity\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.minicpmo.v1.Tensor\x12\x10\n\x08turn_end\x18\x04 \x01(\x08\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\"\x94\x01\n\rTalkerRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.minicpmo.v1.TalkerOpenH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.minicpmo.v1.TalkerChunkH\x00\x12\'\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x14.minicpmo.v1.ControlH\x00\x42\x06\n\x04kind\"\xc0\x01\n\x0eTalkerResponse\x12*\n\x06window\x18\x01 \x01(\x0b\x32\x18.minicpmo.v1.CodecWindowH\x00\x12!\n\x04\x64one\x18\x02 \x01(\x0b\x32\x11.minicpmo.v1.DoneH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.minicpmo.v1.ErrorH\x00\x12\x32\n\rinterrupt_ack\x18\x04 \x01(\x0b\x32\x19.minicpmo.v1.InterruptAckH\x00\x42\x06\n\x04kind2\x98\x01\n\rTalkerService\x12G\n\x08Generate\x12\x1a.minicpmo.v1.TalkerRequest\x1a\x1b.minicpmo.v1.TalkerResponse(\x01\x30\x01\x12>\n\x07GetInfo\x12\x1b.minicpmo.v1.GetInfoRequest\x1a\x16.minicpmo.v1.StageInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'minicpmo.v1.talker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TALKERSAMPLING']._serialized_start=95
-  _globals['_TALKERSAMPLING']._serialized_end=437
-  _globals['_TALKEROPEN']._serialized_start=440
-  _globals['_TALKEROPEN']._serialized_end=647
-  _globals['_TALKERCHUNK']._serialized_start=650
-  _globals['_TALKERCHUNK']._serialized_end=789
-  _globals['_TALKERREQUEST']._serialized_start=792
-  _globals['_TALKERREQUEST']._serialized_end=940
-  _globals['_TALKERRESPONSE']._serialized_start=943
-  _globals['_TALKERRESPONSE']._serialized_end=1135
-  _globals['_TALKERSERVICE']._serialized_start=1138
-  _globals['_TALKERSERVICE']._serialized_end=1290
+  _globals['_TALKERSAMPLING']._serialized_start=68
+  _globals['_TALKERSAMPLING']._serialized_end=410
+  _globals['_TALKEROPEN']._serialized_start=413
+  _globals['_TALKEROPEN']._serialized_end=620
+  _globals['_TALKERCHUNK']._serialized_start=623
+  _globals['_TALKERCHUNK']._serialized_end=762
+  _globals['_TALKERREQUEST']._serialized_start=765
+  _globals['_TALKERREQUEST']._serialized_end=913
+  _globals['_TALKERRESPONSE']._serialized_start=916
+  _globals['_TALKERRESPONSE']._serialized_end=1108
+  _globals['_TALKERSERVICE']._serialized_start=1111
+  _globals['_TALKERSERVICE']._serialized_end=1263
 # @@protoc_insertion_point(module_scope)

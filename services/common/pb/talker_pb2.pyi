@@ -1,5 +1,4 @@
 from services.common.pb import common_pb2 as _common_pb2
-from services.common.pb import thinker_pb2 as _thinker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -37,12 +36,12 @@ class TalkerOpen(_message.Message):
     LEFT_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     FIRST_WINDOW_FRAMES_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
-    mode: _thinker_pb2.StreamMode
+    mode: _common_pb2.StreamMode
     sampling: TalkerSampling
     window_frames: int
     left_context: int
     first_window_frames: int
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[_thinker_pb2.StreamMode, str]] = ..., sampling: _Optional[_Union[TalkerSampling, _Mapping]] = ..., window_frames: _Optional[int] = ..., left_context: _Optional[int] = ..., first_window_frames: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.StreamMode, str]] = ..., sampling: _Optional[_Union[TalkerSampling, _Mapping]] = ..., window_frames: _Optional[int] = ..., left_context: _Optional[int] = ..., first_window_frames: _Optional[int] = ...) -> None: ...
 
 class TalkerChunk(_message.Message):
     __slots__ = ("id", "token_ids", "hidden", "turn_end", "is_last")

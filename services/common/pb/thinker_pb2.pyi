@@ -8,20 +8,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class StreamMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    STREAM_MODE_UNSPECIFIED: _ClassVar[StreamMode]
-    STREAM_MODE_TURN: _ClassVar[StreamMode]
-    STREAM_MODE_DUPLEX: _ClassVar[StreamMode]
-
 class UnitDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     UNIT_DECISION_UNSPECIFIED: _ClassVar[UnitDecision]
     UNIT_DECISION_LISTEN: _ClassVar[UnitDecision]
     UNIT_DECISION_SPEAK: _ClassVar[UnitDecision]
-STREAM_MODE_UNSPECIFIED: StreamMode
-STREAM_MODE_TURN: StreamMode
-STREAM_MODE_DUPLEX: StreamMode
 UNIT_DECISION_UNSPECIFIED: UnitDecision
 UNIT_DECISION_LISTEN: UnitDecision
 UNIT_DECISION_SPEAK: UnitDecision
@@ -135,7 +126,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ThinkerOpen(_message.Message):
-    __slots__ = ("id", "mode", "messages", "sampling", "use_tts_template", "enable_thinking", "want_speech", "ref_audio", "chunk_tokens", "first_chunk_tokens", "hidden_dtype", "instructions", "force_speak", "force_listen_units", "tools_json")
+    __slots__ = ("id", "mode", "messages", "sampling", "use_tts_template", "enable_thinking", "want_speech", "ref_audio", "chunk_tokens", "first_chunk_tokens", "hidden_dtype", "instructions", "force_speak", "force_listen_units", "tools_json", "teacher_text", "voice")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -151,8 +142,10 @@ class ThinkerOpen(_message.Message):
     FORCE_SPEAK_FIELD_NUMBER: _ClassVar[int]
     FORCE_LISTEN_UNITS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TEXT_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
-    mode: StreamMode
+    mode: _common_pb2.StreamMode
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     use_tts_template: bool
@@ -166,7 +159,23 @@ class ThinkerOpen(_message.Message):
     force_speak: bool
     force_listen_units: int
     tools_json: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ..., tools_json: _Optional[_Iterable[str]] = ...) -> None: ...
+    teacher_text: str
+    voice: VoiceEmbedding
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ..., tools_json: _Optional[_Iterable[str]] = ..., teacher_text: _Optional[str] = ..., voice: _Optional[_Union[VoiceEmbedding, _Mapping]] = ...) -> None: ...
+
+class VoiceEmbedding(_message.Message):
+    __slots__ = ("embeds", "digest")
+    EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    embeds: _common_pb2.Tensor
+    digest: str
+    def __init__(self, embeds: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class ThinkerVoiceRequest(_message.Message):
+    __slots__ = ("ref_audio",)
+    REF_AUDIO_FIELD_NUMBER: _ClassVar[int]
+    ref_audio: _common_pb2.Pcm
+    def __init__(self, ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ...) -> None: ...
 
 class ThinkerUnit(_message.Message):
     __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn", "instructions", "max_output_tokens")
@@ -259,13 +268,14 @@ class SpeechChunk(_message.Message):
     def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., turn_start: _Optional[bool] = ..., turn_end: _Optional[bool] = ..., segment_end: _Optional[bool] = ..., is_last: _Optional[bool] = ...) -> None: ...
 
 class UnitResult(_message.Message):
-    __slots__ = ("id", "decision", "transcript", "token_ids", "turn_end", "context_tokens", "max_tokens_reached")
+    __slots__ = ("id", "decision", "transcript", "token_ids", "turn_end", "context_tokens", "context_before", "max_tokens_reached")
     ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TURN_END_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_BEFORE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_REACHED_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     decision: UnitDecision
@@ -273,8 +283,9 @@ class UnitResult(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     turn_end: bool
     context_tokens: int
+    context_before: int
     max_tokens_reached: bool
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., decision: _Optional[_Union[UnitDecision, str]] = ..., transcript: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., turn_end: _Optional[bool] = ..., context_tokens: _Optional[int] = ..., max_tokens_reached: _Optional[bool] = ...) -> None: ...
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., decision: _Optional[_Union[UnitDecision, str]] = ..., transcript: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., turn_end: _Optional[bool] = ..., context_tokens: _Optional[int] = ..., context_before: _Optional[int] = ..., max_tokens_reached: _Optional[bool] = ...) -> None: ...
 
 class ThinkerResponse(_message.Message):
     __slots__ = ("text", "speech", "unit", "done", "error", "interrupt_ack")

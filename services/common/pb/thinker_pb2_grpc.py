@@ -45,6 +45,11 @@ class ThinkerServiceStub:
                 request_serializer=minicpmo_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=minicpmo_dot_v1_dot_common__pb2.StageInfo.FromString,
                 _registered_method=True)
+        self.EncodeVoice = channel.unary_unary(
+                '/minicpmo.v1.ThinkerService/EncodeVoice',
+                request_serializer=minicpmo_dot_v1_dot_thinker__pb2.ThinkerVoiceRequest.SerializeToString,
+                response_deserializer=minicpmo_dot_v1_dot_thinker__pb2.VoiceEmbedding.FromString,
+                _registered_method=True)
 
 
 class ThinkerServiceServicer:
@@ -63,6 +68,13 @@ class ThinkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeVoice(self, request, context):
+        """Voice registry: the audio-encoder rows of a reference clip, computed once and stored by the gateway.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ThinkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_ThinkerServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=minicpmo_dot_v1_dot_common__pb2.GetInfoRequest.FromString,
                     response_serializer=minicpmo_dot_v1_dot_common__pb2.StageInfo.SerializeToString,
+            ),
+            'EncodeVoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.EncodeVoice,
+                    request_deserializer=minicpmo_dot_v1_dot_thinker__pb2.ThinkerVoiceRequest.FromString,
+                    response_serializer=minicpmo_dot_v1_dot_thinker__pb2.VoiceEmbedding.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class ThinkerService:
             '/minicpmo.v1.ThinkerService/GetInfo',
             minicpmo_dot_v1_dot_common__pb2.GetInfoRequest.SerializeToString,
             minicpmo_dot_v1_dot_common__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeVoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minicpmo.v1.ThinkerService/EncodeVoice',
+            minicpmo_dot_v1_dot_thinker__pb2.ThinkerVoiceRequest.SerializeToString,
+            minicpmo_dot_v1_dot_thinker__pb2.VoiceEmbedding.FromString,
             options,
             channel_credentials,
             insecure,

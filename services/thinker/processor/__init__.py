@@ -28,6 +28,7 @@ import torch
 
 from services.common.checkpoint import SPECIAL_TOKEN_IDS, Checkpoint
 from services.thinker.errors import ProcessorError
+from services.thinker.prefix_hash import MediaSpan, media_digest
 from services.thinker.processor.audio import (
     SAMPLE_RATE,
     AudioClip,
@@ -104,6 +105,9 @@ class ProcessedPrompt:
     num_images: int = 0
     num_audios: int = 0
     num_video_frames: int = 0
+    # Every image/audio row span keyed by its media's content digest (the prefix cache's key, so a
+    # repeated picture or clip hits like repeated text does).
+    media_spans: list[MediaSpan] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -266,6 +270,7 @@ class ThinkerProcessor:
                 "messages", f"prompt has {ids.numel()} tokens; the limit is {self.limits.max_prompt_tokens}"
             )
         feats, lens = _pad_mels(expanded.mels)
+        media_spans = _key_spans(expanded.media, image_bounds.tolist(), audio_bounds.tolist())
         return ProcessedPrompt(
             prompt_text=final_text,
             input_ids=ids,
@@ -278,13 +283,17 @@ class ThinkerProcessor:
             num_images=n_images,
             num_audios=n_audios,
             num_video_frames=expanded.video_frames,
+            media_spans=media_spans,
         )
 
     def _expand_image(
         self, ex: _Expansion, part: ImageInput, param: str, default_slices: int, image_ids: bool
     ) -> None:
         img = decode_image(part.data, param)
-        sliced = slice_image(img, self.slice_config, self._max_slices(part.max_slice_nums or default_slices))
+        max_slices = self._max_slices(part.max_slice_nums or default_slices)
+        sliced = slice_image(img, self.slice_config, max_slices)
+        digest = media_digest("image", img.mode, img.width, img.height, img.tobytes(), max_slices)
+        ex.media.append(("image", digest, len(sliced.slices)))
         ex.pixel_values.extend(sliced.slices)
         ex.tgt_sizes.extend(sliced.tgt_sizes)
         ex.image_spans += len(sliced.slices)
@@ -301,6 +310,7 @@ class ThinkerProcessor:
                 param, f"audio in the prompt exceeds {self.limits.max_audio_seconds:g} s in total"
             )
         count = audio_embed_count(len(wave), self.audio_pool_step)
+        ex.media.append(("audio", media_digest("audio", wave.dtype.str, wave.tobytes()), count))
         ex.mels.extend(log_mel(piece) for piece in split_pieces(wave))
         ex.audio_rows += count
         ex.pieces.append(audio_placeholder(count, chunked))
@@ -318,7 +328,11 @@ class ThinkerProcessor:
                 f"{ex.video_frames} video frames in the prompt; the limit is {self.limits.max_video_frames}",
             )
         for k, frame in enumerate(frames):
-            sliced = slice_image(decode_image(frame, f"{param}.frames[{k}]"), self.slice_config, 1)
+            img = decode_image(frame, f"{param}.frames[{k}]")
+            sliced = slice_image(img, self.slice_config, 1)
+            ex.media.append(
+                ("image", media_digest("frame", img.mode, img.width, img.height, img.tobytes()), 1)
+            )
             ex.pixel_values.extend(sliced.slices)
             ex.tgt_sizes.extend(sliced.tgt_sizes)
             ex.image_spans += 1
@@ -397,6 +411,34 @@ class _Expansion:
     audio_rows: int = 0
     audio_seconds: float = 0.0
     video_frames: int = 0
+    # (kind, content digest, extent) per media item in prompt order: an image's extent is its slice
+    # count (one image span each), an audio clip's its embedding rows (over one or more audio spans)
+    media: list[tuple[str, bytes, int]] = field(default_factory=list)
+
+
+def _key_spans(
+    media: list[tuple[str, bytes, int]], image_bounds: list[list[int]], audio_bounds: list[list[int]]
+) -> list[MediaSpan]:
+    """The prompt's image/audio spans, each keyed by the digest of the item it came from.
+
+    Spans are in prompt order within each kind (validated against the expansion before this runs), so
+    items take them in order; a row's key offset counts rows from the item's first row.
+    """
+    images, audios = iter(image_bounds), iter(audio_bounds)
+    out: list[MediaSpan] = []
+    for kind, digest, extent in media:
+        rows = 0
+        if kind == "image":
+            for _ in range(extent):
+                start, end = next(images)
+                out.append(MediaSpan(start, end, digest, rows))
+                rows += end - start
+        else:
+            while rows < extent:
+                start, end = next(audios)
+                out.append(MediaSpan(start, end, digest, rows))
+                rows += end - start
+    return sorted(out, key=lambda span: span.start)
 
 
 def _pad_mels(mels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,9 +21,12 @@ import json
 import sys
 from pathlib import Path
 
-from examples.online_serving.minicpmo.omni_duplex_eval.dataset import load_samples
-from examples.online_serving.minicpmo.omni_duplex_eval.evaluate import JUDGE_VIDEO_MODES, evaluate, summarize
-from examples.online_serving.minicpmo.omni_duplex_eval.generate import PACES, generate
+if not __package__:  # run by path (python examples/...py): the repository root goes first on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
+
+from examples.online_serving.minicpmo.omni_duplex_eval.dataset import load_samples  # noqa: E402
+from examples.online_serving.minicpmo.omni_duplex_eval.evaluate import JUDGE_VIDEO_MODES, evaluate, summarize  # noqa: E402
+from examples.online_serving.minicpmo.omni_duplex_eval.generate import PACES, generate  # noqa: E402
 
 
 def _common(p: argparse.ArgumentParser) -> None:

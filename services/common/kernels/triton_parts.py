@@ -1,4 +1,4 @@
-"""Triton device functions shared by the thinker's kernels (:mod:`.triton_ops`, :mod:`.rope_attention`).
+"""Triton device functions shared by the fused kernels (:mod:`.triton_ops`, :mod:`.rope_attention`).
 
 Each is inlined into its caller; they exist so that the rotary kernel and the fused rotary + attention
 kernel round exactly alike, and the paged-attention kernels share one key loop and one split-K merge.

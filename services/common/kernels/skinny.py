@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.thinker.kernels.counters import ArrivalCounters
+from services.common.kernels.counters import ArrivalCounters
 
 PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_MUL = 0, 1, 2, 3
 MAX_ROWS = 32  # the kernel's limit; the runner uses it up to ``fused_forward.SKINNY_MAX_ROWS``
@@ -63,14 +63,14 @@ SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 4096, 4096): SkinnyConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4, dot=True),
     (16, 4096, 4096): SkinnyConfig(block_n=32, block_k=256, split_k=2, num_warps=4, num_stages=3, dot=True),
 }
-TABLE_ENV = "MINICPMO_THINKER_SKINNY_TABLE"  # a ``bench.thinker.skinny --json-out`` file: its best configs
 
 
 def load_table(path: str | os.PathLike[str]) -> dict[tuple[int, int, int], SkinnyConfig]:
     """The best config of each (row bucket, N, K) in a ``bench.thinker.skinny --json-out`` file.
 
-    For a GPU the built-in table was not measured on: tune once with the microbench, then point
-    :data:`TABLE_ENV` at its output; its entries win over the built-in ones.
+    For a GPU the built-in table was not measured on: tune once with the microbench, then name its
+    output in the thinker's ``kernel_table`` profile key (``--kernel-table``); :func:`use_table` loads it
+    and its entries win over the built-in ones.
     """
     rows = json.loads(Path(path).read_text())
     return {
@@ -95,10 +95,11 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> SkinnyConfig:
     return SkinnyConfig(block_n, 128, split, 4, 4, True)
 
 
-def _load_env_table() -> None:
-    path = os.environ.get(TABLE_ENV)
-    if path:
-        SKINNY_CONFIGS.update(load_table(path))
+def use_table(path: str | os.PathLike[str]) -> int:
+    """Add a microbench table's configs to the lookup (before any graph capture); returns how many."""
+    table = load_table(path)
+    SKINNY_CONFIGS.update(table)
+    return len(table)
 
 
 def config_for(m: int, n: int, k: int) -> SkinnyConfig:
@@ -366,6 +367,3 @@ def linear_silu_mul(
 ) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T (+ bias)`` for ``gate_up [M, 2K]``, the gate as ``silu_mul`` rounds."""
     return _launch(SILU_MUL, gate_up, weight, bias, config=config)
-
-
-_load_env_table()

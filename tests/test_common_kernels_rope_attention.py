@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on the CPU
 pytest.importorskip("triton")
 
-from services.thinker.kernels import AttentionTiles, TorchOps, rope_attention_enabled  # noqa: E402
+from services.common.kernels import AttentionTiles, TorchOps, rope_attention_enabled  # noqa: E402
 
 HQ, HKV, D, PAGE, HIDDEN = 4, 2, 32, 4, 80
 
@@ -66,7 +66,7 @@ def _run(ops, s: dict, norm: bool, scaled: bool) -> tuple[torch.Tensor, torch.Te
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_rope_attention_matches_rotary_then_attention(dtype: torch.dtype, splits: int) -> None:
-    from services.thinker.kernels.triton_ops import TritonOps
+    from services.common.kernels.triton_ops import TritonOps
 
     s = _packed_step(dtype, splits)
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=3e-3)
@@ -88,7 +88,7 @@ def test_rope_attention_matches_rotary_then_attention(dtype: torch.dtype, splits
 
 
 def test_rope_attention_rejects_prefill_tiles() -> None:
-    from services.thinker.kernels.triton_ops import TritonOps
+    from services.common.kernels.triton_ops import TritonOps
 
     s = _packed_step(torch.float32, 1)
     tiles = s["tiles"]
@@ -97,17 +97,14 @@ def test_rope_attention_rejects_prefill_tiles() -> None:
         _run(TritonOps, s, True, True)
 
 
-def test_rope_attention_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MINICPMO_THINKER_ROPE_ATTENTION", raising=False)
-    assert rope_attention_enabled() and not rope_attention_enabled(False)
-    monkeypatch.setenv("MINICPMO_THINKER_ROPE_ATTENTION", "0")
-    assert not rope_attention_enabled() and rope_attention_enabled(True)
+def test_rope_attention_is_the_default() -> None:
+    assert rope_attention_enabled() and rope_attention_enabled(True) and not rope_attention_enabled(False)
 
 
 def test_fresh_row_window_covers_every_packed_step() -> None:
     """The kernel looks back ``LOOKBACK`` rows for fresh rows; a packed step may hold up to
     ``PACKED_MAX_ROWS`` rows of one chunk, so a larger limit would silently drop keys."""
-    from services.thinker.kernels.rope_attention import LOOKBACK
+    from services.common.kernels.rope_attention import LOOKBACK
     from services.thinker.runner import ModelRunner
 
     assert ModelRunner.PACKED_MAX_ROWS <= LOOKBACK

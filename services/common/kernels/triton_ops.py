@@ -1,4 +1,4 @@
-"""Triton kernels of the thinker step (see :mod:`services.thinker.kernels` for why and what).
+"""Triton kernels of the fused decoder layers (see :mod:`services.common.kernels` for why and what).
 
 Every kernel reproduces the rounding points of the torch reference where the reference rounds to the
 activation dtype (RMSNorm output before the weight, each rotary product, the residual sum), so norms,
@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.thinker.kernels.counters import ArrivalCounters, split_scratch
-from services.thinker.kernels.rope_attention import rope_attention
-from services.thinker.kernels.tiles import AttentionTiles
-from services.thinker.kernels.triton_parts import attend_pages, norm_rope_tile, row_inv_rms, write_output
+from services.common.kernels.counters import ArrivalCounters, split_scratch
+from services.common.kernels.rope_attention import rope_attention
+from services.common.kernels.tiles import AttentionTiles
+from services.common.kernels.triton_parts import attend_pages, norm_rope_tile, row_inv_rms, write_output
 
 
 @triton.jit

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from services.thinker.kernels.counters import ArrivalCounters, split_scratch
-from services.thinker.kernels.tiles import AttentionTiles
-from services.thinker.kernels.triton_parts import (
+from services.common.kernels.counters import ArrivalCounters, split_scratch
+from services.common.kernels.tiles import AttentionTiles
+from services.common.kernels.triton_parts import (
     attend_one,
     attend_pages,
     norm_rope_tile,

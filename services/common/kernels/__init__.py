@@ -1,4 +1,9 @@
-"""Fused kernels of the thinker step, with a pure-torch reference for every one of them.
+"""Fused decoder-layer kernels, with a pure-torch reference for every one of them.
+
+Shared by the stages that run a Qwen/Llama-style decoder: the thinker's step (:mod:`services.thinker.fused_forward`)
+and the talker's fused decode (:mod:`services.talker.fused_decode`). They live here, not in either stage, so
+that each stage stands alone (a stage never imports another) and a kernel change is tested once, here
+(``tests/test_common_kernels*.py``).
 
 Why: a decode step of the full-size model spends as long outside its weight matmuls as in them when
 every norm, rotary, cache write and attention gather is its own handful of small kernels (see
@@ -23,12 +28,14 @@ The torch backend (:class:`TorchOps`) computes the same functions with the opera
 transformers modules; it is the CPU/CI path and the reference the Triton path is compared with
 (tests run the Triton kernels on CPU through Triton's interpreter, ``bench.cuda_smoke`` on the GPU).
 
-``select_backend`` picks: ``MINICPMO_THINKER_KERNELS`` = ``torch`` | ``triton`` | ``auto`` (default:
-Triton on CUDA when it imports, torch otherwise). With Triton, packed-row decode steps of few rows can
-run their GEMMs through :mod:`.skinny` (the norms and SwiGLU fused into the GEMMs' prologues);
-``skinny_enabled`` decides: off unless ``MINICPMO_THINKER_SKINNY_GEMM=1`` (it measured slower). The one
-skinny GEMM that beats cuBLAS, the O projection with the residual add in its merge, is on by itself
-(``skinny_o_enabled``, ``MINICPMO_THINKER_SKINNY_O``).
+``select_backend`` picks: ``torch`` | ``triton`` | ``auto`` (the deploy profile's ``kernels`` key of the
+thinker and the talker, ``--kernels`` of their CLIs; ``auto``: Triton on CUDA when it imports, torch
+otherwise). With Triton, packed-row decode steps run the O projection with its residual add as one skinny
+Triton GEMM (:mod:`.skinny`, ``skinny_o_enabled``: measured faster than cuBLAS), and rotary + K/V write +
+attention as one launch (``rope_attention_enabled``); both are the default with no switch (the
+``requested`` arguments exist for the A/B benchmarks in ``bench.thinker``). The fully skinny layer loop
+(every GEMM with its norm or SwiGLU fused in, ``skinny_enabled``) measured slower than cuBLAS and runs
+only when a caller asks for it.
 """
 
 from __future__ import annotations
@@ -39,16 +46,11 @@ import os
 
 import torch
 
-from services.thinker.kernels.tiles import AttentionTiles
+from services.common.kernels.tiles import AttentionTiles
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("torch", "triton")
-ENV_VAR = "MINICPMO_THINKER_KERNELS"
-SKINNY_ENV_VAR = "MINICPMO_THINKER_SKINNY_GEMM"
-NORM_FOLD_ENV_VAR = "MINICPMO_THINKER_NORM_FOLD"
-ROPE_ATTENTION_ENV_VAR = "MINICPMO_THINKER_ROPE_ATTENTION"
-SKINNY_O_ENV_VAR = "MINICPMO_THINKER_SKINNY_O"
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -61,10 +63,10 @@ def triton_usable(device: torch.device) -> bool:
 
 
 def select_backend(device: torch.device, requested: str | None = None) -> str:
-    """The kernel backend for ``device``: ``requested``, else the environment, else ``auto``."""
-    want = (requested or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    """The kernel backend for ``device``: ``requested`` (``torch`` | ``triton`` | ``auto``), else ``auto``."""
+    want = (requested or "auto").strip().lower()
     if want not in (*BACKENDS, "auto"):
-        raise ValueError(f"{ENV_VAR} must be one of torch, triton, auto (got {want!r})")
+        raise ValueError(f"kernels must be one of torch, triton, auto (got {want!r})")
     if want == "auto":
         return "triton" if device.type == "cuda" and triton_usable(device) else "torch"
     if want == "triton" and not triton_usable(device):
@@ -75,64 +77,40 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
 
 
 def skinny_enabled(device: torch.device, backend: str, requested: bool | None = None) -> bool:
-    """Whether packed-row steps use the skinny Triton GEMMs: only with the Triton backend; ``requested``
-    (a config field) wins, else ``MINICPMO_THINKER_SKINNY_GEMM`` (0/1), else off.
+    """Whether packed-row steps use the skinny Triton GEMMs for every projection: only with the Triton
+    backend and only when ``requested`` (off by default).
 
-    Off by default because it measured slower: on the H200 the four fused GEMMs of a step took 4.42 ms at
-    1 row and 5.36 ms at 16 against 4.17 / 4.18 ms for the norm and gate kernels plus cuBLAS (best
-    microbench configs, ``bench.thinker.skinny``; BENCHMARKS.md, "Thinker skinny GEMMs"). Only the O projection won.
+    Off because it measured slower: on the H200 the four fused GEMMs of a step took 4.42 ms at 1 row and
+    5.36 ms at 16 against 4.17 / 4.18 ms for the norm and gate kernels plus cuBLAS (best microbench
+    configs, ``bench.thinker.skinny``; BENCHMARKS.md, "Thinker skinny GEMMs").
+    Only the O projection won (:func:`skinny_o_enabled`).
     """
-    if backend != "triton":
-        return False
-    if requested is not None:
-        return bool(requested)
-    return bool(_env_switch(SKINNY_ENV_VAR))
-
-
-def _env_switch(name: str) -> bool | None:
-    """A 0/1 environment switch: True, False, or None when unset."""
-    env = os.environ.get(name, "").strip().lower()
-    if env in ("0", "false", "off", "no"):
-        return False
-    if env in ("1", "true", "on", "yes"):
-        return True
-    if env:
-        raise ValueError(f"{name} must be 0 or 1 (got {env!r})")
-    return None
+    return backend == "triton" and bool(requested)
 
 
 def norm_fold_enabled(device: torch.device, backend: str, requested: bool | None = None) -> bool:
     """Whether packed-row steps run the folded-norm layer loop (no RMSNorm kernels, residual adds inside
     the O and down GEMMs; see :mod:`services.thinker.fused_forward`): only with the Triton backend;
-    ``requested`` (a config field) wins, else ``MINICPMO_THINKER_NORM_FOLD`` (0/1), else on with CUDA and
-    off on CPU (where Triton only runs under its interpreter, for tests that ask for it).
+    ``requested`` wins, else on with CUDA and off on CPU (where Triton only runs under its interpreter,
+    for tests that ask for it).
     """
     if backend != "triton":
         return False
-    if requested is not None:
-        return bool(requested)
-    env = _env_switch(NORM_FOLD_ENV_VAR)
-    return device.type == "cuda" if env is None else env
+    return device.type == "cuda" if requested is None else bool(requested)
 
 
 def rope_attention_enabled(requested: bool | None = None) -> bool:
     """Whether packed-row steps run rotary + K/V write + attention as one launch (``rope_attention``,
-    :mod:`.rope_attention`): ``requested`` wins, else ``MINICPMO_THINKER_ROPE_ATTENTION`` (0/1), else on."""
-    if requested is not None:
-        return bool(requested)
-    env = _env_switch(ROPE_ATTENTION_ENV_VAR)
-    return True if env is None else env
+    :mod:`.rope_attention`): on unless ``requested`` is False (a benchmark's other arm)."""
+    return True if requested is None else bool(requested)
 
 
 def skinny_o_enabled(requested: bool | None = None) -> bool:
     """Whether the folded decode loop's O projection (with its residual add) is the skinny Triton GEMM
     (``skinny.linear_accumulate``: one launch, no split-K reduce kernel) rather than cuBLAS's ``addmm_``:
-    ``requested`` wins, else ``MINICPMO_THINKER_SKINNY_O`` (0/1), else on. On the H200 it took the decode
-    step from 4.79 to 4.73 ms at 1 row and 5.14 to 5.06 ms at 16 (``bench.thinker --skinny-o both``)."""
-    if requested is not None:
-        return bool(requested)
-    env = _env_switch(SKINNY_O_ENV_VAR)
-    return True if env is None else env
+    on unless ``requested`` is False. On the H200 it took the decode step from 4.79 to 4.73 ms at 1 row
+    and 5.14 to 5.06 ms at 16 (``bench.thinker --skinny-o both``)."""
+    return True if requested is None else bool(requested)
 
 
 def inv_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -296,7 +274,7 @@ def get_ops(backend: str):  # noqa: ANN201 (TorchOps or the Triton module's ops 
     if backend == "torch":
         return TorchOps
     if backend == "triton":
-        from services.thinker.kernels.triton_ops import TritonOps
+        from services.common.kernels.triton_ops import TritonOps
 
         return TritonOps
     raise ValueError(f"unknown kernel backend {backend!r}")

@@ -1,0 +1,45 @@
+"""What the audio routes share: the runtime, the model check, stage errors as API errors, the registry."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from gateway import metrics
+from gateway.audio.voices import VoiceRegistry
+from gateway.openai.errors import APIError
+from gateway.runtime import GatewayRuntime
+from gateway.stage_failure import StageFailure
+
+
+def runtime_of(request: Request) -> GatewayRuntime:
+    return request.app.state.runtime
+
+
+def voice_registry(request: Request) -> VoiceRegistry:
+    """The app's registry (built once from ``gateway.voice_dir`` of the deploy profile)."""
+    registry = getattr(request.app.state, "voices", None)
+    if registry is None:
+        registry = VoiceRegistry(runtime_of(request).config.profile.gateway.voice_dir)
+        request.app.state.voices = registry
+    return registry
+
+
+def check_model(runtime: GatewayRuntime, model: str | None) -> None:
+    """404 for a model this server does not serve (as the chat route answers)."""
+    served = runtime.config.model_name
+    if model is not None and model != served:
+        raise APIError(404, f"The model `{model}` does not exist. This server serves `{served}`.", "model")
+
+
+def stage_api_error(exc: StageFailure) -> APIError:
+    metrics.STAGE_ERRORS.labels(exc.stage, exc.code).inc()
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+    return APIError(exc.status, exc.message, exc.param, exc.err_type, headers)
+
+
+def require_stages(runtime: GatewayRuntime, stages: tuple[str, ...]) -> None:
+    """503 + Retry-After now when a needed stage is known down (after the input checks)."""
+    try:
+        runtime.monitor.require(stages)
+    except StageFailure as exc:
+        raise stage_api_error(exc) from exc

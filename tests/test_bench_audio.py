@@ -1,0 +1,39 @@
+"""``python -m bench.audio_speech`` end to end on the CPU with the tiny checkpoint: it launches the
+pipeline, registers the voice, measures speech at one level for both voices and one 60 s transcription,
+writes its report and tears everything down."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_audio_bench_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "audio"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.audio_speech",
+        "--checkpoint",
+        str(tiny_ckpt),
+        "--deploy-config",
+        "cpu",
+    ]
+    cmd += ["--device", "cpu", "--requests", "1", "--warmup", "0", "--levels", "1", "--transcriptions", "1"]
+    cmd += ["--out-dir", str(out), "--stage-overrides", '{"talker": {"sampling": {"max_new_frames": 20}}}']
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((out / "audio.json").read_text())
+    assert report["status"] == "ok"
+    assert [(lv["voice"], lv["concurrency"]) for lv in report["speech"]] == [("default", 1), ("bench", 1)]
+    for level in report["speech"]:
+        assert 0 < level["ttfb_s"]["p50"] <= level["results"][0]["total_s"] and level["audio_s"]["mean"] > 0
+    assert report["transcription"]["latency_s"]["p50"] > 0
+    assert "60 s transcription" in (out / "audio.md").read_text()
