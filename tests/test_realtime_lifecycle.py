@@ -125,7 +125,8 @@ def test_turn_lane_response_order_then_finished_response_commands(conn: Conn) ->
     ]
     assert "response.speak" not in types  # speak is a native-lane event
     ((rid, info),) = check_response_invariants(conn.events).items()
-    assert info["status"] == "completed" and info["reason"] is None  # status_details null
+    assert info["status"] == "completed" and info["reason"] is None  # GA: status_details null
+    assert response_metadata(info["done"])["finish_reason"] == "stop"
     assert info["audio_deltas"] >= 1 and info["audio_bytes"] > 0 and info["epoch"] == 0
 
     conn.send({"type": "response.cancel", "response_id": rid})
@@ -386,6 +387,6 @@ def test_text_only_response_on_an_audio_session(conn: Conn) -> None:
     conn.send({"type": "response.create", "event_id": "bad", "response": {"output_modalities": ["video"]}})
     err = conn.until("error", 30)
     assert (
-        err["error"]["code"] == "invalid_response_options"
+        err["error"]["code"] == "invalid_value"
         and err["error"]["param"] == "response.output_modalities"
     )

@@ -12,12 +12,10 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-import jsonschema
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -30,6 +28,7 @@ from gateway.realtime.audio import (
     validate_rate,
 )
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.tools import check_tools
 from gateway.realtime.vad import normalize_server_vad, silero_available
 from gateway.validation_types import FINITE32, PositiveUInt32, Temperature, UInt32
 from services.common.audio import AUDIO_DECODE_ERRORS, read_audio
@@ -105,8 +104,6 @@ class SessionConfig:
     max_response_units: int | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] | None = None
-    # Function tools as validated ({"type": "function", "name", "description", "parameters"}).
-    tools: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def wants_audio(self) -> bool:
@@ -278,6 +275,7 @@ def _parse_session(
     _apply_fixed_at_open(cfg, obj, extra, opening, audio_started)
     _apply_registered_voice(cfg, obj, extra, voices)
     _apply_knobs(cfg, obj, extra, opening)
+    check_tools(obj, "session")  # 5. function tools: validated by field, then refused (no realtime calls)
     if cfg.wants_audio and cfg.ref_audio is None:
         raise RealtimeError(
             "ref_audio_required", "ref_audio is required when audio is an output modality", param="ref_audio"
@@ -320,10 +318,12 @@ def _apply_turn_taking(cfg: SessionConfig, obj: dict[str, Any], opening: bool) -
     if "turn_detection" not in obj and isinstance(audio_input, dict) and "turn_detection" in audio_input:
         obj = {**obj, "turn_detection": audio_input["turn_detection"]}  # GA's place for the same object
     if "turn_detection" in obj and "overlap_policy" not in obj:
-        # The documented default: a client that names only the turn detection (stock OpenAI clients
-        # send server_vad alone) gets the overlap policy that mode needs: server VAD barges in on
-        # speech, model-owned turn taking (null) listens only.
-        cfg.overlap_policy = "listen_only" if obj["turn_detection"] is None else "barge_in_on_speech"
+        # The overlap policy follows the turn detection unless the client names one: server VAD speech
+        # interrupts a running response (OpenAI's interrupt_response default), model-owned turn taking
+        # lets the model decide (docs/realtime.md, Server VAD).
+        td_new = obj["turn_detection"]
+        server_vad = isinstance(td_new, dict) and td_new.get("type") == "server_vad"
+        cfg.overlap_policy = "barge_in_on_speech" if server_vad else "listen_only"
     if "turn_detection" in obj or "overlap_policy" in obj or opening:
         td = obj["turn_detection"] if "turn_detection" in obj else cfg.turn_detection
         cfg.turn_detection = _validate_turn_detection(td, cfg.overlap_policy, opening)
@@ -388,48 +388,6 @@ def _apply_fixed_at_open(
             raise RealtimeError("sliding_window_update_unsupported", f"{knob} is fixed at open", param=knob)
 
 
-_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-
-
-def validate_tools(raw: Any, param: str = "tools") -> list[dict[str, Any]]:
-    """Realtime function tools (flat GA shape): each needs ``type: "function"``, a valid ``name`` and a
-    JSON Schema ``parameters``; a bad one is ``invalid_tool`` (invalid_request_error) naming its field."""
-    if not isinstance(raw, list):
-        raise RealtimeError("invalid_tool", "tools must be a list", param=param)
-    out: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for i, tool in enumerate(raw):
-        where = f"{param}[{i}]"
-        if not isinstance(tool, dict):
-            raise RealtimeError("invalid_tool", "a tool must be an object", param=where)
-        if tool.get("type", "function") != "function":
-            raise RealtimeError("invalid_tool", "only function tools are supported", param=f"{where}.type")
-        name = tool.get("name")
-        if not isinstance(name, str) or not _TOOL_NAME.match(name):
-            raise RealtimeError(
-                "invalid_tool",
-                "a function tool needs a name of 1-64 letters, digits, _ or -",
-                param=f"{where}.name",
-            )
-        if name in seen:
-            raise RealtimeError("invalid_tool", f"duplicate tool name {name!r}", param=f"{where}.name")
-        seen.add(name)
-        params = tool.get("parameters", {"type": "object", "properties": {}})
-        try:
-            jsonschema.Draft202012Validator.check_schema(params)
-        except jsonschema.SchemaError as exc:
-            raise RealtimeError(
-                "invalid_tool",
-                f"parameters is not a valid JSON Schema: {exc.message}",
-                param=f"{where}.parameters",
-            ) from None
-        description = tool.get("description")
-        if description is not None and not isinstance(description, str):
-            raise RealtimeError("invalid_tool", "description must be a string", param=f"{where}.description")
-        out.append({"type": "function", "name": name, "description": description, "parameters": params})
-    return out
-
-
 def _apply_registered_voice(
     cfg: SessionConfig,
     obj: dict[str, Any],
@@ -455,8 +413,6 @@ def _apply_registered_voice(
 
 def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any], opening: bool) -> None:
     """4. Plain knobs, changeable at any time (within the lane rules)."""
-    if "tools" in obj:
-        cfg.tools = validate_tools(obj["tools"] if obj["tools"] is not None else [])
     mods = obj.get("output_modalities", obj.get("modalities"))
     if mods is not None:
         if not isinstance(mods, list) or not mods or any(m not in ("text", "audio") for m in mods):
@@ -494,13 +450,6 @@ def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any],
     if seed_text is not None:
         cfg.initial_user_text = str(seed_text)
     cfg.extra_body = {**cfg.extra_body, **extra}
-    if cfg.turn_detection is not None and cfg.auto_response:
-        # The native lane lets the model own turn taking; a gateway VAD on top would fight it.
-        raise RealtimeError(
-            "invalid_session_config" if opening else "unsupported_turn_detection",
-            "turn_detection server_vad needs the turn lane (extra_body.auto_response false)",
-            param="turn_detection",
-        )
 
 
 GA_PCM_RATE = 24_000
@@ -541,7 +490,6 @@ def render_session(cfg: SessionConfig) -> dict[str, Any]:
         else cfg.max_response_output_tokens,
         "idle_timeout_s": cfg.idle_timeout_s,
         "overlap_policy": cfg.overlap_policy,
-        "tools": cfg.tools,
         "playback_commit_policy": cfg.playback_commit_policy,
         "extra_body": {k: v for k, v in cfg.extra_body.items() if k not in ("ref_audio", "tts_ref_audio")},
         "metadata": cfg.metadata,

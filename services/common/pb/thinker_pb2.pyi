@@ -178,20 +178,24 @@ class ThinkerVoiceRequest(_message.Message):
     def __init__(self, ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ...) -> None: ...
 
 class ThinkerUnit(_message.Message):
-    __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn")
+    __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn", "instructions", "max_output_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     FORCE_LISTEN_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_TURN_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     audio: _common_pb2.Pcm
     frames: _containers.RepeatedScalarFieldContainer[bytes]
     request_response: bool
     force_listen: bool
     continue_turn: bool
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., frames: _Optional[_Iterable[bytes]] = ..., request_response: _Optional[bool] = ..., force_listen: _Optional[bool] = ..., continue_turn: _Optional[bool] = ...) -> None: ...
+    instructions: str
+    max_output_tokens: int
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., frames: _Optional[_Iterable[bytes]] = ..., request_response: _Optional[bool] = ..., force_listen: _Optional[bool] = ..., continue_turn: _Optional[bool] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
     __slots__ = ("open", "unit", "control")
@@ -264,7 +268,7 @@ class SpeechChunk(_message.Message):
     def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., turn_start: _Optional[bool] = ..., turn_end: _Optional[bool] = ..., segment_end: _Optional[bool] = ..., is_last: _Optional[bool] = ...) -> None: ...
 
 class UnitResult(_message.Message):
-    __slots__ = ("id", "decision", "transcript", "token_ids", "turn_end", "context_tokens", "context_before")
+    __slots__ = ("id", "decision", "transcript", "token_ids", "turn_end", "context_tokens", "context_before", "max_tokens_reached")
     ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +276,7 @@ class UnitResult(_message.Message):
     TURN_END_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_REACHED_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     decision: UnitDecision
     transcript: str
@@ -279,7 +284,8 @@ class UnitResult(_message.Message):
     turn_end: bool
     context_tokens: int
     context_before: int
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., decision: _Optional[_Union[UnitDecision, str]] = ..., transcript: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., turn_end: _Optional[bool] = ..., context_tokens: _Optional[int] = ..., context_before: _Optional[int] = ...) -> None: ...
+    max_tokens_reached: bool
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., decision: _Optional[_Union[UnitDecision, str]] = ..., transcript: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., turn_end: _Optional[bool] = ..., context_tokens: _Optional[int] = ..., context_before: _Optional[int] = ..., max_tokens_reached: _Optional[bool] = ...) -> None: ...
 
 class ThinkerResponse(_message.Message):
     __slots__ = ("text", "speech", "unit", "done", "error", "interrupt_ack")
