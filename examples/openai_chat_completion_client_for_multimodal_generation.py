@@ -152,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
         extra_body=extra_body,
     )
     if want_audio:
-        request["audio"] = {"voice": "default", "format": "wav"}
+        # OpenAI's audio object: streamed speech arrives as 24 kHz PCM16 in delta.audio.data, the words as
+        # delta.audio.transcript; a complete reply carries one WAV in message.audio.data.
+        request["audio"] = {"voice": "default", "format": "pcm16" if args.stream else "wav"}
     t0 = time.perf_counter()
     pieces: list[np.ndarray] = []
     text = ""
@@ -163,12 +165,13 @@ def run(args: argparse.Namespace) -> int:
             if not chunk.choices:
                 continue
             choice = chunk.choices[0]
-            content = choice.delta.content or ""
-            modality = (chunk.model_extra or {}).get("modality", "text")
-            if modality == "audio" and content:
+            audio = (choice.delta.model_extra or {}).get("audio") or {}
+            content = choice.delta.content or audio.get("transcript") or ""
+            if audio.get("data"):
                 first_audio = first_audio or time.perf_counter() - t0
-                pieces.append(_pcm_from_wav(base64.b64decode(content)))
-            elif content:
+                pcm16 = np.frombuffer(base64.b64decode(audio["data"]), dtype="<i2")
+                pieces.append(pcm16.astype(np.float32) / 32768.0)
+            if content:
                 text += content
                 print(content, end="", flush=True)
             if choice.finish_reason:
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         resp = client.chat.completions.create(**request)
         message = resp.choices[0].message
-        text = message.content or ""
+        text = message.content or (message.audio.transcript if message.audio is not None else "")
         print(text)
         if message.audio is not None:
             pieces.append(_pcm_from_wav(base64.b64decode(message.audio.data)))

@@ -337,9 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests may finish after SIGTERM (default: the profile's drain_grace_s, 30)",
     )
     p.add_argument(
-        "--openai-audio-delta", action="store_true", help="also stream audio in delta.audio (OpenAI)"
-    )
-    p.add_argument(
         "--stage-tls-ca",
         default=None,
         help="connect to the stages over TLS, verifying them against this CA (PEM; default: profile tls)",
@@ -376,7 +373,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
         drain_grace_s=args.drain_grace,
-        openai_audio_delta=args.openai_audio_delta,
         stage_tls=ClientTLS(args.stage_tls_ca, args.stage_tls_cert, args.stage_tls_key)
         if args.stage_tls_ca
         else None,

@@ -28,7 +28,6 @@ class GatewayConfig:
     max_body_bytes: int | None = None  # None: from the profile
     request_timeout_s: float | None = None  # None: from the profile
     drain_grace_s: float | None = None  # None: from the profile (gateway.drain_grace_s, 30 s)
-    openai_audio_delta: bool = False  # also put streamed audio in delta.audio (OpenAI style)
     stage_tls: ClientTLS | None = None  # None: the profile's tls section, if any (else plaintext)
 
     @property

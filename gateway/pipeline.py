@@ -63,6 +63,8 @@ class ChatJob:
     first_window_frames: int = 25
     seed: int | None = None
     deadline_s: float = 600.0
+    # Function tools for the chat template (one JSON signature each; gateway.openai.tools).
+    tools_json: list[str] = field(default_factory=list)
     # /v1/audio/speech: the spoken reply is exactly this text (the thinker is teacher-forced over it).
     teacher_text: str | None = None
     # A registered voice's stored features, sent instead of ref_audio: the thinker's audio-encoder rows
@@ -79,6 +81,8 @@ class TextEvent:
     # the prompt length the thinker reported and the tokens generated so far, this delta included.
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Per-token log-probabilities of this delta's tokens (when the request asked for them).
+    logprobs: list[thinker_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -236,6 +240,7 @@ class PipelineRun:
             chunk_tokens=job.hidden_chunk_tokens,
             first_chunk_tokens=job.first_hidden_chunk_tokens,
             hidden_dtype=job.hidden_dtype,
+            tools_json=job.tools_json,
         )
         if job.thinker_voice is not None:
             open_msg.voice.CopyFrom(job.thinker_voice)
@@ -262,8 +267,10 @@ class PipelineRun:
                     self.saw_text_delta = True
                     self.prompt_tokens = resp.text.prompt_tokens or self.prompt_tokens
                     self.completion_tokens += len(resp.text.token_ids)
-                    if resp.text.text:
-                        await self.queue.put(self._text_event(resp.text.text, len(resp.text.token_ids)))
+                    if resp.text.text or resp.text.logprobs:
+                        event = self._text_event(resp.text.text, len(resp.text.token_ids))
+                        event.logprobs = list(resp.text.logprobs)
+                        await self.queue.put(event)
                 elif kind == "speech":
                     chunk = resp.speech
                     if not self.job.want_speech:

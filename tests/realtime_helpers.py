@@ -120,6 +120,9 @@ class QuietPipeline:
     """The session-facing calls of a scripted test pipeline that need no answer (``SessionPipeline``);
     a scripted pipeline subclasses it and writes ``push_unit`` (and ``close`` when it matters)."""
 
+    def begin_response(self, voice: bool, instructions: str, max_output_tokens: int) -> None:
+        pass
+
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
         pass
 

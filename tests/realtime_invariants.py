@@ -79,9 +79,16 @@ def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[st
         if audio_n:
             assert len(transcript_deltas) == audio_n, (rid, audio_n, len(transcript_deltas))
         transcript = "".join(transcript_deltas)
+        # A text-only response (session or per-response output_modalities) tells its text in output_text
+        # events and its item holds an output_text part.
+        text_only = "response.output_text.done" in types
+        if text_only:
+            transcript = "".join(e["delta"] for _, e in evs if e["type"] == "response.output_text.delta")
         # R4
         tdone = [e for _, e in evs if e["type"] == "response.output_audio_transcript.done"]
-        if transcript:
+        if text_only:
+            assert not tdone and not audio_n, (rid, types)
+        elif transcript:
             assert len(tdone) == 1 and tdone[0]["transcript"] == transcript
         else:
             assert not tdone
@@ -107,7 +114,9 @@ def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[st
         # R6 terminal order
         positions = [types.index(t) for t in TERMINAL_ORDER if t in types]
         assert positions == sorted(positions), (rid, types)
-        if audio_deltas or transcript or status != "completed":
+        if text_only:
+            assert "response.output_text.done" in types and "response.output_audio.done" not in types
+        elif audio_deltas or transcript or status != "completed":
             assert "response.output_audio.done" in types
         done_idx = evs[-1][0]
         assert (
@@ -117,7 +126,7 @@ def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[st
         # R9
         out = done["response"]["output"][0]
         assert out["id"] == "item_" + rid
-        assert out["content"][0]["transcript"] == transcript
+        assert out["content"][0]["text" if text_only else "transcript"] == transcript
         summary[rid] = {
             "status": status,
             "reason": (done["response"].get("status_details") or {}).get("reason"),

@@ -39,9 +39,12 @@ pytestmark = pytest.mark.slow
 MODEL = "openbmb/MiniCPM-o-4_5"
 THINKER_MAX_CONTEXT = 512
 THINKER_MAX_TOKENS = 12  # the profile default every request gets unless it says otherwise
+# A deployment whose clients expect speech without asking: no ``modalities`` means text + audio here
+# (the profile's gateway.default_modalities; OpenAI's text-only default is tests/test_gateway_dropin.py's).
 PROFILE_OVERRIDES = {
     "thinker": {"sampling": {"max_tokens": THINKER_MAX_TOKENS}},
     "talker": {"sampling": {"max_new_frames": 50}},
+    "gateway": {"default_modalities": ["text", "audio"]},
 }
 # Long enough that finishing naturally takes far longer than the waits below: only cancellation
 # frees the stages in time.
@@ -193,7 +196,7 @@ def test_audio_only_flac_and_stage_metrics(gateway: ThreadedGateway) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     message = body["choices"][0]["message"]
-    assert message["content"] is None
+    assert message["content"] is None and message["audio"]["transcript"]  # the words spoken
     info = sf.info(io.BytesIO(base64.b64decode(message["audio"]["data"])))
     assert (info.format, info.samplerate) == ("FLAC", 24000)
     assert info.frames == body["choices"][0]["audio_metadata"]["frame_count"] > 0
@@ -225,14 +228,18 @@ def test_file_url_media_and_sdk_stream(gateway: ThreadedGateway, media_root: Pat
 
 # ---- stream_options.continuous_usage_stats -------------------------------------------------------
 def test_continuous_usage_stats_on_every_chunk(gateway: ThreadedGateway) -> None:
+    # OpenAI's audio dialect (the body carries ``audio``): words in delta.audio.transcript, speech in
+    # delta.audio.data as 24 kHz PCM16.
     payload = _chat(
         "hi",
         stream=True,
-        audio={"format": "pcm16"},
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
         stream_options={"include_usage": True, "continuous_usage_stats": True},
     )
     chunks = _chunks(_sse_lines(gateway.url, payload))
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert not any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks)
     assert all("usage" in c for c in chunks), "continuous_usage_stats: every chunk carries usage"
     usages = [c["usage"] for c in chunks]
     prompt = usages[0]["prompt_tokens"]
@@ -244,23 +251,26 @@ def test_continuous_usage_stats_on_every_chunk(gateway: ThreadedGateway) -> None
     text_counts = [
         c["usage"]["completion_tokens"]
         for c in chunks
-        if c["choices"] and c["modality"] == "text" and c["choices"][0]["delta"].get("content")
+        if c["choices"] and c["choices"][0]["delta"].get("audio", {}).get("transcript")
     ]
     assert text_counts and text_counts[0] >= 1 and len(set(text_counts)) == len(text_counts)
     # the finishing chunk and the include_usage chunk both carry the thinker's final count
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == chunks[-2]["usage"]
+    final = chunks[-1]["usage"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert chunks[-1]["choices"] == [] and all(final[k] == chunks[-2]["usage"][k] for k in counts)
+    # the final usage is OpenAI's full object: both details always present (cached: the prefix cache's)
+    cached = chunks[-2]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert final["prompt_tokens_details"]["cached_tokens"] == cached <= final["prompt_tokens"]
+    assert final["completion_tokens_details"]["reasoning_tokens"] == 0
     assert chunks[-2]["choices"][0]["finish_reason"]
     assert chunks[-1]["usage"]["completion_tokens"] >= text_counts[-1]
-    # audio chunks in pcm16: raw 16-bit samples whose byte count matches the metadata
+    # audio chunks: raw 16-bit samples, one audio id for the whole response
     audio = [
-        c
-        for c in chunks
-        if c["choices"] and c["modality"] == "audio" and c["choices"][0]["delta"].get("content")
+        c["choices"][0]["delta"].get("audio") for c in chunks if c["choices"] and c["modality"] == "audio"
     ]
-    assert audio
-    for c in audio:
-        pcm = base64.b64decode(c["choices"][0]["delta"]["content"])
-        assert len(pcm) == 2 * c["choices"][0]["audio_metadata"]["frame_count"]
+    audio = [a for a in audio if a and a.get("data")]
+    assert audio and all(len(base64.b64decode(a["data"])) % 2 == 0 for a in audio)
+    assert len({a["id"] for a in audio}) == 1
 
 
 def test_usage_only_at_the_end_without_continuous_stats(gateway: ThreadedGateway) -> None:
@@ -429,12 +439,17 @@ def test_dead_replica_in_list_is_skipped(stages: Stages) -> None:
 
 
 # ---- gateway options -------------------------------------------------------------------------
-def test_api_key_served_name_and_openai_audio_delta(stages: Stages) -> None:
-    config = _config(stages.addrs(), api_key="sekret", served_model_name="minicpmo", openai_audio_delta=True)
+def test_api_key_served_name_and_openai_audio_dialect(stages: Stages) -> None:
+    config = _config(stages.addrs(), api_key="sekret", served_model_name="minicpmo")
     with ThreadedGateway(config) as gw:
         url = f"{gw.url}/v1/chat/completions"
         auth = {"Authorization": "Bearer sekret"}
-        body = {**_chat("hi", stream=True), "model": "minicpmo"}
+        body = {
+            **_chat(
+                "hi", stream=True, modalities=["text", "audio"], audio={"voice": "nova", "format": "pcm16"}
+            ),
+            "model": "minicpmo",
+        }
         assert httpx.post(url, json=body, timeout=30).status_code == 401
         assert (
             httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code
@@ -453,9 +468,9 @@ def test_api_key_served_name_and_openai_audio_delta(stages: Stages) -> None:
         deltas = [
             c["choices"][0]["delta"]
             for c in chunks
-            if c["choices"] and c["modality"] == "audio" and c["choices"][0]["delta"].get("content")
+            if c["choices"] and c["choices"][0]["delta"].get("audio", {}).get("data")
         ]
-        assert deltas and all(d["audio"]["data"] == d["content"] for d in deltas)
+        assert deltas and all("content" not in d for d in deltas)
         assert len({d["audio"]["id"] for d in deltas}) == 1
 
 

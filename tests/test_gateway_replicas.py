@@ -60,7 +60,13 @@ def gateway(procs: list[StageProcess]) -> Iterator[ThreadedGateway]:
 
 
 def _chat(**extra: object) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    """A spoken chat (speech is asked for: the served default is text only)."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "modalities": ["text", "audio"],
+        **extra,
+    }
 
 
 class _Stream(threading.Thread):

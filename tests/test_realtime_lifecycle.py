@@ -125,7 +125,8 @@ def test_turn_lane_response_order_then_finished_response_commands(conn: Conn) ->
     ]
     assert "response.speak" not in types  # speak is a native-lane event
     ((rid, info),) = check_response_invariants(conn.events).items()
-    assert info["status"] == "completed" and info["reason"] == "stop"
+    assert info["status"] == "completed" and info["reason"] is None  # GA: status_details null
+    assert response_metadata(info["done"])["finish_reason"] == "stop"
     assert info["audio_deltas"] >= 1 and info["audio_bytes"] > 0 and info["epoch"] == 0
 
     conn.send({"type": "response.cancel", "response_id": rid})
@@ -367,3 +368,25 @@ def test_b1_soft_interrupt_native_lane(conn: Conn, gateway_url: str) -> None:
         assert any(created[k - 1] < d < created[k] for d in done_at)
     conn.send({"type": "session.close"})
     conn.until("session.closed", 60)
+
+
+def test_text_only_response_on_an_audio_session(conn: Conn) -> None:
+    """``response.create`` with ``output_modalities: ["text"]``: text events only, then a completed
+    response whose ``status_details`` is null (OpenAI's GA types)."""
+    _open(conn)
+    _commit_speech(conn)
+    start = len(conn.events)
+    conn.send({"type": "response.create", "response": {"output_modalities": ["text"]}})
+    done = conn.until("response.done", 120)
+    types = [e["type"] for e in conn.events[start:]]
+    assert done["response"]["modalities"] == ["text"]
+    assert "response.output_text.delta" in types or "response.output_text.done" in types
+    assert not any(t.startswith("response.output_audio") for t in types)
+    if done["response"]["status"] == "completed":
+        assert done["response"]["status_details"] is None
+    conn.send({"type": "response.create", "event_id": "bad", "response": {"output_modalities": ["video"]}})
+    err = conn.until("error", 30)
+    assert (
+        err["error"]["code"] == "invalid_value"
+        and err["error"]["param"] == "response.output_modalities"
+    )

@@ -337,9 +337,23 @@ def test_i6_i7_unsupported_inputs(client: TestClient) -> None:
         open_session(ws)
         ws.send_json({"type": "input.text.append", "text": "hi"})
         check_error(ws.receive_json(), "native_text_append_unsupported")
-        ws.send_json({"type": "response.create", "response": {"instructions": "x"}})
-        check_error(ws.receive_json(), "unsupported_native_response_options")
-        ws.send_json({"type": "response.create"})
+        ws.send_json({"type": "response.create", "response": {"voice": "alloy"}})
+        refused = ws.receive_json()
+        check_error(refused, "unsupported_native_response_options")
+        assert refused["error"]["param"] == "response.voice"
+        for bad, param in (
+            ({"max_output_tokens": 0}, "response.max_output_tokens"),
+            ({"max_output_tokens": "many"}, "response.max_output_tokens"),
+            ({"output_modalities": ["video"]}, "response.output_modalities"),
+            ({"instructions": 5}, "response.instructions"),
+            ({"nonsense": 1}, "response.nonsense"),
+        ):
+            ws.send_json({"type": "response.create", "response": bad})
+            refused = ws.receive_json()
+            assert refused["type"] == "error" and refused["error"]["param"] == param, (bad, refused)
+            assert refused["error"]["type"] == "invalid_request_error"
+        # Valid options pass validation; the missing input is what is refused then.
+        ws.send_json({"type": "response.create", "response": {"instructions": "x", "max_output_tokens": 5}})
         check_error(ws.receive_json(), "response_create_without_input")
 
 
@@ -706,3 +720,43 @@ def test_wrongly_typed_fields_never_derail_the_session(client: TestClient) -> No
             events = receive_until(ws, "session.heartbeat_ack")
             codes = [e["error"]["code"] for e in events if e["type"] == "error"]
             assert "internal_error" not in codes, (kind, codes)
+
+
+def test_tool_definitions_are_validated_by_field_and_the_session_goes_on(client: TestClient) -> None:
+    """Session and per-response ``tools`` / ``tool_choice``: a bad definition names its exact field
+    (``invalid_request_error``); a valid, non-empty list is refused as ``tools_unsupported`` (no realtime
+    function calling), never accepted and ignored; the session stays open either way."""
+    fn = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    with client.websocket_connect("/v1/duplex") as ws:
+        open_session(ws)
+        cases = [
+            ({"tools": [{"type": "function", "description": "x"}]}, "session.tools[0].name", "invalid_value"),
+            ({"tools": [fn, {**fn}]}, "session.tools[1].name", "invalid_value"),
+            ({"tools": [{**fn, "parameters": {"type": 5}}]}, "session.tools[0].parameters", "invalid_value"),
+            ({"tools": "get_weather"}, "session.tools", "invalid_value"),
+            ({"tools": [{"type": "web_search", "name": "x"}]}, "session.tools[0].type", "invalid_value"),
+            ({"tools": [{"type": "function", "name": "a b"}]}, "session.tools[0].name", "invalid_value"),
+            (
+                {"tools": [fn], "tool_choice": {"type": "function", "name": "nope"}},
+                "session.tool_choice",
+                None,
+            ),
+            ({"tool_choice": "required"}, "session.tool_choice", "invalid_value"),
+            ({"tools": [fn]}, "session.tools", "tools_unsupported"),
+        ]
+        for i, (session, param, code) in enumerate(cases):
+            ws.send_json({"type": "session.update", "event_id": f"t{i}", "session": session})
+            err = ws.receive_json()
+            assert err["type"] == "error" and err["error"]["param"] == param, (session, err)
+            assert err["error"]["type"] == "invalid_request_error"
+            if code is not None:
+                assert err["error"]["code"] == code
+        ws.send_json({"type": "session.update", "session": {"tools": [], "tool_choice": "auto"}})
+        assert ws.receive_json()["type"] == "session.updated"
+        ws.send_json({"type": "response.create", "response": {"tools": [{"type": "function"}]}})
+        err = ws.receive_json()
+        assert err["type"] == "error" and err["error"]["param"] == "response.tools[0].name"
+        ws.send_json({"type": "conversation.item.create", "item": {"type": "function_call_output"}})
+        check_error(ws.receive_json(), "tools_unsupported")
+        ws.send_json({"type": "session.heartbeat"})
+        assert ws.receive_json()["type"] == "session.heartbeat_ack"

@@ -102,7 +102,6 @@ def test_open_with_server_vad_echoes_normalised_config(client: TestClient) -> No
         ({"type": "server_vad", "silence_duration_ms": -5}, "barge_in_on_speech", {}),
         ("server_vad", "barge_in_on_speech", {}),
         (None, "barge_in_on_speech", {}),
-        ({"type": "server_vad"}, "barge_in_on_speech", {"extra_body": {"auto_response": True}}),
     ],
 )
 def test_open_rejections_are_invalid_session_config(
@@ -121,7 +120,7 @@ def test_updates_switch_modes_and_reject_with_the_specific_code(client: TestClie
         assert ws.receive_json()["type"] == "session.created"
         assert ws.receive_json()["type"] == "session.updated"
         rejected = [
-            {"turn_detection": VAD},  # still listen_only
+            {"turn_detection": VAD, "overlap_policy": "listen_only"},  # an explicit pair that does not fit
             {"overlap_policy": "barge_in_on_speech"},  # still null
             {"turn_detection": {"type": "semantic_vad"}, "overlap_policy": "barge_in_on_speech"},
             {"turn_detection": {**VAD, "interrupt_response": False}, "overlap_policy": "barge_in_on_speech"},
@@ -129,29 +128,39 @@ def test_updates_switch_modes_and_reject_with_the_specific_code(client: TestClie
         for i, update in enumerate(rejected):
             ws.send_json({"type": "session.update", "event_id": f"u{i}", "session": update})
             expect_error(ws, "unsupported_turn_detection", f"u{i}")
-        ws.send_json(
-            {
-                "type": "session.update",
-                "session": {
-                    "turn_detection": {**VAD, "threshold": 0.7},
-                    "overlap_policy": "barge_in_on_speech",
-                },
-            }
-        )
+        # turn_detection alone: the overlap policy follows it (server VAD barges in, null listens).
+        ws.send_json({"type": "session.update", "session": {"turn_detection": {**VAD, "threshold": 0.7}}})
         updated = ws.receive_json()
         assert updated["type"] == "session.updated"
         assert updated["session"]["turn_detection"] == {**DEFAULTS, **VAD, "threshold": 0.7}
-        ws.send_json({"type": "session.update", "event_id": "u9", "session": {"turn_detection": None}})
-        expect_error(ws, "unsupported_turn_detection", "u9")  # null needs listen_only
+        assert updated["session"]["overlap_policy"] == "barge_in_on_speech"
         ws.send_json(
-            {"type": "session.update", "event_id": "u10", "session": {"extra_body": {"auto_response": True}}}
+            {"type": "session.update", "event_id": "u9", "session": {"overlap_policy": "listen_only"}}
         )
-        expect_error(ws, "unsupported_turn_detection", "u10")  # the native lane owns turn taking
-        ws.send_json(
-            {"type": "session.update", "session": {"turn_detection": None, "overlap_policy": "listen_only"}}
-        )
+        expect_error(ws, "unsupported_turn_detection", "u9")  # server VAD needs barge-in
+        ws.send_json({"type": "session.update", "session": {"turn_detection": None}})
         back = ws.receive_json()
         assert back["type"] == "session.updated" and back["session"]["turn_detection"] is None
+        assert back["session"]["overlap_policy"] == "listen_only"
+        ws.send_json({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}})
+        vad = ws.receive_json()
+        assert vad["type"] == "session.updated" and vad["session"]["turn_detection"]["type"] == "server_vad"
+        assert vad["session"]["overlap_policy"] == "barge_in_on_speech"
+
+
+def test_server_vad_alone_is_accepted_on_the_native_lane(client: TestClient) -> None:
+    """The native lane takes ``turn_detection: {"type": "server_vad"}`` without an overlap policy (it
+    defaults to ``barge_in_on_speech``); the audio still reaches the model unit by unit while the
+    detector announces and seals the user's turns."""
+    with client.websocket_connect("/v1/duplex") as ws:
+        body = session_body(turn_detection=VAD, extra_body={"auto_response": True})
+        del body["overlap_policy"]
+        ws.send_json({"type": "session.update", "session": body})
+        created = ws.receive_json()
+        assert created["type"] == "session.created", created
+        assert created["session"]["overlap_policy"] == "barge_in_on_speech"
+        assert created["session"]["turn_detection"] == {**DEFAULTS, **VAD}
+        assert ws.receive_json()["type"] == "session.updated"
 
 
 def test_silence_never_enters_the_buffer(client: TestClient) -> None:

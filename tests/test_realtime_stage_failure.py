@@ -85,7 +85,11 @@ def _failed(conn: Conn, rid: str, code: str) -> dict[str, Any]:
     done = conn.until("response.done", 30)
     assert done["response_id"] == rid
     assert done["response"]["status"] == "failed"
-    assert done["response"]["status_details"] == {"type": "failed", "reason": code}
+    assert done["response"]["status_details"] == {
+        "type": "failed",
+        "reason": code,
+        "error": {"type": "server_error", "code": code},
+    }
     return error
 
 

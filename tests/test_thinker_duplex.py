@@ -157,6 +157,36 @@ def test_forced_speak_units_hand_off_aligned_spans(backend) -> None:  # noqa: AN
     assert list(first.token_ids) == list(units[0].token_ids) and first.transcript == units[0].transcript
 
 
+def test_unit_budget_ends_the_turn_and_note_enters_the_context(backend) -> None:  # noqa: ANN001
+    """Per-response options on a unit: ``max_output_tokens`` ends the model's turn with ``<|turn_eos|>``
+    after that many spoken tokens (``max_tokens_reached``), and ``instructions`` enter the context as a
+    system note before the unit."""
+    budgeted = unit(0)
+    budgeted.unit.max_output_tokens = 3
+    got = asyncio.run(_session(backend, [duplex_open(force_speak=True), budgeted, unit(1), END]))
+    assert not any(r.HasField("error") for r in got), got
+    first = next(r.unit for r in got if r.HasField("unit"))
+    gen = list(first.token_ids)
+    span = [gen[k] for k in select_span(gen)]
+    assert span[-1] == TURN_EOS and len([t for t in span if t != TURN_EOS]) == 3, gen
+    assert first.turn_end and first.max_tokens_reached
+    chunk = next(r.speech for r in got if r.HasField("speech"))
+    assert chunk.turn_end and list(chunk.token_ids) == span
+    # Without the budget the same greedy unit speaks past three tokens and does not end its turn.
+    free = asyncio.run(_session(backend, [duplex_open(force_speak=True), unit(0), END]))
+    free_unit = next(r.unit for r in free if r.HasField("unit"))
+    assert len(select_span(list(free_unit.token_ids))) > 4 and not free_unit.max_tokens_reached
+
+    noted = unit(1)
+    noted.unit.instructions = "Answer in one word."
+    plain = asyncio.run(_session(backend, [duplex_open(force_listen_units=2), unit(0), unit(1), END]))
+    with_note = asyncio.run(_session(backend, [duplex_open(force_listen_units=2), unit(0), noted, END]))
+    ctx_plain = [r.unit.context_tokens for r in plain if r.HasField("unit")]
+    ctx_note = [r.unit.context_tokens for r in with_note if r.HasField("unit")]
+    note = backend.processor.encode_text("<|im_start|>system\nAnswer in one word.<|im_end|>\n")
+    assert ctx_note[0] == ctx_plain[0] and ctx_note[1] - ctx_plain[1] == len(note)
+
+
 def test_interrupt_drops_stale_work_and_acks(backend) -> None:  # noqa: ANN001
     interrupt = thinker_pb2.ThinkerRequest(
         control=common_pb2.Control(interrupt=common_pb2.Interrupt(new_epoch=1, reason="barge-in"))

@@ -26,11 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway import metrics
 from gateway.audio.chat_voice import resolve_chat_voice
 from gateway.audio_encoding import encode_audio
+from gateway.openai import tools as tool_calls
+from gateway.openai.audio_out import OpenAIAudioOut
 from gateway.openai.body import read_json_body
 from gateway.openai.content import build_thinker_messages, load_ref_audio
 from gateway.openai.errors import APIError, api_error_body, error_body
+from gateway.openai.logprobs import content_logprobs, logprobs_object
 from gateway.openai.openapi_schema import chat_request_openapi
-from gateway.openai.protocol import OUTPUT_MODALITIES, ChatRequest, parse_chat_request
+from gateway.openai.protocol import ChatRequest, parse_chat_request
 from gateway.pipeline import OUTPUT_SAMPLE_RATE, AudioEvent, ChatJob, FinishEvent, PipelineRun, TextEvent
 from gateway.runtime import GatewayRuntime
 from gateway.stage_failure import StageFailure
@@ -68,10 +71,20 @@ def _build_job(
     thinker_s = {**thinker_p.sampling, **req.thinker_sampling}
     talker_s = {**talker_p.sampling, **req.talker_sampling}
     seed = thinker_s.get("seed")
+    sampling = thinker_pb2.SamplingParams(**thinker_s)
+    # The OpenAI options the thinker implements (validated by gateway.openai.protocol).
+    sampling.stop.extend(req.stop)
+    sampling.logprobs = req.logprobs
+    sampling.top_logprobs = req.top_logprobs or 0
+    sampling.presence_penalty = req.presence_penalty
+    sampling.frequency_penalty = req.frequency_penalty
+    grammar = tool_calls.constraint(req)
+    if grammar is not None:
+        sampling.constraint.CopyFrom(grammar)
     return ChatJob(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         messages=messages,
-        thinker_sampling=thinker_pb2.SamplingParams(**thinker_s),
+        thinker_sampling=sampling,
         talker_sampling=talker_pb2.TalkerSampling(**talker_s),
         want_speech=req.want_audio,
         use_tts_template=req.use_tts_template,
@@ -85,6 +98,7 @@ def _build_job(
         first_window_frames=talker_p.codec.first_window_frames,
         seed=talker_s.get("seed", seed),
         deadline_s=runtime.config.timeout_s,
+        tools_json=tool_calls.tools_json(req),
     )
 
 
@@ -101,15 +115,26 @@ def _audio_metadata(fmt: str, frames: int) -> dict[str, Any]:
 
 
 def _usage(finish: FinishEvent | None) -> dict[str, Any]:
+    """OpenAI's usage object; the two details objects are always present."""
     prompt = finish.prompt_tokens if finish else 0
     completion = finish.completion_tokens if finish else 0
-    cached = finish.cached_tokens if finish else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": {"cached_tokens": finish.cached_tokens if finish else 0, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
+
+
+def _finish_reason(finish: FinishEvent | None, made_calls: bool) -> str:
+    reason = finish.finish_reason if finish else "stop"
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
 
 def _observe(finish: FinishEvent) -> None:
@@ -137,8 +162,10 @@ async def create_chat_completion(request: Request) -> Response:
     runtime = _runtime(request)
     body = await read_json_body(request, runtime.config.body_limit)
     max_model_len = runtime.config.profile.stage("thinker").max_model_len
-    # The served default output stays text + audio (docs/protocol.md) until the deploy profile names one.
-    req = parse_chat_request(body, runtime.config.model_name, max_model_len, OUTPUT_MODALITIES)
+    # Without ``modalities`` the answer is the deploy profile's default output (text only unless set).
+    req = parse_chat_request(
+        body, runtime.config.model_name, max_model_len, runtime.config.profile.gateway.default_modalities
+    )
     runtime.acquire()
     released = False
     try:
@@ -167,18 +194,20 @@ async def create_chat_completion(request: Request) -> Response:
 # ---- non-streaming --------------------------------------------------------------------------------
 async def _collect(
     req: ChatRequest, run: PipelineRun
-) -> tuple[list[str], list[np.ndarray], FinishEvent | None]:
+) -> tuple[list[str], list[np.ndarray], FinishEvent | None, list[thinker_pb2.TokenLogprob]]:
     texts: list[str] = []
     audio: list[np.ndarray] = []
+    logprobs: list[thinker_pb2.TokenLogprob] = []
     finish: FinishEvent | None = None
     async for event in run.events():
         if isinstance(event, TextEvent):
             texts.append(event.text)
+            logprobs.extend(event.logprobs)
         elif isinstance(event, AudioEvent):
             audio.append(_resample_to_output(event))
         else:
             finish = event
-    return texts, audio, finish
+    return texts, audio, finish, logprobs
 
 
 async def _complete(request: Request, req: ChatRequest, job: ChatJob, run: PipelineRun) -> Response:
@@ -193,7 +222,7 @@ async def _complete(request: Request, req: ChatRequest, job: ChatJob, run: Pipel
                 run.abort()
                 task.cancel()
                 return Response(status_code=499)
-        texts, audio, finish = task.result()
+        texts, audio, finish, token_logprobs = task.result()
     except StageFailure as exc:
         raise _stage_api_error(exc) from exc
     finally:
@@ -201,13 +230,32 @@ async def _complete(request: Request, req: ChatRequest, job: ChatJob, run: Pipel
         if not task.done():
             task.cancel()
     created = int(time.time())
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if req.want_text else None}
+    text = "".join(texts)
+    calls: list[tool_calls.ParsedCall] = []
+    if tool_calls.parses_tool_calls(req):
+        text, calls = tool_calls.parse_all(text)
+    openai_audio = req.openai_audio is not None and req.want_audio
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": text if (req.want_text and not openai_audio and (text or not calls)) else None,
+        "refusal": None,
+    }
+    if calls:
+        message["tool_calls"] = [c.as_openai() for c in calls]
     choice: dict[str, Any] = {
         "index": 0,
         "message": message,
-        "finish_reason": finish.finish_reason if finish else "stop",
+        "logprobs": logprobs_object(token_logprobs) if req.logprobs else None,
+        "finish_reason": _finish_reason(finish, bool(calls)),
     }
-    if req.want_audio:
+    if openai_audio:
+        assert req.openai_audio is not None
+        if not audio:
+            raise APIError(400, "Audio generation completed but no audio was produced.", None)
+        samples = np.concatenate(audio)
+        message["audio"] = OpenAIAudioOut(req.openai_audio.format).message(samples, text)
+        choice["audio_metadata"] = _audio_metadata(req.audio_format, int(samples.size))
+    elif req.want_audio:
         if not audio:
             raise APIError(400, "Audio generation completed but no audio was produced.", None)
         samples = np.concatenate(audio)
@@ -227,6 +275,7 @@ async def _complete(request: Request, req: ChatRequest, job: ChatJob, run: Pipel
             "created": created,
             "model": req.model,
             "choices": [choice],
+            "system_fingerprint": None,
             "usage": _usage(finish),
             "metrics": finish.timings if (finish and req.return_stage_metrics) else None,
         }
@@ -321,8 +370,9 @@ async def _stream_body(
 ) -> AsyncIterator[str]:
     out = _Chunks(req, job.request_id, first)
     chunk = out.chunk
-    openai_audio = runtime.config.openai_audio_delta
-    audio_id = f"audio-{secrets.token_hex(8)}"
+    # OpenAI's audio dialect when the body carries the ``audio`` object, else vLLM-Omni's (audio_out.py).
+    openai_audio = OpenAIAudioOut(req.openai_audio.format) if req.openai_audio and req.want_audio else None
+    parser = tool_calls.ToolCallParser() if tool_calls.parses_tool_calls(req) else None
     produced_audio = False
     finished_normally = False
 
@@ -331,35 +381,63 @@ async def _stream_body(
         async for ev in events:
             yield ev
 
+    def text_chunks(text: str, logprobs: list[Any]) -> list[str]:
+        """The chunks of one text delta: content (or transcript), tool-call fragments, logprobs."""
+        extra: dict[str, Any] = {}
+        if req.logprobs:
+            extra["logprobs"] = {"content": content_logprobs(logprobs), "refusal": None}
+        calls: list[dict[str, Any]] = []
+        if parser is not None:
+            text, calls = parser.feed(text)
+        chunks = []
+        if openai_audio is not None and text:
+            chunks.append(chunk("text", {"audio": openai_audio.transcript_delta(text)}, **extra))
+        elif req.want_text and (text or extra):
+            chunks.append(chunk("text", {"content": text}, **extra))
+        if calls:
+            chunks.append(chunk("text", {"tool_calls": calls}))
+        return chunks
+
     try:
-        if req.want_text:
+        if openai_audio is not None:
+            yield chunk("text", {})  # the role alone; the words come as delta.audio.transcript
+        elif req.want_text:
             yield chunk("text", {"content": ""})
         async for event in all_events():
             if isinstance(event, TextEvent):
                 out.count(event.prompt_tokens, event.completion_tokens)
-                if req.want_text and event.text:
-                    yield chunk("text", {"content": event.text})
+                for piece in text_chunks(event.text, event.logprobs):
+                    yield piece
             elif isinstance(event, AudioEvent):
                 samples = _resample_to_output(event)
+                produced_audio = True
+                if openai_audio is not None:
+                    yield chunk("audio", {"audio": openai_audio.data_delta(samples)})
+                    continue
                 payload = base64.b64encode(
                     encode_audio(samples, OUTPUT_SAMPLE_RATE, req.audio_format)
                 ).decode()
-                delta: dict[str, Any] = {"content": payload}
-                if openai_audio:
-                    delta["audio"] = {"id": audio_id, "data": payload, "transcript": ""}
-                produced_audio = True
                 yield chunk(
-                    "audio", delta, audio_metadata=_audio_metadata(req.audio_format, int(samples.size))
+                    "audio",
+                    {"content": payload},
+                    audio_metadata=_audio_metadata(req.audio_format, int(samples.size)),
                 )
             elif isinstance(event, FinishEvent):
                 if req.want_audio and not produced_audio:
                     yield _sse(error_body(400, "Audio generation completed but no audio was produced."))
                     break
+                if parser is not None:
+                    tail, calls = parser.finish()
+                    if tail and req.want_text:
+                        yield chunk("text", {"content": tail})
+                    if calls:
+                        yield chunk("text", {"tool_calls": calls})
                 _observe(event)
                 out.prompt_tokens, out.completion_tokens = event.prompt_tokens, event.completion_tokens
                 out.cached_tokens = event.cached_tokens
                 last_modality = "audio" if req.want_audio else "text"
-                yield chunk(last_modality, {}, finish_reason=event.finish_reason)
+                made_calls = parser is not None and bool(parser.calls)
+                yield chunk(last_modality, {}, finish_reason=_finish_reason(event, made_calls))
                 if req.include_usage:
                     yield _sse({**out.base, "modality": last_modality, "choices": [], "usage": _usage(event)})
                 finished_normally = True

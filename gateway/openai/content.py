@@ -97,7 +97,14 @@ async def build_thinker_messages(
     except MediaError as exc:
         raise _media_api_error(exc) from exc
     return [
-        thinker_pb2.ChatMessage(role=msg.role, content=list(parts))
+        thinker_pb2.ChatMessage(
+            role=msg.role,
+            content=list(parts),
+            tool_calls=[
+                thinker_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in msg.tool_calls
+            ],
+            tool_call_id=msg.tool_call_id or "",
+        )
         for msg, parts in zip(messages, converted, strict=True)
     ]
 

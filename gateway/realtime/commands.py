@@ -24,6 +24,7 @@ from gateway.realtime.config import SessionConfig, parse_session
 from gateway.realtime.conversation import Item, UserItem
 from gateway.realtime.errors import RealtimeError
 from gateway.realtime.journal import EventJournal
+from gateway.realtime.response_options import parse_response_options
 from gateway.realtime.server_vad import VadHost
 from gateway.realtime.video import decode_video_frames
 
@@ -43,15 +44,6 @@ class CommandHost(VadHost, Protocol):
 
 
 Handler = Callable[[CommandHost, dict[str, Any]], Awaitable[None]]
-UNSUPPORTED_RESPONSE_OPTIONS = (
-    "instructions",
-    "voice",
-    "temperature",
-    "max_output_tokens",
-    "max_response_output_tokens",
-    "tools",
-    "tool_choice",
-)
 
 
 async def dispatch(s: CommandHost, event: dict[str, Any]) -> None:
@@ -163,7 +155,8 @@ async def append(s: CommandHost, event: dict[str, Any]) -> None:
     s.input.note_append(samples.size)
     if s.server_vad is not None:
         s.server_vad.push(samples, frames)
-        return
+        if not s.cfg.auto_response:
+            return  # turn lane: server VAD routes the audio (pre-roll, speech into the buffer)
     for unit in s.input.push(samples, frames, speech):
         s.accept_units([unit])
         if not s.cfg.auto_response and not unit.is_speech and s.lifecycle.active is None:
@@ -257,21 +250,12 @@ async def turn_signal(s: CommandHost, event: dict[str, Any]) -> None:
 
 
 async def response_create(s: CommandHost, event: dict[str, Any]) -> None:
-    options = event.get("response") or {}
-    if not isinstance(options, dict):
-        raise RealtimeError("bad_event", "response must be an object", param="response")
-    bad = [k for k in UNSUPPORTED_RESPONSE_OPTIONS if k in options]
-    if bad:
-        raise RealtimeError(
-            "unsupported_native_response_options",
-            f"per-response options are not supported: {bad}",
-            param=f"response.{bad[0]}",
-        )
+    options = parse_response_options(event.get("response"), s.cfg)
     if s.lifecycle.active is not None:
         raise RealtimeError("response_already_active", "a response is already in progress")
     if not s.committed_backlog and (not s.cfg.auto_response or s.turn_id == 0):
         raise RealtimeError("response_create_without_input", "response.create needs committed audio input")
-    s.lifecycle.start_turn_response()
+    s.lifecycle.start_turn_response(options)
 
 
 # ------------------------------------------------------------------------------------------ playback
@@ -408,8 +392,10 @@ async def item_create(s: CommandHost, event: dict[str, Any]) -> None:
     item = event.get("item")
     if not isinstance(item, dict):
         raise RealtimeError("bad_event", "item must be an object", param="item")
-    if item.get("type") == "function_call_output":
-        raise RealtimeError("tools_unsupported", "MiniCPM-o duplex sessions have no tools", param="item.type")
+    if item.get("type") in ("function_call", "function_call_output"):
+        raise RealtimeError(
+            "tools_unsupported", "realtime sessions do not call functions yet", param="item.type"
+        )
     content = item.get("content")
     if item.get("role", "user") != "user" or not isinstance(content, list) or not content:
         raise RealtimeError("bad_event", "only user items with content are accepted", param="item")

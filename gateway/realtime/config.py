@@ -28,6 +28,7 @@ from gateway.realtime.audio import (
     validate_rate,
 )
 from gateway.realtime.errors import RealtimeError
+from gateway.realtime.tools import check_tools
 from gateway.realtime.vad import normalize_server_vad, silero_available
 from gateway.validation_types import FINITE32, PositiveUInt32, Temperature, UInt32
 from services.common.audio import AUDIO_DECODE_ERRORS, read_audio
@@ -274,6 +275,7 @@ def _parse_session(
     _apply_fixed_at_open(cfg, obj, extra, opening, audio_started)
     _apply_registered_voice(cfg, obj, extra, voices)
     _apply_knobs(cfg, obj, extra, opening)
+    check_tools(obj, "session")  # 5. function tools: validated by field, then refused (no realtime calls)
     if cfg.wants_audio and cfg.ref_audio is None:
         raise RealtimeError(
             "ref_audio_required", "ref_audio is required when audio is an output modality", param="ref_audio"
@@ -315,6 +317,13 @@ def _apply_turn_taking(cfg: SessionConfig, obj: dict[str, Any], opening: bool) -
     audio_input = _get(obj, "audio", "input")
     if "turn_detection" not in obj and isinstance(audio_input, dict) and "turn_detection" in audio_input:
         obj = {**obj, "turn_detection": audio_input["turn_detection"]}  # GA's place for the same object
+    if "turn_detection" in obj and "overlap_policy" not in obj:
+        # The overlap policy follows the turn detection unless the client names one: server VAD speech
+        # interrupts a running response (OpenAI's interrupt_response default), model-owned turn taking
+        # lets the model decide (docs/realtime.md, Server VAD).
+        td_new = obj["turn_detection"]
+        server_vad = isinstance(td_new, dict) and td_new.get("type") == "server_vad"
+        cfg.overlap_policy = "barge_in_on_speech" if server_vad else "listen_only"
     if "turn_detection" in obj or "overlap_policy" in obj or opening:
         td = obj["turn_detection"] if "turn_detection" in obj else cfg.turn_detection
         cfg.turn_detection = _validate_turn_detection(td, cfg.overlap_policy, opening)
@@ -441,13 +450,6 @@ def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any],
     if seed_text is not None:
         cfg.initial_user_text = str(seed_text)
     cfg.extra_body = {**cfg.extra_body, **extra}
-    if cfg.turn_detection is not None and cfg.auto_response:
-        # The native lane lets the model own turn taking; a gateway VAD on top would fight it.
-        raise RealtimeError(
-            "invalid_session_config" if opening else "unsupported_turn_detection",
-            "turn_detection server_vad needs the turn lane (extra_body.auto_response false)",
-            param="turn_detection",
-        )
 
 
 GA_PCM_RATE = 24_000

@@ -96,6 +96,7 @@ class ResponseState:
     history_transcript: str | None = None
     superseded_by_user_turn: bool = False
     speech_turn: int = 0  # the pipeline's speaking turn voicing this response (0: not known yet)
+    max_tokens_reached: bool = False  # the model's turn was ended by the response's max_output_tokens
     # Usage: the session's thinker context before the response's first unit (held in its KV: cached),
     # after its latest unit, and the tokens the thinker generated on the response's units.
     context_before: int | None = None

@@ -23,7 +23,7 @@ import numpy as np
 from gateway.realtime import events as ev
 from gateway.realtime import metrics
 from gateway.realtime.audio import AudioUnit, encode_output_audio
-from gateway.realtime.errors import RealtimeError
+from gateway.realtime.errors import RealtimeError, error_type_for
 from gateway.realtime.host import SessionCore
 from gateway.realtime.pipeline.events import (
     AudioOut,
@@ -34,11 +34,24 @@ from gateway.realtime.pipeline.events import (
     UnitOutcome,
     UnitRole,
 )
+from gateway.realtime.response_options import ResponseOptions, session_defaults
 
 # Turn lane: keep one silent unit queued behind the one being decided (False sends each only after the
 # previous decision: the other arm of its A/B; the look-ahead won and is the default).
 HELD_TAIL_SAMPLES = 480  # 20 ms at 24 kHz: what an audio delta keeps back for the turn's last delta
 TURN_LOOKAHEAD = True
+
+
+def status_details(status: str, reason: str) -> dict[str, Any] | None:
+    """``response.done.response.status_details``: ``null`` for a completed response (GA's shape), else
+    ``{type: status, reason}``; a failed response also carries GA's ``error{type, code}`` (``reason`` keeps
+    the stable code, as the dialect's clients read it)."""
+    if status == "completed":
+        return None
+    details: dict[str, Any] = {"type": status, "reason": reason}
+    if status == "failed":
+        details["error"] = {"type": error_type_for(reason), "code": reason}
+    return details
 
 
 class LifecycleHost(SessionCore, Protocol):
@@ -93,13 +106,16 @@ class ResponseLifecycle:
 
     # ---------------------------------------------------------------- creation
 
-    def create(self, lane: str, start_unit: int | None) -> ev.ResponseState:
+    def create(
+        self, lane: str, start_unit: int | None, options: ResponseOptions | None = None
+    ) -> ev.ResponseState:
         s = self.s
+        opts = options or session_defaults(s.cfg)
         resp = ev.ResponseState(
             id=ev.new_response_id(),
             epoch=s.epoch,
             lane=lane,
-            modalities=list(s.cfg.modalities),
+            modalities=list(opts.modalities),
             turn_id=s.turn_id,
             start_unit=start_unit,
         )
@@ -116,6 +132,8 @@ class ResponseLifecycle:
                 "status": "in_progress",
                 "output": [],
                 "modalities": resp.modalities,
+                "output_modalities": resp.modalities,
+                "max_output_tokens": opts.max_output_tokens or "inf",
                 "metadata": ev.string_metadata(
                     {"epoch": resp.epoch, "duplex_event": {"epoch": resp.epoch, "lane": lane}}
                 ),
@@ -136,13 +154,17 @@ class ResponseLifecycle:
         )
         return resp
 
-    def start_turn_response(self) -> None:
-        """Turn lane: open a response and send the committed audio, asking for an answer at its last unit."""
+    def start_turn_response(self, options: ResponseOptions | None = None) -> None:
+        """Open a response and send the committed audio, asking for an answer at its last unit (the turn
+        lane's every response; in the native lane a ``response.create``, which starts the model's next turn
+        at once). The requesting unit carries the response's instructions and token budget."""
         s = self.s
+        opts = options or session_defaults(s.cfg)
         units = s.take_backlog()
         if not units:
             units = [s.silence_unit()]
-        resp = self.create("turn", start_unit=None)
+        resp = self.create("turn", start_unit=None, options=opts)
+        s.pipeline.begin_response(opts.wants_audio, opts.instructions, opts.max_output_tokens)
         first_seq = s.unit_seq
         for i, unit in enumerate(units):
             # Nobody hears an answer before the requesting unit, so the model only listens there.
@@ -235,11 +257,13 @@ class ResponseLifecycle:
             ended = True
         if not ended and resp.lane == "native" and s.clock_exhausted and not s.units_in_flight:
             ended = True  # the last silent unit after a final commit: the response may not run longer
+        if out.max_tokens_reached:
+            resp.max_tokens_reached = True
         if ended:
             resp.thinker_turn_ended = True
             s.pipeline.end_speech(resp.epoch, resp.speech_turn)
             if not resp.wants_audio:
-                self.finish(resp, "completed", "stop")
+                self.finish(resp, *self._end_status(resp))
         elif resp.lane == "turn":
             self._feed_turn(resp)  # keep the model talking until it ends its turn
 
@@ -275,7 +299,7 @@ class ResponseLifecycle:
                 self._send_audio(resp, samples, end_of_turn=True)
             elif resp.pending_text:
                 self._send_text_only(resp)
-            self.finish(resp, "completed", "stop")
+            self.finish(resp, *self._end_status(resp))
             return
         # Only a short tail is held back, so that the turn's last delta can carry end_of_turn with audio
         # in it; the rest goes out at once (holding a whole chunk delayed every delta, the first included,
@@ -284,6 +308,12 @@ class ResponseLifecycle:
             self._send_audio(resp, samples[:-HELD_TAIL_SAMPLES], end_of_turn=False)
             samples = samples[-HELD_TAIL_SAMPLES:]
         resp.held_audio = samples if samples.size else None
+
+    @staticmethod
+    def _end_status(resp: ev.ResponseState) -> tuple[str, str]:
+        """A response whose turn ended by itself is ``completed``; one cut by its token budget is
+        ``incomplete`` (GA's ``status_details.reason: max_output_tokens``)."""
+        return ("incomplete", "max_output_tokens") if resp.max_tokens_reached else ("completed", "stop")
 
     def _send_audio(self, resp: ev.ResponseState, samples: np.ndarray, *, end_of_turn: bool) -> None:
         s = self.s
@@ -380,8 +410,9 @@ class ResponseLifecycle:
         resp.status = status
         if self.active is resp:
             self.active = None
-        resp.held_audio = None if status != "completed" else resp.held_audio
-        if status != "completed":
+        natural = status in ("completed", "incomplete")  # the model's turn ended (by itself or its budget)
+        resp.held_audio = None if not natural else resp.held_audio
+        if not natural:
             resp.pending_text = ""
             resp.history_transcript = resp.transcript_at(resp.committed_ms)
         common: dict[str, Any] = {
@@ -393,7 +424,7 @@ class ResponseLifecycle:
         if cleared:
             s.emit("output_audio_buffer.cleared", response_id=resp.id)
         if resp.wants_audio:
-            if resp.audio_deltas or resp.transcript or status != "completed":
+            if resp.audio_deltas or resp.transcript or not natural:
                 s.emit("response.output_audio.done", **common)
             if resp.transcript:
                 s.emit("response.output_audio_transcript.done", transcript=resp.transcript, **common)
@@ -404,16 +435,13 @@ class ResponseLifecycle:
         item = resp.item(item_status)
         s.emit("response.output_item.done", response_id=resp.id, output_index=0, item=item)
         s.emit("conversation.item.done", item=item)
-        details: dict[str, Any] | None
-        if status == "completed":
-            details = {"type": "completed", "reason": reason}
-        else:
-            details = {"type": status, "reason": reason}
         metadata: dict[str, Any] = {
             "epoch": s.epoch,
             "playback": resp.playback(),
             "committed_ms": resp.committed_ms,
         }
+        if status == "completed":
+            metadata["finish_reason"] = reason  # "stop" or "model_listen"; GA's status_details is null here
         if status == "cancelled":
             metadata["cancelled_epoch"] = resp.epoch
         s.emit(
@@ -423,16 +451,17 @@ class ResponseLifecycle:
                 "id": resp.id,
                 "object": "realtime.response",
                 "status": status,
-                "status_details": details,
+                "status_details": status_details(status, reason),
                 "output": [item],
                 "modalities": resp.modalities,
+                "output_modalities": resp.modalities,
                 "metadata": ev.string_metadata(metadata),
                 "usage": resp.usage(),
             },
         )
         s.emit("rate_limits.updated", rate_limits=[])
         metrics.RESPONSES.labels(status).inc()
-        if status != "completed":
+        if not natural:
             self.queued_units.clear()
             self.early_audio.clear()
         elif self.queued_units and self.active is None:

@@ -72,6 +72,9 @@ class ServerVadTurns:
     def push(self, samples: np.ndarray, frames: list[bytes]) -> None:
         """Route one append (16 kHz float) through the detector; act on every boundary inside it."""
         s = self.s
+        if s.cfg.auto_response:
+            self._observe(samples)
+            return
         if frames:
             self._frames = frames
         overlapped = s.lifecycle.active
@@ -93,6 +96,32 @@ class ServerVadTurns:
                 ("listen", "accumulating_overlap_speech") if self.in_speech else ("drop", "silence_or_noise")
             )
             self._decision(action, reason, overlapped.id)
+
+    def _observe(self, samples: np.ndarray) -> None:
+        """Native lane: the audio goes to the model unit by unit as always (the model owns when to speak);
+        the detector only marks the user's turns. A speech start announces the item and, with a response
+        running, barges in (``barge_in_on_speech``); a speech stop seals the item without asking for a
+        response. Items end on the append that carried the stop (the caller pushes that append after)."""
+        s = self.s
+        for event in self.detector.process(samples):
+            if isinstance(event, SpeechStarted):
+                self.in_speech = True
+                self.item_id = ev.new_user_item_id()
+                start_ms = event.start_sample * 1000 // 16_000
+                s.emit("input_audio_buffer.speech_started", audio_start_ms=start_ms, item_id=self.item_id)
+                active = s.lifecycle.active
+                if active is not None and s.cfg.overlap_policy == "barge_in_on_speech":
+                    if s.settings.supports_barge_in:
+                        self._decision("barge_in", "server_vad_speech_started", active.id)
+                        s.interrupt("turn_detected")
+                    else:
+                        self._decision("listen", "barge_in_unsupported", active.id)
+            elif isinstance(event, SpeechStopped):
+                self.in_speech = False
+                item_id, self.item_id = self.item_id, None
+                s.emit("input_audio_buffer.speech_stopped", audio_end_ms=event.audio_end_ms, item_id=item_id)
+                if s.input.has_audio:
+                    s.seal_input(create=False, speech=True, item_id=item_id)
 
     # ---------------------------------------------------------------- routing
 

@@ -17,7 +17,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     served_model_name: openbmb/MiniCPM-o-4_5
     gpu_sharing: mps   # or time_slice (default): how stages placed on one GPU share it (gpu_sharing.py)
     gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, drain_grace_s,
-                media: {...}, voice_dir}
+                default_modalities, media: {...}, voice_dir}
     tls:       {ca_file, cert_file, key_file, client_cert_file, client_key_file, require_client_cert}  # optional
     stages:
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
@@ -171,6 +171,9 @@ class GatewayProfile:
     max_realtime_sessions: int = 4
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout_s: float = 600.0
+    # Chat output when a request names no ``modalities`` (a request's own value always wins); ["text"]
+    # as OpenAI, ["text", "audio"] for deployments whose clients expect speech without asking.
+    default_modalities: tuple[str, ...] = ("text",)
     # On SIGTERM in-flight chat streams and realtime responses may finish within this many seconds
     # (gateway.shutdown); whatever is still running then ends with an error event / session.closed.
     drain_grace_s: float = 30.0
@@ -253,6 +256,7 @@ class DeployProfile:
         if data["tls"] is None:
             data.pop("tls")
         data["version"] = 1
+        data["gateway"]["default_modalities"] = list(data["gateway"]["default_modalities"])
         for name, sp in data["stages"].items():
             sp.pop("name")
             sp["devices"] = list(sp["devices"])
@@ -313,6 +317,8 @@ def parse_profile(raw: object, source: str = "<dict>") -> DeployProfile:
     if doc.gateway is not None:
         gw = doc.gateway.given()
         media = gw.pop("media", None)
+        if "default_modalities" in gw:
+            gw["default_modalities"] = tuple(dict.fromkeys(gw["default_modalities"]))
         gateway = GatewayProfile(
             **gw, media=MediaLimits(**media.given()) if media is not None else MediaLimits()
         )

@@ -40,6 +40,9 @@ class ThinkerBackend:
     # The services.thinker.duplex_encode.DuplexUnitEncoder that batches every duplex session's units into
     # one streaming-Whisper pass, made by the first duplex stream (Any: that module imports this one).
     duplex_encoder: Any = None
+    # The grammar engine's token table (services.thinker.constrained.GrammarCompiler), built at load:
+    # building it takes about a second of CPU that would otherwise stall the first constrained request.
+    grammar: Any = None
 
     @property
     def tokenizer(self) -> Any:  # a Hugging Face tokenizer (services.common.checkpoint.Checkpoint.tokenizer)
@@ -64,7 +67,12 @@ def build_backend(
         # Every running sequence may be a duplex session with its own Whisper cache (plus two waiting).
         engine_config.reserve_bytes = (engine_config.max_num_seqs + 2) * model.audio_stream_bytes()
     engine = ThinkerEngine(model.llm, engine_config, device)
-    return ThinkerBackend(engine, model, processor, ckpt, device, ThreadPoolExecutor(2, "thinker-encode"))
+    from services.thinker.constrained import GrammarCompiler
+
+    grammar = GrammarCompiler(processor.tokenizer, len(processor.tokenizer))
+    return ThinkerBackend(
+        engine, model, processor, ckpt, device, ThreadPoolExecutor(2, "thinker-encode"), grammar=grammar
+    )
 
 
 def stage_info(backend: ThinkerBackend) -> common_pb2.StageInfo:
@@ -87,5 +95,6 @@ def stage_info(backend: ThinkerBackend) -> common_pb2.StageInfo:
     info.properties["vocab_size"] = str(cfg.get("vocab_size", ""))
     info.properties["kv_block_size"] = str(engine.layout.block_size)
     info.properties["stop_token_ids"] = ",".join(str(i) for i in DEFAULT_STOP_IDS)
+    info.capabilities.append("constrained_decoding")
     info.properties["cuda_graphs"] = str(engine.runner.use_cuda_graphs).lower()
     return info

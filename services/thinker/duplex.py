@@ -273,21 +273,26 @@ class DuplexSession:
     def assemble_unit(self, encoded: EncodedAudio, force_speak: bool) -> WorkItem:
         """The unit's work item: its token layout (which re-injects the previous unit's terminator, so this
         runs after that unit's decision), the merged embeddings and this unit's decision policy."""
-        from services.thinker.processor.duplex_layout import duplex_unit_layout
+        from services.thinker.processor.duplex_layout import duplex_note_text, duplex_unit_layout
 
         prepared = encoded.prepared
         prev = self.reinject[0] if self.reinject else None
+        unit = prepared.unit
+        note = self.processor.encode_text(duplex_note_text(unit.instructions)) if unit.instructions else []
         layout = duplex_unit_layout(
             prepared.counts,
             audio_rows=prepared.audio_rows,
             previous_terminator=prev,
             close_previous_unit=len(self.reinject) > 1,
+            note_ids=note,
         )
         ids, image_bounds, audio_bounds = layout.tensors()
         embeds = self.model.merge_embeddings(
             ids, encoded.vision, image_bounds, [encoded.audio], audio_bounds
         ).detach()
-        unit = prepared.unit
+        if unit.max_output_tokens and self.state.turn_ended:
+            # A budget starts with a model turn; a unit inside an open turn does not reset it.
+            self.state.turn_budget = int(unit.max_output_tokens)
         force_listen = (
             self.units_done < self.open.force_listen_units
             or unit.force_listen
@@ -318,6 +323,11 @@ class DuplexSession:
         span = select_span(gen)
         speak = bool(gen) and gen[0] not in UNIT_TERMINATORS
         turn_end = any(gen[k] == TURN_EOS for k in span)
+        capped = turn_end and self.state.budget_spent
+        if turn_end:
+            self.state.budget_spent = False
+        elif not speak and self.state.turn_ended:
+            self.state.turn_budget = None  # the model listened: the budget's turn never started
         self.turn_continues = speak and not turn_end
         out: list[thinker_pb2.ThinkerResponse] = []
         tok = self.processor.tokenizer
@@ -347,6 +357,7 @@ class DuplexSession:
             token_ids=gen,
             turn_end=turn_end,
             context_tokens=context_tokens,
+            max_tokens_reached=capped,
         )
         out.append(thinker_pb2.ThinkerResponse(unit=result))
         return out
@@ -354,6 +365,8 @@ class DuplexSession:
     def after_interrupt(self, new_epoch: int) -> None:
         self.epoch = new_epoch
         self.state.turn_ended = True
+        self.state.turn_budget = None
+        self.state.budget_spent = False
         self.model_turn_open = False
         self.turn_continues = False
         self.reinject = [CHUNK_EOS, UNIT_CLOSE]

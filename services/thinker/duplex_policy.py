@@ -83,6 +83,10 @@ class PolicyState:
     turn_ended: bool = True
     history: list[int] = field(default_factory=list)  # every drawn id, as upstream (penalty window)
     generator: torch.Generator | None = None
+    # Per-response budget (ThinkerUnit.max_output_tokens): spoken tokens the open model turn may still
+    # draw; when it is spent the next token is <|turn_eos|>. None = unbounded.
+    turn_budget: int | None = None
+    budget_spent: bool = False  # the last turn was ended by the budget
 
 
 class DuplexPolicy(Sampler):
@@ -148,10 +152,10 @@ class DuplexPolicy(Sampler):
         if tokens is None:
             tokens = _policy_tokens(rows, logits[live].float(), generated)
         for i, token in zip(live, tokens, strict=True):
-            out[i] = policies[i]._after_draw(token)
+            out[i] = policies[i]._after_draw(token, num_generated[i])
         return out
 
-    def _after_draw(self, token: int) -> int:
+    def _after_draw(self, token: int, num_generated: int = 1) -> int:
         """Host-side rules that depend on the session's state; they run after the single sync."""
         if token == CHUNK_EOS:
             return token  # the model's own stop (first draw): the turn state is untouched
@@ -165,8 +169,25 @@ class DuplexPolicy(Sampler):
             del self.state.history[:-window]  # the penalty only looks at the window
         if token == LISTEN and not self.state.turn_ended:
             token = TTS_BOS
+        if num_generated > 0:  # a unit's first token is its decision, never spoken
+            token = self._spend_budget(token)
         if token not in UNIT_TERMINATORS:
             self.state.turn_ended = token == TURN_EOS
+        return token
+
+    def _spend_budget(self, token: int) -> int:
+        """A per-response budget counts the spoken tokens of the open turn; once it is spent the next token
+        that would speak becomes ``<|turn_eos|>``, which ends the turn (and its span) there."""
+        state = self.state
+        if state.turn_budget is None or token in UNIT_TERMINATORS or token in (SPEAK, TTS_BOS, TURN_EOS):
+            if token == TURN_EOS:
+                state.turn_budget = None
+            return token
+        if state.turn_budget <= 0:
+            state.turn_budget = None
+            state.budget_spent = True
+            return TURN_EOS
+        state.turn_budget -= 1
         return token
 
     def finish_reason(self, token: int, num_generated: int) -> str | None:

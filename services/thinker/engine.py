@@ -117,6 +117,8 @@ class EngineEvent:
     context_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # With logprobs requested: (chosen token's logprob, [(id, logprob)] best first).
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None
     # Prefill rows a work item asked for (``WorkItem.export_from``): ids and their hidden rows (CPU).
     prompt_row_ids: list[int] | None = None
     prompt_rows: torch.Tensor | None = None
@@ -505,7 +507,9 @@ class ThinkerEngine:
             picked = out.greedy_tokens.tolist()
             tokens = [int(picked[j]) for j in greedy_index]
         elif to_sample:
-            tokens = choose_tokens(  # the step's sync: the hidden rows' copy was queued before it
+            # The step's sync: the hidden rows' copy was queued before it, and constrained rows' grammar
+            # masks are filled on the host first, while the device still runs this step.
+            tokens = choose_tokens(
                 samplers,
                 torch.stack([lg for _, lg, _, _ in to_sample if lg is not None]),
                 [s.tokens for s, _, _, _ in to_sample],
@@ -527,7 +531,9 @@ class ThinkerEngine:
             reason = sampler.finish_reason(token, len(seq.generated))
             if reason is None and len(seq.tokens) >= self.max_context:
                 reason = "length"
-            ev = EngineEvent(seq.seq_id, token=token, fed_token=fed, hidden=row)
+            ev = EngineEvent(
+                seq.seq_id, token=token, fed_token=fed, hidden=row, logprobs=sampler.last_logprobs
+            )
             if reason is None:
                 seq.next_token = token
                 self._emit(seq, ev)

@@ -1,9 +1,14 @@
-"""Per-request token choice: greedy, temperature, top-k, top-p, repetition penalty, seeds, stop rules.
+"""Per-request token choice: greedy, temperature, top-k, top-p, penalties, seeds, grammars, stop rules.
 
 Every request owns a :class:`Sampler` (its own ``torch.Generator`` when seeded, so a seeded request
 reproduces whatever else shares the batch). The engine hands it one fp32 logits row per step. Rows of
 plain greedy requests are chosen together with one batched ``argmax`` (:func:`choose_tokens`), which is
 the common serving path and avoids a Python loop per row.
+
+Constrained rows (a grammar, :mod:`services.thinker.constrained`) get their token masks filled on the
+host at the start of :func:`choose_tokens`, before anything reads the logits, so the mask work runs
+while the device still computes the step. Stop strings are checked here too (:class:`StopCheck`), so
+the engine ends the sequence on the token that completes a match.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from services.common.errors import INVALID_ARGUMENT, StageError
+from services.thinker.constrained import TokenConstraint, apply_masks, fill_masks
 
 # docs/model.md, Thinker generation: <|tts_eos|> ends the spoken span, <|im_end|> ends the turn.
 DEFAULT_STOP_IDS: tuple[int, ...] = (151704, 151645)
@@ -35,9 +42,15 @@ class SamplingConfig:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = DEFAULT_STOP_IDS
+    # OpenAI penalties over the generated tokens: logit -= presence * [count > 0] + frequency * count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def validate(self) -> SamplingConfig:
-        for name in ("temperature", "top_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             # NaN passes every comparison below and then yields NaN probabilities that stall the sequence.
             if not math.isfinite(getattr(self, name)):
                 raise StageError(INVALID_ARGUMENT, f"{name} must be a finite number", f"sampling.{name}")
@@ -53,6 +66,13 @@ class SamplingConfig:
             )
         if self.max_tokens < 1:
             raise StageError(INVALID_ARGUMENT, "max_tokens must be >= 1", "sampling.max_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise StageError(INVALID_ARGUMENT, f"{name} must be in [-2, 2]", f"sampling.{name}")
+        if len(self.stop) > 4 or any(not s for s in self.stop):
+            raise StageError(INVALID_ARGUMENT, "stop takes 1 to 4 non-empty strings", "sampling.stop")
+        if not 0 <= self.top_logprobs <= 20:
+            raise StageError(INVALID_ARGUMENT, "top_logprobs must be in [0, 20]", "sampling.top_logprobs")
         if self.min_tokens > self.max_tokens:
             raise StageError(INVALID_ARGUMENT, "min_tokens must be <= max_tokens", "sampling.min_tokens")
         return self
@@ -60,6 +80,61 @@ class SamplingConfig:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+class StopText:
+    """Stop-string matching over a growing text: what may be shown now, and whether a stop matched.
+
+    :meth:`feed` returns the text that can no longer be part of a match; a tail that could still grow
+    into a stop string is held back (a match may span token boundaries). After a match nothing more is
+    shown, and the shown text ends right before the match.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.pending = ""
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> str:
+        if self.matched is not None:
+            return ""
+        self.pending += delta
+        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
+        if hits:
+            at, stop = min(hits)
+            self.matched = stop
+            out, self.pending = self.pending[:at], ""
+            return out
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        """The held-back tail at the end of the stream (no stop matched)."""
+        out, self.pending = ("" if self.matched is not None else self.pending), ""
+        return out
+
+
+@dataclass
+class StopCheck:
+    """Engine-side stop strings: detokenizes the sequence's tokens and reports the first match."""
+
+    detok: Any  # services.thinker.turn.IncrementalDetokenizer (push(id) -> text delta)
+    text: StopText
+
+    def push(self, token: int) -> bool:
+        self.text.feed(self.detok.push(token))
+        return self.text.matched is not None
 
 
 @dataclass
@@ -71,6 +146,11 @@ class Sampler:
 
     config: SamplingConfig
     generator: torch.Generator | None = field(default=None, repr=False)
+    constraint: TokenConstraint | None = field(default=None, repr=False)
+    stop_check: StopCheck | None = field(default=None, repr=False)
+    # Set by the last choice when config.logprobs: (chosen logprob, [(id, logprob)] best first), the
+    # model's distribution before penalties and grammar masks.
+    last_logprobs: tuple[float, list[tuple[int, float]]] | None = field(default=None, repr=False)
 
     @property
     def max_new_tokens(self) -> int:
@@ -84,6 +164,22 @@ class Sampler:
             type(self) is Sampler
             and c.is_greedy
             and c.repetition_penalty == 1.0
+            and (c.min_tokens == 0 or c.ignore_eos)
+            and self.constraint is None
+            and not c.logprobs
+            and not c.has_penalties
+        )
+
+    @property
+    def masked_greedy(self) -> bool:
+        """True for a greedy row whose only adjustment is its grammar mask (a batched argmax after it)."""
+        c = self.config
+        return (
+            type(self) is Sampler
+            and self.constraint is not None
+            and c.is_greedy
+            and c.repetition_penalty == 1.0
+            and not c.has_penalties
             and (c.min_tokens == 0 or c.ignore_eos)
         )
 
@@ -99,6 +195,11 @@ class Sampler:
         """Pick the next token from fp32 ``logits [V]`` given the sequence so far."""
         logits = self.process(logits, history, num_generated)
         return self.draw(logits)
+
+    def accept(self, token: int) -> None:
+        """The chosen token advances the grammar (called once per choice, in order)."""
+        if self.constraint is not None:
+            self.constraint.accept(token)
 
     @classmethod
     def choose_rows(
@@ -118,6 +219,14 @@ class Sampler:
     def process(self, logits: torch.Tensor, history: Sequence[int], num_generated: int) -> torch.Tensor:
         """Penalty and stop-token masking; returns adjusted fp32 logits (a copy when modified)."""
         c = self.config
+        if c.has_penalties and num_generated:
+            gen = torch.tensor(
+                list(history[len(history) - num_generated :]), dtype=torch.long, device=logits.device
+            )
+            counts = torch.bincount(gen, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+            logits = (
+                logits - c.frequency_penalty * counts - c.presence_penalty * (counts > 0).to(logits.dtype)
+            )
         if c.repetition_penalty != 1.0 and history:
             hist = history[-c.penalty_window :] if c.penalty_window else history
             ids = torch.tensor(sorted(set(hist)), dtype=torch.long, device=logits.device)
@@ -141,6 +250,8 @@ class Sampler:
         """``"stop"`` on a stop id, ``"length"`` at ``max_tokens``; ``num_generated`` includes ``token``."""
         c = self.config
         if not c.ignore_eos and token in c.stop_token_ids:
+            return "stop"
+        if self.stop_check is not None and self.stop_check.push(token):
             return "stop"
         if num_generated >= c.max_tokens:
             return "length"
@@ -182,14 +293,24 @@ def choose_tokens(
     greedy_rows = [i for i, s in enumerate(samplers) if s.batchable_greedy]
     if len(greedy_rows) == len(samplers):  # the common serving step: one argmax, one host sync
         return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
-    if greedy_rows:
-        idx = torch.tensor(greedy_rows, device=logits.device)
+    raw = logits
+    constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
+    if constrained:
+        # Host work first: the device may still be computing ``logits`` (nothing has synced yet).
+        masks = fill_masks([samplers[i].constraint for i in constrained])  # type: ignore[misc]
+        logits = logits.clone()
+        idx = torch.tensor(constrained, device=logits.device)
+        logits.index_copy_(0, idx, apply_masks(logits.index_select(0, idx).float(), masks).to(logits.dtype))
+    # Rows whose choice is an argmax of (masked) logits share one batched argmax and one sync.
+    argmax_rows = [i for i, s in enumerate(samplers) if s.batchable_greedy or s.masked_greedy]
+    if argmax_rows:
+        idx = torch.tensor(argmax_rows, device=logits.device)
         best = torch.argmax(logits.index_select(0, idx), dim=-1).tolist()
-        for i, tok in zip(greedy_rows, best, strict=True):
+        for i, tok in zip(argmax_rows, best, strict=True):
             out[i] = int(tok)
     groups: dict[type[Sampler], list[int]] = {}
     for i, s in enumerate(samplers):
-        if not s.batchable_greedy:
+        if not (s.batchable_greedy or s.masked_greedy):
             groups.setdefault(type(s), []).append(i)
     for cls, rows in groups.items():
         picked = logits[rows].float() if len(rows) < len(samplers) else logits.float()
@@ -201,4 +322,25 @@ def choose_tokens(
         )
         for i, tok in zip(rows, tokens, strict=True):
             out[i] = int(tok)
+    _record_logprobs(samplers, raw, out)
+    for i, s in enumerate(samplers):
+        s.accept(out[i])
     return out
+
+
+def _record_logprobs(samplers: Sequence[Sampler], raw: torch.Tensor, chosen: list[int]) -> None:
+    """Log-probabilities of the rows that asked for them: one batched softmax/top-k, one host copy."""
+    rows = [i for i, s in enumerate(samplers) if s.config.logprobs]
+    if not rows:
+        return
+    idx = torch.tensor(rows, device=raw.device)
+    lp = torch.log_softmax(raw.index_select(0, idx).float(), dim=-1)
+    k = max(samplers[i].config.top_logprobs for i in rows)
+    picked = lp.gather(1, torch.tensor([[chosen[i]] for i in rows], device=raw.device)).squeeze(1)
+    top_vals, top_ids = torch.topk(lp, k) if k else (lp[:, :0], lp[:, :0].long())
+    host = torch.cat([picked.unsqueeze(1), top_vals, top_ids.float()], dim=1).cpu()  # ids < 2^24: exact
+    for j, i in enumerate(rows):
+        n = samplers[i].config.top_logprobs
+        vals = host[j, 1 : 1 + k].tolist()
+        ids = host[j, 1 + k :].tolist()
+        samplers[i].last_logprobs = (float(host[j, 0]), [(int(ids[t]), float(vals[t])) for t in range(n)])

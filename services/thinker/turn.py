@@ -18,9 +18,39 @@ import torch
 
 from services.common.pb import common_pb2, thinker_pb2
 from services.common.tensors import tensor_to_proto
+from services.thinker.sampling import StopText
 
 TTS_BOS_ID = 151703
 SPAN_END_IDS = frozenset({151704, 151645})
+# <tool_call> ... </tool_call>: a function call is not spoken (the speech says the text part only).
+TOOL_CALL_ID, TOOL_CALL_END_ID = 151657, 151658
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character standing for each byte."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _token_bytes(piece: str) -> bytes:
+    """The bytes of a vocabulary entry (an added token that is not byte-mapped is its UTF-8 text)."""
+    if all(ch in _BYTE_DECODER for ch in piece):
+        return bytes(_BYTE_DECODER[ch] for ch in piece)
+    return piece.encode("utf-8")
 
 
 class IncrementalDetokenizer:
@@ -111,8 +141,13 @@ class TurnOutput:
         hidden_dtype: torch.dtype | None,
         stop_ids: frozenset[int],
         prompt_tokens: int = 0,
+        stop: tuple[str, ...] = (),
+        top_logprobs: int | None = None,
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
+        # Stop strings: text that could still become a match is held back; the match and after are cut.
+        self.stop_text = StopText(stop) if stop else None
+        self.top_logprobs = top_logprobs  # None: no logprobs on the deltas
         self.prompt_tokens = prompt_tokens  # repeated on every TextDelta for running usage
         self.identity = identity
         self._emit = emit
@@ -129,6 +164,7 @@ class TurnOutput:
         self.generated: list[int] = []
         self.speech_tokens = 0
         self.rows_seen = 0
+        self.in_tool_call = False
 
     def _id(self) -> common_pb2.Identity:
         ident = common_pb2.Identity()
@@ -138,19 +174,25 @@ class TurnOutput:
         return ident
 
     # ----------------------------------------------------------------------------------- events
-    def on_token(self, token: int, finished: str | None) -> None:
+    def on_token(
+        self,
+        token: int,
+        finished: str | None,
+        logprobs: tuple[float, list[tuple[int, float]]] | None = None,
+    ) -> None:
         """A newly sampled token; ``finished`` is the engine's finish reason when this token ended it."""
         self.generated.append(token)
         is_end = finished == "stop" and token in self.stop_ids
         if not is_end:
             text = self.detok.push(token)
-            self._emit(
-                thinker_pb2.ThinkerResponse(
-                    text=thinker_pb2.TextDelta(
-                        id=self._id(), token_ids=[token], text=text, prompt_tokens=self.prompt_tokens
-                    )
-                )
+            if self.stop_text is not None:
+                text = self.stop_text.feed(text)
+            delta = thinker_pb2.TextDelta(
+                id=self._id(), token_ids=[token], text=text, prompt_tokens=self.prompt_tokens
             )
+            if self.top_logprobs is not None and logprobs is not None:
+                delta.logprobs.append(self._logprob(token, logprobs))
+            self._emit(thinker_pb2.ThinkerResponse(text=delta))
         if not self.want_speech or self.span_closed:
             return
         if token in SPAN_END_IDS or is_end:
@@ -159,6 +201,9 @@ class TurnOutput:
         if token == TTS_BOS_ID:
             self.saw_tts_bos = True
             return  # the marker itself is not spoken
+        if token in (TOOL_CALL_ID, TOOL_CALL_END_ID) or self.in_tool_call:
+            self.in_tool_call = token != TOOL_CALL_END_ID
+            return
         self.pending_span.add(len(self.generated) - 1)
 
     def on_row(self, fed_token: int, row: torch.Tensor) -> None:
@@ -172,6 +217,23 @@ class TurnOutput:
             while self.chunker.ready():
                 ids, hidden = self.chunker.take(self.hidden_size)
                 self._send_speech(ids, hidden, is_last=False)
+
+    def _token_text(self, token: int) -> tuple[str, bytes]:
+        """A token's own text and UTF-8 bytes (byte-level BPE: a partial character keeps its bytes)."""
+        tok = self.detok.tokenizer
+        piece = tok.convert_ids_to_tokens(int(token))
+        data = _token_bytes(piece) if isinstance(piece, str) else b""
+        return data.decode("utf-8", errors="replace"), data
+
+    def _logprob(self, token: int, lp: tuple[float, list[tuple[int, float]]]) -> thinker_pb2.TokenLogprob:
+        text, data = self._token_text(token)
+        out = thinker_pb2.TokenLogprob(token_id=token, token=text, bytes=data, logprob=lp[0])
+        for tid, value in lp[1][: self.top_logprobs or 0]:
+            t_text, t_data = self._token_text(tid)
+            out.top_logprobs.append(
+                thinker_pb2.TopLogprob(token_id=tid, token=t_text, bytes=t_data, logprob=value)
+            )
+        return out
 
     def on_forced(self, token_ids: list[int], rows: torch.Tensor) -> None:
         """Teacher-forced tokens with their prefill rows: text, then spoken rows, as sampled ones would be."""
@@ -193,6 +255,8 @@ class TurnOutput:
 
     def finish(self, reason: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
         tail = self.detok.flush()
+        if self.stop_text is not None:
+            tail = self.stop_text.feed(tail) + self.stop_text.flush()
         if tail:
             delta = thinker_pb2.TextDelta(id=self._id(), text=tail, prompt_tokens=self.prompt_tokens)
             self._emit(thinker_pb2.ThinkerResponse(text=delta))

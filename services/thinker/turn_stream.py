@@ -25,13 +25,14 @@ from services.common.pcm import pcm_to_float
 from services.common.stage_stream import Inbox, Interrupted, StageStream
 from services.common.tensors import dtype_from_proto
 from services.thinker.backend import ThinkerBackend
+from services.thinker.constrained import GrammarCompiler
 from services.thinker.engine import EngineEvent
 from services.thinker.errors import failure
 from services.thinker.prefix_hash import MediaSpan
-from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig
+from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig, StopCheck, StopText
 from services.thinker.scheduler import Sequence as EngineSequence
 from services.thinker.scheduler import WorkItem
-from services.thinker.turn import TTS_BOS_ID, TurnOutput
+from services.thinker.turn import TTS_BOS_ID, IncrementalDetokenizer, TurnOutput
 from services.thinker.voice import speech_system_prefix, voice_rows
 
 log = logging.getLogger(__name__)
@@ -64,14 +65,32 @@ def sampling_from_proto(msg: thinker_pb2.SamplingParams, room: int) -> SamplingC
         min_tokens=min(int(msg.min_tokens) if msg.HasField("min_tokens") else 0, room),
         ignore_eos=bool(msg.ignore_eos),
         stop_token_ids=tuple(dict.fromkeys([*DEFAULT_STOP_IDS, *msg.stop_token_ids])),
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        stop=tuple(msg.stop),
+        logprobs=bool(msg.logprobs),
+        top_logprobs=int(msg.top_logprobs) if msg.logprobs else 0,
     )
     return cfg.validate()
+
+
+def make_sampler(backend: ThinkerBackend, msg: thinker_pb2.SamplingParams, config: SamplingConfig) -> Sampler:
+    """The request's sampler: its grammar matcher (compiled here, off the engine thread) and stop check."""
+    sampler = Sampler(config)
+    if msg.HasField("constraint") and msg.constraint.kind != thinker_pb2.Constraint.KIND_UNSPECIFIED:
+        compiler = backend.grammar
+        if compiler is None:  # a backend assembled by hand (tests): build the token table now
+            compiler = backend.grammar = GrammarCompiler(backend.tokenizer, len(backend.tokenizer))
+        sampler.constraint = compiler.matcher(msg.constraint)
+    if config.stop:
+        sampler.stop_check = StopCheck(IncrementalDetokenizer(backend.tokenizer), StopText(config.stop))
+    return sampler
 
 
 def messages_from_proto(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> list[Any]:
     """Proto chat messages → processor messages (media stay encoded; the processor decodes them)."""
     from services.thinker.processor import AudioClip, AudioInput, ImageInput, Message, VideoInput
-    from services.thinker.processor.chat import speech_system_message
+    from services.thinker.processor.chat import ToolCall, speech_system_message
 
     out: list[Any] = []
     if (open_msg.want_speech or open_msg.teacher_text) and open_msg.ref_audio.data:
@@ -95,7 +114,8 @@ def messages_from_proto(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOp
                     parts.append(AudioInput(AudioClip(samples, rate)))
             else:
                 raise StageError(INVALID_ARGUMENT, "empty content part", f"messages[{i}].content[{j}]")
-        out.append(Message(m.role, parts))
+        calls = [ToolCall(c.name, c.arguments, c.id) for c in m.tool_calls]
+        out.append(Message(m.role, parts, calls))
     return out
 
 
@@ -118,7 +138,10 @@ def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen
     voice = voice_rows(backend, open_msg) if speaking else None
     use_tts = True if (open_msg.use_tts_template or speaking) else None
     processed = backend.processor(
-        messages, enable_thinking=open_msg.enable_thinking, use_tts_template=use_tts
+        messages,
+        enable_thinking=open_msg.enable_thinking,
+        use_tts_template=use_tts,
+        tools=list(open_msg.tools_json),
     )
     ids = processed.input_ids.tolist()
     forced: list[int] = []
@@ -189,6 +212,9 @@ class TurnStream(StageStream[Response]):
         teacher = prompt.forced > 0
         room = engine.max_context - len(prompt.ids)
         sampling = sampling_from_proto(open_msg.sampling, max(room, 1) if teacher else room)
+        sampler = await loop.run_in_executor(
+            backend.executor, make_sampler, backend, open_msg.sampling, sampling
+        )
         hidden_dtype = dtype_from_proto(open_msg.hidden_dtype) if open_msg.hidden_dtype else None
         want_speech = bool(open_msg.want_speech) or teacher
         self.prompt_tokens = len(prompt.ids)
@@ -204,6 +230,8 @@ class TurnStream(StageStream[Response]):
             hidden_dtype=hidden_dtype,
             stop_ids=frozenset(sampling.stop_token_ids),
             prompt_tokens=len(prompt.ids),
+            stop=sampling.stop,
+            top_logprobs=sampling.top_logprobs if sampling.logprobs else None,
         )
         self.seq = engine.open(inbox.post_threadsafe)
         if teacher:  # prefill only: the forced tokens' rows come back as they are prefilled
@@ -220,7 +248,7 @@ class TurnStream(StageStream[Response]):
             work = WorkItem(
                 prompt.ids,
                 prompt.embeds,
-                Sampler(sampling),
+                sampler,
                 emit_hidden=want_speech,
                 feed_last=want_speech,
                 media=prompt.media,
@@ -254,7 +282,7 @@ class TurnStream(StageStream[Response]):
         if ev.hidden is not None and ev.fed_token is not None:
             self.turn.on_row(ev.fed_token, ev.hidden)
         if ev.token is not None:
-            self.turn.on_token(ev.token, ev.finish_reason)
+            self.turn.on_token(ev.token, ev.finish_reason, ev.logprobs)
         if ev.finish_reason is not None:
             reason = "stop" if ev.finish_reason == "prefilled" else ev.finish_reason
             self.turn.finish(reason, self.prompt_tokens, self.cached_tokens)

@@ -110,7 +110,7 @@ def request_body(
         "chat_template_kwargs": {"use_tts_template": speak, "enable_thinking": thinking},
     }
     if speak:
-        body["audio"] = {"voice": "default", "format": "wav"}
+        # No OpenAI ``audio`` object: the vLLM-Omni dialect, each speech chunk a WAV in delta.content.
         if ref_voice:
             samples, rate = read_audio(ref_voice)
             body["ref_audio"] = data_url(wav_bytes(resample(samples, rate, 16_000), 16_000), "audio/wav")

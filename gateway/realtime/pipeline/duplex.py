@@ -75,6 +75,11 @@ class GrpcDuplexPipeline:
         self._thinker_failed = False  # reported once; the session ends on it
         self._voice_failed_epoch = -1  # a talker/code2wav failure drops that epoch's speech until the fence
         self._side_tasks: set[asyncio.Task[None]] = set()  # fire-and-forget work, kept referenced until done
+        # Per-response options (ResponseOptions): whether the current response is voiced, and the note and
+        # token budget the next unit that asks for a response carries to the thinker.
+        self.voice = "audio" in host.cfg.modalities
+        self._next_instructions = ""
+        self._next_budget = 0
         ref_audio = host.cfg.ref_audio
         self.ref_pcm = pcm_from_float(ref_audio, 16_000) if ref_audio is not None else None
 
@@ -102,7 +107,22 @@ class GrpcDuplexPipeline:
             force_listen=role is UnitRole.LISTEN,
             continue_turn=role is UnitRole.CONTINUE,
         )
+        cfg = self.host.cfg
+        if role is UnitRole.REQUEST:
+            unit.instructions, self._next_instructions = self._next_instructions, ""
+            unit.max_output_tokens, self._next_budget = self._next_budget, 0
+        elif role is UnitRole.PLAIN and cfg.auto_response and cfg.max_response_output_tokens:
+            # Native lane: a model-initiated turn gets the session's budget (the thinker applies it only
+            # when the unit starts a model turn).
+            unit.max_output_tokens = cfg.max_response_output_tokens
         self._outbox.put_nowait(thinker_pb2.ThinkerRequest(unit=unit))
+
+    def begin_response(self, voice: bool, instructions: str, max_output_tokens: int) -> None:
+        """The next response (asked for by the next ``REQUEST`` unit) is voiced or not, and that unit carries
+        the response's instructions and token budget to the thinker."""
+        self.voice = voice
+        self._next_instructions = instructions
+        self._next_budget = max_output_tokens
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
         self.speech_from_unit = unit_seq
@@ -116,6 +136,7 @@ class GrpcDuplexPipeline:
         """
         if not self.host.cfg.auto_response:
             self.speech_from_unit = None  # turn lane: no speech until the next requested response
+        self.voice = "audio" in self.host.cfg.modalities  # a per-response choice ends with its response
         turn = self.turn
         if turn is None or turn.epoch != epoch or (speech_turn and turn.turn_id != speech_turn):
             return
@@ -124,6 +145,7 @@ class GrpcDuplexPipeline:
     def interrupt(self, new_epoch: int, reason: str) -> None:
         self._interrupt_sent = time.monotonic()
         self.speech_from_unit = None
+        self.voice = "audio" in self.host.cfg.modalities
         if self.thinker is not None:
             ctl = common_pb2.Control(
                 id=self._identity(new_epoch, self.host.turn_id, 0),
@@ -192,7 +214,9 @@ class GrpcDuplexPipeline:
             id=self._identity(self.host.epoch, 0, 0),
             mode=common_pb2.STREAM_MODE_DUPLEX,
             sampling=sampling,
-            want_speech="audio" in cfg.modalities,
+            # With a reference voice any response may ask for speech (response.create output_modalities),
+            # so the thinker exports the spoken span whenever a voice exists; text-only responses drop it.
+            want_speech="audio" in cfg.modalities or self.ref_pcm is not None,
             instructions=cfg.instructions,
             force_listen_units=cfg.force_listen_count,
             hidden_dtype=common_pb2.DTYPE_BFLOAT16
@@ -266,14 +290,15 @@ class GrpcDuplexPipeline:
                 self._unit_turn.pop(int(unit.id.unit_seq), 0),
                 output_tokens=len(unit.token_ids),
                 context_before=int(unit.context_before),
+                max_tokens_reached=bool(unit.max_tokens_reached),
             )
         )
 
     async def _on_speech(self, chunk: thinker_pb2.SpeechChunk) -> None:
         epoch = int(chunk.id.epoch)
         cfg = self.host.cfg
-        if epoch < self.host.epoch or "audio" not in cfg.modalities:
-            return
+        if epoch < self.host.epoch or not self.voice:
+            return  # fenced, or a text-only response (the session's or this response's choice)
         if self.speech_from_unit is not None and chunk.id.unit_seq < self.speech_from_unit:
             return  # turn lane: the model spoke on a unit nobody asked it to answer
         if self.speech_from_unit is None and not cfg.auto_response:

@@ -41,6 +41,7 @@ class UnitOutcome:
     speech_turn: int = 0  # the pipeline's speaking turn this unit's speech went to (0: none)
     output_tokens: int = 0  # tokens the thinker generated on this unit
     context_before: int = 0  # the session's context when the unit was fed (held in its KV: cached input)
+    max_tokens_reached: bool = False  # the turn ended because it spent its max_output_tokens budget
 
 
 @dataclass
@@ -114,6 +115,11 @@ class SessionPipeline(Protocol):
         turn_id: int,
         role: UnitRole = UnitRole.PLAIN,
     ) -> None: ...
+
+    def begin_response(self, voice: bool, instructions: str, max_output_tokens: int) -> None:
+        """Options of the response the next ``REQUEST`` unit asks for (voiced or text only, a system note,
+        a token budget); a voice choice lasts until that response's speech ends or an interrupt."""
+        ...
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None: ...
 

@@ -18,7 +18,7 @@ UNIT_DECISION_LISTEN: UnitDecision
 UNIT_DECISION_SPEAK: UnitDecision
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "presence_penalty", "frequency_penalty", "stop", "logprobs", "top_logprobs", "constraint")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,12 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -37,7 +43,33 @@ class SamplingParams(_message.Message):
     min_tokens: int
     ignore_eos: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    logprobs: bool
+    top_logprobs: int
+    constraint: Constraint
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("kind", "spec", "parallel")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Constraint.Kind]
+        KIND_JSON_OBJECT: _ClassVar[Constraint.Kind]
+        KIND_JSON_SCHEMA: _ClassVar[Constraint.Kind]
+        KIND_TOOL_CALLS: _ClassVar[Constraint.Kind]
+    KIND_UNSPECIFIED: Constraint.Kind
+    KIND_JSON_OBJECT: Constraint.Kind
+    KIND_JSON_SCHEMA: Constraint.Kind
+    KIND_TOOL_CALLS: Constraint.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    kind: Constraint.Kind
+    spec: str
+    parallel: bool
+    def __init__(self, kind: _Optional[_Union[Constraint.Kind, str]] = ..., spec: _Optional[str] = ..., parallel: _Optional[bool] = ...) -> None: ...
 
 class ImagePart(_message.Message):
     __slots__ = ("data",)
@@ -71,16 +103,30 @@ class ContentPart(_message.Message):
     video: VideoPart
     def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImagePart, _Mapping]] = ..., audio: _Optional[_Union[AudioPart, _Mapping]] = ..., video: _Optional[_Union[VideoPart, _Mapping]] = ...) -> None: ...
 
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: _containers.RepeatedCompositeFieldContainer[ContentPart]
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ThinkerOpen(_message.Message):
-    __slots__ = ("id", "mode", "messages", "sampling", "use_tts_template", "enable_thinking", "want_speech", "ref_audio", "chunk_tokens", "first_chunk_tokens", "hidden_dtype", "instructions", "force_speak", "force_listen_units", "teacher_text", "voice")
+    __slots__ = ("id", "mode", "messages", "sampling", "use_tts_template", "enable_thinking", "want_speech", "ref_audio", "chunk_tokens", "first_chunk_tokens", "hidden_dtype", "instructions", "force_speak", "force_listen_units", "tools_json", "teacher_text", "voice")
     ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +141,7 @@ class ThinkerOpen(_message.Message):
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     FORCE_SPEAK_FIELD_NUMBER: _ClassVar[int]
     FORCE_LISTEN_UNITS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     TEACHER_TEXT_FIELD_NUMBER: _ClassVar[int]
     VOICE_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
@@ -111,9 +158,10 @@ class ThinkerOpen(_message.Message):
     instructions: str
     force_speak: bool
     force_listen_units: int
+    tools_json: _containers.RepeatedScalarFieldContainer[str]
     teacher_text: str
     voice: VoiceEmbedding
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ..., teacher_text: _Optional[str] = ..., voice: _Optional[_Union[VoiceEmbedding, _Mapping]] = ...) -> None: ...
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.StreamMode, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., use_tts_template: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., want_speech: _Optional[bool] = ..., ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., chunk_tokens: _Optional[int] = ..., first_chunk_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., instructions: _Optional[str] = ..., force_speak: _Optional[bool] = ..., force_listen_units: _Optional[int] = ..., tools_json: _Optional[_Iterable[str]] = ..., teacher_text: _Optional[str] = ..., voice: _Optional[_Union[VoiceEmbedding, _Mapping]] = ...) -> None: ...
 
 class VoiceEmbedding(_message.Message):
     __slots__ = ("embeds", "digest")
@@ -130,20 +178,24 @@ class ThinkerVoiceRequest(_message.Message):
     def __init__(self, ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ...) -> None: ...
 
 class ThinkerUnit(_message.Message):
-    __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn")
+    __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn", "instructions", "max_output_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     FORCE_LISTEN_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_TURN_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     audio: _common_pb2.Pcm
     frames: _containers.RepeatedScalarFieldContainer[bytes]
     request_response: bool
     force_listen: bool
     continue_turn: bool
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., frames: _Optional[_Iterable[bytes]] = ..., request_response: _Optional[bool] = ..., force_listen: _Optional[bool] = ..., continue_turn: _Optional[bool] = ...) -> None: ...
+    instructions: str
+    max_output_tokens: int
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., frames: _Optional[_Iterable[bytes]] = ..., request_response: _Optional[bool] = ..., force_listen: _Optional[bool] = ..., continue_turn: _Optional[bool] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
     __slots__ = ("open", "unit", "control")
@@ -156,16 +208,44 @@ class ThinkerRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[ThinkerOpen, _Mapping]] = ..., unit: _Optional[_Union[ThinkerUnit, _Mapping]] = ..., control: _Optional[_Union[_common_pb2.Control, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("id", "token_ids", "text", "prompt_tokens")
+    __slots__ = ("id", "token_ids", "text", "prompt_tokens", "logprobs")
     ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     prompt_tokens: int
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "bytes", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "bytes", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class SpeechChunk(_message.Message):
     __slots__ = ("id", "token_ids", "hidden", "text", "turn_start", "turn_end", "segment_end", "is_last")
@@ -188,7 +268,7 @@ class SpeechChunk(_message.Message):
     def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., turn_start: _Optional[bool] = ..., turn_end: _Optional[bool] = ..., segment_end: _Optional[bool] = ..., is_last: _Optional[bool] = ...) -> None: ...
 
 class UnitResult(_message.Message):
-    __slots__ = ("id", "decision", "transcript", "token_ids", "turn_end", "context_tokens", "context_before")
+    __slots__ = ("id", "decision", "transcript", "token_ids", "turn_end", "context_tokens", "context_before", "max_tokens_reached")
     ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +276,7 @@ class UnitResult(_message.Message):
     TURN_END_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_REACHED_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     decision: UnitDecision
     transcript: str
@@ -203,7 +284,8 @@ class UnitResult(_message.Message):
     turn_end: bool
     context_tokens: int
     context_before: int
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., decision: _Optional[_Union[UnitDecision, str]] = ..., transcript: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., turn_end: _Optional[bool] = ..., context_tokens: _Optional[int] = ..., context_before: _Optional[int] = ...) -> None: ...
+    max_tokens_reached: bool
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., decision: _Optional[_Union[UnitDecision, str]] = ..., transcript: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., turn_end: _Optional[bool] = ..., context_tokens: _Optional[int] = ..., context_before: _Optional[int] = ..., max_tokens_reached: _Optional[bool] = ...) -> None: ...
 
 class ThinkerResponse(_message.Message):
     __slots__ = ("text", "speech", "unit", "done", "error", "interrupt_ack")

@@ -20,6 +20,7 @@ the look-ahead frames ``ThinkerModel.get_audio_embeds_streaming`` needs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,6 +214,7 @@ class ThinkerProcessor:
         use_image_id: bool | None = None,
         join_parts: str = "\n",
         audio_chunked_placeholders: bool = False,
+        tools: Sequence[str] = (),
     ) -> ProcessedPrompt:
         """Render, expand placeholders, tokenise and prepare encoder inputs.
 
@@ -230,6 +232,7 @@ class ThinkerProcessor:
             enable_thinking=enable_thinking,
             use_tts_template=use_tts_template,
             join_parts=join_parts,
+            tools=tools,
         )
         image_ids = self.use_image_id if use_image_id is None else bool(use_image_id)
         default_slices = self._max_slices(max_slice_nums)

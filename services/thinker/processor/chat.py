@@ -1,18 +1,23 @@
 """Chat messages and the Qwen-style chat template of MiniCPM-o 4.5 (docs/model.md, Thinker prompts).
 
-Rendering rules (the checkpoint's template, restricted to what the service supports — no tools):
+Rendering rules (the checkpoint's template):
 
 * each message is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; a message's parts are joined with a
   newline (``join_parts="\\n"``, as upstream ``chat()``; omni/streaming input joins with ``""``), and media
   parts stand as ``<image>./</image>``, ``<audio>./</audio>`` or ``<video>./</video>`` until expanded;
 * an assistant message keeps only the text after its last ``</think>``; the final message, when it is an
   assistant message after the last user message, is re-rendered with its ``<think>`` block;
+* with ``tools``, the first block is a system message holding the first system message's text, then
+  the tools header (one JSON signature per line inside ``<tools></tools>``) and the call format; an
+  assistant message's ``tool_calls`` follow its text as ``<tool_call>`` blocks, and consecutive ``tool``
+  messages share one user message of ``<tool_response>`` blocks (docs/model.md, "Tool calls");
 * the generation prompt is ``<|im_start|>assistant\\n``, then ``<think>\\n\\n</think>\\n\\n`` when
   thinking is off, then ``<|tts_bos|>`` when the TTS template is on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +29,15 @@ from services.thinker.processor.audio import AudioClip
 IMAGE_TAG = "<image>./</image>"
 AUDIO_TAG = "<audio>./</audio>"
 VIDEO_TAG = "<video>./</video>"
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+TOOLS_HEADER = (
+    "# Tools\n\nThe functions you may call are described inside <tools></tools>, one JSON signature per line:\n"
+    "<tools>"
+)
+TOOLS_FOOTER = (
+    "\n</tools>\n\nTo call functions, reply with one JSON object per call, each inside <tool_call></tool_call> "
+    'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+)
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 TTS_BOS = "<|tts_bos|>"
 
@@ -55,10 +68,25 @@ class VideoInput:
 Part = str | ImageInput | AudioInput | VideoInput
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A call an assistant turn made: rendered back as a ``<tool_call>`` block."""
+
+    name: str
+    arguments: str  # JSON text, as the client sent it
+    id: str = ""
+
+
 @dataclass
 class Message:
     role: str
     content: list[Part] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def tool_call_block(call: ToolCall) -> str:
+    """The model's format of one call (the chat template's, byte for byte)."""
+    return '<tool_call>\n{"name": "' + call.name + '", "arguments": ' + call.arguments + "}\n</tool_call>"
 
 
 def as_part(obj: object) -> Part:
@@ -80,10 +108,13 @@ def normalize_messages(messages: object) -> list[Message]:
         raise ProcessorError("messages", "messages must be a non-empty list")
     out: list[Message] = []
     for i, msg in enumerate(messages):
+        calls: list[ToolCall] = []
         if isinstance(msg, Message):
-            role, content = msg.role, msg.content
+            role, content, calls = msg.role, msg.content, list(msg.tool_calls)
         elif isinstance(msg, dict):
             role, content = msg.get("role"), msg.get("content", [])
+            if content is None:
+                content = []
         else:
             raise ProcessorError(f"messages[{i}]", "each message must have a role and content")
         if role not in ROLES:
@@ -91,7 +122,7 @@ def normalize_messages(messages: object) -> list[Message]:
         if i == 0 and role not in ("user", "system"):
             raise ProcessorError("messages[0].role", "the first message must be a system or user message")
         parts = [content] if isinstance(content, str) else list(content)
-        out.append(Message(role, [as_part(p) for p in parts]))
+        out.append(Message(str(role), [as_part(p) for p in parts], calls))
     return out
 
 
@@ -112,8 +143,12 @@ def render_chat(
     enable_thinking: bool = False,
     use_tts_template: bool = False,
     join_parts: str = "\n",
+    tools: Sequence[str] = (),
 ) -> str:
-    """The prompt text, with media still as tags (see the module docstring for the rules)."""
+    """The prompt text, with media still as tags (see the module docstring for the rules).
+
+    ``tools``: one JSON signature per tool (``{"type": "function", "function": {...}}`` as text).
+    """
     texts = [join_parts.join(part_text(p) for p in m.content) for m in messages]
     last_user = max(
         (
@@ -125,9 +160,25 @@ def render_chat(
         default=len(messages) - 1,
     )
     pieces: list[str] = []
+    skip_first = False
+    if tools:
+        head = "<|im_start|>system\n"
+        if messages and messages[0].role == "system":
+            head += texts[0] + "\n\n"
+            skip_first = True
+        pieces.append(head + TOOLS_HEADER + "".join("\n" + t for t in tools) + TOOLS_FOOTER)
     for i, (msg, text) in enumerate(zip(messages, texts, strict=True)):
+        if i == 0 and skip_first:
+            continue
         if msg.role in ("system", "user"):
             pieces.append(f"<|im_start|>{msg.role}\n{text}<|im_end|>\n")
+            continue
+        if msg.role == "tool":
+            if i == 0 or messages[i - 1].role != "tool":
+                pieces.append("<|im_start|>user")
+            pieces.append("\n<tool_response>\n" + text + "\n</tool_response>")
+            if i == len(messages) - 1 or messages[i + 1].role != "tool":
+                pieces.append("<|im_end|>\n")
             continue
         content, reasoning = text, ""
         if "</think>" in text:
@@ -138,7 +189,10 @@ def render_chat(
             body = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
         else:
             body = content
-        pieces.append(f"<|im_start|>assistant\n{body}<|im_end|>\n")
+        calls = "".join(
+            ("\n" if j or body else "") + tool_call_block(call) for j, call in enumerate(msg.tool_calls)
+        )
+        pieces.append(f"<|im_start|>assistant\n{body}{calls}<|im_end|>\n")
     if add_generation_prompt:
         pieces.append("<|im_start|>assistant\n")
         if not enable_thinking:

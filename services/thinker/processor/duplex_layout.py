@@ -61,18 +61,21 @@ def duplex_unit_layout(
     previous_terminator: int | None = None,
     close_previous_unit: bool = False,
     query_num: int = 64,
+    note_ids: Sequence[int] = (),
 ) -> TokenLayout:
     """Prefill layout of one duplex unit.
 
     ``slices_per_frame`` = slices of each frame (1 = overview only; ``ThinkerProcessor.process_frames``
     returns them). ``previous_terminator`` (e.g. ``<|listen|>``) and ``close_previous_unit`` (``</unit>``)
-    re-inject the end of the previous unit when the engine did not feed it after decoding.
+    re-inject the end of the previous unit when the engine did not feed it after decoding. ``note_ids``
+    (a per-response system note, :func:`duplex_note_text`) go between the previous unit and ``<unit>``.
     """
     layout = TokenLayout()
     if previous_terminator is not None:
         layout.extend_ids([previous_terminator])
     if close_previous_unit:
         layout.extend_ids([UNIT_CLOSE])
+    layout.extend_ids(note_ids)
     layout.extend_ids([UNIT_OPEN])
     for count in slices_per_frame:
         if count < 1:
@@ -87,6 +90,13 @@ def duplex_unit_layout(
     if audio_rows:
         layout.add_rows(audio_rows, "audio")
     return layout
+
+
+def duplex_note_text(instructions: str) -> str:
+    """A per-response instruction inside a duplex stream: a system message of the chat template, placed
+    between two units (the session prefix is the only system message upstream's duplex prompt has; a note
+    between units is this server's extension, docs/realtime.md)."""
+    return "<|im_start|>system\n" + instructions + "<|im_end|>\n"
 
 
 def duplex_session_prefix(
