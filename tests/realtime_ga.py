@@ -101,7 +101,7 @@ def _extras(obj: Any, path: str, found: list[str]) -> None:
 
 
 # Values the dialect keeps where GA's closed sets differ (docs/realtime.md, "What still differs"): the
-# wire-protocol invariants B2/B3 name these cancel reasons and the cancelled item status, and a failed
+# docs/protocol.md, "Invariants" B2/B3 name these cancel reasons and the cancelled item status, and a failed
 # response keeps its stable code as ``reason`` next to GA's ``error`` object. They are mapped to their GA
 # counterparts before validation; nothing else is.
 _GA_CANCEL_REASON = {"barge_in": "client_cancelled", "output_audio_buffer_clear": "client_cancelled"}

@@ -386,7 +386,4 @@ def test_text_only_response_on_an_audio_session(conn: Conn) -> None:
         assert done["response"]["status_details"] is None
     conn.send({"type": "response.create", "event_id": "bad", "response": {"output_modalities": ["video"]}})
     err = conn.until("error", 30)
-    assert (
-        err["error"]["code"] == "invalid_value"
-        and err["error"]["param"] == "response.output_modalities"
-    )
+    assert err["error"]["code"] == "invalid_value" and err["error"]["param"] == "response.output_modalities"

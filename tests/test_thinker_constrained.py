@@ -184,7 +184,7 @@ def test_logprobs_on_every_delta_and_penalties(backend) -> None:  # noqa: ANN001
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-5  # greedy: the best is the chosen
         assert entry.top_logprobs[0].token_id == entry.token_id
-        assert entry.bytes.decode("utf-8", errors="replace") == entry.token
+        assert entry.token_bytes.decode("utf-8", errors="replace") == entry.token
     assert _done(out_pen).usage.completion_tokens == 30 == _done(out_plain).usage.completion_tokens
     # The penalty itself: logit -= frequency * count + presence * [count > 0], generated tokens only.
     cfg = SamplingConfig(frequency_penalty=0.5, presence_penalty=1.0).validate()

@@ -16,8 +16,8 @@ def content_logprobs(items: Iterable[thinker_pb2.TokenLogprob]) -> list[dict[str
     """``choices[].logprobs.content``: one entry per generated token, with its ``top_logprobs``."""
     return [
         {
-            **_entry(lp.token, lp.bytes, lp.logprob),
-            "top_logprobs": [_entry(t.token, t.bytes, t.logprob) for t in lp.top_logprobs],
+            **_entry(lp.token, lp.token_bytes, lp.logprob),
+            "top_logprobs": [_entry(t.token, t.token_bytes, t.logprob) for t in lp.top_logprobs],
         }
         for lp in items
     ]

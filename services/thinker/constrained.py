@@ -29,7 +29,7 @@ import torch
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.common.pb import thinker_pb2
 
-# <|im_end|> ends the turn once the grammar is complete (model-spec §2.4).
+# <|im_end|> ends the turn once the grammar is complete (docs/model.md, "Thinker generation").
 IM_END_ID = 151645
 TOOL_CALL_ID = 151657
 TOOL_CALL_END_ID = 151658

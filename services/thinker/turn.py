@@ -227,11 +227,11 @@ class TurnOutput:
 
     def _logprob(self, token: int, lp: tuple[float, list[tuple[int, float]]]) -> thinker_pb2.TokenLogprob:
         text, data = self._token_text(token)
-        out = thinker_pb2.TokenLogprob(token_id=token, token=text, bytes=data, logprob=lp[0])
+        out = thinker_pb2.TokenLogprob(token_id=token, token=text, token_bytes=data, logprob=lp[0])
         for tid, value in lp[1][: self.top_logprobs or 0]:
             t_text, t_data = self._token_text(tid)
             out.top_logprobs.append(
-                thinker_pb2.TopLogprob(token_id=tid, token=t_text, bytes=t_data, logprob=value)
+                thinker_pb2.TopLogprob(token_id=tid, token=t_text, token_bytes=t_data, logprob=value)
             )
         return out
 
