@@ -42,7 +42,8 @@ from gateway.openai.chat import router as chat_router
 from gateway.openai.errors import APIError, error_body, error_response
 from gateway.runtime import GatewayRuntime
 from gateway.shutdown import GRACEFUL_SHUTDOWN_S, GatewayServer
-from services.common.deploy_profile import ProfileError, load_profile
+from services.common.deploy_profile import load_profile
+from services.common.deploy_schema import ProfileError
 from services.common.heap import prepare_heap_for_serving
 from services.common.tls import ClientTLS
 

@@ -64,14 +64,13 @@ from gateway import logs
 from gateway.auth import API_KEY_ENV, ApiKeyError, is_loopback, resolve_api_key
 from services.common.deploy_profile import (
     STAGE_SETTINGS_ENV,
-    STAGES,
     DeployProfile,
-    ProfileError,
     StageProfile,
     TLSProfile,
     load_profile,
     parse_overrides,
 )
+from services.common.deploy_schema import STAGES, ProfileError
 from services.common.gpu_sharing import MpsDaemon, start_sharing
 
 log = logging.getLogger("minicpmo.launcher")
@@ -379,13 +378,13 @@ def _stage_serving(port: int, stage: str, tls: TLSProfile | None = None) -> bool
             )
         except grpc.RpcError:
             return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def _gateway_healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=3) as resp:
-            return resp.status == 200
+            return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False
 
@@ -408,7 +407,7 @@ def restart_delay(quick_deaths: int) -> float:
     doubling to ``RESTART_MAX_S`` (a child that cannot start must not spin)."""
     if quick_deaths <= 1:
         return 0.0
-    return min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (quick_deaths - 2))
+    return min(RESTART_MAX_S, RESTART_BASE_S * 2.0 ** (quick_deaths - 2))
 
 
 class Supervisor:

@@ -58,7 +58,8 @@ def _sessions(app: FastAPI) -> dict[str, Any]:
     if registry is None:
         return {}
     registry.draining = True
-    return registry.sessions
+    sessions: dict[str, Any] = registry.sessions
+    return sessions
 
 
 def _busy(session: Any) -> bool:

@@ -165,11 +165,12 @@ class StageClient:
         """The next replica round-robin, skipping ``avoid`` and replicas known down while another is left."""
         n = len(self.replicas)
         order = [self.replicas[(self._next + i) % n] for i in range(n)]
-        for usable in (
+        rules: tuple[Callable[[Replica], bool], ...] = (
             lambda r: r is not avoid and not r.unreachable(),
             lambda r: r is not avoid,
             lambda r: True,
-        ):
+        )
+        for usable in rules:
             chosen = next((r for r in order if usable(r)), None)
             if chosen is not None:
                 self._next = (self.replicas.index(chosen) + 1) % n

@@ -39,7 +39,8 @@ async def write_or_end(call: Any, msg: Message) -> None:
     try:
         await asyncio.wait((writing, ended), return_when=asyncio.FIRST_COMPLETED)
         if writing.done():
-            return writing.result()
+            writing.result()  # raises the write's own failure, if any
+            return
         raise asyncio.InvalidStateError("the call ended while a write waited to start")
     finally:
         for fut in (writing, ended):

@@ -6,7 +6,8 @@ bash scripts/setup.sh
 export OPENBLAS_NUM_THREADS=1
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# Types over services/ (every stage and services/common) and gateway/ ([tool.mypy] in pyproject.toml).
+# Types over services/ (every stage and services/common) and gateway/, strict on gateway/ and services/common/
+# ([tool.mypy] and its overrides in pyproject.toml).
 .venv/bin/mypy
 set +e
 .venv/bin/python -m pytest -q -rs "$@"

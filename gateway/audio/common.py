@@ -12,7 +12,8 @@ from gateway.stage_failure import StageFailure
 
 
 def runtime_of(request: Request) -> GatewayRuntime:
-    return request.app.state.runtime
+    runtime: GatewayRuntime = request.app.state.runtime
+    return runtime
 
 
 def voice_registry(request: Request) -> VoiceRegistry:

@@ -55,7 +55,8 @@ _OPENAPI_BODY, OPENAPI_COMPONENTS = chat_request_openapi()
 
 
 def _runtime(request: Request) -> GatewayRuntime:
-    return request.app.state.runtime
+    runtime: GatewayRuntime = request.app.state.runtime
+    return runtime
 
 
 def _build_job(

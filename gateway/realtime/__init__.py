@@ -43,7 +43,8 @@ def mount_realtime(app: FastAPI) -> None:
         # Unit tests of the lifecycle projection may install their own pipeline; the server never does.
         override = getattr(app.state, "realtime_pipeline_factory", None)
         if override is not None:
-            return override(session)
+            pipeline: SessionPipeline = override(session)
+            return pipeline
         # Stage channels live on the runtime the app builds in its lifespan (shared with chat routes).
         return GrpcDuplexPipeline(session, app.state.runtime.stages, app.state.realtime_settings)
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.realtime.errors import RealtimeError
-from services.common.audio import float_to_pcm16, pcm16_to_float, resample, wav_bytes
+from services.common.audio import float_to_pcm16, pcm16_to_float, wav_bytes
+from services.common.audio import resample as resample  # re-exported for the realtime pipeline
 
 UNIT_RATE = 16_000
 UNIT_SAMPLES = 16_000  # one 1 s unit at 16 kHz (docs/model.md, Duplex)

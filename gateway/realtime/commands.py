@@ -91,8 +91,9 @@ async def close(s: CommandHost, event: dict[str, Any]) -> None:
 def _is_speech(s: CommandHost, event: dict[str, Any], samples: np.ndarray) -> bool:
     """The client's speech flag or probability on the append, else an energy check of the audio."""
     for key in ("is_speech", "speech"):
-        if isinstance(event.get(key), bool):
-            return event[key]
+        flag = event.get(key)
+        if isinstance(flag, bool):
+            return flag
     prob = event.get("speech_probability")
     vad = event.get("vad")
     if prob is None and isinstance(vad, dict):

@@ -75,8 +75,9 @@ class RealtimeEndpoint:
         message = await asyncio.wait_for(ws.receive(), timeout)
         if message["type"] == "websocket.disconnect":
             return None
-        if message.get("text") is not None:
-            return message["text"]
+        text: str | None = message.get("text")
+        if text is not None:
+            return text
         return ""  # binary frame
 
     def _authorized(self, ws: WebSocket) -> bool:

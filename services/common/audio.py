@@ -52,7 +52,8 @@ def resample(samples: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
     x = np.asarray(samples, dtype=np.float32)
     if int(src_rate) == int(dst_rate) or x.size == 0:
         return x
-    return soxr.resample(x, int(src_rate), int(dst_rate), quality="HQ").astype(np.float32, copy=False)
+    out: np.ndarray = soxr.resample(x, int(src_rate), int(dst_rate), quality="HQ")
+    return out.astype(np.float32, copy=False)
 
 
 def resample_torchaudio(samples: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
@@ -69,7 +70,9 @@ def resample_torchaudio(samples: np.ndarray, src_rate: int, dst_rate: int) -> np
 
     # The transform, not torchaudio.functional.resample: it builds its kernel differently (1e-7 apart).
     wave = torch.from_numpy(np.ascontiguousarray(x))[None]
-    return torchaudio.transforms.Resample(orig_freq=int(src_rate), new_freq=int(dst_rate))(wave)[0].numpy()
+    resampler = torchaudio.transforms.Resample(orig_freq=int(src_rate), new_freq=int(dst_rate))
+    out: np.ndarray = resampler(wave)[0].numpy()
+    return out
 
 
 def to_mono(samples: np.ndarray) -> np.ndarray:

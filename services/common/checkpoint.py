@@ -228,19 +228,23 @@ class Checkpoint:
 
     @property
     def vision_config(self) -> dict[str, Any]:
-        return self.config["vision_config"]
+        section: dict[str, Any] = self.config["vision_config"]
+        return section
 
     @property
     def audio_config(self) -> dict[str, Any]:
-        return self.config["audio_config"]
+        section: dict[str, Any] = self.config["audio_config"]
+        return section
 
     @property
     def tts_config(self) -> dict[str, Any]:
-        return self.config["tts_config"]
+        section: dict[str, Any] = self.config["tts_config"]
+        return section
 
     @property
     def slice_config(self) -> dict[str, Any]:
-        return self.config["slice_config"]
+        section: dict[str, Any] = self.config["slice_config"]
+        return section
 
     @cached_property
     def preprocessor_config(self) -> dict[str, Any]:

@@ -380,7 +380,8 @@ def stage_settings_from_env(stage: str) -> dict[str, Any] | None:
     data = json.loads(text)
     if data.get("name") != stage:
         return None
-    return data
+    section: dict[str, Any] = data
+    return section
 
 
 def apply_memory_fraction(settings: Mapping[str, Any] | None, device: str) -> None:

@@ -379,4 +379,4 @@ class StageServicer:
 
 
 def _is_end(req: Any) -> bool:
-    return req.WhichOneof("kind") == "control" and req.control.WhichOneof("kind") == "end"
+    return bool(req.WhichOneof("kind") == "control" and req.control.WhichOneof("kind") == "end")

@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -70,7 +70,7 @@ class CheckReport:
         self.lines.append(f"  {label:<22} {text}")
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise CheckpointError(msg)
 
 

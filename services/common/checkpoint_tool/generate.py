@@ -27,7 +27,8 @@ def read_manifest(root: str | Path) -> dict[str, Any] | None:
     """The generator's manifest of a checkpoint directory, or None (e.g. a real download)."""
     path = Path(root) / MANIFEST
     try:
-        return json.loads(path.read_text())
+        manifest: dict[str, Any] = json.loads(path.read_text())
+        return manifest
     except (OSError, json.JSONDecodeError):
         return None
 

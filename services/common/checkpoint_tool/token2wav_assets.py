@@ -110,12 +110,12 @@ def load_flow_yaml(path: Path, *, build: bool) -> dict[str, Any]:
     """
     import importlib
 
-    class FlowLoader(yaml.SafeLoader):
+    class FlowLoader(yaml.SafeLoader):  # type: ignore[misc]  # yaml ships no type information here (Any)
         pass
 
     def constructor_for(tag: str) -> Callable[[yaml.SafeLoader, yaml.Node], Any]:
         def construct(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
-            kwargs = loader.construct_mapping(node, deep=True)  # type: ignore[arg-type]
+            kwargs = loader.construct_mapping(node, deep=True)
             if not build:
                 return {"__class__": tag, **kwargs}
             module_name, cls_name = FLOW_TAGS[tag]
@@ -334,7 +334,8 @@ def _resonate(x: np.ndarray, freq: float, bandwidth: float, rate: int) -> np.nda
 
     r = np.exp(-np.pi * bandwidth / rate)
     a = [1.0, -2 * r * np.cos(2 * np.pi * freq / rate), r * r]
-    return lfilter([1.0 - r], a, x)
+    out: np.ndarray = lfilter([1.0 - r], a, x)
+    return out
 
 
 def synth_reference_audio(
@@ -369,7 +370,8 @@ def synth_reference_audio(
         out[pos : pos + n] += seg
         pos += n + (int(rate * rng.uniform(0.08, 0.25)) if rng.random() < 0.3 else int(0.02 * rate))
     out += 0.002 * rng.standard_normal(total)  # room noise floor
-    return (0.5 * out / np.max(np.abs(out))).astype(np.float32)
+    wave: np.ndarray = (0.5 * out / np.max(np.abs(out))).astype(np.float32)
+    return wave
 
 
 def write_reference_audio(path: Path, seed: int) -> None:

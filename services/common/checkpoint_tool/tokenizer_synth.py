@@ -346,4 +346,5 @@ def write_tokenizer_files(out_dir: Path) -> int:
         "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    return tok.get_vocab_size(with_added_tokens=True)
+    size: int = tok.get_vocab_size(with_added_tokens=True)
+    return size

@@ -43,10 +43,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from typing import Any
 
 import torch
 
-from services.common.kernels.tiles import AttentionTiles
+from services.common.kernels.tiles import AttentionTiles as AttentionTiles  # re-exported for the stages
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ def key_splits(tiles: int, kv_heads: int, context: int, sms: int) -> int:
     return s
 
 
-def get_ops(backend: str):  # noqa: ANN201 (TorchOps or the Triton module's ops object)
+def get_ops(backend: str) -> Any:  # TorchOps or TritonOps: the same static methods, no declared protocol
     """The ops object of ``backend`` (the Triton module is imported only when asked for)."""
     if backend == "torch":
         return TorchOps

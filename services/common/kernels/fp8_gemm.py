@@ -103,8 +103,8 @@ def config_for(m: int, n: int, k: int, device: torch.device | None = None) -> Fp
     return FP8_CONFIGS.get((row_bucket(m), n, k)) or default_config(m, n, k, _sm_count(device))
 
 
-@triton.jit(do_not_specialize=["m"])
-def _fp8_gemm_kernel(
+@triton.jit(do_not_specialize=["m"])  # type: ignore[untyped-decorator]  # triton ships no type information
+def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, ws_ptr, cnt_ptr, m,
     N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -164,8 +164,8 @@ def _fp8_gemm_kernel(
         _fp8_epilogue(acc, s_ptr, b_ptr, out_ptr, res_ptr, cols, col_ok, out_off, out_msk, HAS_BIAS, HAS_RES)
 
 
-@triton.jit
-def _fp8_epilogue(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _fp8_epilogue(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     acc, s_ptr, b_ptr, out_ptr, res_ptr, cols, col_ok, out_off, out_msk,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip

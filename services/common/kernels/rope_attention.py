@@ -35,8 +35,8 @@ from services.common.kernels.triton_parts import (
 LOOKBACK = 32  # rows a packed step holds at most (ModelRunner.PACKED_MAX_ROWS): how far fresh rows reach
 
 
-@triton.jit
-def _fresh_key(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _fresh_key(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     qkv_ptr, w_ptr, cos_ptr, sin_ptr, row, pos, inv_x, eps, kh, vh, d_idx, lower,
     D: tl.constexpr, WIDTH: tl.constexpr, HAS_NORM: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
@@ -61,11 +61,11 @@ def _fresh_key(
     return k, v
 
 
-@triton.jit(
+@triton.jit(  # type: ignore[untyped-decorator]  # triton ships no type information
     do_not_specialize=["table_stride", "n_rows"],
     do_not_specialize_on_alignment=["pos_ptr", "slot_ptr", "table_ptr"],
 )
-def _rope_attention_kernel(
+def _rope_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     qkv_ptr, w_ptr, cos_ptr, sin_ptr, x_ptr, pos_ptr, slot_ptr, table_ptr, table_stride,
     k_ptr, v_ptr, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr, n_rows, eps, x_eps, scale_log2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,

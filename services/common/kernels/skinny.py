@@ -112,8 +112,8 @@ def config_for(m: int, n: int, k: int) -> SkinnyConfig:
     return SKINNY_CONFIGS[(pick, n, k)]
 
 
-@triton.jit
-def _inv_rms(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _inv_rms(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     a_ptr, d_ptr, xo_ptr, m, eps, write_x,
     K: tl.constexpr, ROWS: tl.constexpr, STAT_K: tl.constexpr, HAS_DELTA: tl.constexpr,
 ):  # fmt: skip
@@ -136,8 +136,8 @@ def _inv_rms(
     return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
 
 
-@triton.jit
-def _operand(a_ptr, d_ptr, nw_ptr, rows, row_ok, k, k_ok, inv, K: tl.constexpr, PROLOGUE: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _operand(a_ptr, d_ptr, nw_ptr, rows, row_ok, k, k_ok, inv, K: tl.constexpr, PROLOGUE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     """The ``[rows, k]`` tile of the GEMM's left operand, through the prologue (activation dtype)."""
     msk = row_ok[:, None] & k_ok[None, :]
     if PROLOGUE == 3:  # SwiGLU of gate_up [M, 2K]
@@ -160,8 +160,8 @@ def _operand(a_ptr, d_ptr, nw_ptr, rows, row_ok, k, k_ok, inv, K: tl.constexpr, 
     return a
 
 
-@triton.jit(do_not_specialize=["m"])
-def _skinny_kernel(
+@triton.jit(do_not_specialize=["m"])  # type: ignore[untyped-decorator]  # triton ships no type information
+def _skinny_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     a_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, xo_ptr, ws_ptr, cnt_ptr, res_ptr, m, eps,
     N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -27,8 +27,8 @@ from services.common.kernels.tiles import AttentionTiles
 from services.common.kernels.triton_parts import attend_pages, norm_rope_tile, row_inv_rms, write_output
 
 
-@triton.jit
-def _add_rms_norm_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _add_rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     x_ptr, d_ptr, w_ptr, xo_ptr, y_ptr, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -47,8 +47,8 @@ def _add_rms_norm_kernel(
     tl.store(y_ptr + row * n_cols + cols, y, mask=m)
 
 
-@triton.jit
-def _silu_mul_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def _silu_mul_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     gu_ptr,
     out_ptr,
     x_ptr,
@@ -77,8 +77,8 @@ def _silu_mul_kernel(
     )
 
 
-@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
-def _qk_rope_store_kernel(
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])  # type: ignore[untyped-decorator]  # triton ships no type information
+def _qk_rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     qkv_ptr,
     w_ptr,
     cos_ptr,
@@ -132,11 +132,11 @@ def _qk_rope_store_kernel(
         tl.store(v_ptr + (slot * HKV + (h - HQ - HKV)) * D + offs, x)
 
 
-@triton.jit(
+@triton.jit(  # type: ignore[untyped-decorator]  # triton ships no type information
     do_not_specialize=["table_stride", "n_rows"],
     do_not_specialize_on_alignment=["row_ptr", "len_ptr", "seq_ptr", "pos_ptr", "table_ptr"],
 )
-def _paged_attention_kernel(
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     q_ptr,
     k_ptr,
     v_ptr,
@@ -205,7 +205,8 @@ _COUNTERS = ArrivalCounters("split counters")  # the split-K merge of paged atte
 
 def _chunk(hidden: int) -> int:
     """Columns per load of :func:`_row_inv_rms`: the row in a few wide loads, at most 1024 per load."""
-    return min(1024, triton.next_power_of_2(hidden))
+    width: int = min(1024, triton.next_power_of_2(hidden))
+    return width
 
 
 class TritonOps:

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def row_inv_rms(x_ptr, row, eps, HIDDEN: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def row_inv_rms(x_ptr, row, eps, HIDDEN: tl.constexpr, CHUNK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     """``1 / RMS`` of row ``row`` of ``x [*, HIDDEN]`` in fp32 (the statistics of a folded RMSNorm; one row
     per program, where :mod:`.skinny`'s ``_inv_rms`` sums a block of rows with an optional residual add)."""
     acc = tl.zeros([CHUNK], tl.float32)
@@ -22,8 +22,8 @@ def row_inv_rms(x_ptr, row, eps, HIDDEN: tl.constexpr, CHUNK: tl.constexpr):
     return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / HIDDEN + eps)
 
 
-@triton.jit
-def norm_rope_tile(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def norm_rope_tile(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     x, xp, inv_x, w, wp, c, s, eps, lower, SCALED: tl.constexpr, HAS_NORM: tl.constexpr, D: tl.constexpr
 ):
     """Rotary of a ``[M, D]`` tile of heads (``xp``: the same heads at the rotate-half partner columns).
@@ -50,8 +50,8 @@ def norm_rope_tile(
     return (a + b).to(x.dtype)
 
 
-@triton.jit
-def attend_pages(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     q,
     m_i,
     l_i,
@@ -103,7 +103,7 @@ def attend_pages(
 
 
 @triton.jit
-def attend_one(q, m_i, l_i, acc, k, v, allowed, scale_log2):
+def attend_one(q, m_i, l_i, acc, k, v, allowed, scale_log2):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     """:func:`attend_pages` for one key held in registers (``k``/``v``: ``[1, D]``, ``allowed``: ``[M]``):
     the score in fp32 from the same products a dot would sum, the weight rounded to ``v``'s dtype."""
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * scale_log2
@@ -117,8 +117,8 @@ def attend_one(q, m_i, l_i, acc, k, v, allowed, scale_log2):
     return m_new, l_i, acc
 
 
-@triton.jit
-def write_output(
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def write_output(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     acc,
     m_i,
     l_i,
