@@ -14,8 +14,8 @@ two decode, so its prefill and their decode rows replay one row graph (a mixed s
   tokens and the final-norm hidden row of every fed token. The eager engine runs the pure-torch kernels
   (``--eager-kernels torch``), the graphed one the default backend (Triton on CUDA: fused norms, rotary,
   cache writes and paged attention, and the cuBLAS GEMMs; graph steps run with the norm weights folded into
-  the GEMMs, and the O projection with its residual add as one skinny Triton GEMM; the fully skinny loop,
-  which measured slower, is not run), so the comparison covers both the graphs and the kernels. The graphed engine runs on its own
+  the GEMMs, and the O projection with its residual add as one skinny Triton GEMM), so the comparison
+  covers both the graphs and the kernels. The graphed engine runs on its own
   copy of the weights (folding changes them in place), the eager one and the reference logits on the
   unfolded ones;
 * talker: :class:`services.talker.engine.TalkerEngine`, greedy codes (repetition penalty off, so the
@@ -181,12 +181,10 @@ def thinker_runs(
     active = engine.runner.use_cuda_graphs
     counts = dict(engine.runner.step_counts)
     counts["chained"] = engine.chained_steps  # overlapped decode steps (services.thinker.overlap)
-    skinny, skinny_passes = engine.runner.skinny_gemm, engine.runner.fused.skinny_passes
     fold, folded_passes = engine.runner.norm_fold, engine.runner.fused.folded_passes
     print(
         f"[cuda_smoke] thinker {'graph' if graphs else 'eager'} engine steps ({engine.runner.kernel_backend} "
-        f"kernels, skinny GEMMs {'on' if skinny else 'off'}: {skinny_passes} layer passes, folded norms "
-        f"{'on' if fold else 'off'}: {folded_passes} layer passes): {counts}",
+        f"kernels, folded norms {'on' if fold else 'off'}: {folded_passes} layer passes): {counts}",
         flush=True,
     )
     del engine
@@ -196,9 +194,7 @@ def thinker_runs(
         raise RuntimeError("thinker engine did not enable CUDA graphs")
     if graphs and active and late_after is not None and counts["graph_mixed"] < 1:
         raise RuntimeError(f"the late prompt's prefill did not replay a row graph: {counts}")
-    if graphs and active and skinny and skinny_passes < 1:
-        raise RuntimeError("the skinny GEMMs are on but no graph recorded them")
-    if graphs and active and fold and not skinny and folded_passes < 1:
+    if graphs and active and fold and folded_passes < 1:
         raise RuntimeError("the folded norms are on but no graph recorded them")
     return runs
 

@@ -3,7 +3,7 @@
 The row graph hands its body (which reads the static input buffers) to the capture hook; here "replay"
 reruns that body and copies its outputs into the tensors the first run returned, as a real graph replay
 writes into the captured outputs. So graph-only engine paths (packed-row steps, the overlapped decode,
-the skinny GEMMs) run on the CPU with the same buffer discipline.
+the folded-norm loop and its skinny O projection) run on the CPU with the same buffer discipline.
 """
 
 from __future__ import annotations

@@ -15,15 +15,20 @@ def test_bench_runs_and_reports(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.
     argv = [
         "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--batches", "2", "--context-len", "8",
         "--decode-steps", "2", "--warmup-steps", "1", "--prompt-len", "12", "--prefill-iters", "1",
-        "--hf-decode-steps", "1", "--hbm-gbps", "100", "--overlap", "both", "--skinny", "both",
+        "--hf-decode-steps", "1", "--hbm-gbps", "100", "--overlap", "both", "--skinny-o", "both",
         "--json-out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(out.read_text())
     # --overlap both: the batch runs with the overlapped decode off, then on (CPU: no graphs, nothing chains);
-    # --skinny both: twice over, the skinny GEMMs off then on (CPU torch kernels: never actually on)
-    assert [(r["batch"], r["overlap"]) for r in result["engine_decode"]] == [(2, False), (2, True)] * 2
-    assert not any(r["skinny"] for r in result["engine_decode"])
+    # --skinny-o both: twice over, the skinny O projection off then on (CPU torch kernels: no folded loop
+    # runs it, but each arm reports its setting)
+    assert [(r["batch"], r["overlap"], r["skinny_o"]) for r in result["engine_decode"]] == [
+        (2, False, False),
+        (2, True, False),
+        (2, False, True),
+        (2, True, True),
+    ]
     assert all(r["chained_steps"] == 0 for r in result["engine_decode"])
     assert [r["batch"] for r in result["transformers_decode"]] == [2]
     for r in result["engine_decode"]:

@@ -13,13 +13,13 @@ bytes and FLOPs), in one process and one run:
 * the levers A/B in the same run (``--overlap on|off|both``): engine decode with and without the
   overlapped decode of :mod:`services.thinker.overlap` (same engine, same graphs), each row reporting
   engine ms, the replay alone, the floor and the ratios;
-* the skinny decode GEMMs A/B (``--skinny on|off|both``, :mod:`services.common.kernels.skinny`): each arm
-  drops the captured graphs and recaptures them with the GEMM path switched (same engine and weights);
 * the folded-norm loop A/B (``--norm-fold on|off|both``, :mod:`services.thinker.fused_forward`): the
   norm weights are folded once (one-way); the ``off`` arm runs the norm kernels on the folded weights,
   the same kernels and launches as an unfolded model; each arm recaptures the graphs;
 * the one-launch rotary + attention A/B (``--rope-attention on|off|both``,
   :mod:`services.common.kernels.rope_attention`): each arm recaptures the graphs;
+* the skinny O projection A/B (``--skinny-o on|off|both``, :mod:`services.common.kernels.skinny`): the
+  folded loop's O GEMM + residual add as one Triton launch or cuBLAS's ``addmm_``; each arm recaptures;
 * the same-run floors of :mod:`bench.thinker.floor`: the step's weight matmuls alone in one CUDA graph
   per batch (decode is reported as a ratio to it) and the dense matmul rate (prefill is reported as the
   share of it its matmul FLOPs reach);
@@ -124,7 +124,6 @@ def engine_decode(
         "batch": batch,
         "weights": engine.runner.weights,
         "overlap": engine.overlap,
-        "skinny": engine.runner.skinny_gemm,
         "norm_fold": engine.runner.norm_fold,
         "rope_attention": engine.runner.fused.rope_attention,
         "skinny_o": engine.runner.fused.skinny_o,
@@ -233,7 +232,7 @@ def markdown(result: dict[str, Any]) -> str:
         h = hf.get(r["batch"])
         roof = r.get("roofline_ms")
         label = (
-            f"{r['batch']}{' (overlap)' if r.get('overlap') else ''}{' (skinny)' if r.get('skinny') else ''}"
+            f"{r['batch']}{' (overlap)' if r.get('overlap') else ''}"
             f"{' (folded)' if r.get('norm_fold') else ''}{' (rope+attn)' if r.get('rope_attention') else ''}"
         )
         lines.append(
@@ -251,10 +250,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"Same-run floors: dense {result['dtype']} matmul {ref['matmul_tflop_s']:.0f} TFLOP/s, copy "
             f"{ref['copy_tb_s']:.2f} TB/s, weights {ref['weight_bytes'] / 1e9:.2f} GB per step.",
             "",
-            "| batch | overlap | skinny | folded norms | rope+attention | skinny O | engine ms/step | graph replay ms "
+            "| batch | overlap | folded norms | rope+attention | skinny O | engine ms/step | graph replay ms "
             "| matmul-stack floor ms | ratio | replay ratio | floor weight TB/s "
             "| floor, lm_head swapped ms | ratio to it |",
-            "|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["engine_decode"]:
             f = stack.get(r["batch"])
@@ -262,12 +261,11 @@ def markdown(result: dict[str, Any]) -> str:
                 tb = next(x["weight_tb_s"] for x in ref["matmul_stack"] if x["batch"] == r["batch"])
                 rep = r.get("graph_replay_ms")
                 over = "on" if r.get("overlap") else "off"
-                skinny = "on" if r.get("skinny") else "off"
                 fold = "on" if r.get("norm_fold") else "off"
                 ra = "on" if r.get("rope_attention") else "off"
                 so = "on" if r.get("skinny_o") else "off"
                 lines.append(
-                    f"| {r['batch']} | {over} | {skinny} | {fold} | {ra} | {so} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
+                    f"| {r['batch']} | {over} | {fold} | {ra} | {so} | {r['ms_per_step']:.2f} | {'–' if rep is None else f'{rep:.2f}'} "
                     f"| {f:.2f} | {r['ms_per_step'] / f:.3f}x | {'–' if rep is None else f'{rep / f:.3f}x'} "
                     f"| {tb:.2f} | {r.get('floor_swapped_head_ms', float('nan')):.2f} "
                     f"| {r.get('floor_swapped_head_ratio', float('nan')):.3f}x |"
@@ -305,7 +303,6 @@ def fp8_arm(
 
     runner = engine.runner
     runner.drop_graphs()
-    runner.set_skinny_gemm(None)
     runner.set_norm_fold(None)
     runner.fused.rope_attention = rope_attention_enabled(None)
     runner.fused.skinny_o = skinny_o_enabled(None)
@@ -414,12 +411,6 @@ def main(argv: list[str] | None = None) -> int:
         "both",
         "overlapped decode (services.thinker.overlap); both: A/B per batch, same engine",
     )
-    lever(
-        ap,
-        "--skinny",
-        "off",
-        "skinny Triton decode GEMMs with fused norms (Triton kernels; off in the engine)",
-    )
     lever(ap, "--norm-fold", "default", "folded-norm decode loop (Triton kernels; on by default on CUDA)")
     lever(
         ap,
@@ -483,16 +474,14 @@ def main(argv: list[str] | None = None) -> int:
     decode = []
     overlaps = ARMS[args.overlap]
     arms = [
-        (s, f, ra, so)
-        for s in ARMS[args.skinny]
+        (f, ra, so)
         for f in ARMS[args.norm_fold]
         for ra in ARMS[args.rope_attention]
         for so in ARMS[args.skinny_o]
     ]
-    for skinny, fold, rope, skinny_o in arms:
+    for fold, rope, skinny_o in arms:
         # A captured graph keeps the GEMMs it recorded: each arm recaptures (lazily, at its first step).
         engine.runner.drop_graphs()
-        engine.runner.set_skinny_gemm(skinny)
         engine.runner.set_norm_fold(fold)
         engine.runner.fused.rope_attention = rope_attention_enabled(rope)
         engine.runner.fused.skinny_o = skinny_o_enabled(skinny_o)

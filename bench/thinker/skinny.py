@@ -1,20 +1,20 @@
-"""Skinny decode GEMM configs against cuBLAS, the thinker's four weight shapes, same run:
+"""Skinny O-projection GEMM configs against cuBLAS, same run:
 
     python -m bench.thinker.skinny --device cuda [--rows 1,4,8,16] [--all]
 
-For QKV (N 6144, K 4096, add+RMSNorm prologue), O (4096 x 4096, plain), gate|up (24576 x 4096,
-add+RMSNorm prologue) and down (4096 x 12288, SwiGLU prologue) at each row count:
+For the O projection with its residual add (N 4096, K 4096: ``residual + h @ W.T``, the folded decode
+loop's ``skinny.linear_accumulate``) at each row count:
 
-* ``cublas``: ``F.linear`` alone (the GEMM the step runs today, without its norm);
-* ``unfused``: today's pair, the Triton norm/gate kernel of ``TritonOps`` then ``F.linear``;
+* ``cublas``: ``torch.addmm(residual, h, W.T)``, what the step runs without the skinny kernel;
 * every candidate config of :mod:`services.common.kernels.skinny` (column tile, K tile, split-K,
-  warps, stages, ``tl.dot`` or broadcast-sum), its output checked against ``unfused`` (max abs error).
+  warps, stages, ``tl.dot`` or broadcast-sum), its output checked against ``cublas`` (max abs error).
 
 Each variant is 36 calls (one per layer) recorded into one CUDA graph, so launch gaps count as in the
 step; the 36 calls cycle over enough copies of the weight (≥ 256 MiB) that none is served from L2.
-Prints a Markdown table (µs per call, weight GB/s), the step's four GEMMs x 36 layers per arm, and the
-best config of every (row bucket, shape) as the ``SKINNY_CONFIGS`` literal to paste into ``skinny.py``.
-On CPU (``TRITON_INTERPRET=1``, fp32) ``--scale 32`` shrinks the shapes to check the script itself.
+Prints a Markdown table (µs per call, weight GB/s), the 36 layers' O GEMMs per arm, and the best config
+of every row bucket as the ``SKINNY_CONFIGS`` literal to paste into ``skinny.py`` (or write them with
+``--json-out`` for the thinker's ``kernel_table`` profile key). On CPU (``TRITON_INTERPRET=1``, fp32)
+``--scale 32`` shrinks the shape to check the script itself.
 """
 
 from __future__ import annotations
@@ -26,18 +26,12 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from bench.thinker import floor
 
 LAYERS = 36
-# name -> (N, K, prologue), the fused weight layout of the full-size thinker
-SHAPES = {
-    "qkv": (6144, 4096, "add_rms_norm"),
-    "o": (4096, 4096, "plain"),
-    "gate_up": (24576, 4096, "add_rms_norm"),
-    "down": (4096, 12288, "silu_mul"),
-}
+# name -> (N, K): the full-size thinker's O projection, the one GEMM the engine runs skinny
+SHAPES = {"o": (4096, 4096)}
 
 
 def _graph_us(fn: Callable[[int], object], device: torch.device, iters: int = 20) -> float:
@@ -88,44 +82,30 @@ def candidates(m: int, n: int, k: int, sms: int) -> list:  # (SkinnyConfig list:
 
 
 def _case(device: torch.device, dtype: torch.dtype, m: int, name: str, scale: int, sms: int) -> dict:
-    """One (rows, shape) point: cuBLAS, the unfused pair and every candidate on the same inputs."""
+    """One (rows, shape) point: cuBLAS and every candidate on the same inputs."""
     from services.common.kernels import skinny
-    from services.common.kernels.triton_ops import TritonOps
 
-    n, k, prologue = SHAPES[name]
+    n, k = SHAPES[name]
     n, k = n // scale, k // scale
     gen = torch.Generator(device=device).manual_seed(m)
     wbytes = n * k * dtype.itemsize
     copies = max(1, min(LAYERS, -(-(256 << 20) // wbytes)))
     weights = [torch.randn(n, k, device=device, generator=gen, dtype=dtype) / k**0.5 for _ in range(copies)]
-    x = torch.randn(m, k, device=device, generator=gen, dtype=dtype)
-    delta = torch.randn(m, k, device=device, generator=gen, dtype=dtype)
-    norm_w = 1 + 0.1 * torch.randn(k, device=device, generator=gen, dtype=dtype)
-    gate_up = torch.randn(m, 2 * k, device=device, generator=gen, dtype=dtype)
-    eps = 1e-6
+    h = torch.randn(m, k, device=device, generator=gen, dtype=dtype)
+    residual = torch.randn(m, n, device=device, generator=gen, dtype=dtype)
 
     def w(i: int) -> torch.Tensor:
         return weights[i % copies]
 
-    def unfused(i: int) -> torch.Tensor:
-        if prologue == "add_rms_norm":
-            return F.linear(TritonOps.add_rms_norm(x, delta, norm_w, eps)[1], w(i))
-        if prologue == "silu_mul":
-            return F.linear(TritonOps.silu_mul(gate_up), w(i))
-        return F.linear(x, w(i))
+    def cublas(i: int) -> torch.Tensor:
+        return torch.addmm(residual, h, w(i).t())
 
     def fused(cfg) -> Callable[[int], torch.Tensor]:  # noqa: ANN001
-        if prologue == "add_rms_norm":
-            return lambda i: skinny.linear_add_rms_norm(x, delta, norm_w, eps, w(i), config=cfg)[1]
-        if prologue == "silu_mul":
-            return lambda i: skinny.linear_silu_mul(gate_up, w(i), config=cfg)
-        return lambda i: skinny.linear(x, w(i), config=cfg)
+        return lambda i: skinny.linear_accumulate(h, w(i), residual, config=cfg)
 
-    a = gate_up[:, :k] if prologue == "silu_mul" else x
     row: dict = {"rows": m, "shape": name, "n": n, "k": k, "weight_bytes": wbytes}
-    row["cublas_us"] = _graph_us(lambda i: F.linear(a, w(i)), device)
-    row["unfused_us"] = _graph_us(unfused, device)
-    ref = unfused(0).float()
+    row["cublas_us"] = _graph_us(cublas, device)
+    ref = cublas(0).float()
     sweep = []
     for cfg in candidates(m, n, k, sms):
         entry: dict = {"config": cfg}
@@ -147,36 +127,28 @@ def _gbs(row: dict, us: float) -> float:
 
 def report(rows: list[dict], show_all: bool) -> str:
     lines = [
-        "| rows | shape | cuBLAS µs (GB/s) | norm/gate + cuBLAS µs | skinny best µs (GB/s) | vs unfused "
+        "| rows | shape | cuBLAS addmm µs (GB/s) | skinny best µs (GB/s) | vs cuBLAS "
         "| max abs err | best (block_n, block_k, split_k, warps, stages, dot) |",
-        "|---:|---|---:|---:|---:|---:|---:|---|",
+        "|---:|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         b = r["best"]
         if b is None:
-            lines.append(
-                f"| {r['rows']} | {r['shape']} | {r['cublas_us']:.1f} | {r['unfused_us']:.1f} | – | – | – | – |"
-            )
+            lines.append(f"| {r['rows']} | {r['shape']} | {r['cublas_us']:.1f} | – | – | – | – |")
             continue
         lines.append(
             f"| {r['rows']} | {r['shape']} | {r['cublas_us']:.1f} ({_gbs(r, r['cublas_us']):.0f}) "
-            f"| {r['unfused_us']:.1f} | {b['us']:.1f} ({_gbs(r, b['us']):.0f}) "
-            f"| {r['unfused_us'] / b['us']:.2f}x | {b['max_abs_err']:.2e} | {tuple(b['config'])} |"
+            f"| {b['us']:.1f} ({_gbs(r, b['us']):.0f}) "
+            f"| {r['cublas_us'] / b['us']:.2f}x | {b['max_abs_err']:.2e} | {tuple(b['config'])} |"
         )
     by_rows: dict[int, dict[str, float]] = {}
     for r in rows:
-        step = by_rows.setdefault(r["rows"], {"cublas": 0.0, "unfused": 0.0, "skinny": 0.0})
+        step = by_rows.setdefault(r["rows"], {"cublas": 0.0, "skinny": 0.0})
         step["cublas"] += LAYERS * r["cublas_us"] / 1e3
-        step["unfused"] += LAYERS * r["unfused_us"] / 1e3
-        step["skinny"] += LAYERS * (r["best"]["us"] if r["best"] else r["unfused_us"]) / 1e3
-    lines += ["", "Per step (4 GEMMs x 36 layers, no lm_head/attention/rotary):", ""]
-    lines += [
-        "| rows | cuBLAS GEMMs ms | norms/gate + cuBLAS ms | skinny fused ms |",
-        "|---:|---:|---:|---:|",
-    ]
-    lines += [
-        f"| {m} | {s['cublas']:.3f} | {s['unfused']:.3f} | {s['skinny']:.3f} |" for m, s in by_rows.items()
-    ]
+        step["skinny"] += LAYERS * (r["best"]["us"] if r["best"] else r["cublas_us"]) / 1e3
+    lines += ["", f"Per step ({LAYERS} layers' O projections):", ""]
+    lines += ["| rows | cuBLAS addmm ms | skinny ms |", "|---:|---:|---:|"]
+    lines += [f"| {m} | {s['cublas']:.3f} | {s['skinny']:.3f} |" for m, s in by_rows.items()]
     if show_all:
         lines += ["", "| rows | shape | config | µs | GB/s | max abs err |", "|---:|---|---|---:|---:|---:|"]
         for r in rows:
@@ -198,7 +170,7 @@ def config_literal(rows: list[dict]) -> str:
 
     body = [
         f"    ({row_bucket(r['rows'])}, {r['n']}, {r['k']}): {r['best']['config']!r},  # {r['shape']}: "
-        f"{r['best']['us']:.1f} µs vs {r['unfused_us']:.1f} unfused"
+        f"{r['best']['us']:.1f} µs vs cuBLAS {r['cublas_us']:.1f}"
         for r in rows
         if r["best"] is not None
     ]

@@ -81,9 +81,6 @@ class EngineConfig:
     reserve_bytes: int = 0
     use_cuda_graphs: bool = True
     compile_layers: bool = False  # torch.compile the per-layer norm/rotary/MLP blocks (GPU throughput)
-    # Skinny Triton GEMMs with fused norms/SwiGLU for graphed decode steps (services.common.kernels.skinny);
-    # None: off (measured slower than cuBLAS on the H200; a benchmark arm turns it on).
-    skinny_gemm: bool | None = None
     # Graphed decode steps without RMSNorm kernels: the norm weights folded into the QKV and gate|up GEMMs,
     # residual adds inside the O and down GEMMs (services.thinker.fused_forward). None: on with CUDA and
     # the Triton kernels.
@@ -165,7 +162,6 @@ class ThinkerEngine:
             self.cache,
             use_cuda_graphs=config.use_cuda_graphs,
             compile_layers=config.compile_layers,
-            skinny_gemm=config.skinny_gemm,
             norm_fold=config.norm_fold,
             weights=config.weights,
         )

@@ -8,20 +8,15 @@ fused into the next layer's input norm (the last one into the final norm). It al
 tiles of a step: one-row tiles for a packed-row (graph) step, derived on the device from the graph's
 inputs; 16-row tiles of each prefill chunk for an eager step, built on the host.
 
-A packed-row step of at most :data:`SKINNY_MAX_ROWS` rows (a graphed decode step) with the runner's
-``skinny_gemm`` on runs its GEMMs through :mod:`services.common.kernels.skinny` instead of cuBLAS, each
-with the preceding norm or SwiGLU as its prologue: per layer the QKV GEMM (add + input norm), O, gate|up
-(add + post norm) and down (SwiGLU) — six launches with rotary/cache write and attention, not nine. At
-these row counts the GEMMs only stream weights, and the three removed launches per layer are most of what
-a step spent beyond its matmuls. Prefill and eager steps keep cuBLAS (many rows: compute-bound).
-
-Otherwise a packed-row step with the runner's ``norm_fold`` on (the default on CUDA) runs no RMSNorm
+A packed-row step with the runner's ``norm_fold`` on (the default on CUDA) runs no RMSNorm
 kernel at all: the norm weights live in the QKV and gate|up weights
 (:func:`~services.thinker.layer_ops.fold_norm_weights`), so those GEMMs read the residual stream itself
 and the next kernel (q/k norm + rotary, SwiGLU) scales each row by its ``1/RMS``; the O and down GEMMs add
 into the residual in place (cuBLAS with beta = 1). Per layer that is seven launches with cuBLAS's own
 GEMMs, not nine: the 72 norm launches of a step and their gaps were what the replay spent beyond the
-matmuls and attention. Eager steps keep the norm kernels (with ones as weights once folded).
+matmuls and attention. At most :data:`SKINNY_MAX_ROWS` rows the O GEMM with its residual add is one
+skinny Triton launch (:func:`services.common.kernels.skinny.linear_accumulate`), faster there than cuBLAS's
+``addmm_``. Eager steps keep the norm kernels (with ones as weights once folded).
 
 In every packed-row step (with :attr:`FusedForward.rope_attention`, on unless a benchmark arm turns it
 off) the q/k norm + rotary + K/V write and the paged attention are one
@@ -55,7 +50,6 @@ class LayerHost(Protocol):
     model: Any  # the Qwen3 decoder (its embedding and final norm)
     layers: list[FusedLayer]
     ops: Any  # the kernel backend's ops (``kernels.get_ops``)
-    skinny_gemm: bool  # packed-row steps of few rows use the skinny Triton GEMMs
     norm_fold: bool  # packed-row steps run the folded-norm loop (norm weights inside the GEMMs)
     head_fp8: Any  # the lm_head in fp8 (a kernels.fp8_gemm.Fp8Weight) when the GEMMs run in fp8, else None
     num_heads: int
@@ -66,7 +60,9 @@ class LayerHost(Protocol):
 
 
 EAGER_TILE_ROWS = 16  # rows of one sequence per attention tile in eager steps (prefill chunks)
-SKINNY_MAX_ROWS = 16  # packed-row steps of at most this many rows use the skinny GEMMs (row buckets 1..16)
+SKINNY_MAX_ROWS = (
+    16  # folded packed-row steps of at most this many rows run the skinny O GEMM (row buckets 1..16)
+)
 
 
 class FusedForward:
@@ -75,7 +71,6 @@ class FusedForward:
     def __init__(self, runner: LayerHost) -> None:
         self.runner = runner
         self._row_consts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.skinny_passes = 0  # layer loops run through the skinny GEMMs (host count: captures, tests)
         self.folded_passes = 0  # layer loops run with the folded norms (host count: captures, tests)
         # Packed-row steps: rotary + K/V write + attention in one launch (kernels.rope_attention).
         self.rope_attention = rope_attention_enabled()
@@ -83,10 +78,6 @@ class FusedForward:
         self.skinny_o = skinny_o_enabled()
         dev = runner.device
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-
-    def uses_skinny(self, rows: int, packed: bool) -> bool:
-        """Whether a step of ``rows`` rows takes the skinny GEMMs: packed-row (graph) steps of few rows."""
-        return packed and self.runner.skinny_gemm and rows <= SKINNY_MAX_ROWS
 
     def layers(
         self,
@@ -99,15 +90,12 @@ class FusedForward:
     ) -> torch.Tensor:
         """Every decoder layer over packed rows ``x [T, hidden]``; returns the final-norm hidden.
 
-        ``packed``: a packed-row step (the graph body), which may take the skinny GEMMs.
+        ``packed``: a packed-row step (the graph body), which may take the folded-norm loop.
         """
         if self.runner.head_fp8 is not None:  # weights: fp8 (services.thinker.fp8_weights)
             from services.thinker.fp8_weights import fp8_layers
 
             return fp8_layers(self, x, positions, write_slots, tiles, packed)
-        if self.uses_skinny(x.shape[0], packed):
-            self.skinny_passes += 1
-            return self._skinny_layers(x, positions, write_slots, tiles)
         if packed and self.runner.norm_fold:
             self.folded_passes += 1
             return self._folded_layers(x, positions, write_slots, tiles)
@@ -153,31 +141,6 @@ class FusedForward:
             act = ops.silu_mul(F.linear(x, lay.gate_up_weight), rms_of=(x, lay.post_eps))
             x.addmm_(act, lay.down_weight.t())
         return self._final_norm(x, None)
-
-    def _skinny_layers(
-        self, x: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, tiles: AttentionTiles
-    ) -> torch.Tensor:
-        """The layer loop of :meth:`layers` with the norms and SwiGLU inside the skinny GEMMs."""
-        from services.common.kernels import skinny
-
-        r = self.runner
-        delta: torch.Tensor | None = None
-        for idx, lay in enumerate(r.layers):
-            if delta is None:
-                qkv = skinny.linear_rms_norm(
-                    x, lay.input_norm_weight, lay.input_eps, lay.qkv_weight, lay.qkv_bias
-                )
-            else:
-                x, qkv = skinny.linear_add_rms_norm(
-                    x, delta, lay.input_norm_weight, lay.input_eps, lay.qkv_weight, lay.qkv_bias
-                )
-            o = self._attention(idx, qkv, positions, write_slots, tiles, one_launch=True)
-            attn_out = skinny.linear(o, lay.o_weight, lay.o_bias)
-            x, gate_up = skinny.linear_add_rms_norm(
-                x, attn_out, lay.post_norm_weight, lay.post_eps, lay.gate_up_weight
-            )
-            delta = skinny.linear_silu_mul(gate_up, lay.down_weight)
-        return self._final_norm(x, delta)
 
     def _attention(
         self,

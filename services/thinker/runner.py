@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.kernels import get_ops, norm_fold_enabled, select_backend, skinny_enabled
+from services.common.kernels import get_ops, norm_fold_enabled, select_backend
 from services.common.kernels.fp8_quant import Fp8Weight
 from services.thinker.fp8_weights import check_weights, quantize_runner
 from services.thinker.fp8_weights import head_logits as fp8_head_logits
@@ -94,7 +94,6 @@ class ModelRunner:
         use_cuda_graphs: bool = True,
         compile_layers: bool = False,
         kernels: str | None = None,
-        skinny_gemm: bool | None = None,
         norm_fold: bool | None = None,
         weights: str = "bf16",
     ) -> None:
@@ -122,7 +121,6 @@ class ModelRunner:
             self._post = torch.compile(post_attention, dynamic=True)
         self.use_cuda_graphs = bool(use_cuda_graphs) and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int], RowGraph] = {}
-        self._skinny_request = skinny_gemm  # None: off
         self._fold_request = norm_fold  # None: on with CUDA + Triton
         # weights: fp8 (services.thinker.fp8_weights): the lm_head in e4m3 when the GEMMs run in fp8.
         self.weights = "bf16"
@@ -152,27 +150,16 @@ class ModelRunner:
             )
         self.kernel_backend = backend
         self.ops = get_ops(self.kernel_backend)
-        # When on (opt-in, a benchmark arm), packed-row steps of few rows run their GEMMs as skinny Triton kernels with the
-        # norms and SwiGLU fused in (services.common.kernels.skinny); eager steps always keep cuBLAS.
-        self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, self._skinny_request)
         self._apply_norm_fold()
         if self.kernel_backend != "torch" and self._pre is not pre_attention:
             log.info(
                 "--compile has no effect with the %s kernels (they are fused already)", self.kernel_backend
             )
         log.info(
-            "thinker kernels: %s (skinny decode GEMMs %s, folded norms %s)",
+            "thinker kernels: %s (folded norms %s)",
             self.kernel_backend,
-            self.skinny_gemm,
             self.norm_fold,
         )
-
-    def set_skinny_gemm(self, enabled: bool | None) -> None:
-        """Turn the skinny decode GEMMs on/off (None: the default, off), before any capture."""
-        if self._graphs:
-            raise RuntimeError("set_skinny_gemm after a CUDA graph was captured (drop_graphs first)")
-        self._skinny_request = enabled
-        self.skinny_gemm = skinny_enabled(self.device, self.kernel_backend, enabled)
 
     def set_norm_fold(self, enabled: bool | None) -> None:
         """Turn the folded-norm decode loop on/off (None: the default, on with CUDA), before any capture.

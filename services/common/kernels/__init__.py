@@ -33,9 +33,7 @@ thinker and the talker, ``--kernels`` of their CLIs; ``auto``: Triton on CUDA wh
 otherwise). With Triton, packed-row decode steps run the O projection with its residual add as one skinny
 Triton GEMM (:mod:`.skinny`, ``skinny_o_enabled``: measured faster than cuBLAS), and rotary + K/V write +
 attention as one launch (``rope_attention_enabled``); both are the default with no switch (the
-``requested`` arguments exist for the A/B benchmarks in ``bench.thinker``). The fully skinny layer loop
-(every GEMM with its norm or SwiGLU fused in, ``skinny_enabled``) measured slower than cuBLAS and runs
-only when a caller asks for it.
+``requested`` arguments exist for the A/B benchmarks in ``bench.thinker``).
 """
 
 from __future__ import annotations
@@ -75,18 +73,6 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
             f"the triton kernel backend needs triton and a CUDA device (or TRITON_INTERPRET=1), not {device}"
         )
     return want
-
-
-def skinny_enabled(device: torch.device, backend: str, requested: bool | None = None) -> bool:
-    """Whether packed-row steps use the skinny Triton GEMMs for every projection: only with the Triton
-    backend and only when ``requested`` (off by default).
-
-    Off because it measured slower: on the H200 the four fused GEMMs of a step took 4.42 ms at 1 row and
-    5.36 ms at 16 against 4.17 / 4.18 ms for the norm and gate kernels plus cuBLAS (best microbench
-    configs, ``bench.thinker.skinny``; BENCHMARKS.md, "Thinker skinny GEMMs").
-    Only the O projection won (:func:`skinny_o_enabled`).
-    """
-    return backend == "triton" and bool(requested)
 
 
 def norm_fold_enabled(device: torch.device, backend: str, requested: bool | None = None) -> bool:

@@ -1,4 +1,4 @@
-"""Arrival counters of the split-K merges (paged attention, the skinny GEMMs), one buffer per device.
+"""Arrival counters of the split-K merges (paged attention, the skinny and fp8 GEMMs), one buffer per device.
 
 A split kernel's last program to finish a tile merges the partial results; it learns it is last from an
 int32 counter that every split of the tile increments. The buffer is persistent, because a CUDA graph

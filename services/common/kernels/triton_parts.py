@@ -13,7 +13,7 @@ import triton.language as tl
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
 def row_inv_rms(x_ptr, row, eps, HIDDEN: tl.constexpr, CHUNK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     """``1 / RMS`` of row ``row`` of ``x [*, HIDDEN]`` in fp32 (the statistics of a folded RMSNorm; one row
-    per program, where :mod:`.skinny`'s ``_inv_rms`` sums a block of rows with an optional residual add)."""
+    per program)."""
     acc = tl.zeros([CHUNK], tl.float32)
     for c in tl.static_range(0, HIDDEN, CHUNK):
         cols = c + tl.arange(0, CHUNK)
