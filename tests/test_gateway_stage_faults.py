@@ -66,7 +66,13 @@ def gateway(stages: dict[str, StageProcess]) -> Iterator[ThreadedGateway]:
 
 
 def _chat(**extra: object) -> dict[str, object]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    """A chat that needs every stage: text and speech (the served default is text only)."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "modalities": ["text", "audio"],
+        **extra,
+    }
 
 
 def _figure(name: str, value: float) -> None:

@@ -391,7 +391,9 @@ def test_talker_and_code2wav_clis_cap_before_loading(monkeypatch: pytest.MonkeyP
     )
     loaded: list[tuple[str, list[float], int]] = []
 
-    def fake_talker(checkpoint: str, device: str, dtype: str | None, max_streams: int, graphs: Any) -> Any:
+    def fake_talker(
+        checkpoint: str, device: str, dtype: str | None, max_streams: int, graphs: Any, **_settings: Any
+    ) -> Any:
         loaded.append(("talker", list(applied), max_streams))
         raise _Stop
 

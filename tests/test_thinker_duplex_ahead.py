@@ -35,7 +35,9 @@ END = thinker_pb2.ThinkerRequest(control=common_pb2.Control(end=common_pb2.End()
 
 @pytest.fixture(scope="module")
 def backend(tiny_ckpt: Path):
-    cfg = EngineConfig(kv_budget_bytes=16 << 20, max_step_tokens=128)
+    # No prefix cache: the second arm would reuse the first arm's session prefix, whose prefill chunks then
+    # split differently (same tokens, hidden rows not bit-identical); this module compares the two arms.
+    cfg = EngineConfig(kv_budget_bytes=16 << 20, max_step_tokens=128, prefix_caching=False)
     b = build_backend(str(tiny_ckpt), "cpu", "float32", cfg)
     b.engine.start()
     yield b
