@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
+from typing import TypeVar
+
 from fastapi import Request
 
 from gateway import metrics
@@ -44,3 +47,23 @@ def require_stages(runtime: GatewayRuntime, stages: tuple[str, ...]) -> None:
         runtime.monitor.require(stages)
     except StageFailure as exc:
         raise stage_api_error(exc) from exc
+
+
+T = TypeVar("T")
+
+
+async def first_or_release(gen: AsyncGenerator[T, None], runtime: GatewayRuntime, default: T) -> T:
+    """The first item of a streamed reply before its 200 is sent (``default`` when it is empty).
+
+    A stage failure becomes its HTTP error and anything else propagates; either way the request's
+    admission slot is released and the generator closed, since no response will own them."""
+    try:
+        return await anext(gen, default)
+    except StageFailure as exc:
+        runtime.release()
+        await gen.aclose()
+        raise stage_api_error(exc) from exc
+    except BaseException:
+        runtime.release()
+        await gen.aclose()
+        raise

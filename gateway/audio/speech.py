@@ -35,7 +35,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.audio.common import check_model, require_stages, runtime_of, stage_api_error, voice_registry
+from gateway.audio.common import (
+    check_model,
+    first_or_release,
+    require_stages,
+    runtime_of,
+    voice_registry,
+)
 from gateway.audio.encoding import MIME_TYPES, StreamEncoder
 from gateway.audio.speed import MAX_SPEED, MIN_SPEED, TimeStretch
 from gateway.audio.text import split_segments
@@ -234,16 +240,7 @@ async def create_speech(request: Request, body: SpeechRequest) -> Response:
     runtime.acquire()
     speech = SegmentedSpeech(runtime, jobs)
     chunks = _encoded(speech, body)
-    try:
-        first = await anext(chunks, b"")
-    except StageFailure as exc:
-        runtime.release()
-        await chunks.aclose()
-        raise stage_api_error(exc) from exc
-    except BaseException:
-        runtime.release()
-        await chunks.aclose()
-        raise
+    first = await first_or_release(chunks, runtime, b"")
 
     async def raw() -> AsyncIterator[bytes]:
         try:

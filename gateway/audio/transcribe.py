@@ -27,7 +27,7 @@ import numpy as np
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from gateway.audio.common import check_model, require_stages, runtime_of, stage_api_error
+from gateway.audio.common import check_model, first_or_release, require_stages, runtime_of, stage_api_error
 from gateway.audio.voice_routes import decode_upload, read_upload
 from gateway.openai.errors import error_body, invalid_request
 from gateway.pipeline import ChatJob, FinishEvent, PipelineRun, TextEvent
@@ -262,16 +262,7 @@ async def _handle(
         return " ".join(t.strip() for t in transcript.texts if t.strip())
 
     if stream:
-        try:
-            first = await anext(pieces, None)
-        except StageFailure as exc:
-            runtime.release()
-            await pieces.aclose()
-            raise stage_api_error(exc) from exc
-        except BaseException:
-            runtime.release()
-            await pieces.aclose()
-            raise
+        first = await first_or_release(pieces, runtime, None)
 
         async def events() -> AsyncIterator[bytes]:
             def sse(payload: dict[str, object]) -> bytes:
