@@ -165,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
             if not chunk.choices:
                 continue
             choice = chunk.choices[0]
-            audio = (choice.delta.model_extra or {}).get("audio") or {}
+            # delta.audio is a typed field in newer openai SDKs and an extra key in older ones.
+            raw = getattr(choice.delta, "audio", None) or (choice.delta.model_extra or {}).get("audio")
+            audio = raw.model_dump() if hasattr(raw, "model_dump") else (raw or {})
             content = choice.delta.content or audio.get("transcript") or ""
             if audio.get("data"):
                 first_audio = first_audio or time.perf_counter() - t0
