@@ -1,7 +1,7 @@
 """Fused decoder-layer kernels, with a pure-torch reference for every one of them.
 
-Shared by the stages that run a Qwen/Llama-style decoder: the thinker's step (:mod:`services.thinker.fused_forward`)
-and the talker's fused decode (:mod:`services.talker.fused_decode`). They live here, not in either stage, so
+Shared by the stages that run a Qwen/Llama-style decoder: the thinker's step (its ``fused_forward`` module)
+and the talker's fused decode (its ``fused_decode`` module). They live here, not in either stage, so
 that each stage stands alone (a stage never imports another) and a kernel change is tested once, here
 (``tests/test_common_kernels*.py``).
 
@@ -21,7 +21,7 @@ one kernel and reads keys/values straight from the paged cache (no gather copy):
 
 ``qk_rope_store`` and ``silu_mul`` can also take ``rms_of=(x, eps)``: they first scale each row by the
 inverse RMS of the residual row ``x``. That is the input (post-attention) RMSNorm with its weight folded
-into the QKV (gate|up) GEMM's columns (:func:`services.thinker.layer_ops.fold_norm_weights`): the GEMM then
+into the QKV (gate|up) GEMM's columns (the thinker's ``layer_ops.fold_norm_weights``): the GEMM then
 reads the residual itself and no norm kernel runs, because ``W @ (g * x * r) = r * ((W * g) @ x)``.
 
 The torch backend (:class:`TorchOps`) computes the same functions with the operation order of the
@@ -77,7 +77,7 @@ def select_backend(device: torch.device, requested: str | None = None) -> str:
 
 def norm_fold_enabled(device: torch.device, backend: str, requested: bool | None = None) -> bool:
     """Whether packed-row steps run the folded-norm layer loop (no RMSNorm kernels, residual adds inside
-    the O and down GEMMs; see :mod:`services.thinker.fused_forward`): only with the Triton backend;
+    the O and down GEMMs; see the thinker's ``fused_forward``): only with the Triton backend;
     ``requested`` wins, else on with CUDA and off on CPU (where Triton only runs under its interpreter,
     for tests that ask for it).
     """

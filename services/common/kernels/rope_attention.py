@@ -182,7 +182,7 @@ def rope_attention(
 ) -> torch.Tensor:
     """``qk_rope_store`` then ``paged_attention`` over one-row tiles (a packed-row step), one launch.
 
-    ``tiles`` must be :meth:`~services.thinker.fused_forward.FusedForward.row_tiles` (row ``i`` is tile
+    ``tiles`` must be the thinker's ``FusedForward.row_tiles`` (row ``i`` is tile
     ``i`` over block-table row ``i``); returns the attention output ``[T, hq, D]``. ``launch``:
     ``(BLOCK_N, num_warps, num_stages)`` instead of the default (``bench.thinker.attention --rope``).
     """
