@@ -251,6 +251,30 @@ def test_logprobs_on_every_delta_and_penalties(backend) -> None:  # noqa: ANN001
     assert got.tolist() == [0.0, -1.5, -2.5, 0.0, 0.0, 0.0]
 
 
+def test_logit_bias_forces_and_bans_tokens(backend) -> None:  # noqa: ANN001
+    """+100 on one id makes greedy decoding choose it at every step, -100 on the greedy first token bans
+    it, also next to a plain row in the same batch; an id beyond the vocabulary is a typed error."""
+    forced_id = 9707
+    forced = thinker_pb2.SamplingParams(max_tokens=6, logit_bias={forced_id: 100.0})
+    plain = thinker_pb2.SamplingParams(max_tokens=6)
+    out_forced, out_plain = _run(backend, _open(forced), _open(plain))
+    ids = [t for r in out_forced if r.WhichOneof("kind") == "text" for t in r.text.token_ids]
+    assert ids == [forced_id] * 6
+    greedy = [t for r in out_plain if r.WhichOneof("kind") == "text" for t in r.text.token_ids]
+    assert len(greedy) == 6 and greedy != ids
+    banned = thinker_pb2.SamplingParams(max_tokens=1, logit_bias={greedy[0]: -100.0})
+    (out_banned,) = _run(backend, _open(banned))
+    (first,) = [t for r in out_banned if r.WhichOneof("kind") == "text" for t in r.text.token_ids]
+    assert first != greedy[0]
+    (bad,) = _run(backend, _open(thinker_pb2.SamplingParams(logit_bias={10_000_000: 1.0})))
+    assert bad[-1].WhichOneof("kind") == "error" and bad[-1].error.param == "logit_bias.10000000"
+    # The bias itself: added before the penalties; a masked (-inf) entry stays masked.
+    cfg = SamplingConfig(logit_bias=((1, 2.5), (3, -100.0)), frequency_penalty=1.0).validate()
+    got = Sampler(cfg).process(torch.tensor([0.0, 0.0, float("-inf"), 1.0]), [1], 1)
+    assert got.tolist() == [0.0, 1.5, float("-inf"), -99.0]
+    assert not Sampler(cfg).batchable_greedy
+
+
 def test_tools_render_as_the_checkpoint_template(tiny_ckpt: Path) -> None:
     template = json.loads((tiny_ckpt / "tokenizer_config.json").read_text())["chat_template"]
     env = jinja2.Environment()
