@@ -91,6 +91,14 @@ def test_langchain_bind_tools_returns_parsed_tool_calls(base_url: str) -> None:
         assert call["name"] == "GetWeather" and call["id"] and call["id"].startswith("call_")
         GetWeather.model_validate(call["args"])
         assert msg.response_metadata["finish_reason"] == "tool_calls"
+    # Streamed: LangChain assembles the call from delta.tool_calls fragments (id and name first).
+    bound = llm.bind_tools([GetWeather], tool_choice="GetWeather", strict=True, parallel_tool_calls=False)
+    chunks = list(bound.stream("Weather in Paris?"))
+    whole = chunks[0]
+    for chunk in chunks[1:]:
+        whole = whole + chunk
+    assert len(chunks) > 2 and len(whole.tool_calls) == 1 and not whole.invalid_tool_calls, whole
+    GetWeather.model_validate(whole.tool_calls[0]["args"])
 
 
 def test_langchain_with_structured_output_returns_an_instance(base_url: str) -> None:
@@ -163,14 +171,24 @@ def test_agents_sdk_calls_the_function_tool_then_finishes(base_url: str) -> None
         # The first turn must call the tool; the SDK then resets tool_choice so the agent can answer.
         model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=96),
     )
-    result = asyncio.run(
-        Runner.run(agent, "Weather in Paris?", max_turns=4, run_config=RunConfig(tracing_disabled=True))
-    )
-    assert len(calls) >= 1
-    jsonschema.validate(calls[0], get_weather.params_json_schema)
+    config = RunConfig(tracing_disabled=True)
+
+    async def both() -> tuple[Any, list[str], object]:
+        """A run, then the same run streamed (delta.tool_calls, then the answer's text): one event loop,
+        as the async client's connections belong to the loop that opened them."""
+        result = await Runner.run(agent, "Weather in Paris?", max_turns=4, run_config=config)
+        run = Runner.run_streamed(agent, "Weather?", max_turns=4, run_config=config)
+        names = [e.item.type async for e in run.stream_events() if e.type == "run_item_stream_event"]
+        return result, names, run.final_output
+
+    result, names, final = asyncio.run(both())
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
     assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str)
+    assert names[:2] == ["tool_call_item", "tool_call_output_item"] and isinstance(final, str), names
+    assert len(calls) >= 2
+    for call in calls:
+        jsonschema.validate(call, get_weather.params_json_schema)
 
 
 # ------------------------------------------------------------------------------------------ pydantic-ai
