@@ -637,12 +637,16 @@ STAGES_SCHEMA: dict[str, Any] = {
 
 
 class ChatCompletionRequest(_Model):
-    """``POST /v1/chat/completions`` (docs/protocol.md, Chat request): OpenAI fields plus the vLLM-Omni
-    extensions ``sampling_params_list``, ``ref_audio``, ``chat_template_kwargs``, ``return_stage_metrics``.
+    """``POST /v1/chat/completions`` (docs/protocol.md, Chat request; docs/api.md, every field): OpenAI's
+    fields plus the vLLM / vLLM-Omni extensions (``sampling_params_list``, ``ref_audio``,
+    ``chat_template_kwargs``, ``return_stage_metrics``, ``top_k``, ...). No other top-level key is taken.
 
     Validation context: ``served_model_name`` (another ``model`` is a 404) and ``max_model_len`` (token
     budgets over the whole thinker context are refused; None: unchecked).
     """
+
+    # The published schema says what the validator does: no other top-level key.
+    model_config = ConfigDict(**_Model.model_config, json_schema_extra={"additionalProperties": False})
 
     # an explicit null is refused (below) and not offered by the schema
     model: Annotated[str | None, WithJsonSchema({"type": "string"})] = Field(
