@@ -422,11 +422,17 @@ def test_device_choice_equals_the_host_choice(compiler: GrammarCompiler, grammar
     host_side, device_side = samplers(), samplers()
     vocab = compiler.vocab_size + 40  # the lm_head may be wider than the tokenizer: masked off beyond it
     gen = torch.Generator().manual_seed(0)
-    for _ in range(12):
+    for step in range(12):
+        # The graph's logits: bf16 on a GPU (the host path reads their fp32 copy), a transposed view with
+        # the swapped lm_head.
         logits = torch.randn(len(host_side), vocab, generator=gen) * 4
-        want = choose_tokens(host_side, logits.clone(), [[]] * len(host_side), [0] * len(host_side))
+        if step % 3 == 2:
+            logits = logits.bfloat16()
+        want = choose_tokens(host_side, logits.float(), [[]] * len(host_side), [0] * len(host_side))
         buf = logits.argmax(dim=-1)  # what the graph leaves in its token buffer
         rows = list(range(len(device_side)))
+        if step % 3:
+            logits = logits.t().contiguous().t()
         choose_on_device(device_side, logits, rows, buf)
         got = buf.tolist()
         for s, t in zip(device_side, got, strict=True):
