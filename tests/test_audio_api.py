@@ -194,9 +194,28 @@ def test_voice_registry_end_to_end(
     assert names["narrator"] == "uploaded" and names["alloy"] == "builtin" and names["default"] == "builtin"
 
     default = _speech(url, response_format="pcm")
+    by_stage = {p.stage: p for p in stages}
+    derived = {
+        "thinker": ("minicpmo_thinker_reference_encodes_total", "minicpmo_thinker_voice_prefix_builds_total"),
+        "code2wav": ("minicpmo_code2wav_stored_voice_loads_total", "minicpmo_code2wav_origin_setups_total"),
+    }
+    before = {(st, m): by_stage[st].counter(m) for st, names in derived.items() for m in names}
     cloned = _speech(url, response_format="pcm", voice="narrator")
     assert cloned.status_code == 200 and len(cloned.content) > 4800
     assert cloned.content != default.content  # the code2wav prompt (and the thinker prompt) differ
+    first = {key: by_stage[key[0]].counter(key[1]) for key in before}
+    twice = _speech(url, response_format="pcm", voice="narrator")
+    assert twice.content == cloned.content
+    # The first use derived the voice's state once per stage (the thinker's prefix, code2wav's device
+    # features and flow prompt setup); the second derived nothing, and no stage encoded the clip again.
+    assert {key: by_stage[key[0]].counter(key[1]) for key in before} == first
+    assert (
+        first[("thinker", "minicpmo_thinker_reference_encodes_total")]
+        == before[("thinker", "minicpmo_thinker_reference_encodes_total")]
+    )
+    assert first[("code2wav", "minicpmo_code2wav_stored_voice_loads_total")] == (
+        before[("code2wav", "minicpmo_code2wav_stored_voice_loads_total")] + 1
+    )
 
     chat = httpx.post(
         f"{url}/v1/chat/completions",
@@ -339,6 +358,8 @@ def test_realtime_session_voice_uses_a_registered_voice(stages: list[StageProces
             f"{url}/v1/audio/voices", data={"name": "host"}, files=files, timeout=120
         ).is_success
 
+        thinker = next(p for p in stages if p.stage == "thinker")
+        encodes = thinker.counter("minicpmo_thinker_reference_encodes_total")
         body = session_body(voice="host")
         del body["ref_audio"]  # the registered voice supplies the reference
         conn = Conn(f"ws://127.0.0.1:{port}/v1/realtime?duplex=1")
@@ -353,6 +374,8 @@ def test_realtime_session_voice_uses_a_registered_voice(stages: list[StageProces
             assert delta["delta"]
         finally:
             conn.close()
+        # The session's thinker took the voice's stored rows: the clip was not encoded again.
+        assert thinker.counter("minicpmo_thinker_reference_encodes_total") == encodes
 
         bad = session_body(voice="nobody")
         del bad["ref_audio"]

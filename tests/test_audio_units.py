@@ -138,7 +138,8 @@ def test_registry_files_names_and_resolution(tmp_path: Path) -> None:
     other = VoiceRegistry(tmp_path)
     assert [v["name"] for v in other.list() if v["type"] == "uploaded"] == ["v1"]
     rt = other.realtime_voice("v1")
-    assert rt is not None and rt[0].size == 32000
+    assert rt is not None and rt.clip.size == 32000
+    assert rt.thinker == _rows() and rt.code2wav == _features()  # the stored features travel as they are
     for bad in ("nobody", "../etc", ""):
         with pytest.raises(APIError) as err:
             registry.resolve(bad)
@@ -189,17 +190,20 @@ def test_time_stretch_keeps_streaming() -> None:
 
 
 def test_realtime_session_voice_resolution() -> None:
+    from gateway.audio.voices import RealtimeVoice
     from gateway.realtime.config import parse_session
     from gateway.realtime.errors import RealtimeError
 
     clip = np.full(16050, 0.1, np.float32)
     features = _features()
+    rows = thinker_pb2.VoiceEmbedding(digest="r")
 
-    def lookup(name: str) -> tuple[np.ndarray, code2wav_pb2.VoicePrompt] | None:
-        return (clip, features) if name == "host" else None
+    def lookup(name: str) -> RealtimeVoice | None:
+        return RealtimeVoice(clip, features, rows) if name == "host" else None
 
     cfg = parse_session({"modalities": ["text", "audio"], "voice": "host"}, voices=lookup)
-    assert cfg.voice_prompt is features and cfg.ref_audio is not None and cfg.ref_audio.size == 16000
+    assert cfg.voice_prompt is features and cfg.thinker_voice is rows
+    assert cfg.ref_audio is not None and cfg.ref_audio.size == 16000
     with pytest.raises(RealtimeError) as err:
         parse_session({"modalities": ["text", "audio"], "voice": "nobody"}, voices=lookup)
     assert err.value.code == "invalid_voice"

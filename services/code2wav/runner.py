@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from prometheus_client import Counter
 
 from services.code2wav.model.flow_step import (
     FlowCache,
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ORIGIN_SETUPS = Counter(
+    "minicpmo_code2wav_origin_setups_total",
+    "Flow prompt setups (a voice and seed's origin cache, the expensive part of opening a stream); "
+    "streams of a voice and seed already set up reuse it",
+)
 NOISE_TABLE_FRAMES = 50 * 600  # the reference noise buffer: [1, 80, 30000] drawn in one call
 MAX_NEW_TOKENS = 50  # per window; bounds the noise table and the cache growth of one window
 DEFAULT_SEED = 0
@@ -160,6 +166,7 @@ class Code2WavRunner:
                     return hit
             noise = cfm_noise_table(seed, self.model.dims.mel_bins, self.noise_frames(prompt.frames))
         noise = noise.to(self.device, torch.float32)
+        ORIGIN_SETUPS.inc()
         spk_cond = self.flow.project_speaker(prompt.spk_emb)
         silence = torch.full(
             (1, self.lookahead), CODEC_SILENCE_ID, dtype=prompt.tokens.dtype, device=self.device

@@ -11,6 +11,7 @@ finishes the queued work and sends ``Done``. Validation failures end the stream 
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,7 +61,8 @@ class Code2WavStream(StageStream[Response]):
         if opened.HasField("voice"):
             if reference is not None:
                 raise StageError(INVALID_ARGUMENT, "send either ref_audio or voice, not both", "open.voice")
-            prompt = self.engine.prompt_from_parts(*voice_parts(opened.voice))
+            voice = opened.voice
+            prompt = self.engine.stored_voice(voice_key(voice), lambda: voice_parts(voice))
         self.handle = await self.engine.open_stream(
             opened.id.request_id or uuid.uuid4().hex,
             reference,
@@ -157,6 +159,17 @@ def voice_parts(msg: code2wav_pb2.VoicePrompt) -> tuple[torch.Tensor, torch.Tens
         tensor_from_proto(msg.spk_emb),
         msg.digest,
     )
+
+
+def voice_key(msg: code2wav_pb2.VoicePrompt) -> bytes:
+    """The content key of stored features: a hash of every tensor's dtype, shape and bytes and of the
+    digest, so equal keys always mean equal features."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (msg.tokens, msg.mel, msg.spk_emb):
+        h.update(f"{t.dtype}:{list(t.shape)}:{len(t.data)}".encode())
+        h.update(t.data)
+    h.update(msg.digest.encode())
+    return h.digest()
 
 
 def voice_prompt(features: PromptFeatures) -> code2wav_pb2.VoicePrompt:
