@@ -19,7 +19,9 @@ Each stage replica exposes ``/metrics`` (``--metrics-port``, by default its gRPC
 
 A stage whose busy fraction nears 1 is the one limiting the level (with MPS the stages' kernels overlap,
 so the fractions may add up to more than 1); its steps and batch say whether it runs many small batches
-(batching lost) or few large ones (compute bound). The thinker times a step one step late and on a GPU
+(batching lost) or few large ones (compute bound). Busy seconds per audio second (B, every stage, over
+the level's audio) bound the level: the stage can serve at most 1/B audio seconds per wall second, so c
+streams cannot get a stream RTF below c x B of the busiest stage. The thinker times a step one step late and on a GPU
 from CUDA events (docs/thinker.md), so its busy time is the model's, not the host's.
 """
 
@@ -129,7 +131,6 @@ def level_profile(
         elif stage == "code2wav":
             audio = _delta(pre, post, "minicpmo_code2wav_audio_seconds_total")
             entry["audio_s"] = audio
-            entry["busy_per_audio_s"] = busy / audio if audio > 0 else 0.0
             n = _delta(pre, post, "minicpmo_code2wav_real_time_factor_count")
             entry["step_rtf_mean"] = (
                 _delta(pre, post, "minicpmo_code2wav_real_time_factor_sum") / n if n else 0.0
@@ -145,6 +146,9 @@ def level_profile(
         for st, name, key in PER_REQUEST:
             if st == stage:
                 totals[key] = totals.get(key, 0.0) + _delta(pre, post, name)
+    audio = totals.get("code2wav_audio_s", 0.0)
+    for entry in stages.values():  # the most audio per wall second this stage's busy time would allow
+        entry["busy_per_audio_s"] = entry["busy_s"] / audio if audio > 0 else 0.0
     per_request = {key: value / requests for key, value in totals.items()} if requests else {}
     return {"wall_s": wall_s, "requests": requests, "stages": stages, "per_request": per_request}
 
@@ -152,8 +156,8 @@ def level_profile(
 def markdown(profile: dict[str, Any]) -> list[str]:
     """The profile as markdown lines: one row per replica, then the per-request costs."""
     lines = [
-        "| replica | busy s / wall s | steps | mean step ms | mean batch | streams | notes |",
-        "|---|---|---|---|---|---|---|",
+        "| replica | busy s / wall s | busy s per audio s | steps | mean step ms | mean batch | streams | notes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, st in profile["stages"].items():
         notes = []
@@ -162,13 +166,10 @@ def markdown(profile: dict[str, Any]) -> list[str]:
         elif st["stage"] == "talker" and st.get("prefill_forwards"):
             notes.append(f"{st['mean_prefill_streams']:.1f} streams per prefill forward")
         elif st["stage"] == "code2wav":
-            notes.append(
-                f"{st['audio_s']:.1f} s audio, {st['busy_per_audio_s']:.3f} busy s per audio s, "
-                f"first window {st['first_window_ms_mean']:.0f} ms"
-            )
+            notes.append(f"{st['audio_s']:.1f} s audio, first window {st['first_window_ms_mean']:.0f} ms")
         lines.append(
             f"| {name} | {st['busy_s']:.2f} / {profile['wall_s']:.2f} ({100 * st['busy_fraction']:.0f}%) "
-            f"| {st['steps']:.0f} | {st['mean_step_ms']:.1f} | {st['mean_batch']:.2f} "
+            f"| {st['busy_per_audio_s']:.4f} | {st['steps']:.0f} | {st['mean_step_ms']:.1f} | {st['mean_batch']:.2f} "
             f"| {st['streams_opened']:.0f} | {'; '.join(notes)} |"
         )
     per = profile.get("per_request") or {}

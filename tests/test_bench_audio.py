@@ -49,7 +49,8 @@ def test_audio_bench_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
         assert stages["code2wav"]["audio_s"] == pytest.approx(level["audio_s"]["mean"], rel=0.05)
         assert sum(stages["code2wav"]["step_rtf_histogram"].values()) == stages["code2wav"]["steps"]
         per = prof["per_request"]
-        assert per["thinker_prefill_tokens"] > 20 and per["talker_frames"] > 0
+        assert per["thinker_prefill_tokens"] > 20
+        assert 0 < per["talker_frames"] <= 20  # the frame budget ends the turn (no frames past it)
     assert report["speech"][1]["profile"]["stages"]["code2wav-0"]["stored_voice_loads"] == 1
     assert report["transcription"]["profile"]["per_request"]["thinker_decode_tokens"] > 0
     assert md.count("| replica |") == 3 and "talker frames" in md
