@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -133,8 +134,11 @@ class Code2WavEngine:
         default_voice: str | Path,
         max_batch: int = 16,
         max_streams: int = 64,
+        window_codes: tuple[int, ...] = (25,),
     ) -> None:
+        """``window_codes``: the steady window sizes (new codes) the warm-up captures graphs for."""
         self.runner = runner
+        self.window_codes = window_codes
         self.voices = voices
         self.default_voice = Path(default_voice)
         self.max_batch = max_batch
@@ -161,7 +165,11 @@ class Code2WavEngine:
         await self._in_worker(self.runner.open_stream, "warmup", self._default_prompt, None)
         # Capture the graphs of every batch size _collect can form (1..max_batch), then freeze them: no
         # capture runs while serving (the runner logs the count and time; a no-op without graphs).
-        await self._in_worker(self.runner.warm_up_shapes, self._default_prompt, self.max_batch)
+        if self.window_codes == (25,):
+            await self._in_worker(self.runner.warm_up_shapes, self._default_prompt, self.max_batch)
+        else:
+            warm_up = functools.partial(self.runner.warm_up_shapes, steady_new=self.window_codes)
+            await self._in_worker(warm_up, self._default_prompt, self.max_batch)
         self._task = asyncio.create_task(self._loop(), name="code2wav-scheduler")
 
     async def drain(self) -> None:

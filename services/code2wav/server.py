@@ -213,6 +213,7 @@ def stage_info(engine: Code2WavEngine, model_version: str) -> common_pb2.StageIn
             "dit_dtype": str(runner.flow.compute_dtype).removeprefix("torch."),
             "dit_depth": str(dims.dit_depth),
             "dit_hidden": str(dims.dit_hidden),
+            "window_codes": ",".join(str(n) for n in engine.window_codes),  # steady sizes with graphs
         },
     )
 
