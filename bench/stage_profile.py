@@ -8,8 +8,9 @@ Each stage replica exposes ``/metrics`` (``--metrics-port``, by default its gRPC
 * per replica: **busy** = the sum of its engine steps' wall time (``minicpmo_stage_step_seconds``) over
   the level's wall time, the **steps** taken, the mean **batch** (``minicpmo_stage_batch_size``: rows
   per thinker/talker step, windows per code2wav model batch) and the mean step time; streams opened;
-* thinker: prompt tokens prefilled and found in the prefix cache, decode tokens, and its step split
-  (``forward`` = the model, ``sample`` = the rest);
+* thinker: prompt tokens prefilled and found in the prefix cache, decode tokens, its step split
+  (``forward`` = the model, ``sample`` = the rest) and a turn's mean prompt building time on the encode
+  executor (template, media, encoders: a transcription window's audio encoder pass) and wait for it;
 * talker: codec frames, and how many streams' prefills shared one forward;
 * code2wav: audio seconds, its busy seconds per audio second, first-window latency and the histogram of
   its per-step real-time factor (``minicpmo_code2wav_real_time_factor``: step seconds / audio seconds of
@@ -122,6 +123,10 @@ def level_profile(
                 key = f'minicpmo_thinker_step_phase_seconds_sum{{phase="{phase}"}}'
                 entry[f"{phase}_s"] = _delta(pre, post, key)
             entry["voice_prefix_builds"] = _delta(pre, post, "minicpmo_thinker_voice_prefix_builds_total")
+            for phase in ("wait", "build"):  # a turn's prompt building on the encode executor
+                n = _delta(pre, post, f'minicpmo_thinker_prompt_build_seconds_count{{phase="{phase}"}}')
+                total = _delta(pre, post, f'minicpmo_thinker_prompt_build_seconds_sum{{phase="{phase}"}}')
+                entry[f"prompt_{phase}_ms_mean"] = 1000.0 * total / n if n else 0.0
         elif stage == "talker":
             n = _delta(pre, post, "minicpmo_talker_prefill_batch_count")
             entry["prefill_forwards"] = n
@@ -162,7 +167,10 @@ def markdown(profile: dict[str, Any]) -> list[str]:
     for name, st in profile["stages"].items():
         notes = []
         if st["stage"] == "thinker":
-            notes.append(f"forward {st.get('forward_s', 0):.2f} s, sample {st.get('sample_s', 0):.2f} s")
+            notes.append(
+                f"forward {st.get('forward_s', 0):.2f} s, sample {st.get('sample_s', 0):.2f} s; prompt build "
+                f"{st.get('prompt_build_ms_mean', 0):.1f} ms after {st.get('prompt_wait_ms_mean', 0):.1f} ms wait"
+            )
         elif st["stage"] == "talker" and st.get("prefill_forwards"):
             notes.append(f"{st['mean_prefill_streams']:.1f} streams per prefill forward")
         elif st["stage"] == "code2wav":

@@ -47,6 +47,7 @@ def test_audio_bench_runs_on_cpu(tiny_ckpt: Path, tmp_path: Path) -> None:
             assert st["steps"] > 0 and 0 < st["busy_s"] <= prof["wall_s"] * 1.05 and st["mean_batch"] >= 1
             assert st["streams_opened"] == 1  # one request, one segment
         assert stages["code2wav"]["audio_s"] == pytest.approx(level["audio_s"]["mean"], rel=0.05)
+        assert stages["thinker"]["prompt_build_ms_mean"] > 0 and stages["thinker"]["prompt_wait_ms_mean"] >= 0
         assert sum(stages["code2wav"]["step_rtf_histogram"].values()) == stages["code2wav"]["steps"]
         per = prof["per_request"]
         assert per["thinker_prefill_tokens"] > 20

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from prometheus_client import Histogram
 
 from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
 from services.common.pb import common_pb2, thinker_pb2
@@ -37,6 +39,13 @@ from services.thinker.voice import REFERENCE_ENCODES
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 2048
+PROMPT_BUILD_SECONDS = Histogram(
+    "minicpmo_thinker_prompt_build_seconds",
+    "A turn's prompt building on the encode executor: 'wait' for a free worker, 'build' the template, "
+    "media decoding and the encoders (a transcription window's audio encoder pass is here)",
+    ["phase"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+)
 DEFAULT_CHUNK_TOKENS = 10
 Response = thinker_pb2.ThinkerResponse
 
@@ -179,6 +188,17 @@ def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen
     return TurnPrompt(prefix_ids + ids + forced, embeds, len(forced), media)
 
 
+def _timed_build(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen, submitted: float) -> TurnPrompt:
+    """:func:`build_turn_prompt` on the executor, with its wait since ``submitted`` and its build time
+    observed."""
+    start = time.perf_counter()
+    PROMPT_BUILD_SECONDS.labels("wait").observe(start - submitted)
+    try:
+        return build_turn_prompt(backend, open_msg)
+    finally:
+        PROMPT_BUILD_SECONDS.labels("build").observe(time.perf_counter() - start)
+
+
 class TurnStream(StageStream[Response]):
     """One chat request: the prompt is built at start, then engine events are translated until Done."""
 
@@ -203,7 +223,9 @@ class TurnStream(StageStream[Response]):
         backend, engine, open_msg = self.backend, self.engine, self.open_msg
         loop = asyncio.get_running_loop()
         try:
-            prompt = await loop.run_in_executor(backend.executor, build_turn_prompt, backend, open_msg)
+            prompt = await loop.run_in_executor(
+                backend.executor, _timed_build, backend, open_msg, time.perf_counter()
+            )
         except StageError:
             raise
         except Exception as exc:  # encoder/processor bug: typed INTERNAL, never a bare gRPC failure
