@@ -89,6 +89,7 @@ class SessionConfig:
     ref_audio_uri: str | None = None
     ref_audio: np.ndarray | None = None  # mono float32 at 16 kHz, trimmed to 100 ms multiples
     voice_prompt: Any = None  # a registered voice's stored code2wav features (code2wav_pb2.VoicePrompt)
+    thinker_voice: Any = None  # ... and its stored thinker rows (thinker_pb2.VoiceEmbedding)
     input_format: str = "pcm16"
     input_rate: int = UNIT_RATE
     output_format: str = "pcm16"
@@ -239,7 +240,7 @@ def parse_session(
     *,
     current: SessionConfig | None = None,
     audio_started: bool = False,
-    voices: Callable[[str], tuple[Any, Any] | None] | None = None,
+    voices: Callable[[str], Any] | None = None,
 ) -> SessionConfig:
     """Build a config from a ``session`` object; with ``current``, apply it as a live update.
 
@@ -257,7 +258,7 @@ def _parse_session(
     *,
     current: SessionConfig | None,
     audio_started: bool,
-    voices: Callable[[str], tuple[Any, Any] | None] | None = None,
+    voices: Callable[[str], Any] | None = None,
 ) -> SessionConfig:
     """Apply the four groups of fields in order: the first group with a bad field names the error."""
     if obj is None:
@@ -392,10 +393,10 @@ def _apply_registered_voice(
     cfg: SessionConfig,
     obj: dict[str, Any],
     extra: dict[str, Any],
-    voices: Callable[[str], tuple[Any, Any] | None] | None,
+    voices: Callable[[str], Any] | None,
 ) -> None:
-    """``voice`` naming a registered voice (/v1/audio/voices) supplies the reference clip and code2wav's
-    stored features, unless ``ref_audio`` is given inline; an unknown name is refused."""
+    """``voice`` naming a registered voice (/v1/audio/voices) supplies the reference clip and both stages'
+    stored features (``RealtimeVoice``), unless ``ref_audio`` is given inline; an unknown name is refused."""
     if voices is None or cfg.voice is None or cfg.ref_audio_uri is not None:
         return
     from gateway.audio.voices import is_builtin
@@ -405,10 +406,10 @@ def _apply_registered_voice(
     found = voices(cfg.voice)
     if found is None:
         raise RealtimeError("invalid_voice", f"unknown voice {cfg.voice!r}", param="voice")
-    clip, features = found
-    keep = (clip.size // (UNIT_RATE // 10)) * (UNIT_RATE // 10)
-    cfg.ref_audio = np.asarray(clip[:keep], dtype=np.float32)
-    cfg.voice_prompt = features
+    keep = (found.clip.size // (UNIT_RATE // 10)) * (UNIT_RATE // 10)
+    cfg.ref_audio = np.asarray(found.clip[:keep], dtype=np.float32)
+    cfg.voice_prompt = found.code2wav
+    cfg.thinker_voice = found.thinker
 
 
 def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any], opening: bool) -> None:

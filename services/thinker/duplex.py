@@ -56,6 +56,7 @@ from services.thinker.duplex_policy import (
 from services.thinker.engine import EngineEvent
 from services.thinker.prefix_hash import MediaSpan, media_digest
 from services.thinker.scheduler import WorkItem
+from services.thinker.voice import REFERENCE_ENCODES, voice_key, voice_rows
 
 if TYPE_CHECKING:
     from services.thinker.processor.duplex_audio import DuplexMelChunk
@@ -208,17 +209,23 @@ class DuplexSession:
 
     # ----------------------------------------------------------------------------------- embeddings
     def prefix_work(self) -> WorkItem:
-        """Session prefix (runs in a worker thread: the reference voice goes through Whisper)."""
+        """Session prefix (runs in a worker thread: an inline reference voice goes through Whisper; a
+        registered one, ``open.voice``, brings its stored rows)."""
         from services.thinker.processor import AudioClip
         from services.thinker.processor.duplex_layout import duplex_session_prefix
 
         ref_rows: list[torch.Tensor] = []
         ref_digest = b""
-        if self.open.ref_audio.data:
+        stored = voice_rows(self.backend, self.open)
+        if stored is not None:  # a registered voice: its stored encoder rows, the clip is not encoded
+            ref_digest = voice_key(self.open.voice)
+            ref_rows = [stored.to(device=self.model.device, dtype=self.model.dtype)]
+        elif self.open.ref_audio.data:
             samples, rate = pcm_to_float(self.open.ref_audio)
             ref_digest = media_digest("ref_audio", rate, samples.dtype.str, samples.tobytes())
             feats, lens, _count = self.processor.process_audio(AudioClip(samples, rate), "ref_audio")
             ref_rows = self.model.get_audio_embeds(feats, lens, self.model.dims.audio.chunk_length_s)
+            REFERENCE_ENCODES.inc()
         seeded = [
             p.text
             for m in self.open.messages

@@ -465,7 +465,9 @@ class ThinkerEngine:
         for seq, n in plan.prefill:
             assert seq.work is not None
             embeds = None
-            if seq.prompt_embeds is not None:
+            if seq.prompt_embeds is not None and seq.prompt_offset < seq.prompt_embeds.shape[0]:
+                # The rows the work item embeds, which may cover only the chunk's first rows (a
+                # registered voice's prefix): the rest are text rows the runner embeds from their ids.
                 embeds = seq.prompt_embeds[seq.prompt_offset : seq.prompt_offset + n]
             finishes_prompt = n == len(seq.prompt)
             export = seq.work.export_from

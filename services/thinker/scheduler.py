@@ -58,8 +58,10 @@ class SeqStatus(Enum):
 class WorkItem:
     """Tokens to append to a sequence, then (optionally) a generation.
 
-    ``embeds`` (``[len(token_ids), hidden]``) replaces the text embeddings of those rows when the
-    prompt carries image/audio features. ``sampler`` None means prefill only (a duplex session prefix).
+    ``embeds`` (``[n, hidden]``, ``n <= len(token_ids)``) replaces the text embeddings of the first ``n``
+    rows when the prompt carries image/audio features; rows past ``n`` are text, embedded from their ids
+    (a registered voice's prefix is the only embedded part of a speech prompt). ``sampler`` None means
+    prefill only (a duplex session prefix).
     """
 
     token_ids: list[int]

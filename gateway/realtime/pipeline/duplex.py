@@ -223,7 +223,9 @@ class GrpcDuplexPipeline:
             if self.settings.hidden_dtype == "bf16"
             else common_pb2.DTYPE_FLOAT32,
         )
-        if self.ref_pcm is not None:
+        if cfg.thinker_voice is not None:  # a registered voice: its stored rows, never encoded again
+            open_msg.voice.CopyFrom(cfg.thinker_voice)
+        elif self.ref_pcm is not None:
             open_msg.ref_audio.CopyFrom(self.ref_pcm)
         if cfg.initial_user_text:
             open_msg.messages.append(
