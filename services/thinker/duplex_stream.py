@@ -233,7 +233,9 @@ class DuplexStream(StageStream[Response]):
         encoded_unit = EncodedUnit(unit_seq, work, started)
         if await self._trim_window(encoded_unit):
             return ()
-        if self.context_tokens + len(work.token_ids) + MAX_TOKENS_PER_UNIT > self.engine.max_context:
+        # A unit that may make a function call can decode a whole call past the unit's 19 tokens.
+        new_tokens = max(MAX_TOKENS_PER_UNIT, work.sampler.reserve_tokens if work.sampler else 0)
+        if self.context_tokens + len(work.token_ids) + new_tokens > self.engine.max_context:
             too_long = StageError(
                 CONTEXT_LENGTH_EXCEEDED,
                 f"duplex session context {self.context_tokens} + unit would pass {self.engine.max_context} tokens",
