@@ -37,9 +37,10 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"unit":"c"}}\n</tool_
 
 
 class ScriptedPipeline(QuietPipeline):
-    """Answers each requesting unit with the next scripted outcome: ``(transcript, call, audio)``."""
+    """Answers each requesting unit with the next scripted outcome: ``(transcript, call, audio, extra)``
+    (``extra``: more :class:`UnitOutcome` fields)."""
 
-    def __init__(self, session: DuplexSession, script: list[tuple[str, str, bool]]) -> None:
+    def __init__(self, session: DuplexSession, script: list[tuple[str, str, bool, dict[str, Any]]]) -> None:
         self.session = session
         self.script = script
         self.log: list[
@@ -64,10 +65,12 @@ class ScriptedPipeline(QuietPipeline):
         self.log.append(("unit", role))
         if role is not UnitRole.REQUEST:
             return
-        transcript, call, audio = self.script.pop(0)
+        transcript, call, audio, extra = self.script.pop(0)
         turn = 1 if audio else 0
         self.session.post_pipeline(
-            UnitOutcome(epoch, unit_seq, "speak", transcript, True, 40, turn, output_tokens=9, tool_call=call)
+            UnitOutcome(
+                epoch, unit_seq, "speak", transcript, True, 40, turn, output_tokens=9, tool_call=call, **extra
+            )
         )
         if audio:
             self.session.post_pipeline(AudioOut(epoch, np.full(4800, 0.1, dtype=np.float32), True, turn))
@@ -77,7 +80,14 @@ class ScriptedPipeline(QuietPipeline):
 def gateway() -> Iterator[tuple[str, list[ScriptedPipeline]]]:
     app = create_app(GatewayConfig(stage_addrs={s: "127.0.0.1:1" for s in ("thinker", "talker", "code2wav")}))
     pipelines: list[ScriptedPipeline] = []
-    script = [("", CALL, False), ("Let me check.", CALL, True), ("It is sunny.", "", True)]
+    script = [
+        ("", CALL, False, {}),
+        ("Let me check.", CALL, True, {}),
+        ("It is sunny.", "", True, {}),
+        ("", CALL[:58], False, {"tool_call_truncated": True}),
+        ("", CALL[:20], False, {"tool_call_truncated": True}),
+        ("Hm.", "", True, {"tool_error": "grammar does not compile: x"}),
+    ]
 
     def factory(session: DuplexSession) -> ScriptedPipeline:
         pipelines.append(ScriptedPipeline(session, list(script)))
@@ -194,8 +204,30 @@ def test_calls_their_items_and_the_result_round_trip(gateway) -> None:  # noqa: 
         assert rest[1] == ("output", '{"temp": 21}') and rest[2] == ("unit", UnitRole.REQUEST), rest
         rec.until("rate_limits.updated")
 
+        # A call the thinker's per-call cap cut: an incomplete item, an incomplete response.
+        _commit(rec)
+        rec.send({"type": "response.create"})
+        cut = rec.until("response.done")["response"]
+        assert cut["status"] == "incomplete" and cut["status_details"]["reason"] == "max_output_tokens"
+        (partial,) = cut["output"]
+        assert partial["type"] == "function_call" and partial["status"] == "incomplete"
+        assert partial["name"] == "get_weather" and partial["arguments"] == '{"unit":"'
+        # Cut before its name: nothing to run, the response still ends (with its empty message item).
+        _commit(rec)
+        rec.send({"type": "response.create"})
+        nameless = rec.until("response.done")["response"]
+        assert nameless["status"] == "incomplete" and [o["type"] for o in nameless["output"]] == ["message"]
+        # A grammar the thinker could not compile: the turn ran without tools, and the client is told.
+        _commit(rec)
+        rec.send({"type": "response.create"})
+        err = rec.until("error")
+        assert err["error"]["param"] == "tools" and "did not compile" in err["error"]["message"]
+        rec.events.remove(err)
+        assert rec.until("response.done")["response"]["output"][0]["type"] == "message"
+        rec.until("rate_limits.updated")
+
     summary = check_response_invariants(rec.events)
-    assert [len(s["calls"]) for s in summary.values()] == [1, 1, 0]
+    assert [len(s["calls"]) for s in summary.values()] == [1, 1, 0, 1, 0, 0]
     problems = sorted({p for e in rec.events for p in ga_problems(e)})
     assert not problems, "\n".join(problems)
     for needed in ("response.function_call_arguments.delta", "response.function_call_arguments.done"):

@@ -114,6 +114,7 @@ class ResponseState:
     message_index: int = 0
     call_items: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     tool_error_reported: bool = False
+    made_call: bool = False  # the model called (even a call cut before it could be read)
 
     @property
     def outputs_count(self) -> int:

@@ -284,6 +284,7 @@ class ResponseLifecycle:
             if out.transcript:
                 self._add_text(resp, out.transcript)
             if out.tool_call:
+                resp.made_call = True
                 self._add_call(resp, out.tool_call, out.tool_call_truncated)
         ended = out.turn_end or (not speak)
         if not speak and not resp.spoke:
@@ -301,7 +302,7 @@ class ResponseLifecycle:
         if ended:
             resp.thinker_turn_ended = True
             s.pipeline.end_speech(resp.epoch, resp.speech_turn)
-            if not resp.wants_audio or (resp.call_items and not resp.speech_turn):
+            if not resp.wants_audio or (resp.made_call and not resp.speech_turn):
                 # Text only, or a turn that was only a call: no talker stream was opened, no audio will come.
                 self.finish(resp, *self._end_status(resp))
         elif resp.lane == "turn":
@@ -502,7 +503,7 @@ class ResponseLifecycle:
             s.emit("output_audio_buffer.cleared", response_id=resp.id)
         outputs = [item for _, item in resp.call_items]
         if resp.message_open:
-            outputs.insert(resp.message_index, self._finish_message(resp, status, natural))
+            outputs.insert(resp.message_index, self._finish_message(resp, status))
         metadata: dict[str, Any] = {
             "epoch": s.epoch,
             "playback": resp.playback(),
@@ -547,7 +548,7 @@ class ResponseLifecycle:
             if s.committed_backlog:
                 self.start_turn_response()
 
-    def _finish_message(self, resp: ev.ResponseState, status: str, natural: bool) -> dict[str, Any]:
+    def _finish_message(self, resp: ev.ResponseState, status: str) -> dict[str, Any]:
         """The message item's terminal events; returns its final JSON."""
         s = self.s
         common: dict[str, Any] = {
@@ -557,7 +558,7 @@ class ResponseLifecycle:
             "content_index": 0,
         }
         if resp.wants_audio:
-            if resp.audio_deltas or resp.transcript or not natural:
+            if resp.audio_deltas or resp.transcript or status != "completed":
                 s.emit("response.output_audio.done", **common)
             if resp.transcript:
                 s.emit("response.output_audio_transcript.done", transcript=resp.transcript, **common)

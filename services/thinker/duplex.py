@@ -399,9 +399,9 @@ class DuplexSession:
             call_text = tok.decode(gen[call[0] : call[1]], skip_special_tokens=False)
             policy = self.last_policy
             call_cut = policy is not None and policy.call_truncated or gen[call[1] - 1] != TOOL_CALL_END_ID
-            # The <|turn_eos|> after the call closes a spoken turn's span; a turn that was only the call
-            # has nothing to voice.
-            if call[1] < len(gen) and gen[call[1]] == TURN_EOS and (span or self.model_turn_open):
+            # The <|turn_eos|> after the call closes the span of text spoken before it in this unit; a unit
+            # that only called has nothing to voice (the gateway ends an open talker stream itself).
+            if call[1] < len(gen) and gen[call[1]] == TURN_EOS and span:
                 span.append(call[1])
         turn_end = any(gen[k] == TURN_EOS for k in span) or call is not None
         capped = turn_end and self.state.budget_spent
@@ -431,6 +431,8 @@ class DuplexSession:
             out.append(thinker_pb2.ThinkerResponse(speech=chunk))
         if span:
             self.model_turn_open = not turn_end
+        if call is not None:
+            self.model_turn_open = False  # the call ended the model's turn
         result = thinker_pb2.UnitResult(
             id=self.ident(unit_seq),
             decision=thinker_pb2.UNIT_DECISION_SPEAK if speak else thinker_pb2.UNIT_DECISION_LISTEN,

@@ -100,7 +100,8 @@ class ToolCallPlan:
 
     ``matcher`` builds a fresh matcher of the call grammar (the chat route's: one ``<tool_call>`` block
     whose arguments follow the tool's schema). ``forced`` (``tool_choice`` required or named): a model turn
-    that starts at this unit is that call, right after its ``<|speak|>`` decision. Otherwise (``auto``) the
+    that starts at this unit (a unit after the model's turn ended, or a unit that asks for a response) is
+    that call, right after its ``<|speak|>`` decision. Otherwise (``auto``) the
     policy decides as always, and a ``<tool_call>`` the model draws is completed under the grammar.
     """
 
@@ -208,7 +209,10 @@ class DuplexPolicy(Sampler):
         if token == CHUNK_EOS:
             return token  # the model's own stop (first draw): the turn state is untouched
         plan = self.tool_call
-        if plan is not None and plan.forced and num_generated == 0 and self.state.turn_ended:
+        # A forced call is the turn that starts here: a new model turn, or the unit that asks for a response
+        # (request_response), which starts one even where the model's previous turn was left open.
+        starts = self.state.turn_ended or self.force_speak
+        if plan is not None and plan.forced and num_generated == 0 and starts:
             if token not in UNIT_TERMINATORS:  # the model takes the floor: its turn is the forced call
                 self._start_call(num_generated + 1, skip_decision=True)
                 return self._note(SPEAK)
