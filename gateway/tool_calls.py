@@ -164,7 +164,7 @@ class ToolCallParser:
         if self.block is not None:
             self.block += self.pending
             self.pending = ""
-            calls = self._stream_call(final=True)
+            calls = self._stream_call(final=True, closed=False)
             text, self._fallback = self._fallback, ""
             self.text_parts.append(text)
             return text, calls
@@ -172,7 +172,9 @@ class ToolCallParser:
         self.text_parts.append(text)
         return text, []
 
-    def _stream_call(self, *, final: bool) -> list[dict[str, Any]]:
+    def _stream_call(self, *, final: bool, closed: bool = True) -> list[dict[str, Any]]:
+        """The ``delta.tool_calls`` entries the open block allows now; ``final`` ends the block (at its
+        ``</tool_call>``, or unclosed at the end of the output: ``closed`` False)."""
         cur = self._current
         assert cur is not None and self.block is not None
         out: list[dict[str, Any]] = []
@@ -205,7 +207,8 @@ class ToolCallParser:
         if cur.name is None or head is None:
             parsed = _loose_call(block)
             if parsed is None:
-                self._fallback = OPEN_TAG + block + CLOSE_TAG
+                # Given back as generated: a block cut by max_tokens has no closing tag to show.
+                self._fallback = OPEN_TAG + block + (CLOSE_TAG if closed else "")
                 return out
             cur.name, arguments = parsed
             out.append(

@@ -11,7 +11,11 @@ stamp=.venv/.minicpmo-installed
 want=$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing dependencies into .venv (first run takes ~2 minutes)"
-  .venv/bin/pip install -q --disable-pip-version-check -c constraints/cpu.txt -e ".[dev]"
+  .venv/bin/pip install -q --disable-pip-version-check -c constraints/cpu.txt -e ".[dev,frameworks]"
+  # instructor and openai-agents without their dependencies (pyproject.toml, the `frameworks` extra, says why)
+  no_deps=$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["minicpmo"]["frameworks-no-deps"]))')
+  # shellcheck disable=SC2086
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps -c constraints/cpu.txt $no_deps
   echo "$want" > "$stamp"
 fi
 # torchaudio's wheel ships CUDA-built native libraries that fail to load beside CPU torch; the project

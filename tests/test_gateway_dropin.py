@@ -185,6 +185,27 @@ def test_stop_logprobs_and_text_only_default(client: Any, gateway: ThreadedGatew
     assert {c.get("modality") for c in lines} == {"text"}
 
 
+def test_logit_bias_and_refused_fields_through_the_sdk(client: Any) -> None:
+    """logit_bias reaches the thinker's sampler (+100 forces its token at every step); a token id beyond
+    the vocabulary and a refused or unknown field come back as 400s naming the field."""
+    forced = client.chat.completions.create(
+        model=MODEL, messages=_user("Say it."), max_tokens=5, logit_bias={"9707": 100}, logprobs=True
+    )
+    lp = forced.choices[0].logprobs
+    assert lp is not None and len(lp.content) == 5 and len({t.token for t in lp.content}) == 1
+    assert forced.choices[0].message.content == lp.content[0].token * 5
+    for kwargs, param in (
+        ({"logit_bias": {"999999999": 5}}, "logit_bias.999999999"),
+        ({"store": True}, "store"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=_user("hi"), max_tokens=2, **kwargs)
+        body = info.value.body
+        assert isinstance(body, dict) and body["param"] == param, body
+
+
 def test_openai_audio_dialect_and_the_vllm_omni_one(client: Any, gateway: ThreadedGateway) -> None:
     stream = client.chat.completions.create(
         model=MODEL,

@@ -40,6 +40,17 @@ def test_whole_output_splits_into_text_and_calls() -> None:
     assert (loose.name, json.loads(loose.arguments)) == ("f", {"x": 1})
 
 
+def test_a_block_cut_before_its_name_is_given_back_as_generated() -> None:
+    """max_tokens may end a constrained call inside its name: the text is what the model wrote, with no
+    closing tag that it never wrote; the calls before it stay calls."""
+    cut = TEXT + '\n<tool_call>\n{"name": "get_wea'
+    content, calls = parse_all(cut)
+    assert [c.name for c in calls] == ["get_weather", "noop"]
+    assert content == 'Let me check.<tool_call>\n{"name": "get_wea'
+    _, (partial,) = parse_all('<tool_call>\n{"name": "f", "arguments": {"x": 1')
+    assert (partial.name, partial.arguments) == ("f", '{"x": 1')  # a cut after the name: still a call
+
+
 @pytest.mark.parametrize("step", [1, 2, 5, 13, len(TEXT)])
 def test_streamed_calls_send_id_and_name_first_then_argument_fragments(step: int) -> None:
     parser = ToolCallParser()

@@ -19,7 +19,7 @@ import torch
 from services.common.grpc_server import ServeOptions
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
 from services.thinker.backend import build_backend
-from services.thinker.constrained import tool_call_lark
+from services.thinker.constrained import closed_objects, tool_call_lark
 from services.thinker.engine import EngineConfig
 from services.thinker.processor.chat import Message, ToolCall, render_chat
 from services.thinker.sampling import Sampler, SamplingConfig, StopText
@@ -138,6 +138,65 @@ def test_json_schema_and_tool_calls_are_enforced_next_to_a_free_row(backend) -> 
     assert _done(out[3]).usage.completion_tokens == 12  # the unconstrained row was not held back
 
 
+def test_open_objects_get_only_their_declared_keys(backend) -> None:  # noqa: ANN001
+    """A schema that leaves other keys open (no additionalProperties, as instructor and LangChain send
+    tool parameters): the greedy random model used to invent keys until max_tokens; now the object ends
+    with its declared keys and still validates against the open schema."""
+    open_schema = {k: v for k, v in SCHEMA.items() if k != "additionalProperties"}
+    params = thinker_pb2.SamplingParams(
+        max_tokens=60,
+        constraint=thinker_pb2.Constraint(kind=Kind.KIND_JSON_SCHEMA, spec=json.dumps(open_schema)),
+    )
+    open_tool = [
+        {"name": "get_weather", "parameters": {"type": "object", "properties": SCHEMA["properties"]}}
+    ]
+    tools = thinker_pb2.SamplingParams(
+        max_tokens=80,
+        constraint=thinker_pb2.Constraint(kind=Kind.KIND_TOOL_CALLS, spec=json.dumps(open_tool)),
+    )
+    out_schema, out_tool = _run(backend, _open(params), _open(tools))
+    value = json.loads(_text(out_schema))
+    jsonschema.validate(value, open_schema)
+    assert set(value) == set(SCHEMA["properties"]) and _done(out_schema).finish_reason == "stop"
+    call = json.loads(_text(out_tool)[len("<tool_call>\n") : -len("\n</tool_call>")])
+    assert set(call["arguments"]) <= set(SCHEMA["properties"]) and _done(out_tool).finish_reason == "stop"
+
+
+def test_closed_objects_closes_only_what_stays_satisfiable() -> None:
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    closed = {**point, "additionalProperties": False}
+    assert closed_objects(point) == closed
+    nested = {
+        "type": "object",
+        "properties": {"p": point, "ps": {"type": "array", "items": point}},
+        "$defs": {"P": point},
+        "anyOf": [point],
+    }
+    got = closed_objects(nested)
+    assert got["properties"]["p"] == closed and got["properties"]["ps"]["items"] == closed
+    assert got["$defs"]["P"] == closed and got["anyOf"] == [closed]
+    assert "additionalProperties" not in got  # anyOf beside properties may add keys: left open
+    # Left as they are: explicit additionalProperties, allOf members, a required key not declared,
+    # minProperties over the declared count, a schema without properties, a property named "properties".
+    for schema in (
+        {**point, "additionalProperties": True},
+        {**point, "additionalProperties": {"type": "string"}},
+        {**point, "required": ["y"]},
+        {**point, "minProperties": 2},
+        {"type": "object"},
+    ):
+        assert closed_objects(schema) == schema
+    all_of = {"allOf": [point, {"type": "object", "properties": {"y": {"type": "integer"}}}]}
+    assert closed_objects(all_of) == all_of
+    named = {"type": "object", "properties": {"properties": point}}
+    assert closed_objects(named) == {
+        **named,
+        "properties": {"properties": closed},
+        "additionalProperties": False,
+    }
+    assert closed_objects(point) is not point and "additionalProperties" not in point  # a copy
+
+
 def test_bad_schema_is_a_typed_error(backend) -> None:  # noqa: ANN001
     bad = thinker_pb2.SamplingParams(
         constraint=thinker_pb2.Constraint(kind=Kind.KIND_JSON_SCHEMA, spec="{not json")
@@ -190,6 +249,30 @@ def test_logprobs_on_every_delta_and_penalties(backend) -> None:  # noqa: ANN001
     cfg = SamplingConfig(frequency_penalty=0.5, presence_penalty=1.0).validate()
     got = Sampler(cfg).process(torch.zeros(6), [5, 5, 1, 2, 2, 2], 4)  # generated: 1 once, 2 three times
     assert got.tolist() == [0.0, -1.5, -2.5, 0.0, 0.0, 0.0]
+
+
+def test_logit_bias_forces_and_bans_tokens(backend) -> None:  # noqa: ANN001
+    """+100 on one id makes greedy decoding choose it at every step, -100 on the greedy first token bans
+    it, also next to a plain row in the same batch; an id beyond the vocabulary is a typed error."""
+    forced_id = 9707
+    forced = thinker_pb2.SamplingParams(max_tokens=6, logit_bias={forced_id: 100.0})
+    plain = thinker_pb2.SamplingParams(max_tokens=6)
+    out_forced, out_plain = _run(backend, _open(forced), _open(plain))
+    ids = [t for r in out_forced if r.WhichOneof("kind") == "text" for t in r.text.token_ids]
+    assert ids == [forced_id] * 6
+    greedy = [t for r in out_plain if r.WhichOneof("kind") == "text" for t in r.text.token_ids]
+    assert len(greedy) == 6 and greedy != ids
+    banned = thinker_pb2.SamplingParams(max_tokens=1, logit_bias={greedy[0]: -100.0})
+    (out_banned,) = _run(backend, _open(banned))
+    (first,) = [t for r in out_banned if r.WhichOneof("kind") == "text" for t in r.text.token_ids]
+    assert first != greedy[0]
+    (bad,) = _run(backend, _open(thinker_pb2.SamplingParams(logit_bias={10_000_000: 1.0})))
+    assert bad[-1].WhichOneof("kind") == "error" and bad[-1].error.param == "logit_bias.10000000"
+    # The bias itself: added before the penalties; a masked (-inf) entry stays masked.
+    cfg = SamplingConfig(logit_bias=((1, 2.5), (3, -100.0)), frequency_penalty=1.0).validate()
+    got = Sampler(cfg).process(torch.tensor([0.0, 0.0, float("-inf"), 1.0]), [1], 1)
+    assert got.tolist() == [0.0, 1.5, float("-inf"), -99.0]
+    assert not Sampler(cfg).batchable_greedy
 
 
 def test_tools_render_as_the_checkpoint_template(tiny_ckpt: Path) -> None:

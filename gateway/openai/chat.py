@@ -78,6 +78,8 @@ def _build_job(
     sampling.top_logprobs = req.top_logprobs or 0
     sampling.presence_penalty = req.presence_penalty
     sampling.frequency_penalty = req.frequency_penalty
+    for token, bias in req.logit_bias.items():
+        sampling.logit_bias[token] = bias
     grammar = chat_tools.constraint(req)
     if grammar is not None:
         sampling.constraint.CopyFrom(grammar)

@@ -148,6 +148,7 @@ class ChatRequest:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     openai_audio: OpenAIAudio | None = None
 
     @property
@@ -237,6 +238,7 @@ def parse_chat_request(
         seed=thinker.get("seed"),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
         openai_audio=openai_audio,
     )
 

@@ -2,7 +2,11 @@
 
 The models are the one definition of the chat body: :func:`gateway.openai.protocol.parse_chat_request`
 validates with them and :mod:`gateway.openai.openapi_schema` publishes their JSON schema. They are strict
-(``"yes"`` is not a boolean, ``1.0`` not an integer) and ignore unknown keys, as OpenAI does.
+(``"yes"`` is not a boolean, ``1.0`` not an integer). Every top-level field of OpenAI's request is declared
+and either served, accepted with a documented harmless meaning, or refused (:data:`OPENAI_FIELDS`, the
+same table as docs/api.md); an unknown top-level key is refused as ``unknown_parameter``, as OpenAI does.
+Unknown keys inside objects are ignored (clients send back what responses carried: ``refusal``,
+``annotations``, ``prompt_cache_breakpoint``, ...).
 
 Union members are chosen by a callable discriminator whose tags start with ``#`` (the message ``role``, the
 content part ``type``, the JSON kind of a ``str | list`` field), so a failing member reports its own fields
@@ -38,6 +42,8 @@ from pydantic_core import PydanticCustomError
 
 from gateway.audio_encoding import normalize_format
 from gateway.validation_types import (
+    FINITE32,
+    INT32_MAX,
     NonNegativeFloat32,
     Penalty,
     PositiveUInt32,
@@ -59,6 +65,52 @@ NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 NAME_RE = re.compile(NAME_PATTERN)
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of logit_bias
+MAX_METADATA = 16  # metadata pairs; keys up to 64 characters, values up to 512 (OpenAI's limits)
+# How this server treats each top-level field of OpenAI's chat completions request (the openai SDK's
+# CompletionCreateParams): "yes" served as OpenAI documents it; "ignored" accepted and type-checked with no
+# effect (docs/api.md says why each is harmless); "partly" the values docs/api.md lists are served and any
+# other is a 400 naming the field; "400" refused whenever it is set. docs/api.md's table carries the same
+# status per field, and tests/test_request_fields.py checks the SDK's fields, this table and the docs agree.
+OPENAI_FIELDS: dict[str, str] = {
+    "messages": "yes",
+    "model": "yes",
+    "audio": "yes",
+    "frequency_penalty": "yes",
+    "presence_penalty": "yes",
+    "logit_bias": "yes",
+    "logprobs": "yes",
+    "top_logprobs": "yes",
+    "max_completion_tokens": "yes",
+    "max_tokens": "yes",
+    "modalities": "yes",
+    "n": "partly",
+    "parallel_tool_calls": "yes",
+    "response_format": "yes",
+    "seed": "yes",
+    "stop": "yes",
+    "stream": "yes",
+    "stream_options": "yes",
+    "temperature": "yes",
+    "top_p": "yes",
+    "tool_choice": "yes",
+    "tools": "yes",
+    "user": "ignored",
+    "safety_identifier": "ignored",
+    "prompt_cache_key": "ignored",
+    "metadata": "ignored",
+    "prediction": "ignored",
+    "store": "partly",
+    "service_tier": "partly",
+    "reasoning_effort": "partly",
+    "verbosity": "partly",
+    "prompt_cache_retention": "partly",
+    "prompt_cache_options": "partly",
+    "functions": "400",
+    "function_call": "400",
+    "web_search_options": "400",
+    "moderation": "400",
+}
 # vLLM SamplingParams keys that have no meaning for this model's stages; accepted and ignored so
 # vLLM-Omni clients that send them keep working.
 IGNORED_SAMPLING_KEYS = frozenset(
@@ -267,11 +319,34 @@ class UserMessage(_Model):
     name: str | None = None
 
 
+class AudioRef(_Model):
+    id: str
+
+
 class AssistantMessage(_Model):
     role: Literal["assistant"]
     content: OptionalTextContent | None = Field(None, description="may be omitted when tool_calls are given")
     name: str | None = None
     tool_calls: list[ToolCallModel] | None = None
+    refusal: str | None = Field(None, description="an earlier refusal's text: not rendered")
+    audio: AudioRef | None = Field(None, description="an earlier audio answer: needs its words in content")
+    function_call: SkipJsonSchema[Any] = None
+
+    @model_validator(mode="after")
+    def _no_legacy_or_lost_audio(self) -> AssistantMessage:
+        if self.function_call is not None:
+            raise fail(
+                "unsupported_parameter",
+                "is not supported (the deprecated function API); send 'tool_calls'",
+                "function_call",
+            )
+        if self.audio is not None and self.content is None and not self.tool_calls:
+            raise fail(
+                "unsupported_value",
+                "this server keeps no audio answers to refer to by id; send their transcript as 'content'",
+                "audio",
+            )
+        return self
 
 
 class ToolMessage(_Model):
@@ -396,7 +471,20 @@ class AudioOutput(_Model):
     format: (
         Annotated[str, WithJsonSchema({"enum": ["wav", "pcm", "pcm16", "flac", "mp3", "opus"]})] | None
     ) = None
-    voice: NonEmptyStr = "default"
+    voice: Annotated[
+        NonEmptyStr,
+        WithJsonSchema(
+            {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"id": {"type": "string"}}}]}
+        ),
+    ] = "default"
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_id(cls, value: Any) -> Any:
+        """OpenAI's custom-voice reference ``{"id": name}`` names a voice as the plain string does."""
+        if isinstance(value, dict) and set(value) == {"id"}:
+            return value["id"]
+        return value
 
     @field_validator("format")
     @classmethod
@@ -415,6 +503,50 @@ class AudioOutput(_Model):
 class StreamOptions(_Model):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+    include_obfuscation: bool | None = Field(
+        None, description="only false: chunks carry no obfuscation field"
+    )
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value: bool | None) -> bool | None:
+        if value:
+            raise fail(
+                "unsupported_value", "only false is supported: stream chunks carry no obfuscation padding"
+            )
+        return value
+
+
+class PromptCacheOptions(_Model):
+    mode: str | None = Field(None, description="only 'implicit': the prefix cache is automatic")
+    ttl: SkipJsonSchema[str | None] = None
+
+    @field_validator("mode")
+    @classmethod
+    def _implicit(cls, value: str | None) -> str | None:
+        if value not in (None, "implicit"):
+            raise fail(
+                "unsupported_value",
+                "only 'implicit' is supported: the thinker's prefix cache finds shared prefixes by itself "
+                "(explicit breakpoints are not supported)",
+            )
+        return value
+
+    @field_validator("ttl")
+    @classmethod
+    def _no_ttl(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise fail(
+                "unsupported_parameter",
+                "is not supported: the prefix cache keeps entries until its memory is needed and promises "
+                "no lifetime",
+            )
+        return value
+
+
+class Prediction(_Model):
+    type: Literal["content"]
+    content: OptionalTextContent
 
 
 class ChatTemplateKwargs(_Model):
@@ -505,12 +637,16 @@ STAGES_SCHEMA: dict[str, Any] = {
 
 
 class ChatCompletionRequest(_Model):
-    """``POST /v1/chat/completions`` (docs/protocol.md, Chat request): OpenAI fields plus the vLLM-Omni
-    extensions ``sampling_params_list``, ``ref_audio``, ``chat_template_kwargs``, ``return_stage_metrics``.
+    """``POST /v1/chat/completions`` (docs/protocol.md, Chat request; docs/api.md, every field): OpenAI's
+    fields plus the vLLM / vLLM-Omni extensions (``sampling_params_list``, ``ref_audio``,
+    ``chat_template_kwargs``, ``return_stage_metrics``, ``top_k``, ...). No other top-level key is taken.
 
     Validation context: ``served_model_name`` (another ``model`` is a 404) and ``max_model_len`` (token
     budgets over the whole thinker context are refused; None: unchecked).
     """
+
+    # The published schema says what the validator does: no other top-level key.
+    model_config = ConfigDict(**_Model.model_config, json_schema_extra={"additionalProperties": False})
 
     # an explicit null is refused (below) and not offered by the schema
     model: Annotated[str | None, WithJsonSchema({"type": "string"})] = Field(
@@ -548,6 +684,10 @@ class ChatCompletionRequest(_Model):
     top_k: TopK | None = None
     seed: Seed | None = None
     min_tokens: UInt32 | None = None
+    stop_token_ids: list[TokenId] | None = Field(
+        None, description="more token ids that end the answer (vLLM)"
+    )
+    ignore_eos: bool | None = Field(None, description="generate max_tokens whatever the stop ids (vLLM)")
     sampling_params_list: Annotated[list[Any], Field(max_length=3), WithJsonSchema(STAGES_SCHEMA)] | None = (
         Field(None, description="per-stage sampling: [thinker, talker(, code2wav)]")
     )
@@ -557,6 +697,121 @@ class ChatCompletionRequest(_Model):
     stop: StopField | None = Field(None, description=f"a string or 1 to {MAX_STOP} non-empty strings")
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0), FINITE32]] | None = Field(
+        None,
+        description=f"token id (a decimal string) -> bias in [-100, 100], at most {MAX_LOGIT_BIAS} entries",
+    )
+    user: str | None = Field(None, description="accepted, no effect")
+    safety_identifier: Annotated[str, Field(max_length=128)] | None = Field(
+        None, description="accepted, no effect"
+    )
+    prompt_cache_key: str | None = Field(
+        None, description="accepted, no effect: the prefix cache is automatic"
+    )
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        None, description=f"at most {MAX_METADATA} pairs; nothing is stored, so it has no effect"
+    )
+    prediction: Prediction | None = Field(None, description="accepted, no effect on the output")
+    store: bool | None = Field(None, description="only false: this server stores no completions")
+    service_tier: str | None = Field(None, description="'auto' or 'default' (the one tier)")
+    reasoning_effort: str | None = Field(
+        None, description="only 'none'; the thinking mode is chat_template_kwargs.enable_thinking"
+    )
+    verbosity: str | None = Field(None, description="only 'medium' (the model's own length)")
+    prompt_cache_retention: str | None = Field(None, description="only 'in_memory'")
+    prompt_cache_options: PromptCacheOptions | None = None
+    function_call: SkipJsonSchema[Any] = None
+    web_search_options: SkipJsonSchema[Any] = None
+    moderation: SkipJsonSchema[Any] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        """An unknown top-level key is refused (OpenAI's ``unknown_parameter``), never dropped unseen."""
+        if isinstance(data, dict):
+            for key in data:
+                if key not in _BODY_KEYS:
+                    shown = key if len(key) <= 80 else key[:77] + "..."
+                    raise fail(
+                        "unknown_parameter",
+                        "is not a parameter of this endpoint (docs/api.md lists every field it takes)",
+                        shown,
+                    )
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS:
+            raise fail("invalid_value", f"takes at most {MAX_LOGIT_BIAS} token ids, got {len(value)}")
+        for key in value:
+            if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+                raise fail("invalid_value", "keys must be token ids: decimal integers", key[:80])
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None:
+            if len(value) > MAX_METADATA:
+                raise fail("invalid_value", f"takes at most {MAX_METADATA} key-value pairs")
+            for key in value:
+                if len(key) > 64:
+                    raise fail("invalid_value", "keys are at most 64 characters", key[:80])
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, value: bool | None) -> bool | None:
+        if value:
+            raise fail("unsupported_value", "only false is supported: this server stores no completions")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise fail(
+                "unsupported_value", f"{value[:40]!r} is not served: this server has one tier, 'default'"
+            )
+        return value
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _no_reasoning_levels(cls, value: str | None) -> str | None:
+        if value not in (None, "none"):
+            raise fail(
+                "unsupported_value",
+                f"{value[:40]!r} is not supported: only 'none'; the model's thinking mode is switched by "
+                "chat_template_kwargs.enable_thinking and has no effort levels",
+            )
+        return value
+
+    @field_validator("verbosity")
+    @classmethod
+    def _default_verbosity(cls, value: str | None) -> str | None:
+        if value not in (None, "medium"):
+            raise fail("unsupported_value", f"{value[:40]!r} is not supported: only 'medium' (the default)")
+        return value
+
+    @field_validator("prompt_cache_retention")
+    @classmethod
+    def _in_memory(cls, value: str | None) -> str | None:
+        if value not in (None, "in_memory"):
+            raise fail(
+                "unsupported_value",
+                f"{value[:40]!r} is not supported: only 'in_memory' (the prefix cache lives in the thinker's memory)",
+            )
+        return value
+
+    @field_validator("function_call", "web_search_options", "moderation")
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise fail("unsupported_parameter", _REFUSED[str(info.field_name)])
+        return value
 
     @field_validator("model")
     @classmethod
@@ -673,6 +928,16 @@ class ChatCompletionRequest(_Model):
 
     @model_validator(mode="after")
     def _after(self, info: ValidationInfo) -> ChatCompletionRequest:
+        if (
+            self.reasoning_effort == "none"
+            and self.chat_template_kwargs
+            and self.chat_template_kwargs.enable_thinking
+        ):
+            raise fail(
+                "invalid_value",
+                "'none' contradicts chat_template_kwargs.enable_thinking: true; send one of them",
+                "reasoning_effort",
+            )
         if self.ref_audio is None and isinstance(self.extra_body, dict):
             ref = self.extra_body.get("ref_audio")
             if ref is not None and not isinstance(ref, str):
@@ -696,7 +961,16 @@ class ChatCompletionRequest(_Model):
         budget = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if budget is not None:
             out["max_tokens"] = budget
-        for key in ("temperature", "top_p", "repetition_penalty", "top_k", "seed", "min_tokens"):
+        for key in (
+            "temperature",
+            "top_p",
+            "repetition_penalty",
+            "top_k",
+            "seed",
+            "min_tokens",
+            "stop_token_ids",
+            "ignore_eos",
+        ):
             value = getattr(self, key)
             if value is not None:
                 out[key] = 0 if (key == "top_k" and value == -1) else value
@@ -721,6 +995,16 @@ class ChatCompletionRequest(_Model):
             ref = self.extra_body.get("ref_audio")
             return ref if isinstance(ref, str) else None
         return self.ref_audio
+
+
+# Why each always-refused field is refused (the 400's message).
+_REFUSED = {
+    "function_call": "is not supported (the deprecated function API); use 'tool_choice'",
+    "web_search_options": "is not supported: this server does not search the web",
+    "moderation": "is not supported: this server runs no moderation model",
+}
+# Every top-level key the body may carry (by alias: ``response_format.json_schema.schema`` is nested).
+_BODY_KEYS = frozenset(ChatCompletionRequest.model_fields)
 
 
 def check_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -764,6 +1048,7 @@ _OWN_CODES = frozenset(
         "missing_required_parameter",
         "unsupported_value",
         "unsupported_parameter",
+        "unknown_parameter",
         "model_not_found",
     }
 )

@@ -11,7 +11,8 @@ fill per row group. The mask for step n+1 depends only on the tokens chosen up t
 waits for the device until the logits are read.
 
 Grammars emit compact JSON (``","`` and ``":"`` separators, no free whitespace), as OpenAI's own
-outputs do, so a weak model cannot spend ``max_tokens`` on spaces. The tool-call grammar is the
+outputs do, so a weak model cannot spend ``max_tokens`` on spaces, and objects carry only the keys their
+schema declares (:func:`closed_objects`), so it cannot spend them on invented keys either. The tool-call grammar is the
 model's own format (docs/model.md, "Tool calls"): ``<tool_call>`` and ``</tool_call>`` are single
 tokens of the vocabulary, written as token ids in the grammar so the model must use those tokens.
 """
@@ -38,8 +39,81 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator":
 Kind = thinker_pb2.Constraint.Kind
 
 
-def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+# Keywords whose values are subschemas: maps of them, single ones, lists of them (``allOf`` on its own).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONES = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "additionalProperties",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+# Beside ``properties``, these keywords may admit keys that ``properties`` does not list.
+_OPENS_KEYS = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "dependencies",
+    "dependentSchemas",
+    "if",
+)
+
+
+def closed_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` with each object that lists its ``properties`` and says nothing of other keys closed
+    to those properties (``additionalProperties: false``).
+
+    JSON Schema lets such an object carry any further key, and a grammar that allows them lets a weak
+    model spend its whole budget inventing keys (frameworks send such schemas: instructor's and
+    LangChain's tool parameters, non-strict ``json_schema`` formats). An object with only the declared
+    keys is still valid, so the closed grammar generates a subset of the valid instances. Left open: an
+    object that another keyword may widen (``allOf`` members and their holder, ``anyOf``/``oneOf``/``$ref``
+    beside ``properties``, ``patternProperties``, ...), one whose ``required`` names an undeclared key,
+    and one whose ``minProperties`` exceeds the declared keys.
+    """
+    if not isinstance(schema, dict):
+        return schema
     out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_ONES:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(sub, in_all_of=True) for sub in out["allOf"]]
+    props = out.get("properties")
+    required = out.get("required", [])
+    min_props = out.get("minProperties", 0)
+    if (
+        not in_all_of
+        and isinstance(props, dict)
+        and not any(key in out for key in _OPENS_KEYS)
+        and isinstance(required, list)
+        and set(map(str, required)) <= set(props)
+        and isinstance(min_props, int)
+        and min_props <= len(props)
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    out = closed_objects(schema) if isinstance(schema, dict) else schema
     out["x-guidance"] = {**COMPACT, **(schema.get("x-guidance") or {})}
     return out
 

@@ -142,6 +142,7 @@ class ThinkerEngine:
         )
         self.max_context = min(int(config.max_context), int(cfg.max_position_embeddings))
         budget = config.kv_budget_bytes
+        budget_is_auto = budget is None
         if budget is not None:
             check_explicit_kv_budget(
                 budget, self.device, config.memory_fraction, config.memory_fraction_key, config.reserve_bytes
@@ -165,6 +166,8 @@ class ThinkerEngine:
             norm_fold=config.norm_fold,
             weights=config.weights,
         )
+        if budget_is_auto and config.weights == "fp8" and self.device.type == "cuda":
+            self._resize_pool_to_quantized_weights(config)
         self.scheduler = Scheduler(
             self.cache.pool,
             self.layout,
@@ -186,6 +189,32 @@ class ThinkerEngine:
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)
         self._exported = (0, 0, 0)  # prefix hits, misses, evictions already added to the counters
         self._update_gauges()
+
+    def _resize_pool_to_quantized_weights(self, config: EngineConfig) -> None:
+        """Size the automatic KV pool again once fp8 weights are in place.
+
+        The pool is sized while the checkpoint's bf16 weights are resident; the runner then quantizes them
+        to fp8 and releases the bf16 tensors, about half the weight bytes. Sized again by the same rule
+        (the memory cap or the free memory, minus the headroom), the pool takes those bytes: more
+        sequences and longer contexts on the same card. The pool is still empty here and no CUDA graph
+        has been captured, so the old storage is dropped before the new one is allocated.
+        """
+        before = self.cache.budget_bytes
+        self.cache.k.clear()
+        self.cache.v.clear()
+        torch.cuda.empty_cache()
+        budget = default_kv_budget(
+            self.layout,
+            self.device,
+            self.max_context,
+            min(config.max_num_seqs, 8),
+            memory_fraction=config.memory_fraction,
+            memory_fraction_key=config.memory_fraction_key,
+            reserve_bytes=config.reserve_bytes,
+        )
+        self.cache = PagedKVCache(self.layout, budget, self.device, prefix_caching=config.prefix_caching)
+        self.runner.cache = self.cache
+        log.info("thinker KV pool resized for fp8 weights: %.2f -> %.2f GiB", before / 2**30, budget / 2**30)
 
     # ------------------------------------------------------------------------------------ public API
     def open(self, sink: Sink, *, persistent: bool = False) -> Sequence:

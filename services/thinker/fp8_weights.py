@@ -94,7 +94,11 @@ def quantize_runner(runner: Runner) -> None:
                     quantize_fp8(lay.down_weight),
                 )
             )
+            # Drop this layer's bf16 tensors before the next layer is quantized: the peak stays at the bf16
+            # weights plus one layer's fp8 copy, which fits a KV pool already sized to the stage's cap.
             _release(module)
+            empty = _empty_like(lay.o_weight)
+            lay.qkv_weight = lay.o_weight = lay.gate_up_weight = lay.down_weight = empty
         head_fp8 = quantize_fp8(head.weight)
         if head.weight is not llm.model.embed_tokens.weight:
             head.weight = nn.Parameter(_empty_like(head.weight), requires_grad=False)

@@ -48,6 +48,8 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the logits before everything else.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> SamplingConfig:
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -75,6 +77,24 @@ class SamplingConfig:
             raise StageError(INVALID_ARGUMENT, "top_logprobs must be in [0, 20]", "sampling.top_logprobs")
         if self.min_tokens > self.max_tokens:
             raise StageError(INVALID_ARGUMENT, "min_tokens must be <= max_tokens", "sampling.min_tokens")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise StageError(
+                    INVALID_ARGUMENT,
+                    "logit_bias maps token ids to biases in [-100, 100]",
+                    f"logit_bias.{token}",
+                )
+        return self
+
+    def check_vocab(self, vocab_size: int) -> SamplingConfig:
+        """Refuse ``logit_bias`` ids that name no token of the tokenizer (``vocab_size`` entries)."""
+        for token, _ in self.logit_bias:
+            if token >= vocab_size:
+                raise StageError(
+                    INVALID_ARGUMENT,
+                    f"logit_bias names token id {token}, beyond the vocabulary (ids 0 to {vocab_size - 1})",
+                    f"logit_bias.{token}",
+                )
         return self
 
     @property
@@ -83,7 +103,8 @@ class SamplingConfig:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """True when the logits change before the choice: penalties or a logit bias."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or bool(self.logit_bias)
 
 
 class StopText:
@@ -223,9 +244,13 @@ class Sampler:
         return [s.choose(logits[i], histories[i], num_generated[i]) for i, s in enumerate(samplers)]
 
     def process(self, logits: torch.Tensor, history: Sequence[int], num_generated: int) -> torch.Tensor:
-        """Penalty and stop-token masking; returns adjusted fp32 logits (a copy when modified)."""
+        """Logit bias, penalties and stop-token masking; returns adjusted fp32 logits (a copy when modified)."""
         c = self.config
-        if c.has_penalties and num_generated:
+        if c.logit_bias:
+            ids = torch.tensor([t for t, _ in c.logit_bias], dtype=torch.long, device=logits.device)
+            bias = torch.tensor([b for _, b in c.logit_bias], dtype=logits.dtype, device=logits.device)
+            logits = logits.index_add(0, ids, bias)
+        if (c.presence_penalty or c.frequency_penalty) and num_generated:
             gen = torch.tensor(
                 list(history[len(history) - num_generated :]), dtype=torch.long, device=logits.device
             )

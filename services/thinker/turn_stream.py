@@ -70,12 +70,14 @@ def sampling_from_proto(msg: thinker_pb2.SamplingParams, room: int) -> SamplingC
         stop=tuple(msg.stop),
         logprobs=bool(msg.logprobs),
         top_logprobs=int(msg.top_logprobs) if msg.logprobs else 0,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
     )
     return cfg.validate()
 
 
 def make_sampler(backend: ThinkerBackend, msg: thinker_pb2.SamplingParams, config: SamplingConfig) -> Sampler:
     """The request's sampler: its grammar matcher (compiled here, off the engine thread) and stop check."""
+    config.check_vocab(len(backend.tokenizer))
     sampler = Sampler(config)
     if msg.HasField("constraint") and msg.constraint.kind != thinker_pb2.Constraint.KIND_UNSPECIFIED:
         compiler = backend.grammar
