@@ -176,3 +176,40 @@ def test_auto_call_starts_when_the_model_draws_the_tag(backend) -> None:  # noqa
     call = backend.processor.tokenizer.decode(tokens[start:end], skip_special_tokens=False)
     jsonschema.validate(_args(call), WEATHER["parameters"])
     assert select_span(tokens) == [1, 2] and state.turn_ended
+
+
+def test_sliding_window_leaves_room_for_a_call(backend) -> None:  # noqa: ANN001
+    """With ``--duplex-window basic`` a unit that may call counts the whole call's room when the window
+    decides to trim, so a long session with tools trims instead of passing the context; after a trim the
+    tools note goes in again, and a forced call still completes."""
+    import dataclasses
+
+    from services.thinker.duplex_window import DuplexWindow
+    from services.thinker.engine import ThinkerEngine
+
+    small = ThinkerEngine(
+        backend.engine.runner.llm, EngineConfig(max_context=900, kv_budget_bytes=8 << 20), "cpu"
+    )
+    small.start()
+    try:
+        b = dataclasses.replace(
+            backend, engine=small, duplex_window=DuplexWindow(high=850, low=700).validate(900)
+        )
+        offered = [unit(i) for i in range(24)]
+        for req in offered:
+            req.unit.tools_json.append(SIGNATURE)
+            req.unit.tool_call.CopyFrom(
+                thinker_pb2.Constraint(
+                    kind=thinker_pb2.Constraint.KIND_TOOL_CALLS, spec=json.dumps([WEATHER])
+                )
+            )
+        got = asyncio.run(
+            _session(b, [duplex_open(force_listen_units=24), *offered, _call_unit(24, forced=True), END])
+        )
+        assert not [r.error.message for r in got if r.HasField("error")]
+        units = [r.unit for r in got if r.HasField("unit")]
+        assert len(units) == 25 and got[-1].done.usage.extra["window_trims"] >= 1
+        assert all(u.context_tokens <= 850 for u in units[:-1])
+        jsonschema.validate(_args(units[-1].tool_call), WEATHER["parameters"])
+    finally:
+        small.shutdown()
