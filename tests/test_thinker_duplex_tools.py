@@ -213,3 +213,43 @@ def test_sliding_window_leaves_room_for_a_call(backend) -> None:  # noqa: ANN001
         jsonschema.validate(_args(units[-1].tool_call), WEATHER["parameters"])
     finally:
         small.shutdown()
+
+
+def test_a_call_past_its_token_cap_is_cut_and_ends_the_turn(backend) -> None:  # noqa: ANN001
+    """A call whose grammar is still open after 512 tokens (a free string on random logits) ends the unit
+    for length with the turn ended; its block has no ``</tool_call>``, which is how it is reported as cut."""
+    from services.thinker.duplex_policy import MAX_TOOL_CALL_TOKENS
+
+    free = {
+        "name": "say",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    }
+    compiler = backend.grammar
+    grammar = compiler.grammar(
+        thinker_pb2.Constraint(kind=thinker_pb2.Constraint.KIND_TOOL_CALLS, spec=json.dumps([free]))
+    )
+    state = PolicyState()
+    policy = DuplexPolicy(
+        DuplexSampling(temperature=0.0),
+        state,
+        torch.zeros(151748, dtype=torch.bool),
+        force_listen=False,
+        force_speak=True,
+        tool_call=ToolCallPlan(lambda: compiler.from_grammar(grammar, check=False), forced=True),
+    )
+    tokenizer = backend.processor.tokenizer
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    quotes = torch.tensor([i for i, p in enumerate(pieces) if p and '"' in p])
+    gen = torch.Generator().manual_seed(1)
+    tokens: list[int] = []
+    reason = None
+    while reason is None:
+        logits = torch.randn(1, 151748, generator=gen)
+        if len(tokens) > 4:
+            logits[0, quotes] = -1e4  # inside the string no quote wins: it stays open
+        (token,) = choose_tokens([policy], logits, [tokens], [len(tokens)])
+        tokens.append(token)
+        reason = policy.finish_reason(token, len(tokens))
+    assert reason == "length" and len(tokens) == 1 + MAX_TOOL_CALL_TOKENS and state.turn_ended
+    start, end = call_bounds(tokens)  # type: ignore[misc]
+    assert (start, end) == (1, len(tokens)) and TOOL_CALL_END_ID not in tokens

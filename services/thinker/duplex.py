@@ -171,14 +171,18 @@ def select_span(generated: list[int]) -> list[int]:
 
 
 def call_bounds(generated: list[int]) -> tuple[int, int] | None:
-    """``[start, end)`` of the unit's function call (``<tool_call>`` through ``</tool_call>``, or to the
-    unit's end when the call was cut), or None."""
+    """``[start, end)`` of the unit's function call: ``<tool_call>`` through ``</tool_call>``, or, for a call
+    that was cut (the token cap, a grammar error), up to the turn's forced end or the unit's end; None
+    without a call."""
     if TOOL_CALL_ID not in generated:
         return None
     start = generated.index(TOOL_CALL_ID)
-    rest = generated[start:]
-    end = start + rest.index(TOOL_CALL_END_ID) + 1 if TOOL_CALL_END_ID in rest else len(generated)
-    return start, end
+    for end in range(start + 1, len(generated)):
+        if generated[end] == TOOL_CALL_END_ID:
+            return start, end + 1
+        if generated[end] == TURN_EOS or generated[end] in UNIT_TERMINATORS:
+            return start, end
+    return start, len(generated)
 
 
 class DuplexSession:
@@ -210,11 +214,11 @@ class DuplexSession:
         self.chunk_seq = 0
         self.total_generated = 0
         # Function tools: the signatures last placed in the context (a note goes in when they change), the
-        # validated grammar text of each tool_call spec seen, and the grammar error of the running unit.
+        # validated grammar text of each tool_call spec seen, and the grammar error of the unit being decided
+        # (a unit is assembled only after the previous one was decided and reported).
         self.tools_noted: list[str] = []
         self.grammars: dict[bytes, str] = {}
         self.tool_error = ""
-        self.last_policy: DuplexPolicy | None = None
 
     # ------------------------------------------------------------------------------------- identity
     def ident(self, unit_seq: int = 0) -> common_pb2.Identity:
@@ -326,7 +330,6 @@ class DuplexSession:
             force_speak=(force_speak and not force_listen),
             tool_call=None if force_listen else self.tool_call_plan(unit),
         )
-        self.last_policy = policy
         speech = bool(self.open.want_speech)
         return WorkItem(list(layout.input_ids), embeds, sampler=policy, emit_hidden=speech, feed_last=True)
 
@@ -397,8 +400,7 @@ class DuplexSession:
         if call is not None:
             tok = self.processor.tokenizer
             call_text = tok.decode(gen[call[0] : call[1]], skip_special_tokens=False)
-            policy = self.last_policy
-            call_cut = policy is not None and policy.call_truncated or gen[call[1] - 1] != TOOL_CALL_END_ID
+            call_cut = gen[call[1] - 1] != TOOL_CALL_END_ID
             # The <|turn_eos|> after the call closes the span of text spoken before it in this unit; a unit
             # that only called has nothing to voice (the gateway ends an open talker stream itself).
             if call[1] < len(gen) and gen[call[1]] == TURN_EOS and span:

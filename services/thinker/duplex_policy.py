@@ -148,7 +148,6 @@ class DuplexPolicy(Sampler):
         # The call's progress in this unit: None (no call), "call" (grammar tokens), "turn_eos", "listen".
         self.call_phase: str | None = None
         self.call_start = 0  # index of the call's first token among the unit's tokens
-        self.call_truncated = False
         self._limit = MAX_TOKENS_PER_UNIT - 1
         self._skip_accept = False  # the forced call's decision token is not the grammar's
 
@@ -281,11 +280,9 @@ class DuplexPolicy(Sampler):
             self._skip_accept = False
             return
         self.constraint.accept(token)
-        failed = self.constraint.failed
-        if failed or (token == TOOL_CALL_END_ID and self.constraint.matcher.is_accepting()):
+        if self.constraint.failed or (token == TOOL_CALL_END_ID and self.constraint.matcher.is_accepting()):
             self.constraint = None
-            self.call_phase = "turn_eos"
-            self.call_truncated = failed
+            self.call_phase = "turn_eos"  # a failed call ends there too (reported as cut: no </tool_call>)
 
     def _spend_budget(self, token: int) -> int:
         """A per-response budget counts the spoken tokens of the open turn; once it is spent the next token
@@ -307,7 +304,7 @@ class DuplexPolicy(Sampler):
             return "stop"
         if self.call_phase == "call" and num_generated - self.call_start >= MAX_TOOL_CALL_TOKENS:
             # The call ran out of tokens before its grammar completed: the unit and the turn end here.
-            self.constraint, self.call_phase, self.call_truncated = None, None, True
+            self.constraint, self.call_phase = None, None
             self.state.turn_ended = True
             return "length"
         if num_generated >= self.max_new_tokens:
