@@ -28,7 +28,7 @@ from gateway.realtime.audio import (
     validate_rate,
 )
 from gateway.realtime.errors import RealtimeError
-from gateway.realtime.tools import check_tools
+from gateway.realtime.tools import ToolSet, parse_tools
 from gateway.realtime.vad import normalize_server_vad, silero_available
 from gateway.validation_types import FINITE32, PositiveUInt32, Temperature, UInt32
 from services.common.audio import AUDIO_DECODE_ERRORS, read_audio
@@ -105,6 +105,9 @@ class SessionConfig:
     max_response_units: int | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] | None = None
+    tools: ToolSet = field(
+        default_factory=ToolSet
+    )  # function tools and tool_choice (gateway/realtime/tools.py)
 
     @property
     def wants_audio(self) -> bool:
@@ -276,7 +279,7 @@ def _parse_session(
     _apply_fixed_at_open(cfg, obj, extra, opening, audio_started)
     _apply_registered_voice(cfg, obj, extra, voices)
     _apply_knobs(cfg, obj, extra, opening)
-    check_tools(obj, "session")  # 5. function tools: validated by field, then refused (no realtime calls)
+    cfg.tools = parse_tools(obj, "session", cfg.tools)  # 5. function tools, validated by field
     if cfg.wants_audio and cfg.ref_audio is None:
         raise RealtimeError(
             "ref_audio_required", "ref_audio is required when audio is an output modality", param="ref_audio"
@@ -494,4 +497,6 @@ def render_session(cfg: SessionConfig) -> dict[str, Any]:
         "playback_commit_policy": cfg.playback_commit_policy,
         "extra_body": {k: v for k, v in cfg.extra_body.items() if k not in ("ref_audio", "tts_ref_audio")},
         "metadata": cfg.metadata,
+        "tools": cfg.tools.render_tools(),
+        "tool_choice": cfg.tools.render_choice(),
     }

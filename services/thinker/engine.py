@@ -441,7 +441,7 @@ class ThinkerEngine:
             )
             self._emit(seq, EngineEvent(seq.seq_id, tag=work.tag, error=err, context_tokens=len(seq.tokens)))
             return
-        want = min(total + (work.sampler.max_new_tokens if work.sampler else 0), self.max_context)
+        want = min(total + (work.sampler.reserve_tokens if work.sampler else 0), self.max_context)
         if not self.scheduler.can_ever_fit(want):
             err = StageError(
                 RESOURCE_EXHAUSTED,

@@ -14,7 +14,8 @@ saturated (more waiting sequences than free slots, or more prompt than the step 
 to an underrun is served first. Work without a deadline (chat requests, session prefixes) follows the
 deadlined work, oldest first among itself.
 
-KV admission: a sequence reserves blocks for ``context + new input + max_new_tokens`` (capped at the
+KV admission: a sequence reserves blocks for ``context + new input + reserve_tokens`` (its sampler's
+max_new_tokens, more for a duplex unit that may make a function call; capped at the
 context limit) when it is admitted, so a running sequence can never run out of cache mid-decode and
 the pool, sized from the byte budget, bounds the gauge by construction. A request that does not fit
 waits (head of line); one that could never fit is rejected by the engine before it is queued.
@@ -130,7 +131,7 @@ class Sequence:
         """Cache positions this sequence may need until its current work item ends."""
         if self.work is None:
             return len(self.tokens)
-        new = len(self.prompt) + (self.work.sampler.max_new_tokens if self.work.sampler else 0)
+        new = len(self.prompt) + (self.work.sampler.reserve_tokens if self.work.sampler else 0)
         return min(len(self.tokens) + new, max_context)
 
 
