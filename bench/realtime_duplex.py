@@ -162,6 +162,13 @@ def run_level(
         "underruns_per_session": _pct([float(s["underruns"]) for s in per_session]),
         "underrun_ms_per_session": _pct([s["underrun_ms"] for s in per_session]),
         "underruns_total": sum(s["underruns"] for s in per_session),
+        # every underrun as (seconds after the level started, session index, ms): a stall that hits all
+        # sessions at once shows as one time with every session in it
+        "underrun_times": sorted(
+            (round(when - t0, 3), i, round(ms, 1))
+            for i, s in enumerate(per_session)
+            for when, ms in s["underrun_at"]
+        ),
         "audio_s": sum(s["audio_s"] for s in per_session),
     }
     level.update(_metric_means(delta, wall))
@@ -212,7 +219,7 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
         return "-" if not d else f(d[key] * scale, digits)
 
     lines = [
-        "| sessions | lane | failed | unit RTF p50 / p90 / p99 | underruns per session p50 / max, ms | "
+        "| sessions | lane | failed | unit RTF p50 / p90 / p99 | underruns per session p50 / total, ms p50 | "
         "first audio p50 / p90 ms | first audio split: decision / speech / window / audio, mean ms | barge-in client p50 ms, stage drain ms thinker / talker / code2wav | "
         "thinker step ms forward / host, batch | Whisper batch | busy share thinker / talker / code2wav |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -241,6 +248,12 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
             f"{p(lv['barge_in_ms'], 'p50', digits=0)}, {drains} | {step} | "
             f"{f(lv.get('whisper_batch_mean'), 1)} | {busy} |"
         )
+    for lv in levels:
+        if lv.get("underrun_times"):
+            when = "; ".join(f"{t:.1f} s #{i} {ms:.0f} ms" for t, i, ms in lv["underrun_times"][:24])
+            lines.append(
+                f"\nUnderruns at {lv['sessions']} sessions ({lv['lane']}; time after the level's start, session, ms): {when}"
+            )
     return "\n".join(lines) + "\n"
 
 

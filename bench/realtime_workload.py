@@ -50,6 +50,9 @@ class ResponseClock:
     unit_rtf: list[float] = field(default_factory=list)
     underruns: int = 0
     underrun_ms: float = 0.0
+    # (when, ms) of each underrun, ``when`` on the host's monotonic clock: underruns of several
+    # sessions at the same moment are one stall of the pipeline, not per-session slowness.
+    underrun_at: list[tuple[float, float]] = field(default_factory=list)
     status: str | None = None
 
     def on_delta(self, now: float, pcm16_bytes: int) -> None:
@@ -65,6 +68,7 @@ class ResponseClock:
             if now > self.play_end:
                 self.underruns += 1
                 self.underrun_ms += 1000 * (now - self.play_end)
+                self.underrun_at.append((now, 1000 * (now - self.play_end)))
                 self.play_end = now + seconds  # playback resumes with this delta
             else:
                 self.play_end += seconds
@@ -88,6 +92,7 @@ class SessionResult:
             "cancelled": sum(r.status == "cancelled" for r in self.responses),
             "underruns": sum(r.underruns for r in self.responses),
             "underrun_ms": sum(r.underrun_ms for r in self.responses),
+            "underrun_at": [u for r in self.responses for u in r.underrun_at],
             "audio_s": sum(r.audio_s for r in self.responses),
             "errors": self.errors,
         }

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gateway.realtime.response_options import ResponseOptions
+
 EVENT_ID_RE = re.compile(r"^event_[0-9a-f]{32}$")
 SESSION_ID_RE = re.compile(r"^duplex-[0-9a-f]{32}$")
 
@@ -120,7 +122,10 @@ class QuietPipeline:
     """The session-facing calls of a scripted test pipeline that need no answer (``SessionPipeline``);
     a scripted pipeline subclasses it and writes ``push_unit`` (and ``close`` when it matters)."""
 
-    def begin_response(self, voice: bool, instructions: str, max_output_tokens: int) -> None:
+    def begin_response(self, options: ResponseOptions) -> None:
+        pass
+
+    def add_tool_output(self, output: str) -> None:
         pass
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:

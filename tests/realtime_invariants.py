@@ -31,8 +31,53 @@ def _rid(event: dict[str, Any]) -> str | None:
     return None
 
 
+def _is_call_event(event: dict[str, Any]) -> bool:
+    """An event of a function call output item (its own item, next to the response's message item)."""
+    if event["type"].startswith("response.function_call_arguments."):
+        return True
+    item = event.get("item")
+    return isinstance(item, dict) and item.get("type") == "function_call"
+
+
+def _check_calls(
+    rid: str, evs: list[tuple[int, dict[str, Any]]], done: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Each function call item of a response: added → argument deltas → arguments done → item done, the
+    deltas adding up to the arguments, and the item in ``response.done``'s output at its index."""
+    calls: list[dict[str, Any]] = []
+    output = done["response"]["output"]
+    for _, added in evs:
+        if added["type"] != "response.output_item.added" or added["item"]["type"] != "function_call":
+            continue
+        item_id, index = added["item"]["id"], added["output_index"]
+        mine = [
+            e for _, e in evs if e.get("item_id") == item_id or (e.get("item") or {}).get("id") == item_id
+        ]
+        types = [e["type"] for e in mine]
+        assert types[0] == "response.output_item.added" and types[-1] == "response.output_item.done", types
+        assert set(types[1:-1]) <= {
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+        }
+        assert types[-2] == "response.function_call_arguments.done", types
+        args_done = mine[-2]
+        deltas = "".join(e["delta"] for e in mine if e["type"] == "response.function_call_arguments.delta")
+        final = mine[-1]["item"]
+        assert deltas == args_done["arguments"] == final["arguments"], (deltas, args_done, final)
+        assert added["item"]["arguments"] == "" and added["item"]["call_id"] == args_done["call_id"]
+        assert final["call_id"] == args_done["call_id"] and final["name"] == args_done["name"]
+        assert all(e["output_index"] == index for e in mine), mine
+        assert output[index] == final, (output, final)
+        calls.append(final)
+    return calls
+
+
 def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Assert R1–R12 (and W10 for every event) over ``events`` in arrival order; returns a per-response summary."""
+    """Assert R1–R12 (and W10 for every event) over ``events`` in arrival order; returns a per-response summary.
+
+    A response's function calls are items of their own (checked by :func:`_check_calls`); R1–R12 hold for
+    its message item, which a response that only called a function does not have.
+    """
     for event in events:
         assert isinstance(event.get("type"), str) and EVENT_ID_RE.match(event.get("event_id", "")), (
             event
@@ -44,7 +89,8 @@ def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[st
             by_rid[rid].append((i, event))
     summary: dict[str, dict[str, Any]] = {}
     seen_ids: set[str] = set()
-    for rid, evs in by_rid.items():
+    for rid, all_evs in by_rid.items():
+        evs = [(i, e) for i, e in all_evs if not _is_call_event(e)]
         types = [e["type"] for _, e in evs]
         # R1: exactly one created, first
         assert types.count("response.created") == 1, (rid, types)
@@ -116,17 +162,23 @@ def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[st
         assert positions == sorted(positions), (rid, types)
         if text_only:
             assert "response.output_text.done" in types and "response.output_audio.done" not in types
-        elif audio_deltas or transcript or status != "completed":
-            assert "response.output_audio.done" in types
+        elif audio_deltas or transcript or (status != "completed" and "response.content_part.added" in types):
+            assert "response.output_audio.done" in types  # a response that only called has no message
         done_idx = evs[-1][0]
         assert (
             events[done_idx + 1]["type"] == "rate_limits.updated"
             and events[done_idx + 1]["rate_limits"] == []
         )
-        # R9
-        out = done["response"]["output"][0]
-        assert out["id"] == "item_" + rid
-        assert out["content"][0]["text" if text_only else "transcript"] == transcript
+        calls = _check_calls(rid, all_evs, done)
+        # R9: the message item (a response that only called a function has none, nor any message event)
+        messages = [o for o in done["response"]["output"] if o["type"] == "message"]
+        assert len(messages) + len(calls) == len(done["response"]["output"]), done
+        if messages:
+            (out,) = messages
+            assert out["id"] == "item_" + rid
+            assert out["content"][0]["text" if text_only else "transcript"] == transcript
+        else:
+            assert calls and "response.content_part.added" not in types, (rid, types)
         summary[rid] = {
             "status": status,
             "reason": (done["response"].get("status_details") or {}).get("reason"),
@@ -136,6 +188,7 @@ def check_response_invariants(events: list[dict[str, Any]]) -> dict[str, dict[st
             "done_index": done_idx,
             "epoch": epoch,
             "done": done,
+            "calls": calls,
         }
     # R7/R10: nothing for a response after its done; listen with response_id only for a live response
     for i, event in enumerate(events):

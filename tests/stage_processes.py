@@ -69,6 +69,11 @@ class StageProcess:
         m = re.search(rf'^{name}{{stage="{self.stage}"}} ([0-9.e+-]+)$', text, re.M)
         return float(m.group(1)) if m else 0.0
 
+    def counter(self, name: str) -> float:
+        """``name`` summed over its label sets from this replica's Prometheus endpoint (0 when absent)."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
     def streams_opened(self) -> int:
         return int(self.metric("minicpmo_stage_requests_total"))
 

@@ -45,7 +45,9 @@ def stages(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def _config(stages: list[StageProcess], voice_dir: Path) -> GatewayConfig:
-    overrides = {**OVERRIDES, "gateway": {"voice_dir": str(voice_dir)}}
+    # No extra tokens past the duration cap: a short clip's text is then visibly bounded by its length.
+    gateway = {"voice_dir": str(voice_dir), "transcription": {"extra_tokens": 0}}
+    overrides = {**OVERRIDES, "gateway": gateway}
     addrs = {p.stage: p.addr for p in stages}
     return GatewayConfig(stage_addrs=addrs, profile=load_profile("cpu").with_overrides(overrides))
 
@@ -192,9 +194,28 @@ def test_voice_registry_end_to_end(
     assert names["narrator"] == "uploaded" and names["alloy"] == "builtin" and names["default"] == "builtin"
 
     default = _speech(url, response_format="pcm")
+    by_stage = {p.stage: p for p in stages}
+    derived = {
+        "thinker": ("minicpmo_thinker_reference_encodes_total", "minicpmo_thinker_voice_prefix_builds_total"),
+        "code2wav": ("minicpmo_code2wav_stored_voice_loads_total", "minicpmo_code2wav_origin_setups_total"),
+    }
+    before = {(st, m): by_stage[st].counter(m) for st, names in derived.items() for m in names}
     cloned = _speech(url, response_format="pcm", voice="narrator")
     assert cloned.status_code == 200 and len(cloned.content) > 4800
     assert cloned.content != default.content  # the code2wav prompt (and the thinker prompt) differ
+    first = {key: by_stage[key[0]].counter(key[1]) for key in before}
+    twice = _speech(url, response_format="pcm", voice="narrator")
+    assert twice.content == cloned.content
+    # The first use derived the voice's state once per stage (the thinker's prefix, code2wav's device
+    # features and flow prompt setup); the second derived nothing, and no stage encoded the clip again.
+    assert {key: by_stage[key[0]].counter(key[1]) for key in before} == first
+    assert (
+        first[("thinker", "minicpmo_thinker_reference_encodes_total")]
+        == before[("thinker", "minicpmo_thinker_reference_encodes_total")]
+    )
+    assert first[("code2wav", "minicpmo_code2wav_stored_voice_loads_total")] == (
+        before[("code2wav", "minicpmo_code2wav_stored_voice_loads_total")] + 1
+    )
 
     chat = httpx.post(
         f"{url}/v1/chat/completions",
@@ -257,13 +278,19 @@ def test_transcription_formats_windows_and_stream(gateway: ThreadedGateway) -> N
     text = _transcribe(url, clip, response_format="text")
     assert text.headers["content-type"].startswith("text/plain") and text.text.strip() == body["text"]
 
-    # 35 s: two windows (<= 30 s each), two timed segments covering the clip
+    # 35 s: windows of at most 20 s (the profile's window_s), cut in their last third, covering the clip
     verbose = _transcribe(url, _speechy_wav(35.0), response_format="verbose_json", language="en").json()
     assert verbose["duration"] == pytest.approx(35.0, abs=0.01) and verbose["language"] == "en"
     segs = verbose["segments"]
-    assert len(segs) == 2 and segs[0]["start"] == 0 and segs[-1]["end"] == pytest.approx(35.0, abs=0.01)
-    assert segs[0]["end"] == segs[1]["start"] and 20 <= segs[0]["end"] <= 30
+    assert len(segs) in (2, 3) and segs[0]["start"] == 0
+    assert segs[-1]["end"] == pytest.approx(35.0, abs=0.01)
+    assert all(a["end"] == b["start"] for a, b in zip(segs, segs[1:], strict=False))
+    assert all(13.3 <= s["end"] - s["start"] <= 20 for s in segs[:-1])
     assert verbose["text"] == " ".join(s["text"] for s in segs if s["text"])
+
+    # A window's text is bounded by its duration: 0.5 s may have ceil(7.5 x 0.5) = 4 tokens (extra 0 here).
+    short = _transcribe(url, _speechy_wav(0.5)).json()
+    assert 1 <= short["usage"]["output_tokens"] <= 4
 
     srt = _transcribe(url, clip, response_format="srt").text
     assert srt.startswith("1\n00:00:00,000 --> 00:00:04,000\n")
@@ -331,6 +358,8 @@ def test_realtime_session_voice_uses_a_registered_voice(stages: list[StageProces
             f"{url}/v1/audio/voices", data={"name": "host"}, files=files, timeout=120
         ).is_success
 
+        thinker = next(p for p in stages if p.stage == "thinker")
+        encodes = thinker.counter("minicpmo_thinker_reference_encodes_total")
         body = session_body(voice="host")
         del body["ref_audio"]  # the registered voice supplies the reference
         conn = Conn(f"ws://127.0.0.1:{port}/v1/realtime?duplex=1")
@@ -345,6 +374,8 @@ def test_realtime_session_voice_uses_a_registered_voice(stages: list[StageProces
             assert delta["delta"]
         finally:
             conn.close()
+        # The session's thinker took the voice's stored rows: the clip was not encoded again.
+        assert thinker.counter("minicpmo_thinker_reference_encodes_total") == encodes
 
         bad = session_body(voice="nobody")
         del bad["ref_audio"]

@@ -13,9 +13,16 @@ import pytest
 from gateway.audio.encoding import SPEECH_FORMATS, StreamEncoder, wav_stream_header
 from gateway.audio.speed import TimeStretch, atempo_chain
 from gateway.audio.text import split_segments, split_sentences
-from gateway.audio.transcribe import render_srt, render_vtt, split_windows
+from gateway.audio.transcribe import (
+    WINDOW_MAX_TOKENS,
+    render_srt,
+    render_vtt,
+    split_windows,
+    window_token_cap,
+)
 from gateway.audio.voices import VoiceRegistry, check_clip, trim_silence
 from gateway.openai.errors import APIError
+from services.common.deploy_profile import TranscriptionSettings, load_profile
 from services.common.pb import code2wav_pb2, common_pb2, thinker_pb2
 
 
@@ -47,6 +54,27 @@ def test_windows_cut_in_the_quietest_frame() -> None:
     assert all(w.end - w.start <= 30 for w in windows)
     assert sum(w.samples.size for w in windows) == x.size
     assert len(split_windows(x[: 10 * rate])) == 1
+    # The profile's 20 s windows: cut in each window's last third, at the pause when one is there.
+    x[int(16.0 * rate) : int(16.3 * rate)] = 0.0
+    short = split_windows(x, window_s=20.0)
+    assert 16.0 <= short[0].end <= 16.3
+    assert all(13.3 <= w.end - w.start <= 20 for w in short[:-1]) and short[-1].end == 70
+    assert sum(w.samples.size for w in short) == x.size
+    assert all(w.end - w.start <= 30 for w in split_windows(x, window_s=45.0))  # never past the encoder
+
+
+def test_window_token_cap_follows_the_duration() -> None:
+    settings = load_profile("minicpmo_4_5").gateway.transcription
+    assert settings == TranscriptionSettings()  # the bundled profile keeps the documented defaults
+    assert window_token_cap(20.0, settings) == 150 + 8  # 7.5 tokens/s
+    assert window_token_cap(30.0, settings) == 225 + 8  # Whisper's 224 per 30 s window, plus a margin
+    assert window_token_cap(0.1, settings) == 1 + 8
+    assert window_token_cap(600.0, settings) == WINDOW_MAX_TOKENS
+    assert window_token_cap(10.0, TranscriptionSettings(tokens_per_second=2.0, extra_tokens=0)) == 20
+    overridden = load_profile("cpu").with_overrides({"gateway": {"transcription": {"window_s": 10}}})
+    assert overridden.gateway.transcription.window_s == 10.0
+    with pytest.raises(ValueError, match="window_s"):
+        load_profile("cpu").with_overrides({"gateway": {"transcription": {"window_s": 31}}})
 
 
 def test_srt_and_vtt() -> None:
@@ -110,7 +138,8 @@ def test_registry_files_names_and_resolution(tmp_path: Path) -> None:
     other = VoiceRegistry(tmp_path)
     assert [v["name"] for v in other.list() if v["type"] == "uploaded"] == ["v1"]
     rt = other.realtime_voice("v1")
-    assert rt is not None and rt[0].size == 32000
+    assert rt is not None and rt.clip.size == 32000
+    assert rt.thinker == _rows() and rt.code2wav == _features()  # the stored features travel as they are
     for bad in ("nobody", "../etc", ""):
         with pytest.raises(APIError) as err:
             registry.resolve(bad)
@@ -161,17 +190,20 @@ def test_time_stretch_keeps_streaming() -> None:
 
 
 def test_realtime_session_voice_resolution() -> None:
+    from gateway.audio.voices import RealtimeVoice
     from gateway.realtime.config import parse_session
     from gateway.realtime.errors import RealtimeError
 
     clip = np.full(16050, 0.1, np.float32)
     features = _features()
+    rows = thinker_pb2.VoiceEmbedding(digest="r")
 
-    def lookup(name: str) -> tuple[np.ndarray, code2wav_pb2.VoicePrompt] | None:
-        return (clip, features) if name == "host" else None
+    def lookup(name: str) -> RealtimeVoice | None:
+        return RealtimeVoice(clip, features, rows) if name == "host" else None
 
     cfg = parse_session({"modalities": ["text", "audio"], "voice": "host"}, voices=lookup)
-    assert cfg.voice_prompt is features and cfg.ref_audio is not None and cfg.ref_audio.size == 16000
+    assert cfg.voice_prompt is features and cfg.thinker_voice is rows
+    assert cfg.ref_audio is not None and cfg.ref_audio.size == 16000
     with pytest.raises(RealtimeError) as err:
         parse_session({"modalities": ["text", "audio"], "voice": "nobody"}, voices=lookup)
     assert err.value.code == "invalid_voice"

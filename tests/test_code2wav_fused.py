@@ -320,3 +320,34 @@ def test_replies_ending_together_replay_as_power_of_two_sub_batches(stack) -> No
     (remainder,) = {key for key, _ in runner.graphed_batches if key[5] and key[4] == 6}
     assert runner.sub_batches(empty, 3) == [3] and runner.sub_batches(remainder, 3) == [2, 1]
     assert runner.sub_batches(remainder, 4) == [4]
+
+
+def test_warm_up_of_two_window_sizes_leaves_neither_eager(stack) -> None:  # noqa: ANN001
+    """``--window-codes 25,50``: the warm-up captures both steady sizes (each with its own first window),
+    so a turn of 50-code windows after a 10-code first window and a realtime unit's 25-code windows both
+    replay, with nothing eager."""
+    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
+
+    calls: list = []
+    capture, _ = _shared_capture(calls)
+    runner = Code2WavRunner(stack.model, dit="fused")
+    graphs = enable_cuda_graphs(runner, capture=capture)
+    ran = runner.warm_up_shapes(
+        stack.prompt, max_batch=1, first_windows=(10,), steady_windows=2, steady_new=(25, 50), last_windows=()
+    )
+    # per size: first 10 + its flush + 2 steady windows, and a first window of the size + 2 steady
+    assert ran == (1 + 1 + 2) + (1 + 2) + (1 + 1 + 2) + (1 + 2)
+    codes = torch.randint(0, 6561, (160,), generator=torch.Generator().manual_seed(9)).tolist()
+
+    def turn(sizes: list[int]) -> list[tuple[list[int], bool]]:
+        out, context, at = [], [CODEC_SILENCE_ID] * 3, 0
+        for n in sizes:
+            window = context + codes[at : at + n]
+            out.append((window, False))
+            context, at = window[-3:], at + n
+        return out
+
+    before = {name: g.eager_calls for name, g in graphs.items()}
+    _stream(runner, runner.open_stream("w50", stack.prompt, 1), turn([10, 50, 50]))
+    _stream(runner, runner.open_stream("w25", stack.prompt, 1), turn([10, 15, 25, 25]))
+    assert {name: g.eager_calls - before[name] for name, g in graphs.items()} == dict.fromkeys(graphs, 0)

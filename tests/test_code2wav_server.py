@@ -207,7 +207,7 @@ def test_engine_start_warms_every_batch_size_before_it_schedules() -> None:
     calls: list[tuple] = []
     engine: Code2WavEngine | None = None
 
-    def warm_up_shapes(p: object, max_batch: int) -> int:
+    def warm_up_shapes(p: object, max_batch: int, **_: object) -> int:
         assert engine is not None
         calls.append((p, max_batch, engine._task))
         return 0

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from test_code2wav_server import CODES, _args, _window
 
+from services.code2wav.engine import STORED_VOICE_HITS, STORED_VOICE_LOADS
+from services.code2wav.runner import ORIGIN_SETUPS
 from services.common.checkpoint import CODEC_SILENCE_ID
 from services.common.errors import BAD_REFERENCE_AUDIO
 from services.common.grpc_server import ServeOptions, StageServer
@@ -63,9 +65,17 @@ def test_encode_voice_once_then_open_with_features(tiny_ckpt: Path) -> None:
                 voice = code2wav_pb2.VoicePrompt.FromString(voice.SerializeToString())
 
                 misses = engine.voices.misses
+                loads, hits = STORED_VOICE_LOADS._value.get(), STORED_VOICE_HITS._value.get()
+                setups = ORIGIN_SETUPS._value.get()
                 ident = common_pb2.Identity(request_id="v")
                 with_voice = await _pcm(stub, code2wav_pb2.Code2WavOpen(id=ident, seed=3, voice=voice))
+                again = await _pcm(stub, code2wav_pb2.Code2WavOpen(id=ident, seed=3, voice=voice))
                 assert engine.voices.misses == misses  # nothing featurised for the stored voice
+                # Loaded onto the device and set up (flow prompt) by the first stream only.
+                assert STORED_VOICE_LOADS._value.get() == loads + 1
+                assert STORED_VOICE_HITS._value.get() == hits + 1
+                assert ORIGIN_SETUPS._value.get() == setups + 1
+                assert again == with_voice
                 with_clip = await _pcm(stub, code2wav_pb2.Code2WavOpen(id=ident, seed=3, ref_audio=ref))
                 default = await _pcm(stub, code2wav_pb2.Code2WavOpen(id=ident, seed=3))
                 assert with_voice == with_clip and with_voice != default

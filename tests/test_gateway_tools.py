@@ -13,7 +13,8 @@ import soundfile as sf
 
 from gateway.openai.audio_out import OpenAIAudioOut
 from gateway.openai.protocol import parse_chat_request
-from gateway.openai.tools import ToolCallParser, constraint, parse_all, tools_json
+from gateway.openai.tools import constraint, tools_json
+from gateway.tool_calls import ToolCallParser, parse_all
 from services.common.pb import thinker_pb2
 
 TEXT = (

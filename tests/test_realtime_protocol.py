@@ -724,8 +724,9 @@ def test_wrongly_typed_fields_never_derail_the_session(client: TestClient) -> No
 
 def test_tool_definitions_are_validated_by_field_and_the_session_goes_on(client: TestClient) -> None:
     """Session and per-response ``tools`` / ``tool_choice``: a bad definition names its exact field
-    (``invalid_request_error``); a valid, non-empty list is refused as ``tools_unsupported`` (no realtime
-    function calling), never accepted and ignored; the session stays open either way."""
+    (``invalid_request_error``) and the session goes on; valid tools are taken and echoed in GA's shape; a
+    ``function_call_output`` must answer a call of this conversation (``param: item.call_id``), and a
+    client cannot add the model's own ``function_call`` items."""
     fn = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
     with client.websocket_connect("/v1/duplex") as ws:
         open_session(ws)
@@ -742,7 +743,6 @@ def test_tool_definitions_are_validated_by_field_and_the_session_goes_on(client:
                 None,
             ),
             ({"tool_choice": "required"}, "session.tool_choice", "invalid_value"),
-            ({"tools": [fn]}, "session.tools", "tools_unsupported"),
         ]
         for i, (session, param, code) in enumerate(cases):
             ws.send_json({"type": "session.update", "event_id": f"t{i}", "session": session})
@@ -751,12 +751,34 @@ def test_tool_definitions_are_validated_by_field_and_the_session_goes_on(client:
             assert err["error"]["type"] == "invalid_request_error"
             if code is not None:
                 assert err["error"]["code"] == code
+        ws.send_json({"type": "session.update", "session": {"tools": [fn], "tool_choice": "required"}})
+        updated = ws.receive_json()
+        assert updated["type"] == "session.updated", updated
+        assert updated["session"]["tools"] == [fn] and updated["session"]["tool_choice"] == "required"
+        # A later update of the tools alone keeps the choice, checked against the new tools.
+        ws.send_json({"type": "session.update", "session": {"tools": []}})
+        err = ws.receive_json()
+        assert err["type"] == "error" and err["error"]["param"] == "session.tool_choice", err
+        named = {"type": "function", "name": "get_weather"}
+        ws.send_json({"type": "session.update", "session": {"tool_choice": named}})
+        assert ws.receive_json()["session"]["tool_choice"] == named
         ws.send_json({"type": "session.update", "session": {"tools": [], "tool_choice": "auto"}})
         assert ws.receive_json()["type"] == "session.updated"
         ws.send_json({"type": "response.create", "response": {"tools": [{"type": "function"}]}})
         err = ws.receive_json()
         assert err["type"] == "error" and err["error"]["param"] == "response.tools[0].name"
-        ws.send_json({"type": "conversation.item.create", "item": {"type": "function_call_output"}})
-        check_error(ws.receive_json(), "tools_unsupported")
+        ws.send_json({"type": "response.create", "response": {"tool_choice": "required"}})
+        err = ws.receive_json()
+        assert err["type"] == "error" and err["error"]["param"] == "response.tool_choice"
+        for item, param in [
+            ({"type": "function_call_output"}, "item.call_id"),
+            ({"type": "function_call_output", "call_id": "call_x", "output": "{}"}, "item.call_id"),
+            ({"type": "function_call_output", "call_id": "call_x", "output": 5}, "item.output"),
+            ({"type": "function_call", "call_id": "call_x", "name": "f", "arguments": "{}"}, "item.type"),
+        ]:
+            ws.send_json({"type": "conversation.item.create", "item": item})
+            err = ws.receive_json()
+            assert err["type"] == "error" and err["error"]["param"] == param, (item, err)
+            assert err["error"]["type"] == "invalid_request_error"
         ws.send_json({"type": "session.heartbeat"})
         assert ws.receive_json()["type"] == "session.heartbeat_ack"

@@ -268,6 +268,21 @@ def test_whole_utterance_max_frames_gives_length(model: MiniCPMTTS) -> None:
         assert len(sink.frames) <= 30
 
 
+def test_streaming_turn_over_its_frame_budget_drops_its_other_chunks(model: MiniCPMTTS) -> None:
+    """A turn that reaches max_new_frames in its first chunk ends there (one Done, frames = the budget);
+    its other chunks, queued or arriving later, start no turn of their own."""
+    engine = TalkerEngine(model, max_streams=1)
+    sink = Sink()
+    st = engine.open(engine.make_settings(max_new_frames=12), sink)
+    engine.chunk(st, cond_input(model, 10, 70, last=False))
+    engine.chunk(st, cond_input(model, 10, 71, last=False))
+    engine.run_until_idle()
+    engine.chunk(st, cond_input(model, 10, 72, last=True))  # the turn's last chunk, after its end
+    engine.run_until_idle()
+    assert [d.finish_reason for d in sink.done] == ["length"] and len(sink.frames) == 12
+    assert sum(w.window.is_last for w in sink.windows) == 1 and not st.skip_to_last
+
+
 def test_streaming_chunks_stop_at_eos_and_recompute_previous_chunk(model: MiniCPMTTS, monkeypatch) -> None:
     eos_bias(model, monkeypatch, bias=6.0)  # EOS likely but not certain: chunks end on the model's EOS
     engine = TalkerEngine(model, max_streams=1)

@@ -17,6 +17,7 @@ from services.common.pcm import pcm_from_float
 from services.common.tensors import tensor_from_proto
 from services.thinker.backend import build_backend
 from services.thinker.engine import EngineConfig
+from services.thinker.voice import REFERENCE_ENCODES, VOICE_PREFIX_BUILDS, VOICE_PREFIX_HITS
 
 torch.set_num_threads(1)
 TEXT = "Hello there. This is a test of reading text aloud, exactly as written!"
@@ -137,7 +138,19 @@ def test_registered_voice_rows_stand_in_for_the_clip(backend) -> None:  # noqa: 
                     return [r async for r in stub.Generate(gen(), timeout=60)]
 
                 with_clip = await run(_open(parts, ref_audio=ref))
+                builds, hits = VOICE_PREFIX_BUILDS._value.get(), VOICE_PREFIX_HITS._value.get()
+                encodes = REFERENCE_ENCODES._value.get()
                 with_rows = await run(_open(parts, voice=voice))
+                again = await run(_open(parts, voice=voice))
+                # The voice's prefix was derived by the first request only, and no clip was encoded.
+                assert VOICE_PREFIX_BUILDS._value.get() == builds + 1
+                assert VOICE_PREFIX_HITS._value.get() == hits + 1
+                assert REFERENCE_ENCODES._value.get() == encodes
+                assert [r.speech.hidden.data for r in again if r.HasField("speech")] == [
+                    r.speech.hidden.data for r in with_rows if r.HasField("speech")
+                ]
+                # The second request's prompt found the voice's prefix blocks in the prefix cache.
+                assert again[-1].done.usage.cached_tokens >= backend.engine.layout.block_size
                 both = await run(_open(parts, voice=voice, ref_audio=ref))
                 assert both[-1].error.code == INVALID_ARGUMENT and both[-1].error.param == "voice"
                 return voice, with_clip, with_rows
@@ -151,3 +164,34 @@ def test_registered_voice_rows_stand_in_for_the_clip(backend) -> None:  # noqa: 
     clip_rows = torch.cat([tensor_from_proto(r.speech.hidden) for r in with_clip if r.HasField("speech")])
     voice_rows = torch.cat([tensor_from_proto(r.speech.hidden) for r in with_rows if r.HasField("speech")])
     assert torch.allclose(clip_rows, voice_rows, atol=2e-3, rtol=1e-3)
+
+
+def test_a_duplex_session_takes_the_stored_rows_as_its_voice(backend) -> None:  # noqa: ANN001
+    """A duplex open with ``voice`` builds the prefix an inline 16 kHz ``ref_audio`` of the same clip
+    builds, from the stored rows, without encoding the clip."""
+    from services.thinker.duplex import DuplexSession
+    from services.thinker.voice import encode_voice
+
+    t = np.arange(int(2.0 * 16000)) / 16000
+    clip = (0.2 * np.sin(2 * np.pi * 190 * t) * (1 + 0.4 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    ref = pcm_from_float(clip, 16000)
+    voice = encode_voice(backend, thinker_pb2.ThinkerVoiceRequest(ref_audio=ref))
+
+    def prefix(**kw: object):  # noqa: ANN202
+        open_msg = thinker_pb2.ThinkerOpen(
+            id=common_pb2.Identity(session_id="s"),
+            mode=common_pb2.STREAM_MODE_DUPLEX,
+            want_speech=True,
+            instructions="Talk.",
+            **kw,
+        )
+        return DuplexSession(backend, open_msg).prefix_work()
+
+    from_clip = prefix(ref_audio=ref)
+    encodes = REFERENCE_ENCODES._value.get()
+    from_rows = prefix(voice=voice)
+    assert REFERENCE_ENCODES._value.get() == encodes  # the stored rows, no encoder pass
+    assert from_rows.token_ids == from_clip.token_ids
+    assert from_rows.embeds is not None and from_clip.embeds is not None
+    assert torch.allclose(from_rows.embeds, from_clip.embeds, atol=1e-5)
+    assert from_rows.media and from_rows.media[0].end - from_rows.media[0].start == 20  # 10 rows per second

@@ -19,4 +19,6 @@ rc=$?
 echo "bench.realtime_duplex rc=$rc after $(elapsed) s"
 cp /tmp/rt/realtime.json "$OUT/realtime.json" 2>/dev/null
 cp /tmp/rt/realtime.md "$OUT/realtime.md" 2>/dev/null
+cp -r /tmp/rt/logs "$OUT/realtime_logs" 2>/dev/null
+grep -h "slow engine step\|slow step\|GC pause\|no graph for" /tmp/rt/logs/*.log 2>/dev/null | cut -c1-220 | head -12
 cat /tmp/rt/realtime.md 2>/dev/null || tail -30 /tmp/rt.log

@@ -1,12 +1,18 @@
 """``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``: speech to text on the thinker alone.
 
 The uploaded file is decoded by soundfile or PyAV, resampled to the audio encoder's 16 kHz and cut into
-windows of at most :data:`WINDOW_S` seconds (the audio encoder's window) at the quietest 20 ms frame of
-each window's last :data:`SEEK_S` seconds, so a cut falls in a pause rather than inside a word. Each window
-is one thinker-only run (no talker, no code2wav) with the model's own transcription instruction
-(docs/model.md, "Transcription"): a user turn ``[<instruction>, <audio>]``, no TTS template. Windows
-run concurrently (at most :data:`MAX_PARALLEL_WINDOWS`) and their text is joined in order; each window
-is one timed segment of ``verbose_json`` / ``srt`` / ``vtt``.
+windows of at most ``gateway.transcription.window_s`` seconds (20 by default, at most the encoder's 30)
+at the quietest 20 ms frame of each window's last third, so a cut falls in a pause rather than inside a
+word. Each window is one thinker-only run (no talker, no code2wav) with the model's own transcription
+instruction (docs/model.md, "Transcription"): a user turn ``[<instruction>, <audio>]``, no TTS template.
+Windows run concurrently (at most ``max_parallel_windows``) and their text is joined in order; each
+window is one timed segment of ``verbose_json`` / ``srt`` / ``vtt``.
+
+A window's text is bounded by its duration (:func:`window_token_cap`): ``tokens_per_second`` (7.5, the
+budget Whisper's decoder gives a 30 s window: 224 sampled tokens) times its seconds plus a few tokens,
+so a decoder that never says end-of-text (a looping hallucination, or random weights) stops after as
+many steps as speech of that length can need, and the request's latency is bounded by its longest
+window, not by a fixed 448-token budget.
 
 ``stream: true`` answers Server-Sent Events: ``transcript.text.delta`` per piece of text as the thinker
 writes it (windows in order) and one ``transcript.text.done`` with the whole text.
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -34,16 +41,16 @@ from gateway.pipeline import ChatJob, FinishEvent, PipelineRun, TextEvent
 from gateway.runtime import GatewayRuntime
 from gateway.stage_failure import StageFailure
 from services.common.audio import resample
+from services.common.deploy_profile import TranscriptionSettings
 from services.common.pb import talker_pb2, thinker_pb2
 from services.common.pcm import pcm_from_float
 
 router = APIRouter()
 ENCODER_RATE = 16_000
-WINDOW_S = 30.0
-SEEK_S = 10.0
+WINDOW_S = 30.0  # the audio encoder's position table: no window is longer
+SEEK_S = 10.0  # a cut is searched in at most this much (and at most the last third) of a window
 FRAME_S = 0.02
-MAX_PARALLEL_WINDOWS = 4
-WINDOW_MAX_TOKENS = 448
+WINDOW_MAX_TOKENS = 448  # Whisper's whole text context; no window's text is longer, whatever its cap
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 # The model's own instructions (docs/model.md, "Transcription").
 TRANSCRIBE_PROMPT = "Please listen to the audio snippet carefully and transcribe the content."
@@ -61,11 +68,11 @@ class Window:
 
 def split_windows(samples: np.ndarray, rate: int = ENCODER_RATE, window_s: float = WINDOW_S) -> list[Window]:
     """``samples`` as consecutive windows of at most ``window_s`` seconds, cut at the quietest frame of the
-    last :data:`SEEK_S` seconds of each window."""
+    last third (at most :data:`SEEK_S` seconds) of each window."""
     x = np.asarray(samples, dtype=np.float32).reshape(-1)
-    limit = int(window_s * rate)
+    limit = int(min(window_s, WINDOW_S) * rate)
     frame = int(FRAME_S * rate)
-    seek = int(min(SEEK_S, window_s / 2) * rate)
+    seek = max(frame, int(min(SEEK_S, window_s / 3) * rate))
     out: list[Window] = []
     start = 0
     while x.size - start > limit:
@@ -78,6 +85,18 @@ def split_windows(samples: np.ndarray, rate: int = ENCODER_RATE, window_s: float
     if x.size - start > 0 or not out:
         out.append(Window(start / rate, x.size / rate, x[start:]))
     return out
+
+
+def window_token_cap(seconds: float, settings: TranscriptionSettings) -> int:
+    """Most tokens a window of ``seconds`` may write: ``tokens_per_second`` x its duration + ``extra_tokens``,
+    at most :data:`WINDOW_MAX_TOKENS` (at least 1).
+
+    7.5 tokens/s is Whisper's own budget (224 sampled tokens per 30 s window); fast speech is about 3
+    words/s in English (~4 tokens) and 5-6 characters/s in Chinese (~1 token each), so real speech ends
+    (end-of-text) well before the cap, and only a decoder that never ends (a looping hallucination, random
+    weights) reaches it."""
+    cap = math.ceil(settings.tokens_per_second * max(seconds, 0.0)) + settings.extra_tokens
+    return max(1, min(WINDOW_MAX_TOKENS, cap))
 
 
 def _instruction(task: str, language: str | None) -> str:
@@ -97,7 +116,8 @@ def _job(
     thinker_p = runtime.config.profile.stage("thinker")
     sampling = dict(thinker_p.sampling)
     sampling["temperature"] = temperature
-    sampling["max_tokens"] = min(int(sampling.get("max_tokens", WINDOW_MAX_TOKENS)), WINDOW_MAX_TOKENS)
+    cap = window_token_cap(window.end - window.start, runtime.config.profile.gateway.transcription)
+    sampling["max_tokens"] = min(int(sampling.get("max_tokens", cap)), cap)
     messages = []
     if prompt:  # OpenAI's `prompt`: context for the transcript (spelling, earlier text), as a system turn
         messages.append(
@@ -128,13 +148,13 @@ def _job(
 class WindowedTranscript:
     """Runs every window (bounded concurrency) and yields ``(window index, text piece)`` in order."""
 
-    def __init__(self, runtime: GatewayRuntime, jobs: list[ChatJob]) -> None:
+    def __init__(self, runtime: GatewayRuntime, jobs: list[ChatJob], parallel: int) -> None:
         self.runtime = runtime
         self.jobs = jobs
         self.queues: list[asyncio.Queue[object]] = [asyncio.Queue() for _ in jobs]
         self.runs: list[PipelineRun] = []
         self.tasks: list[asyncio.Task[None]] = []
-        self.slots = asyncio.Semaphore(MAX_PARALLEL_WINDOWS)
+        self.slots = asyncio.Semaphore(parallel)
         self.texts: list[str] = ["" for _ in jobs]
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -238,11 +258,12 @@ async def _handle(
     duration = audio16.size / ENCODER_RATE
     if duration < 0.1:
         raise invalid_request(f"the audio lasts {duration * 1000:.0f} ms; at least 100 ms is needed", "file")
-    windows = split_windows(audio16)
+    settings = runtime.config.profile.gateway.transcription
+    windows = split_windows(audio16, window_s=settings.window_s)
     jobs = [_job(runtime, w, task, language, prompt, temperature) for w in windows]
     require_stages(runtime, ("thinker",))
     runtime.acquire()
-    transcript = WindowedTranscript(runtime, jobs)
+    transcript = WindowedTranscript(runtime, jobs, settings.max_parallel_windows)
     pieces = transcript.pieces()
 
     def segments() -> list[dict[str, object]]:

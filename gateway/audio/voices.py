@@ -15,7 +15,8 @@ wins, the other answers 409. The gateway never runs a model: the features come f
 request naming the voice sends them as they are (``ThinkerOpen.voice``: the rows the thinker's speech
 system prompt holds for the clip; ``Code2WavOpen.voice``: code2wav's prompt), so a registered voice is
 never decoded, encoded or featurised per request. The talker takes nothing from a reference. The clip
-itself is kept for realtime sessions (the duplex prefix is built from audio) and for re-deriving.
+itself is kept for re-deriving; a realtime session sends the thinker the stored rows as well (the duplex
+prefix holds them where an inline clip's encoder rows would be).
 
 Names: OpenAI's built-in voice names (:data:`BUILTIN_VOICES`) and ``default`` are the checkpoint's
 default voice and cannot be registered; an uploaded name is 1-64 characters of letters, digits, ``_``,
@@ -32,6 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,6 +75,16 @@ class RegisteredVoice:
     thinker: thinker_pb2.VoiceEmbedding  # the thinker's stored audio-encoder rows
     code2wav: code2wav_pb2.VoicePrompt  # code2wav's stored features
     meta: dict[str, object]
+
+
+class RealtimeVoice(NamedTuple):
+    """What a realtime session takes from a registered voice: the clip (16 kHz mono float32; the session's
+    reference for everything that checks one exists) and the stages' stored features, which the
+    session's thinker and code2wav streams get instead of the clip."""
+
+    clip: np.ndarray
+    code2wav: code2wav_pb2.VoicePrompt
+    thinker: thinker_pb2.VoiceEmbedding
 
 
 def is_builtin(name: str) -> bool:
@@ -191,8 +203,8 @@ class VoiceRegistry:
         self._cache[name] = (stamp, voice)
         return voice
 
-    def realtime_voice(self, name: str) -> tuple[np.ndarray, code2wav_pb2.VoicePrompt] | None:
-        """A registered voice for a realtime session: (clip at 16 kHz mono float32, code2wav features)."""
+    def realtime_voice(self, name: str) -> RealtimeVoice | None:
+        """A registered voice for a realtime session (its clip at 16 kHz and both stages' features)."""
         if self.root is None or not _NAME.match(name):
             return None
         voice = self._load(name)
@@ -202,7 +214,7 @@ class VoiceRegistry:
         from services.common.pcm import pcm_to_float
 
         samples, rate = pcm_to_float(voice.clip)
-        return resample(samples, rate, 16_000), voice.code2wav
+        return RealtimeVoice(resample(samples, rate, 16_000), voice.code2wav, voice.thinker)
 
     def list(self) -> list[dict[str, object]]:
         out: list[dict[str, object]] = [

@@ -23,10 +23,10 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway import metrics
+from gateway import metrics, tool_calls
 from gateway.audio.chat_voice import resolve_chat_voice
 from gateway.audio_encoding import encode_audio
-from gateway.openai import tools as tool_calls
+from gateway.openai import tools as chat_tools
 from gateway.openai.audio_out import OpenAIAudioOut
 from gateway.openai.body import read_json_body
 from gateway.openai.content import build_thinker_messages, load_ref_audio
@@ -80,7 +80,7 @@ def _build_job(
     sampling.frequency_penalty = req.frequency_penalty
     for token, bias in req.logit_bias.items():
         sampling.logit_bias[token] = bias
-    grammar = tool_calls.constraint(req)
+    grammar = chat_tools.constraint(req)
     if grammar is not None:
         sampling.constraint.CopyFrom(grammar)
     return ChatJob(
@@ -100,7 +100,7 @@ def _build_job(
         first_window_frames=talker_p.codec.first_window_frames,
         seed=talker_s.get("seed", seed),
         deadline_s=runtime.config.timeout_s,
-        tools_json=tool_calls.tools_json(req),
+        tools_json=chat_tools.tools_json(req),
     )
 
 
@@ -234,7 +234,7 @@ async def _complete(request: Request, req: ChatRequest, job: ChatJob, run: Pipel
     created = int(time.time())
     text = "".join(texts)
     calls: list[tool_calls.ParsedCall] = []
-    if tool_calls.parses_tool_calls(req):
+    if chat_tools.parses_tool_calls(req):
         text, calls = tool_calls.parse_all(text)
     openai_audio = req.openai_audio is not None and req.want_audio
     message: dict[str, Any] = {
@@ -374,7 +374,7 @@ async def _stream_body(
     chunk = out.chunk
     # OpenAI's audio dialect when the body carries the ``audio`` object, else vLLM-Omni's (audio_out.py).
     openai_audio = OpenAIAudioOut(req.openai_audio.format) if req.openai_audio and req.want_audio else None
-    parser = tool_calls.ToolCallParser() if tool_calls.parses_tool_calls(req) else None
+    parser = tool_calls.ToolCallParser() if chat_tools.parses_tool_calls(req) else None
     produced_audio = False
     finished_normally = False
 

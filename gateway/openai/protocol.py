@@ -44,6 +44,7 @@ from gateway.openai.request_models import (
     error_loc,
     error_path,
 )
+from gateway.tool_calls import ToolChoice, ToolSpec
 from gateway.validation_types import FLOAT32_MAX, INT32_MAX, UINT32_MAX, UINT64_MAX
 
 __all__ = [
@@ -101,24 +102,6 @@ class Message:
     parts: list[ContentPart]
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_id: str | None = None  # role "tool": the assistant call this message answers
-    name: str | None = None
-
-
-@dataclass
-class ToolSpec:
-    """A declared ``{"type": "function"}`` tool; ``parameters`` is a checked JSON Schema."""
-
-    name: str
-    description: str | None
-    parameters: dict[str, Any]
-    strict: bool = False
-
-
-@dataclass
-class ToolChoice:
-    """``tool_choice`` normalised: ``mode`` "function" carries the forced function's ``name``."""
-
-    mode: Literal["auto", "none", "required", "function"]
     name: str | None = None
 
 

@@ -21,7 +21,7 @@ from gateway.realtime.audio import (
     validate_rate,
 )
 from gateway.realtime.config import SessionConfig, parse_session
-from gateway.realtime.conversation import Item, UserItem
+from gateway.realtime.conversation import FunctionCallItem, FunctionCallOutputItem, Item, UserItem
 from gateway.realtime.errors import RealtimeError
 from gateway.realtime.journal import EventJournal
 from gateway.realtime.response_options import parse_response_options
@@ -41,6 +41,11 @@ class CommandHost(VadHost, Protocol):
     def input_resumed(self) -> None: ...
 
     def reconfigure(self, cfg: SessionConfig) -> None: ...
+
+    @property
+    def tool_results_waiting(self) -> bool: ...
+
+    def add_tool_output(self, call: FunctionCallItem, output: str) -> None: ...
 
 
 Handler = Callable[[CommandHost, dict[str, Any]], Awaitable[None]]
@@ -253,8 +258,11 @@ async def response_create(s: CommandHost, event: dict[str, Any]) -> None:
     options = parse_response_options(event.get("response"), s.cfg)
     if s.lifecycle.active is not None:
         raise RealtimeError("response_already_active", "a response is already in progress")
-    if not s.committed_backlog and (not s.cfg.auto_response or s.turn_id == 0):
-        raise RealtimeError("response_create_without_input", "response.create needs committed audio input")
+    if not s.committed_backlog and not s.tool_results_waiting and (not s.cfg.auto_response or s.turn_id == 0):
+        raise RealtimeError(
+            "response_create_without_input",
+            "response.create needs committed audio input or a function_call_output",
+        )
     s.lifecycle.start_turn_response(options)
 
 
@@ -327,7 +335,7 @@ def _lookup_item(s: CommandHost, event: dict[str, Any]) -> tuple[str, Item]:
 
 
 def _item_json(entry: Item) -> dict[str, Any]:
-    if isinstance(entry, UserItem):
+    if isinstance(entry, (UserItem, FunctionCallItem, FunctionCallOutputItem)):
         return entry.to_json()
     resp = entry
     status = {"in_progress": "in_progress", "completed": "completed", "cancelled": "cancelled"}.get(
@@ -392,9 +400,14 @@ async def item_create(s: CommandHost, event: dict[str, Any]) -> None:
     item = event.get("item")
     if not isinstance(item, dict):
         raise RealtimeError("bad_event", "item must be an object", param="item")
-    if item.get("type") in ("function_call", "function_call_output"):
+    if item.get("type") == "function_call_output":
+        _function_call_output(s, item)
+        return
+    if item.get("type") == "function_call":
         raise RealtimeError(
-            "tools_unsupported", "realtime sessions do not call functions yet", param="item.type"
+            "unsupported_item_type",
+            "function_call items are the model's own (its context holds them); send function_call_output",
+            param="item.type",
         )
     content = item.get("content")
     if item.get("role", "user") != "user" or not isinstance(content, list) or not content:
@@ -411,6 +424,40 @@ async def item_create(s: CommandHost, event: dict[str, Any]) -> None:
             s, {"type": "input_audio_buffer.append", "audio": part.get("audio"), "format": part.get("format")}
         )
     await commit(s, {"type": "input_audio_buffer.commit", "response_create": False})
+
+
+MAX_TOOL_OUTPUT_CHARS = 32_000
+
+
+def _function_call_output(s: CommandHost, item: dict[str, Any]) -> None:
+    """The client's result of a call the model made: checked (the ``call_id`` must name a function call of
+    this conversation that has no output yet), then queued for the model's next unit."""
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise RealtimeError(
+            "invalid_value", "item.call_id must be the call_id of a function call", param="item.call_id"
+        )
+    output = item.get("output")
+    if not isinstance(output, str):
+        raise RealtimeError("invalid_value", "item.output must be a string", param="item.output")
+    if len(output) > MAX_TOOL_OUTPUT_CHARS:
+        raise RealtimeError(
+            "invalid_value",
+            f"item.output is longer than {MAX_TOOL_OUTPUT_CHARS} characters",
+            param="item.output",
+        )
+    call = s.conversation.find_call(call_id)
+    if call is None:
+        raise RealtimeError(
+            "invalid_value",
+            f"no function call with call_id {call_id[:80]!r} in this conversation",
+            param="item.call_id",
+        )
+    if call.answered:
+        raise RealtimeError(
+            "invalid_value", f"the function call {call_id[:80]!r} already has an output", param="item.call_id"
+        )
+    s.add_tool_output(call, output)
 
 
 HANDLERS: dict[str, Handler] = {

@@ -28,7 +28,7 @@ from gateway.realtime.audio import (
     validate_rate,
 )
 from gateway.realtime.errors import RealtimeError
-from gateway.realtime.tools import check_tools
+from gateway.realtime.tools import ToolSet, parse_tools
 from gateway.realtime.vad import normalize_server_vad, silero_available
 from gateway.validation_types import FINITE32, PositiveUInt32, Temperature, UInt32
 from services.common.audio import AUDIO_DECODE_ERRORS, read_audio
@@ -89,6 +89,7 @@ class SessionConfig:
     ref_audio_uri: str | None = None
     ref_audio: np.ndarray | None = None  # mono float32 at 16 kHz, trimmed to 100 ms multiples
     voice_prompt: Any = None  # a registered voice's stored code2wav features (code2wav_pb2.VoicePrompt)
+    thinker_voice: Any = None  # ... and its stored thinker rows (thinker_pb2.VoiceEmbedding)
     input_format: str = "pcm16"
     input_rate: int = UNIT_RATE
     output_format: str = "pcm16"
@@ -104,6 +105,9 @@ class SessionConfig:
     max_response_units: int | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] | None = None
+    tools: ToolSet = field(
+        default_factory=ToolSet
+    )  # function tools and tool_choice (gateway/realtime/tools.py)
 
     @property
     def wants_audio(self) -> bool:
@@ -239,7 +243,7 @@ def parse_session(
     *,
     current: SessionConfig | None = None,
     audio_started: bool = False,
-    voices: Callable[[str], tuple[Any, Any] | None] | None = None,
+    voices: Callable[[str], Any] | None = None,
 ) -> SessionConfig:
     """Build a config from a ``session`` object; with ``current``, apply it as a live update.
 
@@ -257,7 +261,7 @@ def _parse_session(
     *,
     current: SessionConfig | None,
     audio_started: bool,
-    voices: Callable[[str], tuple[Any, Any] | None] | None = None,
+    voices: Callable[[str], Any] | None = None,
 ) -> SessionConfig:
     """Apply the four groups of fields in order: the first group with a bad field names the error."""
     if obj is None:
@@ -275,7 +279,7 @@ def _parse_session(
     _apply_fixed_at_open(cfg, obj, extra, opening, audio_started)
     _apply_registered_voice(cfg, obj, extra, voices)
     _apply_knobs(cfg, obj, extra, opening)
-    check_tools(obj, "session")  # 5. function tools: validated by field, then refused (no realtime calls)
+    cfg.tools = parse_tools(obj, "session", cfg.tools)  # 5. function tools, validated by field
     if cfg.wants_audio and cfg.ref_audio is None:
         raise RealtimeError(
             "ref_audio_required", "ref_audio is required when audio is an output modality", param="ref_audio"
@@ -392,10 +396,10 @@ def _apply_registered_voice(
     cfg: SessionConfig,
     obj: dict[str, Any],
     extra: dict[str, Any],
-    voices: Callable[[str], tuple[Any, Any] | None] | None,
+    voices: Callable[[str], Any] | None,
 ) -> None:
-    """``voice`` naming a registered voice (/v1/audio/voices) supplies the reference clip and code2wav's
-    stored features, unless ``ref_audio`` is given inline; an unknown name is refused."""
+    """``voice`` naming a registered voice (/v1/audio/voices) supplies the reference clip and both stages'
+    stored features (``RealtimeVoice``), unless ``ref_audio`` is given inline; an unknown name is refused."""
     if voices is None or cfg.voice is None or cfg.ref_audio_uri is not None:
         return
     from gateway.audio.voices import is_builtin
@@ -405,10 +409,10 @@ def _apply_registered_voice(
     found = voices(cfg.voice)
     if found is None:
         raise RealtimeError("invalid_voice", f"unknown voice {cfg.voice!r}", param="voice")
-    clip, features = found
-    keep = (clip.size // (UNIT_RATE // 10)) * (UNIT_RATE // 10)
-    cfg.ref_audio = np.asarray(clip[:keep], dtype=np.float32)
-    cfg.voice_prompt = features
+    keep = (found.clip.size // (UNIT_RATE // 10)) * (UNIT_RATE // 10)
+    cfg.ref_audio = np.asarray(found.clip[:keep], dtype=np.float32)
+    cfg.voice_prompt = found.code2wav
+    cfg.thinker_voice = found.thinker
 
 
 def _apply_knobs(cfg: SessionConfig, obj: dict[str, Any], extra: dict[str, Any], opening: bool) -> None:
@@ -493,4 +497,6 @@ def render_session(cfg: SessionConfig) -> dict[str, Any]:
         "playback_commit_policy": cfg.playback_commit_policy,
         "extra_body": {k: v for k, v in cfg.extra_body.items() if k not in ("ref_audio", "tts_ref_audio")},
         "metadata": cfg.metadata,
+        "tools": cfg.tools.render_tools(),
+        "tool_choice": cfg.tools.render_choice(),
     }

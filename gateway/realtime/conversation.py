@@ -36,7 +36,52 @@ class UserItem:
         }
 
 
-Item = UserItem | ResponseState  # an assistant item is its response (``ResponseState.item_id``)
+@dataclass
+class FunctionCallItem:
+    """A function call the model made (an output item of its response); ``answered`` once the client sent
+    its ``function_call_output``."""
+
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    response_id: str
+    status: str = "in_progress"  # then "completed", or "incomplete" when the thinker's call cap cut it
+    answered: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "realtime.item",
+            "type": "function_call",
+            "status": self.status,
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": self.arguments,
+        }
+
+
+@dataclass
+class FunctionCallOutputItem:
+    """The client's result of a function call (``conversation.item.create``)."""
+
+    id: str
+    call_id: str
+    output: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "realtime.item",
+            "type": "function_call_output",
+            "status": "completed",
+            "call_id": self.call_id,
+            "output": self.output,
+        }
+
+
+# An assistant message item is its response (``ResponseState.item_id``).
+Item = UserItem | ResponseState | FunctionCallItem | FunctionCallOutputItem
 
 
 class Conversation:
@@ -56,7 +101,7 @@ class Conversation:
 
     def add(self, item: Item) -> str | None:
         """Append ``item``; returns the id of the item before it (``previous_item_id``)."""
-        item_id = item.id if isinstance(item, UserItem) else item.item_id
+        item_id = item.item_id if isinstance(item, ResponseState) else item.id
         self._items[item_id] = item
         self._order.append(item_id)
         previous, self._last = self._last, item_id
@@ -68,3 +113,10 @@ class Conversation:
     def delete(self, item_id: str) -> None:
         del self._items[item_id]
         self._order.remove(item_id)
+
+    def find_call(self, call_id: str) -> FunctionCallItem | None:
+        """The function call item with ``call_id`` still in the conversation, if any."""
+        for item in self._items.values():
+            if isinstance(item, FunctionCallItem) and item.call_id == call_id:
+                return item
+        return None

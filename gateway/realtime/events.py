@@ -54,6 +54,11 @@ def new_user_item_id() -> str:
     return f"item_{secrets.token_hex(12)}"
 
 
+def new_item_id() -> str:
+    """The id of an item that is neither a user turn nor an assistant message (function calls, outputs)."""
+    return f"item_{secrets.token_hex(12)}"
+
+
 def assistant_item_id(response_id: str) -> str:
     return f"item_{response_id}"
 
@@ -102,6 +107,18 @@ class ResponseState:
     context_before: int | None = None
     context_after: int = 0
     output_tokens: int = 0
+    # Output items. With function tools offered the message item is opened only once there is something
+    # to say in it (a response that only calls a function has none); a call is its own item, at the
+    # output index it took. ``call_items``: (output_index, final item JSON) of each call made.
+    message_open: bool = True
+    message_index: int = 0
+    call_items: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    tool_error_reported: bool = False
+    made_call: bool = False  # the model called (even a call cut before it could be read)
+
+    @property
+    def outputs_count(self) -> int:
+        return len(self.call_items) + (1 if self.message_open else 0)
 
     def count_unit(self, context_before: int, context_after: int, output_tokens: int) -> None:
         """A unit decided for this response: its context and its output go into the usage."""

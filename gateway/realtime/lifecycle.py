@@ -8,6 +8,11 @@ Owns the active response of a session. Every event of a response is emitted here
     → output_audio.done → [transcript.done] → content_part.done → output_item.done
     → conversation.item.done → response.done → rate_limits.updated
 
+A function call the model makes is an output item of its own (conversation.item.added →
+response.output_item.added → function_call_arguments.delta* → function_call_arguments.done →
+response.output_item.done → conversation.item.done), sent when the thinker reports the unit that made it;
+with tools offered, the message item's events start only when there is something to say in it.
+
 and outputs of an older epoch than the session's are dropped here (the gateway half of the double
 fence: the stages drop them too once they see the interrupt).
 """
@@ -23,6 +28,7 @@ import numpy as np
 from gateway.realtime import events as ev
 from gateway.realtime import metrics
 from gateway.realtime.audio import AudioUnit, encode_output_audio
+from gateway.realtime.conversation import FunctionCallItem
 from gateway.realtime.errors import RealtimeError, error_type_for
 from gateway.realtime.host import SessionCore
 from gateway.realtime.pipeline.events import (
@@ -35,6 +41,7 @@ from gateway.realtime.pipeline.events import (
     UnitRole,
 )
 from gateway.realtime.response_options import ResponseOptions, session_defaults
+from gateway.tool_calls import ToolCallParser
 
 # Turn lane: keep one silent unit queued behind the one being decided (False sends each only after the
 # previous decision: the other arm of its A/B; the look-ahead won and is the default).
@@ -118,11 +125,11 @@ class ResponseLifecycle:
             modalities=list(opts.modalities),
             turn_id=s.turn_id,
             start_unit=start_unit,
+            message_open=not opts.tools.active,
         )
         self.active = resp
         self.last = resp
         self.responses[resp.id] = resp
-        previous = s.conversation.add(resp)
         s.emit(
             "response.created",
             response_id=resp.id,
@@ -139,20 +146,48 @@ class ResponseLifecycle:
                 ),
             },
         )
+        if resp.message_open:
+            self._announce_message(resp)
+        return resp
+
+    def _announce_message(self, resp: ev.ResponseState) -> None:
+        """The assistant message item enters the conversation and the response's output."""
+        s = self.s
+        previous = s.conversation.add(resp)
         item = resp.item("in_progress")
         s.emit("conversation.item.added", previous_item_id=previous, item=item)
         s.emit("conversation.item.created", previous_item_id=previous, item=item)
-        s.emit("response.output_item.added", response_id=resp.id, output_index=0, item=item)
+        s.emit("response.output_item.added", response_id=resp.id, output_index=resp.message_index, item=item)
         part = {"type": "audio", "transcript": ""} if resp.wants_audio else {"type": "text", "text": ""}
         s.emit(
             "response.content_part.added",
             response_id=resp.id,
             item_id=resp.item_id,
-            output_index=0,
+            output_index=resp.message_index,
             content_index=0,
             part=part,
         )
-        return resp
+
+    def _open_message(self, resp: ev.ResponseState) -> None:
+        """A response with tools offered opens its message item with the first thing it says (after any call
+        made before it); a native response announces its speech there."""
+        if resp.message_open:
+            return
+        resp.message_index = len(resp.call_items)
+        resp.message_open = True
+        self._announce_message(resp)
+        if resp.spoke and resp.lane == "native":
+            self._emit_speak(resp)
+
+    def _emit_speak(self, resp: ev.ResponseState) -> None:
+        self.s.emit(
+            "response.speak",
+            response_id=resp.id,
+            item_id=resp.item_id,
+            output_index=resp.message_index,
+            content_index=0,
+            metadata={"session_id": self.s.id, "epoch": resp.epoch, "model_speak": True},
+        )
 
     def start_turn_response(self, options: ResponseOptions | None = None) -> None:
         """Open a response and send the committed audio, asking for an answer at its last unit (the turn
@@ -164,7 +199,7 @@ class ResponseLifecycle:
         if not units:
             units = [s.silence_unit()]
         resp = self.create("turn", start_unit=None, options=opts)
-        s.pipeline.begin_response(opts.wants_audio, opts.instructions, opts.max_output_tokens)
+        s.pipeline.begin_response(opts)
         first_seq = s.unit_seq
         for i, unit in enumerate(units):
             # Nobody hears an answer before the requesting unit, so the model only listens there.
@@ -232,20 +267,25 @@ class ResponseLifecycle:
             return  # a decision after the turn ended belongs to no response (the talker is finishing)
         resp.units_seen += 1
         resp.count_unit(out.context_before, out.context_tokens, out.output_tokens)
+        if out.tool_error and not resp.tool_error_reported:
+            resp.tool_error_reported = True
+            s.emit_error(
+                RealtimeError(
+                    "invalid_value",
+                    f"the function tools' grammar did not compile, so this turn ran without tools: {out.tool_error}",
+                    param="tools",
+                )
+            )
         if speak:
             if not resp.spoke:
                 resp.spoke = True
-                if resp.lane == "native":
-                    s.emit(
-                        "response.speak",
-                        response_id=resp.id,
-                        item_id=resp.item_id,
-                        output_index=0,
-                        content_index=0,
-                        metadata={"session_id": s.id, "epoch": resp.epoch, "model_speak": True},
-                    )
+                if resp.lane == "native" and resp.message_open:
+                    self._emit_speak(resp)
             if out.transcript:
                 self._add_text(resp, out.transcript)
+            if out.tool_call:
+                resp.made_call = True
+                self._add_call(resp, out.tool_call, out.tool_call_truncated)
         ended = out.turn_end or (not speak)
         if not speak and not resp.spoke:
             # The model declined to answer the requested turn: the listen terminates the response.
@@ -262,12 +302,14 @@ class ResponseLifecycle:
         if ended:
             resp.thinker_turn_ended = True
             s.pipeline.end_speech(resp.epoch, resp.speech_turn)
-            if not resp.wants_audio:
+            if not resp.wants_audio or (resp.made_call and not resp.speech_turn):
+                # Text only, or a turn that was only a call: no talker stream was opened, no audio will come.
                 self.finish(resp, *self._end_status(resp))
         elif resp.lane == "turn":
             self._feed_turn(resp)  # keep the model talking until it ends its turn
 
     def _add_text(self, resp: ev.ResponseState, text: str) -> None:
+        self._open_message(resp)
         resp.pending_text += text
         if not resp.wants_audio:
             resp.transcript += resp.pending_text
@@ -276,10 +318,49 @@ class ResponseLifecycle:
                 "response.output_text.delta",
                 response_id=resp.id,
                 item_id=resp.item_id,
-                output_index=0,
+                output_index=resp.message_index,
                 content_index=0,
                 delta=text,
             )
+
+    def _add_call(self, resp: ev.ResponseState, text: str, truncated: bool) -> None:
+        """The function call of a unit (its ``<tool_call>`` block, read by the chat route's parser) as an
+        output item: added, its arguments (one delta: the thinker reports the call with the unit that made
+        it), done. A call cut before its name was complete gives the client nothing to run: it only makes
+        the response ``incomplete``."""
+        s = self.s
+        if truncated:
+            resp.max_tokens_reached = True
+        parser = ToolCallParser()
+        _, fragments = parser.feed(text)
+        fragments += parser.finish()[1]
+        if not parser.calls:
+            return
+        call = parser.calls[0]
+        index = resp.outputs_count
+        item = FunctionCallItem(ev.new_item_id(), call.id, call.name, "", resp.id)
+        previous = s.conversation.add(item)
+        added = item.to_json()
+        s.emit("conversation.item.added", previous_item_id=previous, item=added)
+        s.emit("conversation.item.created", previous_item_id=previous, item=added)
+        s.emit("response.output_item.added", response_id=resp.id, output_index=index, item=added)
+        common: dict[str, Any] = {
+            "response_id": resp.id,
+            "item_id": item.id,
+            "output_index": index,
+            "call_id": call.id,
+        }
+        for fragment in fragments:
+            delta = fragment["function"].get("arguments")
+            if delta:
+                s.emit("response.function_call_arguments.delta", delta=delta, **common)
+        item.arguments = call.arguments
+        item.status = "incomplete" if truncated else "completed"
+        s.emit("response.function_call_arguments.done", name=call.name, arguments=call.arguments, **common)
+        done = item.to_json()
+        s.emit("response.output_item.done", response_id=resp.id, output_index=index, item=done)
+        s.emit("conversation.item.done", item=done)
+        resp.call_items.append((index, done))
 
     def _on_audio(self, out: AudioOut) -> None:
         resp = self.active
@@ -291,6 +372,7 @@ class ResponseLifecycle:
             return
         if resp is None or resp.epoch != out.epoch or not resp.wants_audio:
             return
+        self._open_message(resp)
         held = resp.held_audio
         samples = out.samples if held is None else np.concatenate([held, out.samples])
         resp.held_audio = None
@@ -328,7 +410,7 @@ class ResponseLifecycle:
             "response.output_audio.delta",
             response_id=resp.id,
             item_id=resp.item_id,
-            output_index=0,
+            output_index=resp.message_index,
             content_index=0,
             delta=base64.b64encode(payload).decode(),
             format=s.cfg.output_format,
@@ -348,7 +430,7 @@ class ResponseLifecycle:
             "response.output_audio_transcript.delta",
             response_id=resp.id,
             item_id=resp.item_id,
-            output_index=0,
+            output_index=resp.message_index,
             content_index=0,
             delta=text,
         )
@@ -362,7 +444,7 @@ class ResponseLifecycle:
             "response.output_audio_transcript.delta",
             response_id=resp.id,
             item_id=resp.item_id,
-            output_index=0,
+            output_index=resp.message_index,
             content_index=0,
             delta=text,
             metadata={"session_id": self.s.id, "epoch": resp.epoch, "model_speak": True},
@@ -415,33 +497,21 @@ class ResponseLifecycle:
         if not natural:
             resp.pending_text = ""
             resp.history_transcript = resp.transcript_at(resp.committed_ms)
-        common: dict[str, Any] = {
-            "response_id": resp.id,
-            "item_id": resp.item_id,
-            "output_index": 0,
-            "content_index": 0,
-        }
+        if not resp.message_open and not resp.call_items:
+            self._open_message(resp)  # a response without a call has its (possibly empty) message item
         if cleared:
             s.emit("output_audio_buffer.cleared", response_id=resp.id)
-        if resp.wants_audio:
-            if resp.audio_deltas or resp.transcript or not natural:
-                s.emit("response.output_audio.done", **common)
-            if resp.transcript:
-                s.emit("response.output_audio_transcript.done", transcript=resp.transcript, **common)
-        else:
-            s.emit("response.output_text.done", text=resp.transcript, **common)
-        s.emit("response.content_part.done", part=resp.content_part(), **common)
-        item_status = {"completed": "completed", "cancelled": "cancelled"}.get(status, "incomplete")
-        item = resp.item(item_status)
-        s.emit("response.output_item.done", response_id=resp.id, output_index=0, item=item)
-        s.emit("conversation.item.done", item=item)
+        outputs = [item for _, item in resp.call_items]
+        if resp.message_open:
+            outputs.insert(resp.message_index, self._finish_message(resp, status))
         metadata: dict[str, Any] = {
             "epoch": s.epoch,
             "playback": resp.playback(),
             "committed_ms": resp.committed_ms,
         }
         if status == "completed":
-            metadata["finish_reason"] = reason  # "stop" or "model_listen"; GA's status_details is null here
+            # "stop", "model_listen" or "tool_calls"; GA's status_details is null here
+            metadata["finish_reason"] = "tool_calls" if resp.call_items else reason
         if status == "cancelled":
             metadata["cancelled_epoch"] = resp.epoch
         s.emit(
@@ -452,7 +522,7 @@ class ResponseLifecycle:
                 "object": "realtime.response",
                 "status": status,
                 "status_details": status_details(status, reason),
-                "output": [item],
+                "output": outputs,
                 "modalities": resp.modalities,
                 "output_modalities": resp.modalities,
                 "metadata": ev.string_metadata(metadata),
@@ -477,6 +547,29 @@ class ResponseLifecycle:
             self.deferred_create = False
             if s.committed_backlog:
                 self.start_turn_response()
+
+    def _finish_message(self, resp: ev.ResponseState, status: str) -> dict[str, Any]:
+        """The message item's terminal events; returns its final JSON."""
+        s = self.s
+        common: dict[str, Any] = {
+            "response_id": resp.id,
+            "item_id": resp.item_id,
+            "output_index": resp.message_index,
+            "content_index": 0,
+        }
+        if resp.wants_audio:
+            if resp.audio_deltas or resp.transcript or status != "completed":
+                s.emit("response.output_audio.done", **common)
+            if resp.transcript:
+                s.emit("response.output_audio_transcript.done", transcript=resp.transcript, **common)
+        else:
+            s.emit("response.output_text.done", text=resp.transcript, **common)
+        s.emit("response.content_part.done", part=resp.content_part(), **common)
+        item_status = {"completed": "completed", "cancelled": "cancelled"}.get(status, "incomplete")
+        item = resp.item(item_status)
+        s.emit("response.output_item.done", response_id=resp.id, output_index=resp.message_index, item=item)
+        s.emit("conversation.item.done", item=item)
+        return item
 
     def supersede_all(self) -> None:
         """A user turn was committed: playback acks of every earlier response come too late from now on.

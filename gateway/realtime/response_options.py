@@ -1,7 +1,7 @@
 """Per-response options of ``response.create`` (docs/realtime.md, Responses: per-response options).
 
-A response may override, for itself only, the session's output modalities, add instructions and cap its
-length. Both lanes honour them: the turn lane on the unit that asks for the answer, the native lane on the
+A response may override, for itself only, the session's output modalities and function tools, add
+instructions and cap its length. Both lanes honour them: the turn lane on the unit that asks for the answer, the native lane on the
 unit that ``response.create`` sends to start the model's next turn. Everything is validated before the
 session changes (an invalid option answers ``error`` with the exact ``param``; the session goes on).
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.realtime.config import SessionConfig
 from gateway.realtime.errors import RealtimeError
-from gateway.realtime.tools import check_tools
+from gateway.realtime.tools import ToolSet, parse_tools
 
 # Accepted and applied; every other key of the ``response`` object is refused by name.
 KNOWN_OPTIONS = frozenset(
@@ -30,7 +30,7 @@ KNOWN_OPTIONS = frozenset(
         "audio",
         "output_audio_format",  # the dialect's key; audio deltas keep the session's format
         "extra_body",  # the dialect's extension object; no per-response key is read from it
-        "tools",  # validated, then refused when non-empty (gateway/realtime/tools.py)
+        "tools",  # function tools for this response (gateway/realtime/tools.py)
         "tool_choice",
     }
 )
@@ -52,6 +52,7 @@ class ResponseOptions:
     modalities: list[str] = field(default_factory=lambda: ["text", "audio"])
     instructions: str = ""
     max_output_tokens: int = 0  # 0 = no budget
+    tools: ToolSet = field(default_factory=ToolSet)  # the session's, or this response's own
 
     @property
     def wants_audio(self) -> bool:
@@ -63,6 +64,7 @@ def session_defaults(cfg: SessionConfig) -> ResponseOptions:
     return ResponseOptions(
         modalities=list(cfg.modalities),
         max_output_tokens=cfg.max_response_output_tokens or 0,
+        tools=cfg.tools,
     )
 
 
@@ -104,7 +106,7 @@ def parse_response_options(options: Any, cfg: SessionConfig) -> ResponseOptions:
             )
         if key not in KNOWN_OPTIONS:
             raise RealtimeError("unknown_parameter", f"unknown field response.{key}", param=f"response.{key}")
-    check_tools(options, "response")
+    tools = parse_tools(options, "response", cfg.tools)
     if options.get("conversation") not in (None, "auto"):
         raise RealtimeError(
             "unsupported_native_response_options",
@@ -157,4 +159,6 @@ def parse_response_options(options: Any, cfg: SessionConfig) -> ResponseOptions:
     metadata = options.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise RealtimeError("invalid_value", "response.metadata must be an object", param="response.metadata")
-    return ResponseOptions(modalities=modalities, instructions=instructions.strip(), max_output_tokens=budget)
+    return ResponseOptions(
+        modalities=modalities, instructions=instructions.strip(), max_output_tokens=budget, tools=tools
+    )

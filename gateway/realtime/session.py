@@ -27,7 +27,7 @@ from gateway.realtime import events as ev
 from gateway.realtime.attachment import Attachment, hash_token
 from gateway.realtime.audio import UNIT_SAMPLES, AudioUnit
 from gateway.realtime.config import SessionConfig, render_session
-from gateway.realtime.conversation import Conversation, UserItem
+from gateway.realtime.conversation import Conversation, FunctionCallItem, FunctionCallOutputItem, UserItem
 from gateway.realtime.errors import RealtimeError
 from gateway.realtime.input_buffer import InputBuffer
 from gateway.realtime.journal import EventJournal
@@ -80,6 +80,10 @@ class DuplexSession:
         # unit_seq -> when it went to the thinker, for the units of the current epoch it has not decided
         # yet: the decision latency metric, the input backpressure (pending until consumed) and the clock.
         self._unit_sent_at: dict[int, float] = {}
+        # Function results from the client: not yet handed to the pipeline (they ride on the next unit), and
+        # whether any arrived since the last response started (response.create needs input or results).
+        self._tool_outputs: list[str] = []
+        self._tool_results_waiting = False
         self._input_final = False  # native lane: a final commit ended the input; the silence clock runs
         self._clock_units = 0  # silent units fed since that commit (at most the response unit cap)
         self._pipeline_factory = pipeline_factory
@@ -131,6 +135,11 @@ class DuplexSession:
     def committed_backlog(self) -> tuple[UserItem, ...]:
         """Turn lane: committed user items whose audio the model has not been sent yet."""
         return tuple(self._backlog)
+
+    @property
+    def tool_results_waiting(self) -> bool:
+        """Function results arrived since the last response started: ``response.create`` may answer them."""
+        return self._tool_results_waiting
 
     @property
     def pending_input_bytes(self) -> int:
@@ -550,10 +559,24 @@ class DuplexSession:
                 self.lifecycle.start_turn_response()
 
     def take_backlog(self) -> list[AudioUnit]:
-        """Turn lane: the units of every committed, unsent user item, which the caller now sends."""
+        """The units of every committed, unsent user item (turn lane), which the caller now sends to start a
+        response; the function results that arrived go with its first unit."""
         units = [u for item in self._backlog for u in item.units]
         self._backlog.clear()
+        self._tool_results_waiting = False
         return units
+
+    def add_tool_output(self, call: FunctionCallItem, output: str) -> None:
+        """``conversation.item.create`` of a ``function_call_output``: the item joins the conversation and the
+        result goes to the model right before the next unit (as the chat template's tool message)."""
+        item = FunctionCallOutputItem(ev.new_item_id(), call.call_id, output)
+        previous = self.conversation.add(item)
+        call.answered = True
+        self._tool_outputs.append(output)
+        self._tool_results_waiting = True
+        self.emit("conversation.item.added", previous_item_id=previous, item=item.to_json())
+        self.emit("conversation.item.created", previous_item_id=previous, item=item.to_json())
+        self.emit("conversation.item.done", item=item.to_json())
 
     def emit_listen(
         self, reason: str, *, unit_seq: int | None = None, response_id: str | None = None
@@ -571,6 +594,9 @@ class DuplexSession:
     def forward_unit(self, unit: AudioUnit, role: UnitRole = UnitRole.PLAIN) -> int:
         """Send one unit to the thinker under the current epoch; returns its session-wide unit index."""
         seq = self._unit_seq
+        for output in self._tool_outputs:  # the pipeline sends them with the next unit it sends
+            self.pipeline.add_tool_output(output)
+        self._tool_outputs.clear()
         # Pushed first: a full queue toward the thinker refuses the unit (input_backpressure) before any
         # bookkeeping counts it.
         self.pipeline.push_unit(unit.samples, unit.frames, seq, self._epoch, self._turn_id, role)

@@ -10,9 +10,10 @@ from typing import Any
 
 @dataclass
 class RealtimeSettings:
-    # session.voice naming a registered voice -> (its clip as 16 kHz mono float32, code2wav's stored
-    # VoicePrompt); None when the name is not registered. Set from the voice registry by mount_realtime.
-    voice_lookup: Callable[[str], tuple[Any, Any] | None] | None = None
+    # session.voice naming a registered voice -> its clip (16 kHz mono float32) and the stages' stored
+    # features (gateway.audio.voices.RealtimeVoice); None when the name is not registered. Set from the
+    # voice registry by mount_realtime.
+    voice_lookup: Callable[[str], Any] | None = None
     thinker_target: str = "127.0.0.1:50051"
     talker_target: str = "127.0.0.1:50052"
     code2wav_target: str = "127.0.0.1:50053"

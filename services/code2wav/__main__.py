@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute dtype of the fused DiT and its caches; auto = bfloat16 with the fused DiT on CUDA",
     )
     parser.add_argument("--voice-cache", type=int, default=32, help="reference voices kept (LRU)")
+    parser.add_argument(
+        "--window-codes",
+        default="25",
+        help="steady window sizes (new codes) whose CUDA graphs the start-up warm-up captures, comma-"
+        "separated: the talker's codec.window_frames (25); e.g. 25,50 when turn-mode speech uses 50-code "
+        "windows (shapes not captured run eager)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     add_memory_fraction_argument(parser)
     add_serve_arguments(parser, "code2wav")

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,6 +61,15 @@ FIRST_WINDOW_SECONDS = Histogram(
     buckets=(0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
 DROPPED_WINDOWS = Counter("minicpmo_code2wav_dropped_windows_total", "Queued windows dropped by interrupts")
+STORED_VOICE_LOADS = Counter(
+    "minicpmo_code2wav_stored_voice_loads_total",
+    "Registered voices' stored features decoded, checked and moved to the device (once per voice)",
+)
+STORED_VOICE_HITS = Counter(
+    "minicpmo_code2wav_stored_voice_hits_total",
+    "Streams opened with a registered voice whose features were already on the device",
+)
+STORED_VOICE_CACHE = 64  # registered voices whose device-resident features are kept (LRU; ~100 KB each)
 HEAP_TRIMS = Counter(
     "minicpmo_code2wav_heap_trims_total", "Times the idle engine returned freed heap pages to the OS"
 )
@@ -124,8 +134,11 @@ class Code2WavEngine:
         default_voice: str | Path,
         max_batch: int = 16,
         max_streams: int = 64,
+        window_codes: tuple[int, ...] = (25,),
     ) -> None:
+        """``window_codes``: the steady window sizes (new codes) the warm-up captures graphs for."""
         self.runner = runner
+        self.window_codes = window_codes
         self.voices = voices
         self.default_voice = Path(default_voice)
         self.max_batch = max_batch
@@ -136,6 +149,8 @@ class Code2WavEngine:
         self._task: asyncio.Task | None = None
         self._accepting = True
         self._default_prompt: PromptFeatures | None = None
+        # Registered voices' features on the device, by the content key of their stored bytes.
+        self._stored: OrderedDict[bytes, PromptFeatures] = OrderedDict()
         self.steps = 0
         self.batch_history: deque[int] = deque(maxlen=1024)  # rows per model batch, newest last
         self._trim = heap_trimmer()
@@ -150,7 +165,11 @@ class Code2WavEngine:
         await self._in_worker(self.runner.open_stream, "warmup", self._default_prompt, None)
         # Capture the graphs of every batch size _collect can form (1..max_batch), then freeze them: no
         # capture runs while serving (the runner logs the count and time; a no-op without graphs).
-        await self._in_worker(self.runner.warm_up_shapes, self._default_prompt, self.max_batch)
+        if self.window_codes == (25,):
+            await self._in_worker(self.runner.warm_up_shapes, self._default_prompt, self.max_batch)
+        else:
+            warm_up = functools.partial(self.runner.warm_up_shapes, steady_new=self.window_codes)
+            await self._in_worker(warm_up, self._default_prompt, self.max_batch)
         self._task = asyncio.create_task(self._loop(), name="code2wav-scheduler")
 
     async def drain(self) -> None:
@@ -217,6 +236,29 @@ class Code2WavEngine:
     async def encode_voice(self, samples: np.ndarray, sample_rate: int) -> PromptFeatures:
         """The prompt features of a reference clip (voice registry); ``ReferenceAudioError`` if unusable."""
         return await self._in_worker(self.voices.encode, samples, sample_rate)
+
+    def stored_voice(
+        self, key: bytes, parts: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]]
+    ) -> PromptFeatures:
+        """A registered voice's features on the device: ``parts()`` (the stored tensors) checked and moved
+        there once per ``key`` (the content key of the stored bytes), then reused by every stream.
+
+        Why: the check and the host-to-device copies ran on the event loop for every stream, and a copy
+        from pageable memory waits for the model thread's queued GPU work, so each registered-voice stream
+        stalled every stream's windows behind the running batch; the default voice's features are made
+        once at start. The origin cache (:meth:`Code2WavRunner.open_stream`) then keys the prompt setup
+        by the features' digest, as for the default voice."""
+        hit = self._stored.get(key)
+        if hit is not None:
+            self._stored.move_to_end(key)
+            STORED_VOICE_HITS.inc()
+            return hit
+        prompt = self.prompt_from_parts(*parts())
+        STORED_VOICE_LOADS.inc()
+        self._stored[key] = prompt
+        while len(self._stored) > STORED_VOICE_CACHE:
+            self._stored.popitem(last=False)
+        return prompt
 
     def prompt_from_parts(
         self, tokens: torch.Tensor, mel: torch.Tensor, spk_emb: torch.Tensor, digest: str

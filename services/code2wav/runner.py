@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from prometheus_client import Counter
 
 from services.code2wav.model.flow_step import (
     FlowCache,
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ORIGIN_SETUPS = Counter(
+    "minicpmo_code2wav_origin_setups_total",
+    "Flow prompt setups (a voice and seed's origin cache, the expensive part of opening a stream); "
+    "streams of a voice and seed already set up reuse it",
+)
 NOISE_TABLE_FRAMES = 50 * 600  # the reference noise buffer: [1, 80, 30000] drawn in one call
 MAX_NEW_TOKENS = 50  # per window; bounds the noise table and the cache growth of one window
 DEFAULT_SEED = 0
@@ -160,6 +166,7 @@ class Code2WavRunner:
                     return hit
             noise = cfm_noise_table(seed, self.model.dims.mel_bins, self.noise_frames(prompt.frames))
         noise = noise.to(self.device, torch.float32)
+        ORIGIN_SETUPS.inc()
         spk_cond = self.flow.project_speaker(prompt.spk_emb)
         silence = torch.full(
             (1, self.lookahead), CODEC_SILENCE_ID, dtype=prompt.tokens.dtype, device=self.device
@@ -207,7 +214,7 @@ class Code2WavRunner:
         max_batch: int = 1,
         first_windows: tuple[int, ...] = (10, 25),
         steady_windows: int = 3,
-        steady_new: int = 25,
+        steady_new: int | tuple[int, ...] = 25,
         last_windows: tuple[int, ...] | None = None,
     ) -> int:
         """Capture the CUDA graphs of every batch the engine can form, then freeze them (graphs only).
@@ -234,9 +241,13 @@ class Code2WavRunner:
         Every size would add ``max_batch - 1`` windows per non-zero remainder; powers of two add
         ``floor(log2(max_batch))``: with the defaults at ``max_batch`` 16 that is 96 more windows than
         batch 1 alone (184 -> 280), where every size would be 360 more. Returns the number of windows
-        run; the (key, batch size) pairs that replayed without an eager call go to ``graphed_batches``."""
-        if last_windows is None:
-            last_windows = tuple(range(steady_new)) if self.flow.fused is not None else ()
+        run; the (key, batch size) pairs that replayed without an eager call go to ``graphed_batches``.
+
+        ``steady_new`` may name several window sizes (the stage's ``--window-codes``: the talker's
+        ``codec.window_frames`` of the deployment, 25 by default, and e.g. 50 when turn-mode speech uses
+        2 s windows while realtime units stay at 25): each gets the whole pass above, with a first window
+        of its own size added to ``first_windows`` and, by default, its own remainders as last windows."""
+        sizes = (steady_new,) if isinstance(steady_new, int) else tuple(dict.fromkeys(steady_new))
         if not self.cuda_graphs:
             return 0
         t0 = time.perf_counter()
@@ -247,10 +258,16 @@ class Code2WavRunner:
         ran = 0
         try:
             for batch in range(max(1, max_batch), 0, -1):
-                for first in first_windows:
-                    # The last windows come once per batch size, from the longest first window's states.
-                    last = last_windows if first == max(first_windows) else ()
-                    ran += self._warm_up_streams(prompt, batch, first, steady_windows, steady_new, last)
+                for size in sizes:
+                    firsts = tuple(sorted(set(first_windows) | ({size} if len(sizes) > 1 else set())))
+                    lasts = last_windows
+                    if lasts is None:
+                        lasts = tuple(range(size)) if self.flow.fused is not None else ()
+                    for first in firsts:
+                        # The last windows come once per batch size and window size, from the longest
+                        # first window's states.
+                        last = lasts if first == max(firsts) else ()
+                        ran += self._warm_up_streams(prompt, batch, first, steady_windows, size, last)
         finally:
             # Frozen even if the warm-up failed part-way: capturing under live traffic is the failure
             # this avoids, so a shape the warm-up did not reach runs eager rather than capturing later.

@@ -11,6 +11,7 @@ finishes the queued work and sends ``Done``. Validation failures end the stream 
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,7 +61,8 @@ class Code2WavStream(StageStream[Response]):
         if opened.HasField("voice"):
             if reference is not None:
                 raise StageError(INVALID_ARGUMENT, "send either ref_audio or voice, not both", "open.voice")
-            prompt = self.engine.prompt_from_parts(*voice_parts(opened.voice))
+            voice = opened.voice
+            prompt = self.engine.stored_voice(voice_key(voice), lambda: voice_parts(voice))
         self.handle = await self.engine.open_stream(
             opened.id.request_id or uuid.uuid4().hex,
             reference,
@@ -159,6 +161,17 @@ def voice_parts(msg: code2wav_pb2.VoicePrompt) -> tuple[torch.Tensor, torch.Tens
     )
 
 
+def voice_key(msg: code2wav_pb2.VoicePrompt) -> bytes:
+    """The content key of stored features: a hash of every tensor's dtype, shape and bytes and of the
+    digest, so equal keys always mean equal features."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (msg.tokens, msg.mel, msg.spk_emb):
+        h.update(f"{t.dtype}:{list(t.shape)}:{len(t.data)}".encode())
+        h.update(t.data)
+    h.update(msg.digest.encode())
+    return h.digest()
+
+
 def voice_prompt(features: PromptFeatures) -> code2wav_pb2.VoicePrompt:
     """Prompt features -> the VoicePrompt the gateway stores (tokens int32, mel and x-vector fp32)."""
     return code2wav_pb2.VoicePrompt(
@@ -200,6 +213,7 @@ def stage_info(engine: Code2WavEngine, model_version: str) -> common_pb2.StageIn
             "dit_dtype": str(runner.flow.compute_dtype).removeprefix("torch."),
             "dit_depth": str(dims.dit_depth),
             "dit_hidden": str(dims.dit_hidden),
+            "window_codes": ",".join(str(n) for n in engine.window_codes),  # steady sizes with graphs
         },
     )
 

@@ -31,6 +31,19 @@ def dit_choice(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     return dit, torch.bfloat16 if dtype == "bfloat16" else torch.float32
 
 
+def window_codes(text: str) -> tuple[int, ...]:
+    """``--window-codes`` ("25" or "25,50") as sizes; each in [1, MAX_NEW_TOKENS]."""
+    from services.code2wav.runner import MAX_NEW_TOKENS
+
+    try:
+        sizes = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise SystemExit(f"--window-codes {text!r}: comma-separated integers expected") from None
+    if not sizes or any(not 1 <= n <= MAX_NEW_TOKENS for n in sizes):
+        raise SystemExit(f"--window-codes {text!r}: each size must be in [1, {MAX_NEW_TOKENS}]")
+    return sizes
+
+
 def build_engine(args: argparse.Namespace) -> tuple[Code2WavEngine, Checkpoint]:
     ckpt = Checkpoint(args.checkpoint)
     if str(args.device).startswith("cuda"):
@@ -57,7 +70,12 @@ def build_engine(args: argparse.Namespace) -> tuple[Code2WavEngine, Checkpoint]:
 
         enable_cuda_graphs(runner)
     engine = Code2WavEngine(
-        runner, voices, ckpt.ref_audio_path, max_batch=args.max_batch, max_streams=args.max_streams
+        runner,
+        voices,
+        ckpt.ref_audio_path,
+        max_batch=args.max_batch,
+        max_streams=args.max_streams,
+        window_codes=window_codes(getattr(args, "window_codes", "25")),
     )
     return engine, ckpt
 

@@ -30,6 +30,7 @@ from services.common.deploy_profile import (
     MediaLimits,
     StageProfile,
     TLSProfile,
+    TranscriptionSettings,
 )
 from services.common.stage_settings import MEMORY_FRACTION_FLAG, PROFILE_FLAG_DESTS
 
@@ -81,6 +82,7 @@ _RANGES: list[tuple[Any, str]] = [
     (ds.WeightFormat, "`bf16`, `fp8`"),
     (ds.Kernels, "`auto`, `torch`, `triton`"),
     (ds.Milliseconds, "number ≥ 0 (0: off)"),
+    (ds.WindowSeconds, "number in [1, 30]"),
     (bool, "boolean"),
     (int, "integer"),
     (str, "string"),
@@ -215,6 +217,10 @@ def render() -> str:
         "### Media limits",
         "",
         *_table(_rows(ds.MediaDoc, "gateway.media.", MediaLimits(), {})),
+        "",
+        "### Transcription windows (`/v1/audio/transcriptions`, `/translations`; docs/audio_api.md)",
+        "",
+        *_table(_rows(ds.TranscriptionDoc, "gateway.transcription.", TranscriptionSettings(), {})),
         "",
         "## TLS between the gateway and the stages (optional section)",
         "",

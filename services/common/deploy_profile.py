@@ -17,7 +17,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     served_model_name: openbmb/MiniCPM-o-4_5
     gpu_sharing: mps   # or time_slice (default): how stages placed on one GPU share it (gpu_sharing.py)
     gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, drain_grace_s,
-                default_modalities, media: {...}, voice_dir}
+                default_modalities, media: {...}, transcription: {...}, voice_dir}
     tls:       {ca_file, cert_file, key_file, client_cert_file, client_key_file, require_client_cert}  # optional
     stages:
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
@@ -164,6 +164,20 @@ class MediaLimits:
 
 
 @dataclass(frozen=True)
+class TranscriptionSettings:
+    """How ``/v1/audio/transcriptions`` and ``/translations`` cut a file and bound each window's text.
+
+    A window is at most ``window_s`` seconds (cut at a pause) and runs as its own thinker request, at most
+    ``max_parallel_windows`` at once; its text is at most ``tokens_per_second`` x its duration +
+    ``extra_tokens`` tokens (docs/audio_api.md, "Windows and the token cap", says why these values)."""
+
+    window_s: float = 20.0
+    max_parallel_windows: int = 8
+    tokens_per_second: float = 7.5
+    extra_tokens: int = 8
+
+
+@dataclass(frozen=True)
 class GatewayProfile:
     port: int = 8099
     max_concurrent_requests: int = 16
@@ -178,6 +192,7 @@ class GatewayProfile:
     # (gateway.shutdown); whatever is still running then ends with an error event / session.closed.
     drain_grace_s: float = 30.0
     media: MediaLimits = field(default_factory=MediaLimits)
+    transcription: TranscriptionSettings = field(default_factory=TranscriptionSettings)
     # Registered voices (/v1/audio/voices): one sub-directory per voice holding the clip and the stage
     # features derived from it once. Shared by every gateway replica (a volume); None: registry off.
     voice_dir: str | None = None
@@ -317,10 +332,15 @@ def parse_profile(raw: object, source: str = "<dict>") -> DeployProfile:
     if doc.gateway is not None:
         gw = doc.gateway.given()
         media = gw.pop("media", None)
+        transcription = gw.pop("transcription", None)
         if "default_modalities" in gw:
             gw["default_modalities"] = tuple(dict.fromkeys(gw["default_modalities"]))
         gateway = GatewayProfile(
-            **gw, media=MediaLimits(**media.given()) if media is not None else MediaLimits()
+            **gw,
+            media=MediaLimits(**media.given()) if media is not None else MediaLimits(),
+            transcription=TranscriptionSettings(**transcription.given())
+            if transcription is not None
+            else TranscriptionSettings(),
         )
     stages = {name: _stage_profile(name, getattr(doc.stages, name)) for name in STAGES}
     return DeployProfile(

@@ -126,6 +126,8 @@ Kernels = Annotated[
     str, _rule(lambda v: v in KERNEL_BACKENDS, f"expected one of {list(KERNEL_BACKENDS)}, got {{v!r}}")
 ]
 Milliseconds = Annotated[float, _rule(lambda v: v >= 0, "must be >= 0, got {v}")]
+# An audio window of the thinker's encoder: its position table spans 30 s.
+WindowSeconds = Annotated[float, _rule(lambda v: 1 <= v <= 30, "must be in [1, 30] s, got {v}")]
 
 
 class _Doc(BaseModel):
@@ -288,6 +290,13 @@ class MediaDoc(_Doc):
     max_media_bytes: PositiveInt | None = None
 
 
+class TranscriptionDoc(_Doc):
+    window_s: WindowSeconds | None = None
+    max_parallel_windows: PositiveInt | None = None
+    tokens_per_second: PositiveNumber | None = None
+    extra_tokens: Count | None = None
+
+
 class GatewayDoc(_Doc):
     port: PositiveInt | None = None
     max_concurrent_requests: PositiveInt | None = None
@@ -298,6 +307,7 @@ class GatewayDoc(_Doc):
     default_modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
     drain_grace_s: NonNegativeNumber | None = None
     media: MediaDoc | None = None
+    transcription: TranscriptionDoc | None = None
     voice_dir: Annotated[str, _rule(bool, "must not be empty")] | None = None
 
 

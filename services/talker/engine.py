@@ -361,8 +361,12 @@ class TalkerEngine:
         if cond.epoch > st.epoch:
             self._reset_turn(st)
             st.epoch = cond.epoch
+            st.skip_to_last = False
         if st.ending:
             self._error(st, StageError(FAILED_PRECONDITION, "chunk after End", "chunk"), close=False)
+            return
+        if st.skip_to_last and not st.settings.duplex:
+            st.skip_to_last = not cond.is_last  # a chunk of the turn that ended on its frame budget
             return
         if st.settings.fixed_frames and not st.settings.duplex:
             # Benchmarks: a fixed frame count is a whole-utterance run; gather the turn's chunks first.
@@ -390,6 +394,7 @@ class TalkerEngine:
         dropped = len(st.queue) + len(st.fixed_parts) + (1 if st.phase is Phase.DECODE or st.in_turn else 0)
         st.queue.clear()
         st.fixed_parts.clear()
+        st.skip_to_last = False
         self._reset_turn(st)
         st.epoch = new_epoch
         st.emit(InterruptAckOut(st.meta(), new_epoch, dropped))
@@ -654,6 +659,7 @@ class TalkerEngine:
                 return
         else:  # streaming chunk
             if st.turn_frames >= s.max_new_frames:
+                self._drop_rest_of_turn(st)
                 self._finish_turn(st, "length")
                 return
             if st.seg_t >= self.streaming_chunk_cap or cache_full:
@@ -671,6 +677,16 @@ class TalkerEngine:
         FRAMES.inc()
         for w in st.windower.push([code]):
             st.emit(WindowOut(st.meta(), w))
+
+    @staticmethod
+    def _drop_rest_of_turn(st: StreamState) -> None:
+        """A streaming turn ended on its frame budget: its queued chunks, and those still to come up to its
+        last one, are not spoken. Without this each of them started a turn of its own after the Done,
+        decoding frames nobody reads (the gateway stops at the turn's Done)."""
+        while st.queue:
+            if st.queue.popleft().is_last:
+                return
+        st.skip_to_last = True
 
     def _end_segment(self, st: StreamState) -> None:
         """A chunk/unit finished (EOS, budget or cap); the whole utterance finishes its turn here."""

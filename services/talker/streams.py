@@ -120,6 +120,9 @@ class StreamState:
     phase: Phase = Phase.IDLE
     queue: deque[ConditionInput] = field(default_factory=deque)
     fixed_parts: list[ConditionInput] = field(default_factory=list)  # fixed_frames: chunks gathered
+    # Turn mode: the turn ended on its frame budget before its last chunk arrived; chunks up to and
+    # including that last one are dropped (they belong to a finished turn).
+    skip_to_last: bool = False
     ending: bool = False  # Control End received: finish current work, then Done and close
     turns_finished: int = 0
     session_frames: int = 0

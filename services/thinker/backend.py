@@ -9,7 +9,7 @@ stream handlers (:mod:`services.thinker.turn_stream`, :mod:`services.thinker.dup
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.common.checkpoint import Checkpoint
@@ -18,6 +18,7 @@ from services.common.tensors import compute_dtype, dtype_to_proto
 from services.thinker.duplex_window import DuplexWindow
 from services.thinker.engine import STAGE, EngineConfig, ThinkerEngine
 from services.thinker.sampling import DEFAULT_STOP_IDS
+from services.thinker.voice import VoicePrefixCache
 
 if TYPE_CHECKING:
     from services.thinker.model import ThinkerModel
@@ -43,6 +44,8 @@ class ThinkerBackend:
     # The grammar engine's token table (services.thinker.constrained.GrammarCompiler), built at load:
     # building it takes about a second of CPU that would otherwise stall the first constrained request.
     grammar: Any = None
+    # Registered voices' speech system prefixes, derived once per voice (services.thinker.voice).
+    voice_prefixes: VoicePrefixCache = field(default_factory=VoicePrefixCache)
 
     @property
     def tokenizer(self) -> Any:  # a Hugging Face tokenizer (services.common.checkpoint.Checkpoint.tokenizer)

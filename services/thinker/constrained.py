@@ -177,11 +177,16 @@ class GrammarCompiler:
     def matcher(self, msg: thinker_pb2.Constraint) -> TokenConstraint:
         return self.from_grammar(self.grammar(msg))
 
-    def from_grammar(self, grammar: str) -> TokenConstraint:
-        """A matcher for llguidance grammar text (what :meth:`grammar` returns, or a bench's own)."""
-        err = self._llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)  # "" when it compiles
-        if err:
-            raise StageError(INVALID_ARGUMENT, f"grammar does not compile: {err}", "sampling.constraint")
+    def from_grammar(self, grammar: str, *, check: bool = True) -> TokenConstraint:
+        """A matcher for llguidance grammar text (what :meth:`grammar` returns, or a bench's own).
+
+        ``check=False`` skips the validation (~30 ms) for a grammar that was validated before: a duplex
+        session builds a fresh matcher (~2 ms) for every call from the grammar it checked once.
+        """
+        if check:
+            err = self._llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)  # "" when it compiles
+            if err:
+                raise StageError(INVALID_ARGUMENT, f"grammar does not compile: {err}", "sampling.constraint")
         return TokenConstraint(self._llg.LLMatcher(self.ll_tokenizer, grammar), self.vocab_size)
 
 

@@ -39,6 +39,7 @@ from services.common.pb import common_pb2, thinker_pb2
 from services.common.pcm import pcm_to_float
 from services.common.tensors import dtype_from_proto, tensor_to_proto
 from services.thinker.backend import ThinkerBackend
+from services.thinker.constrained import TOOL_CALL_END_ID, TOOL_CALL_ID, GrammarCompiler
 from services.thinker.duplex_policy import (
     CHUNK_EOS,
     CHUNK_TTS_EOS,
@@ -51,11 +52,13 @@ from services.thinker.duplex_policy import (
     DuplexPolicy,
     DuplexSampling,
     PolicyState,
+    ToolCallPlan,
     forbidden_mask_for,
 )
 from services.thinker.engine import EngineEvent
 from services.thinker.prefix_hash import MediaSpan, media_digest
 from services.thinker.scheduler import WorkItem
+from services.thinker.voice import REFERENCE_ENCODES, voice_key, voice_rows
 
 if TYPE_CHECKING:
     from services.thinker.processor.duplex_audio import DuplexMelChunk
@@ -148,7 +151,8 @@ class UnitOutcome:
 
 
 def select_span(generated: list[int]) -> list[int]:
-    """Indices of the spoken tokens of a unit (docs/model.md, Thinker to talker hand-off)."""
+    """Indices of the spoken tokens of a unit (docs/model.md, Thinker to talker hand-off); a function call
+    is not spoken: the span ends before ``<tool_call>`` (see :func:`call_bounds` for the rest)."""
     if not generated or generated[0] in UNIT_TERMINATORS:
         return []
     span: list[int] = []
@@ -157,7 +161,7 @@ def select_span(generated: list[int]) -> list[int]:
         if tok == TTS_BOS:
             span = []  # speech restarts after a <|tts_bos|> inside the unit
             continue
-        if tok in SPAN_BOUNDARIES:
+        if tok in SPAN_BOUNDARIES or tok == TOOL_CALL_ID:
             break
         if tok == SPEAK:
             continue
@@ -165,6 +169,21 @@ def select_span(generated: list[int]) -> list[int]:
         if tok == TURN_EOS:
             break
     return span
+
+
+def call_bounds(generated: list[int]) -> tuple[int, int] | None:
+    """``[start, end)`` of the unit's function call: ``<tool_call>`` through ``</tool_call>``, or, for a call
+    that was cut (the token cap, a grammar error), up to the turn's forced end or the unit's end; None
+    without a call."""
+    if TOOL_CALL_ID not in generated:
+        return None
+    start = generated.index(TOOL_CALL_ID)
+    for end in range(start + 1, len(generated)):
+        if generated[end] == TOOL_CALL_END_ID:
+            return start, end + 1
+        if generated[end] == TURN_EOS or generated[end] in UNIT_TERMINATORS:
+            return start, end
+    return start, len(generated)
 
 
 class DuplexSession:
@@ -195,6 +214,12 @@ class DuplexSession:
         self.turn_continues = False  # the last decided unit spoke and left its turn open
         self.chunk_seq = 0
         self.total_generated = 0
+        # Function tools: the signatures last placed in the context (a note goes in when they change), the
+        # validated grammar text of each tool_call spec seen, and the grammar error of the unit being decided
+        # (a unit is assembled only after the previous one was decided and reported).
+        self.tools_noted: list[str] = []
+        self.grammars: dict[bytes, str] = {}
+        self.tool_error = ""
 
     # ------------------------------------------------------------------------------------- identity
     def ident(self, unit_seq: int = 0) -> common_pb2.Identity:
@@ -208,17 +233,23 @@ class DuplexSession:
 
     # ----------------------------------------------------------------------------------- embeddings
     def prefix_work(self) -> WorkItem:
-        """Session prefix (runs in a worker thread: the reference voice goes through Whisper)."""
+        """Session prefix (runs in a worker thread: an inline reference voice goes through Whisper; a
+        registered one, ``open.voice``, brings its stored rows)."""
         from services.thinker.processor import AudioClip
         from services.thinker.processor.duplex_layout import duplex_session_prefix
 
         ref_rows: list[torch.Tensor] = []
         ref_digest = b""
-        if self.open.ref_audio.data:
+        stored = voice_rows(self.backend, self.open)
+        if stored is not None:  # a registered voice: its stored encoder rows, the clip is not encoded
+            ref_digest = voice_key(self.open.voice)
+            ref_rows = [stored.to(device=self.model.device, dtype=self.model.dtype)]
+        elif self.open.ref_audio.data:
             samples, rate = pcm_to_float(self.open.ref_audio)
             ref_digest = media_digest("ref_audio", rate, samples.dtype.str, samples.tobytes())
             feats, lens, _count = self.processor.process_audio(AudioClip(samples, rate), "ref_audio")
             ref_rows = self.model.get_audio_embeds(feats, lens, self.model.dims.audio.chunk_length_s)
+            REFERENCE_ENCODES.inc()
         seeded = [
             p.text
             for m in self.open.messages
@@ -273,12 +304,12 @@ class DuplexSession:
     def assemble_unit(self, encoded: EncodedAudio, force_speak: bool) -> WorkItem:
         """The unit's work item: its token layout (which re-injects the previous unit's terminator, so this
         runs after that unit's decision), the merged embeddings and this unit's decision policy."""
-        from services.thinker.processor.duplex_layout import duplex_note_text, duplex_unit_layout
+        from services.thinker.processor.duplex_layout import duplex_unit_layout
 
         prepared = encoded.prepared
         prev = self.reinject[0] if self.reinject else None
         unit = prepared.unit
-        note = self.processor.encode_text(duplex_note_text(unit.instructions)) if unit.instructions else []
+        note = self.encode_notes(unit)
         layout = duplex_unit_layout(
             prepared.counts,
             audio_rows=prepared.audio_rows,
@@ -304,9 +335,58 @@ class DuplexSession:
             self.forbidden,
             force_listen=force_listen,
             force_speak=(force_speak and not force_listen),
+            tool_call=None if force_listen else self.tool_call_plan(unit),
         )
         speech = bool(self.open.want_speech)
         return WorkItem(list(layout.input_ids), embeds, sampler=policy, emit_hidden=speech, feed_last=True)
+
+    def encode_notes(self, unit: thinker_pb2.ThinkerUnit) -> list[int]:
+        """What goes into the context between the previous unit and this one: the client's function results
+        (the template's tool message), the offered tools when they changed (the template's tools system
+        message) and the response's instructions (a system note), in that order."""
+        from services.thinker.processor.duplex_layout import (
+            duplex_note_text,
+            duplex_tool_outputs_note,
+            duplex_tools_note,
+        )
+
+        text = ""
+        if unit.tool_outputs:
+            text += duplex_tool_outputs_note(list(unit.tool_outputs))
+        tools = list(unit.tools_json)
+        if tools and tools != self.tools_noted:
+            text += duplex_tools_note(tools)
+            self.tools_noted = tools
+        if unit.instructions:
+            text += duplex_note_text(unit.instructions)
+        return self.processor.encode_text(text) if text else []
+
+    def tool_call_plan(self, unit: thinker_pb2.ThinkerUnit) -> ToolCallPlan | None:
+        """The unit's call grammar (compiled once per distinct spec), or None. A grammar that does not
+        compile leaves the unit without tools and is reported on its UnitResult (``tool_error``)."""
+        self.tool_error = ""
+        spec = unit.tool_call
+        if not unit.HasField("tool_call") or spec.kind != thinker_pb2.Constraint.KIND_TOOL_CALLS:
+            return None
+        compiler = self.backend.grammar
+        if compiler is None:  # a backend assembled by hand (tests): build the token table now
+            compiler = self.backend.grammar = GrammarCompiler(
+                self.processor.tokenizer, len(self.processor.tokenizer)
+            )
+        key = spec.SerializeToString(deterministic=True)
+        grammar = self.grammars.get(key)
+        if grammar is None:
+            try:
+                grammar = compiler.grammar(spec)
+                compiler.from_grammar(grammar)  # validates (compiles) it once
+            except StageError as err:
+                self.tool_error = err.message
+                return None
+            self.grammars[key] = grammar
+        text = grammar
+        return ToolCallPlan(
+            lambda: compiler.from_grammar(text, check=False), forced=bool(unit.tool_call_forced)
+        )
 
     # -------------------------------------------------------------------------------------- results
     def unit_responses(
@@ -322,7 +402,17 @@ class DuplexSession:
         self.units_done += 1
         span = select_span(gen)
         speak = bool(gen) and gen[0] not in UNIT_TERMINATORS
-        turn_end = any(gen[k] == TURN_EOS for k in span)
+        call = call_bounds(gen)
+        call_text, call_cut = "", False
+        if call is not None:
+            tok = self.processor.tokenizer
+            call_text = tok.decode(gen[call[0] : call[1]], skip_special_tokens=False)
+            call_cut = gen[call[1] - 1] != TOOL_CALL_END_ID
+            # The <|turn_eos|> after the call closes the span of text spoken before it in this unit; a unit
+            # that only called has nothing to voice (the gateway ends an open talker stream itself).
+            if call[1] < len(gen) and gen[call[1]] == TURN_EOS and span:
+                span.append(call[1])
+        turn_end = any(gen[k] == TURN_EOS for k in span) or call is not None
         capped = turn_end and self.state.budget_spent
         if turn_end:
             self.state.budget_spent = False
@@ -350,6 +440,8 @@ class DuplexSession:
             out.append(thinker_pb2.ThinkerResponse(speech=chunk))
         if span:
             self.model_turn_open = not turn_end
+        if call is not None:
+            self.model_turn_open = False  # the call ended the model's turn
         result = thinker_pb2.UnitResult(
             id=self.ident(unit_seq),
             decision=thinker_pb2.UNIT_DECISION_SPEAK if speak else thinker_pb2.UNIT_DECISION_LISTEN,
@@ -358,6 +450,9 @@ class DuplexSession:
             turn_end=turn_end,
             context_tokens=context_tokens,
             max_tokens_reached=capped,
+            tool_call=call_text,
+            tool_call_truncated=call_cut,
+            tool_error=self.tool_error,
         )
         out.append(thinker_pb2.ThinkerResponse(unit=result))
         return out
@@ -370,3 +465,5 @@ class DuplexSession:
         self.model_turn_open = False
         self.turn_continues = False
         self.reinject = [CHUNK_EOS, UNIT_CLOSE]
+        # A dropped unit may have carried the tools note: place it again with the next unit that offers tools.
+        self.tools_noted = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +27,9 @@ import torch
 
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
 from services.common.pb import thinker_pb2
+from services.thinker.constrained import TOOL_CALL_END_ID, TOOL_CALL_ID, TokenConstraint
 from services.thinker.duplex_policy_graph import graphs_for, warmup_policy_graphs
-from services.thinker.sampling import Sampler, SamplingConfig
+from services.thinker.sampling import Sampler, SamplingConfig, sample_from_logits
 
 LISTEN = SPECIAL_TOKEN_IDS["<|listen|>"]
 SPEAK = SPECIAL_TOKEN_IDS["<|speak|>"]
@@ -41,6 +42,10 @@ UNIT_TERMINATORS = frozenset({LISTEN, CHUNK_EOS, CHUNK_TTS_EOS})
 
 MAX_TOKENS_PER_UNIT = 20  # the 20th is a forced <|chunk_eos|>, so at most 19 are sampled
 TURN_EOS_LENGTH_PENALTY = 1.1
+# A function call may run past the unit's 19 tokens: it is decoded whole within its unit, up to this many
+# tokens from <tool_call> to </tool_call> (then <|turn_eos|> and <|listen|> end the turn and the unit).
+MAX_TOOL_CALL_TOKENS = 512
+CALL_UNIT_TOKENS = MAX_TOKENS_PER_UNIT - 1 + MAX_TOOL_CALL_TOKENS + 2  # the KV a unit that may call reserves
 
 
 @dataclass
@@ -89,6 +94,21 @@ class PolicyState:
     budget_spent: bool = False  # the last turn was ended by the budget
 
 
+@dataclass
+class ToolCallPlan:
+    """How a unit may call a function (ThinkerUnit.tool_call; docs/model.md, Duplex tool calls).
+
+    ``matcher`` builds a fresh matcher of the call grammar (the chat route's: one ``<tool_call>`` block
+    whose arguments follow the tool's schema). ``forced`` (``tool_choice`` required or named): a model turn
+    that starts at this unit (a unit after the model's turn ended, or a unit that asks for a response) is
+    that call, right after its ``<|speak|>`` decision. Otherwise (``auto``) the
+    policy decides as always, and a ``<tool_call>`` the model draws is completed under the grammar.
+    """
+
+    matcher: Callable[[], TokenConstraint]
+    forced: bool = False
+
+
 class DuplexPolicy(Sampler):
     """One unit's token choice (docs/model.md, Duplex), run by the engine like any sampler.
 
@@ -99,7 +119,11 @@ class DuplexPolicy(Sampler):
       penalty apply, and the token is drawn with temperature/top-k/top-p;
     * a ``<|listen|>`` while the model's turn has not ended becomes ``<|tts_bos|>``;
     * forced speak (benchmarks, ``request_response``) masks ``<|listen|>`` and skips the first draw
-      for the unit's decision token.
+      for the unit's decision token;
+    * with a :class:`ToolCallPlan`, a function call is decoded under its grammar (the tokens the grammar
+      allows, drawn with the session's temperature/top-k/top-p; no duplex masks or penalties), past the
+      unit's 19-token cap, and is followed by a forced ``<|turn_eos|>`` and ``<|listen|>``: the call ends
+      the model's turn and the unit.
     """
 
     def __init__(
@@ -110,6 +134,7 @@ class DuplexPolicy(Sampler):
         *,
         force_listen: bool,
         force_speak: bool,
+        tool_call: ToolCallPlan | None = None,
     ) -> None:
         super().__init__(
             SamplingConfig(max_tokens=MAX_TOKENS_PER_UNIT - 1, stop_token_ids=tuple(UNIT_TERMINATORS))
@@ -119,6 +144,22 @@ class DuplexPolicy(Sampler):
         self.forbidden = forbidden
         self.force_listen = force_listen
         self.force_speak = force_speak
+        self.tool_call = tool_call
+        # The call's progress in this unit: None (no call), "call" (grammar tokens), "turn_eos", "listen".
+        self.call_phase: str | None = None
+        self.call_start = 0  # index of the call's first token among the unit's tokens
+        self._limit = MAX_TOKENS_PER_UNIT - 1
+        self._skip_accept = False  # the forced call's decision token is not the grammar's
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The unit's token cap: 19, or the end of a call that started in this unit."""
+        return self._limit
+
+    @property
+    def reserve_tokens(self) -> int:
+        """A unit that may call reserves the KV of a whole call (the cap grows only once the call starts)."""
+        return CALL_UNIT_TOKENS if self.tool_call is not None else self._limit
 
     def _gen(self, device: torch.device) -> torch.Generator | None:
         if self.sampling.seed is None:
@@ -143,7 +184,14 @@ class DuplexPolicy(Sampler):
         policies: list[DuplexPolicy] = [p for p in samplers if isinstance(p, DuplexPolicy)]
         assert len(policies) == len(samplers), "choose_rows takes duplex policies only"
         out = [LISTEN] * len(policies)
-        live = [i for i, p in enumerate(policies) if not p.force_listen]
+        live: list[int] = []
+        for i, p in enumerate(policies):
+            if p.force_listen:
+                continue
+            if p.call_phase is None:
+                live.append(i)
+            else:
+                out[i] = p._call_token(logits[i], num_generated[i])
         if not live:
             return out
         rows = [policies[i] for i in live]
@@ -159,6 +207,17 @@ class DuplexPolicy(Sampler):
         """Host-side rules that depend on the session's state; they run after the single sync."""
         if token == CHUNK_EOS:
             return token  # the model's own stop (first draw): the turn state is untouched
+        plan = self.tool_call
+        # A forced call is the turn that starts here: a new model turn, or the unit that asks for a response
+        # (request_response), which starts one even where the model's previous turn was left open.
+        starts = self.state.turn_ended or self.force_speak
+        if plan is not None and plan.forced and num_generated == 0 and starts:
+            if token not in UNIT_TERMINATORS:  # the model takes the floor: its turn is the forced call
+                self._start_call(num_generated + 1, skip_decision=True)
+                return self._note(SPEAK)
+        if plan is not None and token == TOOL_CALL_ID:  # the model starts a call itself ("auto")
+            self._start_call(num_generated, skip_decision=False)
+            return self._note(token)
         # Matches upstream (StreamDecoder.decode): every id the draw returns enters the penalty history,
         # special ids included, and it enters before the listen -> <|tts_bos|> replacement below (which
         # upstream's streaming_generate applies after decode returned). Keeping only ids below the first
@@ -174,6 +233,56 @@ class DuplexPolicy(Sampler):
         if token not in UNIT_TERMINATORS:
             self.state.turn_ended = token == TURN_EOS
         return token
+
+    def _note(self, token: int) -> int:
+        """A token chosen outside the draw's rules (a call's): into the history and the turn state."""
+        self.state.history.append(token)
+        window = self.sampling.penalty_window
+        if len(self.state.history) > 4 * window:
+            del self.state.history[:-window]
+        if token not in UNIT_TERMINATORS:
+            self.state.turn_ended = token == TURN_EOS
+        if token == TURN_EOS:
+            self.state.turn_budget = None
+        return token
+
+    def _start_call(self, start: int, *, skip_decision: bool) -> None:
+        """Decode a call from token ``start`` on under a fresh matcher of the plan's grammar."""
+        assert self.tool_call is not None
+        self.constraint = self.tool_call.matcher()
+        self.call_phase = "call"
+        self.call_start = start
+        self._limit = start + MAX_TOOL_CALL_TOKENS + 2
+        self._skip_accept = skip_decision
+
+    def _call_token(self, logits: torch.Tensor, num_generated: int) -> int:
+        """The token of a row inside a call: a grammar token (``logits`` already carry the grammar's mask,
+        :func:`services.thinker.sampling.choose_tokens`), then the forced ends of the turn and the unit."""
+        if self.call_phase == "turn_eos":
+            self.call_phase = "listen"
+            return self._note(TURN_EOS)
+        if self.call_phase == "listen":
+            self.call_phase = None
+            return self._note(LISTEN)
+        s = self.sampling
+        row = logits.float()
+        if s.temperature <= 0.0:
+            token = int(torch.argmax(row).item())
+        else:
+            token = sample_from_logits(row, s.temperature, s.top_k, s.top_p, self._gen(row.device))
+        return self._note(token)
+
+    def accept(self, token: int) -> None:
+        """A call's tokens advance its grammar; ``</tool_call>`` (or a grammar error) ends the call."""
+        if self.constraint is None:
+            return
+        if self._skip_accept:
+            self._skip_accept = False
+            return
+        self.constraint.accept(token)
+        if self.constraint.failed or (token == TOOL_CALL_END_ID and self.constraint.matcher.is_accepting()):
+            self.constraint = None
+            self.call_phase = "turn_eos"  # a failed call ends there too (reported as cut: no </tool_call>)
 
     def _spend_budget(self, token: int) -> int:
         """A per-response budget counts the spoken tokens of the open turn; once it is spent the next token
@@ -193,6 +302,11 @@ class DuplexPolicy(Sampler):
     def finish_reason(self, token: int, num_generated: int) -> str | None:
         if token in UNIT_TERMINATORS:
             return "stop"
+        if self.call_phase == "call" and num_generated - self.call_start >= MAX_TOOL_CALL_TOKENS:
+            # The call ran out of tokens before its grammar completed: the unit and the turn end here.
+            self.constraint, self.call_phase = None, None
+            self.state.turn_ended = True
+            return "length"
         if num_generated >= self.max_new_tokens:
             return "length"
         return None

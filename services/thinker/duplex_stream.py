@@ -233,7 +233,9 @@ class DuplexStream(StageStream[Response]):
         encoded_unit = EncodedUnit(unit_seq, work, started)
         if await self._trim_window(encoded_unit):
             return ()
-        if self.context_tokens + len(work.token_ids) + MAX_TOKENS_PER_UNIT > self.engine.max_context:
+        # A unit that may make a function call can decode a whole call past the unit's 19 tokens.
+        new_tokens = max(MAX_TOKENS_PER_UNIT, work.sampler.reserve_tokens if work.sampler else 0)
+        if self.context_tokens + len(work.token_ids) + new_tokens > self.engine.max_context:
             too_long = StageError(
                 CONTEXT_LENGTH_EXCEEDED,
                 f"duplex session context {self.context_tokens} + unit would pass {self.engine.max_context} tokens",
@@ -248,11 +250,16 @@ class DuplexStream(StageStream[Response]):
         """With a sliding window due: a fresh sequence (prefix + newest units); the unit follows its prefill."""
         record, session = self.record, self.session
         assert session is not None and self.seq is not None and self.sink is not None
-        if record is None or not record.needs_trim(self.context_tokens, len(encoded.work.token_ids)):
+        # A unit that may make a function call needs room for the whole call, not only its 19 tokens.
+        sampler = encoded.work.sampler
+        incoming = len(encoded.work.token_ids) + max(
+            0, (sampler.reserve_tokens if sampler else 0) - MAX_TOKENS_PER_UNIT
+        )
+        if record is None or not record.needs_trim(self.context_tokens, incoming):
             return False
         loop = asyncio.get_running_loop()
         trim = await loop.run_in_executor(
-            self.backend.executor, record.trimmed, list(self.seq.tokens), len(encoded.work.token_ids)
+            self.backend.executor, record.trimmed, list(self.seq.tokens), incoming
         )
         if trim is None:
             return False
@@ -269,6 +276,7 @@ class DuplexStream(StageStream[Response]):
         )
         self.deferred = encoded
         self.busy = True
+        session.tools_noted = []  # the tools note may have been trimmed away: the next unit places it again
         self._maybe_encode_ahead()
         return True
 

@@ -91,7 +91,7 @@ class RunnerTap:
         ]
         for chunk in inp.prefill:
             for i, tok in enumerate(chunk.token_ids):
-                emb = None if chunk.embeds is None else chunk.embeds[i]
+                emb = chunk.embeds[i] if chunk.embeds is not None and i < chunk.embeds.shape[0] else None
                 rows.append((chunk.start + i, tok, emb))
         n = len(rows)
         packed = self._packed_hidden

@@ -458,7 +458,7 @@ class ThinkerEngine:
             )
             self._emit(seq, EngineEvent(seq.seq_id, tag=work.tag, error=err, context_tokens=len(seq.tokens)))
             return
-        want = min(total + (work.sampler.max_new_tokens if work.sampler else 0), self.max_context)
+        want = min(total + (work.sampler.reserve_tokens if work.sampler else 0), self.max_context)
         if not self.scheduler.can_ever_fit(want):
             err = StageError(
                 RESOURCE_EXHAUSTED,
@@ -482,7 +482,9 @@ class ThinkerEngine:
         for seq, n in plan.prefill:
             assert seq.work is not None
             embeds = None
-            if seq.prompt_embeds is not None:
+            if seq.prompt_embeds is not None and seq.prompt_offset < seq.prompt_embeds.shape[0]:
+                # The rows the work item embeds, which may cover only the chunk's first rows (a
+                # registered voice's prefix): the rest are text rows the runner embeds from their ids.
                 embeds = seq.prompt_embeds[seq.prompt_offset : seq.prompt_offset + n]
             finishes_prompt = n == len(seq.prompt)
             export = seq.work.export_from

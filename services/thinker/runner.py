@@ -499,8 +499,8 @@ class ModelRunner:
         row = b
         for chunk in inp.prefill:
             n = len(chunk.token_ids)
-            if chunk.embeds is not None:
-                x[row : row + n] = chunk.embeds.to(device=dev, dtype=x.dtype)
+            if chunk.embeds is not None:  # the chunk's first rows (all of them, or a voice's prefix)
+                x[row : row + chunk.embeds.shape[0]] = chunk.embeds.to(device=dev, dtype=x.dtype)
             row += n
         if torch_attention:
             hidden = self._layers_forward(x, positions, write, plan)

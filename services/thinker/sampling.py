@@ -184,6 +184,12 @@ class Sampler:
         return self.config.max_tokens
 
     @property
+    def reserve_tokens(self) -> int:
+        """New tokens whose KV the sequence reserves at admission (a duplex unit that may make a function
+        call reserves the whole call, though its cap grows only once the call starts)."""
+        return self.max_new_tokens
+
+    @property
     def batchable_greedy(self) -> bool:
         """True when a plain argmax over the raw logits is exactly what :meth:`choose` would do."""
         c = self.config

@@ -14,7 +14,8 @@ saturated (more waiting sequences than free slots, or more prompt than the step 
 to an underrun is served first. Work without a deadline (chat requests, session prefixes) follows the
 deadlined work, oldest first among itself.
 
-KV admission: a sequence reserves blocks for ``context + new input + max_new_tokens`` (capped at the
+KV admission: a sequence reserves blocks for ``context + new input + reserve_tokens`` (its sampler's
+max_new_tokens, more for a duplex unit that may make a function call; capped at the
 context limit) when it is admitted, so a running sequence can never run out of cache mid-decode and
 the pool, sized from the byte budget, bounds the gauge by construction. A request that does not fit
 waits (head of line); one that could never fit is rejected by the engine before it is queued.
@@ -58,8 +59,10 @@ class SeqStatus(Enum):
 class WorkItem:
     """Tokens to append to a sequence, then (optionally) a generation.
 
-    ``embeds`` (``[len(token_ids), hidden]``) replaces the text embeddings of those rows when the
-    prompt carries image/audio features. ``sampler`` None means prefill only (a duplex session prefix).
+    ``embeds`` (``[n, hidden]``, ``n <= len(token_ids)``) replaces the text embeddings of the first ``n``
+    rows when the prompt carries image/audio features; rows past ``n`` are text, embedded from their ids
+    (a registered voice's prefix is the only embedded part of a speech prompt). ``sampler`` None means
+    prefill only (a duplex session prefix).
     """
 
     token_ids: list[int]
@@ -128,7 +131,7 @@ class Sequence:
         """Cache positions this sequence may need until its current work item ends."""
         if self.work is None:
             return len(self.tokens)
-        new = len(self.prompt) + (self.work.sampler.max_new_tokens if self.work.sampler else 0)
+        new = len(self.prompt) + (self.work.sampler.reserve_tokens if self.work.sampler else 0)
         return min(len(self.tokens) + new, max_context)
 
 

@@ -22,7 +22,8 @@ class DecodeRow:
 
 @dataclass
 class PrefillChunk:
-    """Consecutive prompt tokens of one sequence starting at ``start``; ``embeds`` overrides text rows."""
+    """Consecutive prompt tokens of one sequence starting at ``start``; ``embeds`` overrides the text
+    embeddings of the chunk's first ``embeds.shape[0]`` rows (all of them, or fewer)."""
 
     token_ids: list[int]
     start: int

@@ -11,13 +11,14 @@ Half-closing the request side does not stop generation. The stream skeleton is
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from prometheus_client import Histogram
 
 from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
 from services.common.pb import common_pb2, thinker_pb2
@@ -33,11 +34,18 @@ from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig,
 from services.thinker.scheduler import Sequence as EngineSequence
 from services.thinker.scheduler import WorkItem
 from services.thinker.turn import TTS_BOS_ID, IncrementalDetokenizer, TurnOutput
-from services.thinker.voice import speech_system_prefix, voice_rows
+from services.thinker.voice import REFERENCE_ENCODES
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 2048
+PROMPT_BUILD_SECONDS = Histogram(
+    "minicpmo_thinker_prompt_build_seconds",
+    "A turn's prompt building on the encode executor: 'wait' for a free worker, 'build' the template, "
+    "media decoding and the encoders (a transcription window's audio encoder pass is here)",
+    ["phase"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+)
 DEFAULT_CHUNK_TOKENS = 10
 Response = thinker_pb2.ThinkerResponse
 
@@ -98,6 +106,7 @@ def messages_from_proto(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOp
     if (open_msg.want_speech or open_msg.teacher_text) and open_msg.ref_audio.data:
         samples, rate = pcm_to_float(open_msg.ref_audio)
         out.append(speech_system_message(AudioClip(samples, rate)))
+        REFERENCE_ENCODES.inc()  # the prompt's audio encoder pass takes the clip too
     for i, m in enumerate(open_msg.messages):
         parts: list[Any] = []
         for j, part in enumerate(m.content):
@@ -131,13 +140,18 @@ class TurnPrompt:
 
 
 def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen) -> TurnPrompt:
-    """Chat template + placeholder expansion + encoders (runs in a worker thread: encoders block)."""
+    """Chat template + placeholder expansion + encoders (runs in a worker thread: encoders block).
+
+    A registered voice (``open_msg.voice``) puts its speech system turn first: ids and input rows derived
+    once per voice (:class:`~services.thinker.voice.VoicePrefixCache`). When nothing else in the prompt
+    is embedded from media, the work item's ``embeds`` are those prefix rows only and the rest of the
+    prompt stays token ids, so building it does no device work, as for a prompt without a voice."""
     if not open_msg.messages:
         raise StageError(INVALID_ARGUMENT, "messages must not be empty", "messages")
     messages = messages_from_proto(backend, open_msg)
     teacher = bool(open_msg.teacher_text)
     speaking = bool(open_msg.want_speech) or teacher
-    voice = voice_rows(backend, open_msg) if speaking else None
+    voice = backend.voice_prefixes.get(backend, open_msg) if speaking else None
     use_tts = True if (open_msg.use_tts_template or speaking) else None
     processed = backend.processor(
         messages,
@@ -151,34 +165,40 @@ def build_turn_prompt(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen
         forced = list(backend.tokenizer.encode(open_msg.teacher_text, add_special_tokens=False))
         if not forced:
             raise StageError(INVALID_ARGUMENT, "teacher_text has no tokens", "teacher_text")
-    prefix_ids: list[int] = []
-    prefix_embeds = None
-    if voice is not None:  # a registered voice: its stored rows stand where the clip's would
-        prefix_ids, prefix_embeds = speech_system_prefix(backend, voice)
+    prefix_ids = voice.ids if voice is not None else []
     backend.engine.check_prompt_length(len(prefix_ids) + len(ids) + len(forced))
     embeds = None
     if processed.image_bounds.numel() or processed.audio_bounds.numel():
         embeds = backend.model.embed_prompt(processed).detach()
-    if embeds is not None or prefix_embeds is not None:
+    media: list[MediaSpan] | None = None
+    if embeds is not None:
         with torch.inference_mode():
-            if embeds is None:
-                embeds = backend.model.embed_tokens(torch.tensor(ids, device=backend.model.device))
             parts = [embeds]
-            if prefix_embeds is not None:
-                parts.insert(0, prefix_embeds.to(embeds.dtype))
+            if voice is not None:
+                parts.insert(0, voice.embeds.to(embeds.dtype))
             if forced:  # the forced tokens are plain text rows
                 text_rows = backend.model.embed_tokens(torch.tensor(forced, device=embeds.device))
                 parts.append(text_rows.to(embeds.dtype))
-            embeds = torch.cat(parts).detach()
-    media: list[MediaSpan] | None = None
-    if (
-        embeds is not None
-    ):  # every embedded row named by content: a cached block is reused only for equal rows
+            embeds = torch.cat(parts).detach() if len(parts) > 1 else embeds
+        # every embedded row named by content: a cached block is reused only for equal rows
         media = [span.shifted(len(prefix_ids)) for span in processed.media_spans]
-        if prefix_embeds is not None:  # a registered voice's stored rows (with the text around them)
-            digest = hashlib.blake2b(prefix_embeds.float().cpu().numpy().tobytes(), digest_size=16).digest()
-            media.insert(0, MediaSpan(0, len(prefix_ids), digest))
+    elif voice is not None:  # only the voice's rows are embedded: the rest of the prompt is token ids
+        embeds = voice.embeds
+        media = []
+    if voice is not None and media is not None:  # the voice's stored rows (with the text around them)
+        media.insert(0, MediaSpan(0, len(prefix_ids), voice.key))
     return TurnPrompt(prefix_ids + ids + forced, embeds, len(forced), media)
+
+
+def _timed_build(backend: ThinkerBackend, open_msg: thinker_pb2.ThinkerOpen, submitted: float) -> TurnPrompt:
+    """:func:`build_turn_prompt` on the executor, with its wait since ``submitted`` and its build time
+    observed."""
+    start = time.perf_counter()
+    PROMPT_BUILD_SECONDS.labels("wait").observe(start - submitted)
+    try:
+        return build_turn_prompt(backend, open_msg)
+    finally:
+        PROMPT_BUILD_SECONDS.labels("build").observe(time.perf_counter() - start)
 
 
 class TurnStream(StageStream[Response]):
@@ -205,7 +225,9 @@ class TurnStream(StageStream[Response]):
         backend, engine, open_msg = self.backend, self.engine, self.open_msg
         loop = asyncio.get_running_loop()
         try:
-            prompt = await loop.run_in_executor(backend.executor, build_turn_prompt, backend, open_msg)
+            prompt = await loop.run_in_executor(
+                backend.executor, _timed_build, backend, open_msg, time.perf_counter()
+            )
         except StageError:
             raise
         except Exception as exc:  # encoder/processor bug: typed INTERNAL, never a bare gRPC failure

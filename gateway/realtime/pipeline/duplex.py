@@ -35,7 +35,9 @@ from gateway.realtime.pipeline.events import (
     UnitRole,
 )
 from gateway.realtime.pipeline.speech import SpeechTurn, failure_code, stage_error_code
+from gateway.realtime.response_options import ResponseOptions
 from gateway.realtime.settings import RealtimeSettings
+from gateway.realtime.tools import ToolSet
 from gateway.stage_clients import StageSet
 from gateway.stage_stream_client import StageStream
 from services.common.pb import common_pb2, thinker_pb2
@@ -80,6 +82,10 @@ class GrpcDuplexPipeline:
         self.voice = "audio" in host.cfg.modalities
         self._next_instructions = ""
         self._next_budget = 0
+        # Function tools of the current response (None: the session's) and the client's function results
+        # not yet sent: they ride on the next unit, whatever its role.
+        self.tools: ToolSet | None = None
+        self._tool_outputs: list[str] = []
         ref_audio = host.cfg.ref_audio
         self.ref_pcm = pcm_from_float(ref_audio, 16_000) if ref_audio is not None else None
 
@@ -115,14 +121,28 @@ class GrpcDuplexPipeline:
             # Native lane: a model-initiated turn gets the session's budget (the thinker applies it only
             # when the unit starts a model turn).
             unit.max_output_tokens = cfg.max_response_output_tokens
+        # Every unit carries the tools in effect (the thinker places them in the context when they change;
+        # a forced choice applies only where a model turn starts) and the results sent since the last unit.
+        tools = self.tools if self.tools is not None else cfg.tools
+        unit.tools_json.extend(tools.signatures())
+        grammar = tools.grammar()
+        if grammar is not None:
+            unit.tool_call.CopyFrom(grammar)
+            unit.tool_call_forced = tools.forced
+        unit.tool_outputs.extend(self._tool_outputs)
+        self._tool_outputs.clear()
         self._outbox.put_nowait(thinker_pb2.ThinkerRequest(unit=unit))
 
-    def begin_response(self, voice: bool, instructions: str, max_output_tokens: int) -> None:
-        """The next response (asked for by the next ``REQUEST`` unit) is voiced or not, and that unit carries
-        the response's instructions and token budget to the thinker."""
-        self.voice = voice
-        self._next_instructions = instructions
-        self._next_budget = max_output_tokens
+    def begin_response(self, options: ResponseOptions) -> None:
+        """The next response (asked for by the next ``REQUEST`` unit) is voiced or not and runs with its tools,
+        and that unit carries the response's instructions and token budget to the thinker."""
+        self.voice = options.wants_audio
+        self.tools = options.tools
+        self._next_instructions = options.instructions
+        self._next_budget = options.max_output_tokens
+
+    def add_tool_output(self, output: str) -> None:
+        self._tool_outputs.append(output)
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None:
         self.speech_from_unit = unit_seq
@@ -137,6 +157,7 @@ class GrpcDuplexPipeline:
         if not self.host.cfg.auto_response:
             self.speech_from_unit = None  # turn lane: no speech until the next requested response
         self.voice = "audio" in self.host.cfg.modalities  # a per-response choice ends with its response
+        self.tools = None
         turn = self.turn
         if turn is None or turn.epoch != epoch or (speech_turn and turn.turn_id != speech_turn):
             return
@@ -146,6 +167,7 @@ class GrpcDuplexPipeline:
         self._interrupt_sent = time.monotonic()
         self.speech_from_unit = None
         self.voice = "audio" in self.host.cfg.modalities
+        self.tools = None
         if self.thinker is not None:
             ctl = common_pb2.Control(
                 id=self._identity(new_epoch, self.host.turn_id, 0),
@@ -223,7 +245,9 @@ class GrpcDuplexPipeline:
             if self.settings.hidden_dtype == "bf16"
             else common_pb2.DTYPE_FLOAT32,
         )
-        if self.ref_pcm is not None:
+        if cfg.thinker_voice is not None:  # a registered voice: its stored rows, never encoded again
+            open_msg.voice.CopyFrom(cfg.thinker_voice)
+        elif self.ref_pcm is not None:
             open_msg.ref_audio.CopyFrom(self.ref_pcm)
         if cfg.initial_user_text:
             open_msg.messages.append(
@@ -291,6 +315,9 @@ class GrpcDuplexPipeline:
                 output_tokens=len(unit.token_ids),
                 context_before=int(unit.context_before),
                 max_tokens_reached=bool(unit.max_tokens_reached),
+                tool_call=unit.tool_call,
+                tool_call_truncated=bool(unit.tool_call_truncated),
+                tool_error=unit.tool_error,
             )
         )
 

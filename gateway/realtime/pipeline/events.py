@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from gateway.realtime.config import SessionConfig
+from gateway.realtime.response_options import ResponseOptions
 
 
 class UnitRole(Enum):
@@ -42,6 +43,9 @@ class UnitOutcome:
     output_tokens: int = 0  # tokens the thinker generated on this unit
     context_before: int = 0  # the session's context when the unit was fed (held in its KV: cached input)
     max_tokens_reached: bool = False  # the turn ended because it spent its max_output_tokens budget
+    tool_call: str = ""  # the function call the model made on this unit (<tool_call> block text), if any
+    tool_call_truncated: bool = False  # the call was cut by the thinker's per-call token cap
+    tool_error: str = ""  # the unit's tool grammar did not compile in the thinker (decided without tools)
 
 
 @dataclass
@@ -116,9 +120,14 @@ class SessionPipeline(Protocol):
         role: UnitRole = UnitRole.PLAIN,
     ) -> None: ...
 
-    def begin_response(self, voice: bool, instructions: str, max_output_tokens: int) -> None:
+    def begin_response(self, options: ResponseOptions) -> None:
         """Options of the response the next ``REQUEST`` unit asks for (voiced or text only, a system note,
-        a token budget); a voice choice lasts until that response's speech ends or an interrupt."""
+        a token budget, function tools); the voice and tool choices last until that response's speech ends
+        or an interrupt."""
+        ...
+
+    def add_tool_output(self, output: str) -> None:
+        """A function result from the client: it goes to the model right before the next unit."""
         ...
 
     def allow_speech_from(self, unit_seq: int, first_unit_of_request: int) -> None: ...

@@ -187,7 +187,7 @@ class ThinkerVoiceRequest(_message.Message):
     def __init__(self, ref_audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ...) -> None: ...
 
 class ThinkerUnit(_message.Message):
-    __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn", "instructions", "max_output_tokens")
+    __slots__ = ("id", "audio", "frames", "request_response", "force_listen", "continue_turn", "instructions", "max_output_tokens", "tools_json", "tool_call", "tool_call_forced", "tool_outputs")
     ID_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,10 @@ class ThinkerUnit(_message.Message):
     CONTINUE_TURN_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FORCED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     audio: _common_pb2.Pcm
     frames: _containers.RepeatedScalarFieldContainer[bytes]
@@ -204,7 +208,11 @@ class ThinkerUnit(_message.Message):
     continue_turn: bool
     instructions: str
     max_output_tokens: int
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., frames: _Optional[_Iterable[bytes]] = ..., request_response: _Optional[bool] = ..., force_listen: _Optional[bool] = ..., continue_turn: _Optional[bool] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
+    tools_json: _containers.RepeatedScalarFieldContainer[str]
+    tool_call: Constraint
+    tool_call_forced: bool
+    tool_outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., audio: _Optional[_Union[_common_pb2.Pcm, _Mapping]] = ..., frames: _Optional[_Iterable[bytes]] = ..., request_response: _Optional[bool] = ..., force_listen: _Optional[bool] = ..., continue_turn: _Optional[bool] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., tools_json: _Optional[_Iterable[str]] = ..., tool_call: _Optional[_Union[Constraint, _Mapping]] = ..., tool_call_forced: _Optional[bool] = ..., tool_outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ThinkerRequest(_message.Message):
     __slots__ = ("open", "unit", "control")
@@ -277,7 +285,7 @@ class SpeechChunk(_message.Message):
     def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., turn_start: _Optional[bool] = ..., turn_end: _Optional[bool] = ..., segment_end: _Optional[bool] = ..., is_last: _Optional[bool] = ...) -> None: ...
 
 class UnitResult(_message.Message):
-    __slots__ = ("id", "decision", "transcript", "token_ids", "turn_end", "context_tokens", "context_before", "max_tokens_reached")
+    __slots__ = ("id", "decision", "transcript", "token_ids", "turn_end", "context_tokens", "context_before", "max_tokens_reached", "tool_call", "tool_call_truncated", "tool_error")
     ID_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +294,9 @@ class UnitResult(_message.Message):
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_BEFORE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_REACHED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERROR_FIELD_NUMBER: _ClassVar[int]
     id: _common_pb2.Identity
     decision: UnitDecision
     transcript: str
@@ -294,7 +305,10 @@ class UnitResult(_message.Message):
     context_tokens: int
     context_before: int
     max_tokens_reached: bool
-    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., decision: _Optional[_Union[UnitDecision, str]] = ..., transcript: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., turn_end: _Optional[bool] = ..., context_tokens: _Optional[int] = ..., context_before: _Optional[int] = ..., max_tokens_reached: _Optional[bool] = ...) -> None: ...
+    tool_call: str
+    tool_call_truncated: bool
+    tool_error: str
+    def __init__(self, id: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., decision: _Optional[_Union[UnitDecision, str]] = ..., transcript: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., turn_end: _Optional[bool] = ..., context_tokens: _Optional[int] = ..., context_before: _Optional[int] = ..., max_tokens_reached: _Optional[bool] = ..., tool_call: _Optional[str] = ..., tool_call_truncated: _Optional[bool] = ..., tool_error: _Optional[str] = ...) -> None: ...
 
 class ThinkerResponse(_message.Message):
     __slots__ = ("text", "speech", "unit", "done", "error", "interrupt_ack")

@@ -42,6 +42,17 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 TTS_BOS = "<|tts_bos|>"
 
 
+def tools_block(tools: Sequence[str]) -> str:
+    """The tools part of the template's system message: the header, one JSON signature per line, the call
+    format, then ``<|im_end|>\\n`` (the chat prompt and a duplex tools note both use it)."""
+    return TOOLS_HEADER + "".join("\n" + t for t in tools) + TOOLS_FOOTER
+
+
+def tool_response_block(output: str) -> str:
+    """One function result inside the template's user message of tool responses."""
+    return "\n<tool_response>\n" + output + "\n</tool_response>"
+
+
 @dataclass(frozen=True)
 class ImageInput:
     """An image: encoded bytes, a PIL image or an ``[H, W, 3]`` uint8 array."""
@@ -167,7 +178,7 @@ def render_chat(
         if messages and messages[0].role == "system":
             head += texts[0] + "\n\n"
             skip_first = True
-        pieces.append(head + TOOLS_HEADER + "".join("\n" + t for t in tools) + TOOLS_FOOTER)
+        pieces.append(head + tools_block(tools))
     for i, (msg, text) in enumerate(zip(messages, texts, strict=True)):
         if i == 0 and skip_first:
             continue
@@ -177,7 +188,7 @@ def render_chat(
         if msg.role == "tool":
             if i == 0 or messages[i - 1].role != "tool":
                 pieces.append("<|im_start|>user")
-            pieces.append("\n<tool_response>\n" + text + "\n</tool_response>")
+            pieces.append(tool_response_block(text))
             if i == len(messages) - 1 or messages[i + 1].role != "tool":
                 pieces.append("<|im_end|>\n")
             continue

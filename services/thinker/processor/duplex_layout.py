@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
+from services.thinker.processor.chat import tool_response_block, tools_block
 
 UNK_ID = SPECIAL_TOKEN_IDS["<unk>"]
 UNIT_OPEN = SPECIAL_TOKEN_IDS["<unit>"]
@@ -97,6 +98,19 @@ def duplex_note_text(instructions: str) -> str:
     between two units (the session prefix is the only system message upstream's duplex prompt has; a note
     between units is this server's extension, docs/realtime.md)."""
     return "<|im_start|>system\n" + instructions + "<|im_end|>\n"
+
+
+def duplex_tools_note(tools: Sequence[str]) -> str:
+    """Function tools offered inside a duplex stream: the chat template's tools system message (the tools
+    header, one JSON signature per line, the ``<tool_call>`` format), placed between two units like an
+    instructions note (docs/model.md, Duplex tool calls)."""
+    return "<|im_start|>system\n" + tools_block(tools)
+
+
+def duplex_tool_outputs_note(outputs: Sequence[str]) -> str:
+    """Function results inside a duplex stream: the chat template's tool message (one user message of
+    ``<tool_response>`` blocks), placed between two units."""
+    return "<|im_start|>user" + "".join(tool_response_block(o) for o in outputs) + "<|im_end|>\n"
 
 
 def duplex_session_prefix(
