@@ -1,19 +1,36 @@
 """Overlapped decode (services.thinker.overlap) on the tiny checkpoint, CPU fp32, CUDA graphs emulated:
 the same events (tokens, fed tokens, finish reasons, hidden rows) as the synchronous graph engine while
 rows stop on a stop id mid-run, stop for length, get cancelled, a prefill joins and a new request takes
-over freed blocks; steps really are chained; the off switch works."""
+over freed blocks; steps really are chained; the off switch works.
+
+Rows chosen on the device too: grammar rows (llguidance masks filled one step behind, masked argmax or
+masked draw queued behind the replay) and temperature rows (seeded draws), next to plain greedy rows,
+with grammars that complete mid-run (the row stops on <|im_end|>, or with no stop id goes on under an
+EOS-only mask), a grammar in its error state, a cancel and joins: the same events as with overlap off,
+and the device choice equals the host sampler's choice row for row. Logprobs, penalties, logit_bias and
+min_tokens rows keep their step synchronous."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from services.common.checkpoint import Checkpoint
+from services.common.pb import thinker_pb2
+from services.thinker.constrained import COMPACT, IM_END_ID, TOOL_CALL_ID, GrammarCompiler
 from services.thinker.engine import EngineConfig, EngineEvent, ThinkerEngine
 from services.thinker.runner import build_qwen3_llm
-from services.thinker.sampling import Sampler, SamplingConfig
+from services.thinker.sampling import (
+    DEFAULT_STOP_IDS,
+    Sampler,
+    SamplingConfig,
+    choose_on_device,
+    choose_tokens,
+)
 from services.thinker.scheduler import Sequence, WorkItem
 from tests.graph_emulation import emulated
 
@@ -45,6 +62,7 @@ Script = dict[int, list[tuple[str, int, WorkItem | None]]]  # engine call -> (co
 def run(llm: torch.nn.Module, overlap: bool, script: Script) -> tuple[list[list[EngineEvent]], int]:
     """Drive the engine call by call, applying ``script``'s commands before the given call."""
     engine = graphed_engine(llm, overlap)
+    torch.manual_seed(1234)  # unseeded draws use the global generator: the same sequence in both runs
     sinks: dict[int, list[EngineEvent]] = {}
     seqs = {}
     call = 0
@@ -135,21 +153,34 @@ def test_overlap_tokens_equal_the_eager_engine(llm: torch.nn.Module) -> None:
     assert_same(sinks, over)
 
 
-def test_non_greedy_rows_and_the_off_switch_never_chain(
-    llm: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    sampled = Sampler(SamplingConfig(max_tokens=8, temperature=0.7, seed=3, stop_token_ids=()))
-    _, chained = run(
-        llm,
-        True,
-        {
-            0: [
-                ("submit", 0, WorkItem(PROMPTS[0], sampler=greedy(8))),
-                ("submit", 1, WorkItem(PROMPTS[1], sampler=sampled)),
-            ]
-        },
-    )
-    assert chained == 0  # a host-sampled row in the batch: every step stays synchronous
+def test_host_chosen_rows_and_the_off_switch_never_chain(llm: torch.nn.Module) -> None:
+    """A row whose choice needs the host (logprobs, penalties, logit_bias, min_tokens) keeps every step of
+    its batch synchronous, next to greedy and sampled rows; the tokens are those of overlap off."""
+    host_rows = [
+        SamplingConfig(max_tokens=8, logprobs=True, top_logprobs=2, stop_token_ids=()),
+        SamplingConfig(max_tokens=8, presence_penalty=1.0, stop_token_ids=()),
+        SamplingConfig(max_tokens=8, repetition_penalty=1.2, stop_token_ids=()),
+        SamplingConfig(max_tokens=8, logit_bias=((5, 2.0),), stop_token_ids=()),
+        SamplingConfig(max_tokens=8, min_tokens=4, stop_token_ids=(7,)),
+    ]
+    for cfg in host_rows:
+        assert not Sampler(cfg).device_choice
+
+        def script(cfg: SamplingConfig = cfg) -> Script:
+            sampled = SamplingConfig(max_tokens=8, temperature=0.7, seed=3, stop_token_ids=())
+            return {
+                0: [
+                    ("submit", 0, WorkItem(PROMPTS[0], sampler=greedy(8))),
+                    ("submit", 1, WorkItem(PROMPTS[1], sampler=Sampler(sampled))),
+                    ("submit", 2, WorkItem(PROMPTS[2], sampler=Sampler(cfg))),
+                ]
+            }
+
+        over, chained = run(llm, True, script())
+        assert chained == 0, cfg  # every step stays synchronous
+        sync, _ = run(llm, False, script())
+        assert_same(sync, over)
+    assert Sampler(SamplingConfig(temperature=0.7, top_k=5, top_p=0.9, seed=1)).device_choice
     assert not graphed_engine(llm, False).overlap and graphed_engine(llm, True).overlap
 
 
@@ -173,7 +204,10 @@ def test_chain_rules_refuse_every_batch_change() -> None:
 
     def inflight() -> InFlight:
         positions = [len(s.tokens) for s in seqs]
-        return InFlight(StepPlan(decode=list(seqs)), [s.work for s in seqs], positions, torch.zeros(2), empty)  # type: ignore[misc]
+        works = [s.work for s in seqs if s.work is not None]
+        return InFlight(
+            StepPlan(decode=list(seqs)), works, positions, torch.zeros(2), torch.zeros(2, 8), None, empty
+        )
 
     rows = chain_rows(inflight(), sched, 64, commands_pending=False)
     assert rows is not None and [r.position for r in rows] == [16, 21]
@@ -189,3 +223,219 @@ def test_chain_rules_refuse_every_batch_change() -> None:
     late = Sequence()
     sched.enqueue(late, WorkItem([1, 2, 3], sampler=greedy(4)))  # someone waits for admission
     assert chain_rows(inflight(), sched, 64, commands_pending=False) is None
+
+
+# ------------------------------------------------------------------------------ rows chosen on the device
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["c", "f"]},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["unit", "ok", "n"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"name": "get_weather", "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}}}
+]
+Kind = thinker_pb2.Constraint.Kind
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_ckpt: Path) -> GrammarCompiler:
+    tokenizer = Checkpoint(tiny_ckpt).tokenizer()
+    return GrammarCompiler(tokenizer, len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def grammars(compiler: GrammarCompiler) -> dict[str, str]:
+    # Objects one per line, then a lexeme of the empty language: the grammar never completes.
+    endless = {**SCHEMA, "x-guidance": COMPACT}
+    return {
+        "schema": compiler.grammar(
+            thinker_pb2.Constraint(kind=Kind.KIND_JSON_SCHEMA, spec=json.dumps(SCHEMA))
+        ),
+        "object": compiler.grammar(thinker_pb2.Constraint(kind=Kind.KIND_JSON_OBJECT)),
+        "tools": compiler.grammar(thinker_pb2.Constraint(kind=Kind.KIND_TOOL_CALLS, spec=json.dumps(TOOLS))),
+        "endless": "start: item+ NEVER\nNEVER: /[^\\s\\S]/\nitem: %json" + json.dumps(endless) + ' "\\n"\n',
+    }
+
+
+def ruled(compiler: GrammarCompiler, grammar: str, max_tokens: int, **kw: Any) -> Sampler:
+    """A sampler under ``grammar`` (default stop ids unless ``stop_token_ids`` says otherwise)."""
+    kw.setdefault("stop_token_ids", DEFAULT_STOP_IDS)
+    sampler = Sampler(SamplingConfig(max_tokens=max_tokens, **kw))
+    sampler.constraint = compiler.from_grammar(grammar)
+    return sampler
+
+
+def tokens_of(events: list[EngineEvent]) -> list[int]:
+    return [e.token for e in events if e.token is not None]
+
+
+def test_grammar_and_sampled_rows_chain_and_match_the_synchronous_engine(
+    llm: torch.nn.Module, compiler: GrammarCompiler, grammars: dict[str, str]
+) -> None:
+    def script() -> Script:
+        broken = ruled(compiler, grammars["schema"], 10, stop_token_ids=())
+        broken.constraint.accept(IM_END_ID)  # type: ignore[union-attr]  # <|im_end|> before "{": error state
+        assert broken.constraint.failed  # type: ignore[union-attr]
+        return {
+            0: [
+                # completes mid-run and stops on <|im_end|> (a stop id): its in-vain step is dropped
+                (
+                    "submit",
+                    0,
+                    WorkItem(PROMPTS[0], sampler=ruled(compiler, grammars["schema"], 60), emit_hidden=True),
+                ),
+                ("submit", 1, WorkItem(PROMPTS[1], sampler=greedy(24), emit_hidden=True)),  # unconstrained
+                # completes mid-run with no stop id: an EOS-only mask until max_tokens
+                (
+                    "submit",
+                    2,
+                    WorkItem(PROMPTS[2], sampler=ruled(compiler, grammars["schema"], 40, stop_token_ids=())),
+                ),
+                # a masked draw from its own generator
+                (
+                    "submit",
+                    3,
+                    WorkItem(
+                        PROMPTS[3],
+                        sampler=ruled(
+                            compiler, grammars["tools"], 50, temperature=0.9, seed=5, top_k=40, top_p=0.9
+                        ),
+                    ),
+                ),
+                # a plain seeded draw
+                (
+                    "submit",
+                    4,
+                    WorkItem(
+                        PROMPTS[4],
+                        sampler=Sampler(
+                            SamplingConfig(
+                                max_tokens=30, temperature=1.0, top_p=0.8, seed=11, stop_token_ids=()
+                            )
+                        ),
+                    ),
+                ),
+                # unseeded draws (the global generator), one of which ends mid-run on a stop id: its in-vain
+                # step draws nothing, or the other's later draws would differ from the synchronous ones
+                (
+                    "submit",
+                    8,
+                    WorkItem(
+                        PROMPTS[3][:10], sampler=ruled(compiler, grammars["tools"], 50, temperature=0.9)
+                    ),
+                ),
+                (
+                    "submit",
+                    9,
+                    WorkItem(
+                        PROMPTS[4][:10],
+                        sampler=Sampler(SamplingConfig(max_tokens=40, temperature=1.0, stop_token_ids=())),
+                    ),
+                ),
+                (
+                    "submit",
+                    5,
+                    WorkItem(PROMPTS[0][:9], sampler=ruled(compiler, grammars["endless"], 200)),
+                ),  # cancelled
+            ],
+            6: [("submit", 6, WorkItem(PROMPTS[1][:12], sampler=broken))],  # joins, in the error state
+            12: [("cancel", 5, None)],
+            # after request 0 stopped: a masked draw takes over freed blocks
+            26: [
+                (
+                    "submit",
+                    7,
+                    WorkItem(
+                        PROMPTS[2][:8],
+                        sampler=ruled(compiler, grammars["object"], 20, temperature=0.8, seed=2),
+                    ),
+                )
+            ],
+        }
+
+    sync, chained_off = run(llm, False, script())
+    over, chained_on = run(llm, True, script())
+    assert chained_off == 0 and chained_on > 25, (chained_off, chained_on)
+    assert_same(sync, over)
+    tokenizer = compiler.ll_tokenizer
+    # The grammars really ruled the chained rows (tokens equal to the synchronous engine's, which applies
+    # the masks on the host path).
+    first = tokens_of(over[0])
+    assert over[0][-1].finish_reason == "stop" and first[-1] == IM_END_ID and len(first) < 60
+    text = tokenizer.decode_str(first[:-1])
+    assert json.loads(text)["unit"] in ("c", "f") and text == json.dumps(
+        json.loads(text), separators=(",", ":")
+    )
+    done = tokens_of(over[2])
+    assert over[2][-1].finish_reason == "length" and len(done) == 40
+    end = done.index(IM_END_ID)
+    assert set(done[end:]) == {IM_END_ID} and end < 30  # completed mid-run, then only <|im_end|>
+    json.loads(tokenizer.decode_str(done[:end]))
+    assert tokens_of(over[3])[0] == TOOL_CALL_ID
+    assert over[4][-1].finish_reason == "length" and len(tokens_of(over[4])) == 30
+    assert over[5][-1].finish_reason == "cancelled"
+    assert tokens_of(over[6]) == [IM_END_ID] * 10 and over[6][-1].finish_reason == "length"
+    assert over[7][-1].finish_reason in ("stop", "length") and tokens_of(over[7])[0] != IM_END_ID
+    unseeded_call, unseeded_free = tokens_of(over[8]), tokens_of(over[9])
+    assert over[8][-1].finish_reason == "stop" and len(unseeded_call) < 40 and len(unseeded_free) == 40
+
+
+def test_a_constrained_batch_chains_every_steady_step(
+    llm: torch.nn.Module, compiler: GrammarCompiler, grammars: dict[str, str]
+) -> None:
+    """Greedy rows under grammars that cannot end: after the prefill step and the first deferred one,
+    every engine call launches its successor before reading its tokens."""
+
+    def script() -> Script:
+        return {
+            0: [
+                ("submit", i, WorkItem(p, sampler=ruled(compiler, grammars["endless"], 24)))
+                for i, p in enumerate(PROMPTS[:4])
+            ]
+        }
+
+    over, chained = run(llm, True, script())
+    sync, _ = run(llm, False, script())
+    assert_same(sync, over)
+    assert all(len(tokens_of(ev)) == 24 for ev in over)
+    assert chained >= 24 - 4, chained  # prompt step, first deferred step, the last step is consumed
+
+
+def test_device_choice_equals_the_host_choice(compiler: GrammarCompiler, grammars: dict[str, str]) -> None:
+    """choose_on_device on the graph's buffers gives choose_tokens' tokens, step after step, with the
+    grammars advanced by the tokens (a plain greedy row keeps the buffer's argmax)."""
+
+    def samplers() -> list[Sampler]:
+        return [
+            Sampler(SamplingConfig()),
+            ruled(compiler, grammars["schema"], 99),
+            Sampler(SamplingConfig(temperature=0.7, top_k=50, seed=1)),
+            ruled(compiler, grammars["object"], 99, temperature=1.2, top_p=0.9, seed=2),
+            ruled(compiler, grammars["tools"], 99),
+        ]
+
+    host_side, device_side = samplers(), samplers()
+    vocab = compiler.vocab_size + 40  # the lm_head may be wider than the tokenizer: masked off beyond it
+    gen = torch.Generator().manual_seed(0)
+    for step in range(12):
+        # The graph's logits: bf16 on a GPU (the host path reads their fp32 copy), a transposed view with
+        # the swapped lm_head.
+        logits = torch.randn(len(host_side), vocab, generator=gen) * 4
+        if step % 3 == 2:
+            logits = logits.bfloat16()
+        want = choose_tokens(host_side, logits.float(), [[]] * len(host_side), [0] * len(host_side))
+        buf = logits.argmax(dim=-1)  # what the graph leaves in its token buffer
+        rows = list(range(len(device_side)))
+        if step % 3:
+            logits = logits.t().contiguous().t()
+        choose_on_device(device_side, logits, rows, buf)
+        got = buf.tolist()
+        for s, t in zip(device_side, got, strict=True):
+            s.accept(t)
+        assert got == want
+        assert all(t < compiler.vocab_size for t in got[1:2] + got[3:])

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Constrained decoding on the full-size checkpoint (H100 or H200; ~3 min on a fresh host, checkpoint included):
 #   1. bench.thinker.constrained: full engine decode steps at batches 1 and 16, greedy vs sampled vs every
-#      row under a JSON grammar (the mask filled on the host while the device runs the step); the headline
-#      is the constrained step's overhead over the greedy step (target <= 5% at batch 16);
+#      row under a JSON grammar vs half the rows under it ("mixed"), all in the overlapped decode (masks
+#      filled on the host one step behind, applied behind the replay), and the grammar arm with the overlap
+#      off ("constrained_sync"); the headline is the constrained step's overhead over the greedy step
+#      (target <= 5% at batch 16); "chained" ~1.00 says the arm ran overlapped;
 #   2. bench.thinker.grammar_engines: llguidance vs xgrammar mask fill per step on the host's cores, with the
 #      checkpoint's tokenizer, batches 1 and 16 (the faster engine serves).
 # Writes $OUT/constrained.log (its JSON object and table), $OUT/grammar_engines.json, $OUT/grammar_engines.log.

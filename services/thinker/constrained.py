@@ -8,7 +8,9 @@ Timing (why the mask costs little): the engine launches a step's forward, then b
 the constrained rows on the host (:func:`fill_masks`, which hands all rows to llguidance's thread pool
 in one call) while the device computes the logits; the sampler then applies the mask with one masked
 fill per row group. The mask for step n+1 depends only on the tokens chosen up to step n, so nothing
-waits for the device until the logits are read.
+waits for the device until the logits are read. In the overlapped decode
+(:mod:`services.thinker.overlap`) nothing waits at all: the mask is uploaded and applied by operations
+queued behind the step's replay, and the masked argmax feeds the next replay on the device.
 
 Grammars emit compact JSON (``","`` and ``":"`` separators, no free whitespace), as OpenAI's own
 outputs do, so a weak model cannot spend ``max_tokens`` on spaces, and objects carry only the keys their
@@ -212,7 +214,15 @@ _MASKS = threading.local()
 
 
 def mask_buffer(rows: int, vocab_size: int) -> torch.Tensor:
-    """A reusable host bitmask ``int32 [rows, ceil(V/32)]`` (pinned when CUDA is up) for the engine thread."""
+    """A reusable host bitmask ``int32 [rows, ceil(V/32)]`` (pinned when CUDA is up) for the engine thread.
+
+    Waits first for the last asynchronous upload of the buffer (:func:`apply_masks`) to have left it: an
+    overlapped decode step fills the next masks before anything else has synced with the device.
+    """
+    uploaded: torch.cuda.Event | None = getattr(_MASKS, "uploaded", None)
+    if uploaded is not None:
+        uploaded.synchronize()
+        _MASKS.uploaded = None
     words = (vocab_size + 31) // 32
     buf: torch.Tensor | None = getattr(_MASKS, "buf", None)
     if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
@@ -244,6 +254,9 @@ def apply_masks(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``logits [n, V]`` with every disallowed token at ``-inf`` (bits beyond the mask's V: allowed=0)."""
     n, vocab = logits.shape
     dev_mask = mask.to(logits.device, non_blocking=True)
+    if logits.device.type == "cuda" and mask.device.type == "cpu":
+        _MASKS.uploaded = torch.cuda.Event()
+        _MASKS.uploaded.record()
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((dev_mask.unsqueeze(-1) >> bits) & 1).bool().reshape(n, -1)
     width = min(vocab, allowed.shape[1])

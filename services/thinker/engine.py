@@ -57,7 +57,7 @@ from services.thinker.overlap import (
     copy_to_host,
     deferrable,
     launch_successor,
-    prefetch,
+    settle,
 )
 from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
 from services.thinker.sampling import Sampler, choose_tokens
@@ -93,8 +93,8 @@ class EngineConfig:
     # protobufs, the encode thread's mel) takes up to one interval, so at 5 ms a step's two syncs could
     # cost ~10 ms of host time with 16 duplex sessions. At 1 ms a wait costs ~0.5 ms (measured on CPU).
     gil_switch_interval_s: float | None = 0.001
-    # Launch the next all-greedy decode step before reading this one's tokens (services.thinker.overlap);
-    # only graph steps qualify.
+    # Launch the next decode step before reading this one's tokens (services.thinker.overlap): greedy,
+    # grammar and plain temperature rows, chosen on the device; only graph steps qualify.
     overlap_decode: bool = True
     # Automatic prefix caching: full KV blocks shared by content hash across sequences
     # (services.thinker.scheduler); the deploy profile's stages.thinker.prefix_caching turns it off.
@@ -293,9 +293,10 @@ class ThinkerEngine:
         while the device computes it: written before, they would sit between the previous step's token
         sync and this launch, with the device idle (the host work per step that bench.thinker reports).
 
-        With overlap (:mod:`services.thinker.overlap`) an all-greedy decode step is left in flight: the
-        next call launches its successor from the device-side tokens, then consumes it. Commands and
-        every other plan change apply only once the in-flight step is consumed.
+        With overlap (:mod:`services.thinker.overlap`) a decode step whose rows are all chosen on the
+        device (greedy, grammar-masked, plain draws) is left in flight: the next call launches its
+        successor from the device-side tokens, then consumes it. Commands and every other plan change
+        apply only once the in-flight step is consumed.
         """
         consumed = False
         if self._inflight is not None:
@@ -328,10 +329,18 @@ class ThinkerEngine:
         if self.overlap and self.runner.use_cuda_graphs and deferrable(plan, out):
             assert out.greedy_tokens is not None
             emit = any(s.work is not None and s.work.emit_hidden for s in plan.decode)
-            host = prefetch(out.greedy_tokens, out.decode_hidden if emit else None)
             works = [s.work for s in plan.decode]
             positions = [len(s.tokens) for s in plan.decode]
-            self._inflight = InFlight(plan, works, positions, out.greedy_tokens, host)  # type: ignore[arg-type]
+            inf = InFlight(
+                plan,
+                works,  # type: ignore[arg-type]
+                positions,
+                out.greedy_tokens,
+                out.decode_logits,
+                out.decode_hidden if emit else None,
+            )
+            settle(inf)  # grammar masks and draws queued behind the replay, then the tokens' copy
+            self._inflight = inf
             self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(plan.decode), 0)
             return True
         self._consume(plan, out)
@@ -350,7 +359,8 @@ class ThinkerEngine:
         return events
 
     def _chain(self) -> bool:
-        """Launch the in-flight step's successor from its device-side tokens, then consume it."""
+        """Launch the in-flight step's successor from its device-side tokens, consume the in-flight step,
+        then queue the successor's choice (grammar masks filled now, one step behind) and copy."""
         inf = self._inflight
         assert inf is not None
         if "step" in vars(self.runner):
@@ -373,6 +383,13 @@ class ThinkerEngine:
         self._flush_step_metrics()
         self._update_gauges()
         self._consume_inflight()
+        try:
+            settle(nxt)
+        except Exception:
+            # Nothing of step n+1 was consumed and no grammar took a token: its rows are planned again
+            # from their next token (the replay rewrites the same key/value positions).
+            log.exception("choosing a chained thinker step's tokens failed; planning it again")
+            return True
         self._inflight = nxt
         self.chained_steps += 1
         self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(rows), 0)
@@ -381,7 +398,7 @@ class ThinkerEngine:
     def _consume_inflight(self) -> None:
         """Read the in-flight step's tokens and handle them for the rows still running its work."""
         inf, self._inflight = self._inflight, None
-        assert inf is not None
+        assert inf is not None and inf.host is not None
         inf.host.wait()
         live = inf.alive()
         plan, host = inf.plan, inf.host
@@ -485,8 +502,8 @@ class ThinkerEngine:
 
     # --------------------------------------------------------------------------------- after forward
     def _consume(self, plan: StepPlan, out, host: Prefetched | None = None) -> None:  # noqa: ANN001 (StepOutput)
-        """Sample, emit and finish the rows of a step; ``host``: a deferred step's prefetched greedy tokens
-        and hidden rows (every row decodes greedily, ``out`` carries no logits)."""
+        """Sample, emit and finish the rows of a step; ``host``: a deferred step's prefetched tokens (chosen
+        on the device, :func:`services.thinker.overlap.settle`) and hidden rows (``out`` carries no logits)."""
         to_sample: list[tuple[Sequence, torch.Tensor | None, int | None, torch.Tensor | None]] = []
         finishing: list[tuple[Sequence, EngineEvent]] = []
         greedy_index: list[int] = []  # row of out.greedy_tokens for each row sampled
@@ -535,6 +552,8 @@ class ThinkerEngine:
         if host is not None:
             picked = host.tokens.tolist()
             tokens = [int(picked[j]) for j in greedy_index]
+            for sampler, token in zip(samplers, tokens, strict=True):
+                sampler.accept(token)  # the grammar takes the token its mask chose on the device
         elif to_sample and out.greedy_tokens is not None and all(s.batchable_greedy for s in samplers):
             # The graph's own argmax: the step's sync is this read-back of B ids, nothing is launched.
             picked = out.greedy_tokens.tolist()

@@ -9,6 +9,12 @@ Constrained rows (a grammar, :mod:`services.thinker.constrained`) get their toke
 host at the start of :func:`choose_tokens`, before anything reads the logits, so the mask work runs
 while the device still computes the step. Stop strings are checked here too (:class:`StopCheck`), so
 the engine ends the sequence on the token that completes a match.
+
+Rows whose choice needs nothing from the host but the grammar mask (:attr:`Sampler.device_choice`:
+greedy or temperature/top-k/top-p draws, with or without a grammar; no penalties, bias, ``min_tokens``
+or logprobs) can also be chosen by :func:`choose_on_device`, which queues the same operations on the
+device and writes the ids into a device buffer without a host sync; the overlapped decode
+(:mod:`services.thinker.overlap`) feeds that buffer to the next step.
 """
 
 from __future__ import annotations
@@ -210,6 +216,24 @@ class Sampler:
             and (c.min_tokens == 0 or c.ignore_eos)
         )
 
+    @property
+    def device_choice(self) -> bool:
+        """True when the token is a function of the logits row, the grammar mask and the generator alone.
+
+        Such a row can be chosen on the device (:func:`choose_on_device`) with no host read of its logits:
+        greedy or a temperature/top-k/top-p draw, with or without a grammar. Penalties and ``logit_bias``
+        (their own ops on the history), ``min_tokens`` masking and logprobs (a host copy of the
+        distribution) keep a row on the host path.
+        """
+        c = self.config
+        return (
+            type(self) is Sampler
+            and c.repetition_penalty == 1.0
+            and not c.has_penalties
+            and (c.min_tokens == 0 or c.ignore_eos)
+            and not c.logprobs
+        )
+
     def _generator_for(self, device: torch.device) -> torch.Generator | None:
         if self.config.seed is None:
             return None
@@ -293,6 +317,14 @@ def sample_from_logits(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
 ) -> int:
     """Sample one id from fp32 ``logits [V]``; masked entries are ``-inf``."""
+    return int(sample_tensor(logits, temperature, top_k, top_p, generator).item())
+
+
+def sample_tensor(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """:func:`sample_from_logits` without the read-back: the id as a one-element tensor on the logits'
+    device (nothing here waits for the device: the draw's own checks are asynchronous)."""
     scores = logits / max(temperature, 1e-5)
     if top_k and top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
@@ -306,7 +338,7 @@ def sample_from_logits(
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 def choose_tokens(
@@ -357,6 +389,52 @@ def choose_tokens(
     for i, s in enumerate(samplers):
         s.accept(out[i])
     return out
+
+
+def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 index tensor on ``device`` without a stream sync (a plain ``torch.tensor(...,
+    device=cuda)`` waits for the queued work): staged through pinned memory, copied asynchronously."""
+    host = torch.tensor(list(values), dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def choose_on_device(
+    samplers: Sequence[Sampler], logits: torch.Tensor, rows: Sequence[int], tokens: torch.Tensor
+) -> None:
+    """Queue the choice of ``logits [B, V]``'s rows ``rows`` into ``tokens [B]`` with no host sync.
+
+    ``samplers[j]`` (each :attr:`Sampler.device_choice`) chooses row ``rows[j]``. ``tokens`` already holds
+    every row's argmax of the raw logits (a row graph takes it), which is a plain greedy row's choice,
+    so those rows are left as they are. Grammar rows get their masks filled on the host first (the
+    device may still be computing ``logits``), then masked on the device like :func:`choose_tokens`
+    does; greedy ones take the masked argmax, sampled ones draw from their own generator in row order.
+    The operations and their inputs are those of :func:`choose_tokens` (fp32 rows, the same mask
+    function, the same draw), so the tokens are the same. The grammars are not advanced here: the
+    caller hands each chosen token to :meth:`Sampler.accept` once it has read it.
+    """
+    dev = logits.device
+    constrained = [j for j, s in enumerate(samplers) if s.constraint is not None]
+    where = {j: k for k, j in enumerate(constrained)}
+    masked: torch.Tensor | None = None
+    if constrained:
+        masks = fill_masks([samplers[j].constraint for j in constrained])  # type: ignore[misc]
+        idx = device_index([rows[j] for j in constrained], dev)
+        masked = apply_masks(logits.index_select(0, idx).float(), masks)
+        greedy = [k for k, j in enumerate(constrained) if samplers[j].config.is_greedy]
+        if len(greedy) == len(constrained):
+            tokens.index_copy_(0, idx, masked.argmax(dim=-1))
+        elif greedy:
+            sel = device_index(greedy, dev)
+            tokens.index_copy_(0, idx.index_select(0, sel), masked.index_select(0, sel).argmax(dim=-1))
+    for j, s in enumerate(samplers):
+        c = s.config
+        if c.is_greedy:
+            continue
+        row = masked[where[j]] if masked is not None and j in where else logits[rows[j]].float()
+        drawn = sample_tensor(row, c.temperature, c.top_k, c.top_p, s._generator_for(dev))
+        tokens[rows[j] : rows[j] + 1].copy_(drawn)
 
 
 def _record_logprobs(samplers: Sequence[Sampler], raw: torch.Tensor, chosen: list[int]) -> None:
