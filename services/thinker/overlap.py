@@ -217,7 +217,10 @@ def settle(inf: InFlight) -> None:
     live = inf.alive()
     samplers = [inf.works[i].sampler for i in live]
     if any(s is not None and not s.batchable_greedy for s in samplers):
-        choose_on_device(samplers, inf.logits, live, inf.tokens_dev)  # type: ignore[arg-type]
+        # the graph's buffers are inference tensors: writing into them needs inference mode, whichever
+        # thread (the engine's, or a bench calling step() directly) runs this
+        with torch.inference_mode():
+            choose_on_device(samplers, inf.logits, live, inf.tokens_dev)  # type: ignore[arg-type]
     inf.host = prefetch(inf.tokens_dev, inf.hidden)
 
 
