@@ -148,15 +148,7 @@ class ThinkerEngine:
                 budget, self.device, config.memory_fraction, config.memory_fraction_key, config.reserve_bytes
             )
         else:
-            budget = default_kv_budget(
-                self.layout,
-                self.device,
-                self.max_context,
-                min(config.max_num_seqs, 8),
-                memory_fraction=config.memory_fraction,
-                memory_fraction_key=config.memory_fraction_key,
-                reserve_bytes=config.reserve_bytes,
-            )
+            budget = self._auto_kv_budget(config)
         self.cache = PagedKVCache(self.layout, budget, self.device, prefix_caching=config.prefix_caching)
         self.runner = ModelRunner(
             llm,
@@ -190,6 +182,18 @@ class ThinkerEngine:
         self._exported = (0, 0, 0)  # prefix hits, misses, evictions already added to the counters
         self._update_gauges()
 
+    def _auto_kv_budget(self, config: EngineConfig) -> int:
+        """The KV pool's bytes when no ``--kv-budget`` is given (:func:`default_kv_budget`)."""
+        return default_kv_budget(
+            self.layout,
+            self.device,
+            self.max_context,
+            min(config.max_num_seqs, 8),
+            memory_fraction=config.memory_fraction,
+            memory_fraction_key=config.memory_fraction_key,
+            reserve_bytes=config.reserve_bytes,
+        )
+
     def _resize_pool_to_quantized_weights(self, config: EngineConfig) -> None:
         """Size the automatic KV pool again once fp8 weights are in place.
 
@@ -203,15 +207,7 @@ class ThinkerEngine:
         self.cache.k.clear()
         self.cache.v.clear()
         torch.cuda.empty_cache()
-        budget = default_kv_budget(
-            self.layout,
-            self.device,
-            self.max_context,
-            min(config.max_num_seqs, 8),
-            memory_fraction=config.memory_fraction,
-            memory_fraction_key=config.memory_fraction_key,
-            reserve_bytes=config.reserve_bytes,
-        )
+        budget = self._auto_kv_budget(config)
         self.cache = PagedKVCache(self.layout, budget, self.device, prefix_caching=config.prefix_caching)
         self.runner.cache = self.cache
         log.info("thinker KV pool resized for fp8 weights: %.2f -> %.2f GiB", before / 2**30, budget / 2**30)
