@@ -99,8 +99,8 @@ _GATEWAY_FLAGS = {
     "drain_grace_s": "`--drain-grace` (both)",
 }
 _TOP_FLAGS = {"served_model_name": "`--served-model-name` (both)"}
-_STAGE_CLI = {"thinker": "python -m services.thinker", "talker": "python -m services.talker"}
-_STAGE_CLI["code2wav"] = "python -m services.code2wav"
+# Each stage's command line, named in the table's "set by" column (text only: nothing is imported).
+_STAGE_CLI = {stage: f"python -m services.{stage}" for stage in ("thinker", "talker", "code2wav")}
 
 
 def _range(annotation: Any) -> str:
