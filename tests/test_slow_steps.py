@@ -76,3 +76,39 @@ def test_talker_engine_logs_slow_steps(
     lines = [r.getMessage() for r in caplog.records]
     assert any("talker: slow engine step" in m and "prefill" in m and "(streams 1)" in m for m in lines)
     assert any("decode" in m and "(batch 1, steps 1)" in m for m in lines)
+
+
+def test_scale_multiplies_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """code2wav's timer (scale 5) lets a 2 ms step pass a 1 ms threshold that a plain timer logs."""
+    monkeypatch.setattr(slow_steps, "_threshold_ms", 1.0)
+    plain, scaled = StepTimer("unit-c"), StepTimer("unit-c", scale=5.0)
+    for timer, logged in ((plain, True), (scaled, False)):
+        timer.start()
+        time.sleep(0.002)
+        assert (timer.finish() is not None) is logged
+
+
+def test_thinker_engine_logs_slow_steps(
+    tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thinker's steps go through the timer: a prefill step names its tokens, a decode step its rows."""
+    import torch
+
+    from services.common.checkpoint import Checkpoint
+    from services.thinker.engine import EngineConfig, ThinkerEngine
+    from services.thinker.runner import build_qwen3_llm
+    from services.thinker.sampling import Sampler, SamplingConfig
+    from services.thinker.scheduler import WorkItem
+
+    ckpt = Checkpoint(tiny_ckpt)
+    tensors = ckpt.load_tensors(["llm."], strip_prefix="llm.", dtype=torch.float32)
+    llm = build_qwen3_llm(ckpt.config, tensors, torch.float32, "cpu")
+    engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20), "cpu")
+    seq = engine.open(lambda ev: None)
+    engine.submit(seq, WorkItem(list(range(100, 120)), sampler=Sampler(SamplingConfig(max_tokens=3))))
+    monkeypatch.setattr(slow_steps, "_threshold_ms", 0.001)
+    with caplog.at_level(logging.WARNING, logger="services.common.slow_steps"):
+        engine.run_until_idle()
+    lines = [r.getMessage() for r in caplog.records if "thinker: slow engine step" in r.getMessage()]
+    assert any("forward" in m and "(decode_rows 0, prefill_tokens 20)" in m for m in lines)
+    assert any("(decode_rows 1, prefill_tokens 0)" in m and "sample and emit" in m for m in lines)

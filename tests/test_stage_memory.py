@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -411,3 +412,26 @@ def test_talker_and_code2wav_clis_cap_before_loading(monkeypatch: pytest.MonkeyP
     with pytest.raises(_Stop):
         code2wav_cli.main([*STAGE_ARGV, "--memory-fraction", "0.3"])
     assert loaded == [("talker", [0.08], 16), ("code2wav", [0.08, 0.3], 8)]
+
+
+@pytest.mark.parametrize("stage", ["thinker", "talker", "code2wav"])
+def test_gpu_priority_from_the_profile_or_the_flag_sets_the_mps_client_priority(
+    stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stages.<stage>.gpu_priority: below_normal`` (or ``--gpu-priority``) makes the stage a below-normal
+    MPS client before it touches CUDA; ``normal`` leaves the environment alone."""
+    import json
+
+    from services.common.gpu_sharing import PRIORITY_ENV
+
+    monkeypatch.delenv(PRIORITY_ENV, raising=False)
+    monkeypatch.setenv(STAGE_SETTINGS_ENV, json.dumps({"name": stage, "gpu_priority": "normal"}))
+    args, _ = parse_stage_args(_parsers()[stage](), stage, STAGE_ARGV)
+    assert args.gpu_priority == "normal" and PRIORITY_ENV not in os.environ
+    monkeypatch.setenv(STAGE_SETTINGS_ENV, json.dumps({"name": stage, "gpu_priority": "below_normal"}))
+    args, _ = parse_stage_args(_parsers()[stage](), stage, STAGE_ARGV)
+    assert args.gpu_priority == "below_normal" and os.environ[PRIORITY_ENV] == "1"
+    monkeypatch.delenv(PRIORITY_ENV)
+    monkeypatch.delenv(STAGE_SETTINGS_ENV)
+    parse_stage_args(_parsers()[stage](), stage, [*STAGE_ARGV, "--gpu-priority", "below_normal"])
+    assert os.environ[PRIORITY_ENV] == "1"

@@ -406,6 +406,10 @@ def test_graph_warmup_enumerates_every_bucket_up_to_the_limits() -> None:
     assert ModelRunner.warmup_graphs(fake, 3, 300) == 12  # 300 -> bucket 512
     assert seen == [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (256, 512)]
     assert ModelRunner.warmup_graphs(fake, 8, 0) == 0
+    # The CLI default asks for the model's whole context: every bucket a graph serves (up to 16384).
+    seen.clear()
+    assert ModelRunner.warmup_graphs(fake, 24, 40960) == 42
+    assert seen[-1] == (32, ModelRunner.GRAPH_MAX_CONTEXT) and fake.graphs_warmed
     # Every warm-up first runs one eager step into the scratch block, so the eager kernel variants
     # compile and the allocator grows at start-up rather than at the first prefill or burst: 16 tokens
     # by default, a full step of 16-token chunks (max_batch of them with logits) when given its size.

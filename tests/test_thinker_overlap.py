@@ -13,6 +13,7 @@ min_tokens rows keep their step synchronous."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -439,3 +440,27 @@ def test_device_choice_equals_the_host_choice(compiler: GrammarCompiler, grammar
             s.accept(t)
         assert got == want
         assert all(t < compiler.vocab_size for t in got[1:2] + got[3:])
+
+
+def test_a_capture_after_warm_up_is_logged_as_a_stall(
+    llm: torch.nn.Module, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Graphs warmed up to 256 tokens: a decode past them captures its bucket while serving, which
+    stalls every stream of the step, so it is logged as a warning; decodes inside the warmed range
+    capture nothing."""
+    engine = graphed_engine(llm, overlap=False)
+    warmed = set(engine.runner._graphs)
+
+    def decode(prompt_len: int) -> None:
+        seq = engine.open(lambda ev: None)
+        engine.submit(seq, WorkItem(list(range(100, 100 + prompt_len)), sampler=greedy(3)))
+        engine.run_until_idle()
+
+    with caplog.at_level(logging.INFO, logger="services.thinker.runner"):
+        decode(40)
+        assert set(engine.runner._graphs) == warmed
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        decode(300)
+    [late] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "while serving" in late.getMessage() and "context=512" in late.getMessage()
+    assert set(engine.runner._graphs) - warmed

@@ -43,6 +43,7 @@ from services.code2wav.model.prompt import PromptFeatures, ReferenceAudioError, 
 from services.code2wav.runner import Code2WavRunner, StreamState, WindowCursor, WindowResult
 from services.common.errors import BAD_REFERENCE_AUDIO, INTERNAL, RESOURCE_EXHAUSTED, UNAVAILABLE, StageError
 from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, STEP_SECONDS
+from services.common.slow_steps import StepTimer
 
 log = logging.getLogger(__name__)
 STAGE = "code2wav"
@@ -142,6 +143,8 @@ class Code2WavEngine:
         self.voices = voices
         self.default_voice = Path(default_voice)
         self.max_batch = max_batch
+        # A step runs up to max_batch windows (tens of ms by design): slow at 5x the stage threshold.
+        self._timer = StepTimer(STAGE, scale=5.0)
         self.max_streams = max_streams
         self.streams: dict[int, StreamHandle] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-model")
@@ -389,6 +392,8 @@ class Code2WavEngine:
                     break
                 self._worked_since_trim = True
                 t0 = time.perf_counter()
+                self._timer.start()
+                firsts = sum(h.state.windows_done == 0 for h, _ in batch)
                 try:
                     results = await self._in_worker(self._compute, batch)
                 except Exception as exc:  # noqa: BLE001 - a failed batch must not kill the scheduler
@@ -400,7 +405,10 @@ class Code2WavEngine:
                         )
                     continue
                 elapsed = time.perf_counter() - t0
+                self._timer.mark("windows", batch=len(batch), first_windows=firsts)
                 self._record(batch, results, elapsed)
+                self._timer.mark("route")
+                self._timer.finish()
 
     async def _idle_trim(self) -> None:
         """Hand the heap pages freed by finished batches back to the OS once the engine is idle.

@@ -114,6 +114,8 @@ class StageProfile:
     hidden_dtype: str = "bfloat16"
     # every stage: engine steps slower than this are logged with their phases (0: off)
     slow_step_ms: float = 50.0
+    # every stage: under MPS, its GPU work's priority against the other stages' (normal | below_normal)
+    gpu_priority: str = "normal"
     # thinker and talker: decode kernel backend, auto | torch | triton
     kernels: str = "auto"
     # thinker only: a microbench table of skinny-GEMM configs (None: the built-in table)

@@ -193,6 +193,9 @@ class _StageDoc(_Doc):
     dtype: DType | None = None
     # An engine step slower than this many ms is logged with its phases (services/common/slow_steps.py); 0: off.
     slow_step_ms: Milliseconds | None = None
+    # Under MPS, the scheduling priority of the stage's GPU work against the other stages' (CUDA's
+    # CUDA_MPS_CLIENT_PRIORITY; services/common/gpu_sharing.py). Ignored without MPS.
+    gpu_priority: Literal["normal", "below_normal"] | None = None
     notes: str | None = None
 
     @model_validator(mode="before")

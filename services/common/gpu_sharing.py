@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 MODES = ("time_slice", "mps")
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+# An MPS client's scheduling priority (0 normal, 1 below normal), read by CUDA when the process creates
+# its context; the MPS server prefers pending work of normal clients. Without MPS it has no effect.
+PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+PRIORITIES = ("normal", "below_normal")
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 START_TIMEOUT_S = 30.0
 
@@ -128,3 +132,18 @@ def start_sharing(
         log(f"gpu_sharing mps: {reason}; the stages time-slice {', '.join(gpus)} instead")
         return f"separate processes time-slicing {', '.join(gpus)} (MPS unavailable: {reason})", None
     return f"MPS clients of a private daemon ({daemon.env[PIPE_ENV]})", daemon
+
+
+def set_client_priority(priority: str) -> None:
+    """Make this process an MPS client of ``priority`` (``normal`` | ``below_normal``).
+
+    Why: the stages on one GPU are not equally urgent. The thinker's unit decode and the talker's first
+    frames decide when a reply starts, while code2wav's later windows have the slack of the audio already
+    sent; a below-normal client's kernels wait while normal clients have work pending, instead of
+    sharing the SMs evenly. Call before the process touches CUDA (the stage CLIs do, right after parsing
+    their arguments). ``normal`` leaves the environment as it is (an operator's own setting stays).
+    """
+    if priority not in PRIORITIES:
+        raise ValueError(f"gpu_priority must be one of {PRIORITIES}, got {priority!r}")
+    if priority == "below_normal":
+        os.environ[PRIORITY_ENV] = "1"

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import slow_steps
 from services.common.deploy_profile import DEFAULT_STAGE_PORTS
+from services.common.gpu_sharing import PRIORITIES
 from services.common.heap import prepare_heap_for_serving
 from services.common.metrics import DRAINING
 from services.common.tls import ServerTLS, server_tls_args
@@ -101,6 +102,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
         default=slow_steps.DEFAULT_MS,
         metavar="MS",
         help="log an engine step slower than this with its phases (0: off; profile slow_step_ms)",
+    )
+    parser.add_argument(
+        "--gpu-priority",
+        choices=PRIORITIES,
+        default="normal",
+        help="under MPS, this stage's GPU work against the other stages' (profile gpu_priority)",
     )
     parser.add_argument(
         "--tls-cert", default=None, help="serve gRPC over TLS with this certificate chain (PEM)"

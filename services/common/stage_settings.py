@@ -27,6 +27,7 @@ from typing import Any
 
 from services.common import slow_steps
 from services.common.deploy_profile import STAGE_SETTINGS_ENV, apply_memory_fraction, stage_settings_from_env
+from services.common.gpu_sharing import set_client_priority
 
 MEMORY_FRACTION_FLAG = "--memory-fraction"
 
@@ -43,6 +44,7 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "kernels": "kernels",
         "kernel_table": "kernel_table",
         "slow_step_ms": "slow_step_ms",
+        "gpu_priority": "gpu_priority",
         "prefix_caching": "prefix_caching",
     },
     "talker": {
@@ -51,8 +53,9 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "kernels": "kernels",
         "steps_per_replay": "steps_per_replay",
         "slow_step_ms": "slow_step_ms",
+        "gpu_priority": "gpu_priority",
     },
-    "code2wav": {"max_num_seqs": "max_batch", "slow_step_ms": "slow_step_ms"},
+    "code2wav": {"max_num_seqs": "max_batch", "slow_step_ms": "slow_step_ms", "gpu_priority": "gpu_priority"},
 }
 
 
@@ -139,6 +142,7 @@ def parse_stage_args(
     try:
         choice = resolve_memory_fraction(stage, args.memory_fraction, settings)
         slow_steps.configure(args.slow_step_ms)
+        set_client_priority(args.gpu_priority)
     except ValueError as exc:
         parser.error(str(exc))
     return args, choice

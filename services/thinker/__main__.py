@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--graph-warmup-context",
         type=int,
-        default=1024,
+        default=None,
         help="capture decode CUDA graphs for every batch bucket up to --max-num-seqs and context bucket up "
-        "to this many tokens before serving (0: capture lazily, which stalls the engine seconds per new bucket)",
+        "to this many tokens before serving (default: every context a graph serves, up to the model's "
+        "context or 16384; 0: capture lazily, which stalls every stream up to seconds per new bucket)",
     )
     ap.add_argument(
         "--duplex-window",
@@ -172,8 +173,11 @@ def serve(argv: list[str]) -> int:
         budget_source = "default"
     log.info("thinker KV cache: %.2f GiB (%s)", backend.engine.cache.budget_bytes / 2**30, budget_source)
     t0 = time.perf_counter()
+    warm_context = args.graph_warmup_context
+    if warm_context is None:
+        warm_context = backend.engine.max_context  # warmup_graphs caps it at the largest graph context
     captured = backend.engine.runner.warmup_graphs(
-        args.max_num_seqs, args.graph_warmup_context, backend.engine.config.max_step_tokens
+        args.max_num_seqs, warm_context, backend.engine.config.max_step_tokens
     )
     if captured:
         log.info("thinker: captured %d decode CUDA graphs in %.1f s", captured, time.perf_counter() - t0)

@@ -35,6 +35,7 @@ from services.common.errors import (
     StageError,
 )
 from services.common.metrics import IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH
+from services.common.slow_steps import StepTimer
 from services.thinker.engine_metrics import (
     KV_BUDGET_BYTES,
     KV_USED_BYTES,
@@ -177,6 +178,7 @@ class ThinkerEngine:
         self._pending_metrics: tuple | None = None  # the last step's, observed after the next launch
         self.overlap = config.overlap_decode
         self._inflight: InFlight | None = None  # a launched decode step whose tokens are not consumed yet
+        self._timer = StepTimer("thinker")  # logs a step slower than slow_step_ms with its phases
         self.chained_steps = 0  # steps launched before their predecessor was consumed (tests, bench)
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)
         self._exported = (0, 0, 0)  # prefix hits, misses, evictions already added to the counters
@@ -283,7 +285,16 @@ class ThinkerEngine:
 
     # ------------------------------------------------------------------------------------------ step
     def step(self) -> bool:
-        """One engine iteration; returns False when there was nothing to do.
+        """One engine iteration; returns False when there was nothing to do. A slow one is logged with
+        its phases (:mod:`services.common.slow_steps`)."""
+        self._timer.start()
+        try:
+            return self._step()
+        finally:
+            self._timer.finish()
+
+    def _step(self) -> bool:
+        """The body of :meth:`step`.
 
         The previous step's metrics and the gauges are written after this step's forward is launched,
         while the device computes it: written before, they would sit between the previous step's token
@@ -299,9 +310,11 @@ class ThinkerEngine:
             if self._chain():
                 return True
             self._consume_inflight()
+            self._timer.mark("consume in-flight")
             consumed = True
         self._drain_commands()
         plan = self.scheduler.plan()
+        self._timer.mark("commands and plan")
         if plan.empty:
             self._flush_step_metrics()
             self._update_gauges()
@@ -320,6 +333,8 @@ class ThinkerEngine:
         if events is not None:
             events[1].record()
         t_forward = time.perf_counter() - t0
+        n_prefill = sum(n for _, n in plan.prefill)
+        self._timer.mark("forward", decode_rows=len(plan.decode), prefill_tokens=n_prefill)
         self._flush_step_metrics()
         self._update_gauges()
         if self.overlap and self.runner.use_cuda_graphs and deferrable(plan, out):
@@ -340,8 +355,8 @@ class ThinkerEngine:
             self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(plan.decode), 0)
             return True
         self._consume(plan, out)
+        self._timer.mark("sample and emit")
         dt = time.perf_counter() - t0
-        n_prefill = sum(n for _, n in plan.prefill)
         self._pending_metrics = (events, t_forward, dt, n_prefill, len(plan.decode), len(plan.prefill))
         return True
 
@@ -376,9 +391,11 @@ class ThinkerEngine:
         if events is not None:
             events[1].record()
         t_forward = time.perf_counter() - t0
+        self._timer.mark("chained forward", decode_rows=len(rows))
         self._flush_step_metrics()
         self._update_gauges()
         self._consume_inflight()
+        self._timer.mark("consume in-flight")
         try:
             settle(nxt)
         except Exception:

@@ -30,6 +30,7 @@ the rotary tables, and splitting them would make each step path read across modu
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +135,7 @@ class ModelRunner:
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
         self.step_counts: dict[str, int] = {"graph": 0, "graph_mixed": 0, "eager": 0}
         self._graph_pool = None
+        self.graphs_warmed = False  # set by warmup_graphs: a capture after it is logged as a stall
         self.graph_capture: Capture | None = None  # None: real CUDA graphs (tests emulate them on CPU)
 
     def set_kernels(self, kernels: str | None) -> None:
@@ -547,9 +549,18 @@ class ModelRunner:
         if graph is None and not capture:
             return None
         if graph is None:
-            log.info("capturing decode CUDA graph batch=%d context=%d", bb, lb)
+            t0 = time.perf_counter()
             graph = RowGraph(self, bb, lb)
             self._graphs[key] = graph
+            ms = 1e3 * (time.perf_counter() - t0)
+            if self.graphs_warmed:
+                # A capture while serving stalls every stream of the step (seconds when it compiles a
+                # kernel variant): a --graph-warmup-context below the contexts served leaves such gaps.
+                log.warning(
+                    "captured decode CUDA graph batch=%d context=%d while serving: %.0f ms", bb, lb, ms
+                )
+            else:
+                log.info("captured decode CUDA graph batch=%d context=%d in %.0f ms", bb, lb, ms)
         return graph
 
     def warmup_graphs(self, max_batch: int, max_context: int, max_step_tokens: int = 16) -> int:
@@ -579,6 +590,7 @@ class ModelRunner:
                 self._graph_for(batch, context)
                 count += 1
                 context *= 2
+        self.graphs_warmed = True
         return count
 
     @staticmethod
