@@ -103,8 +103,8 @@ def test_rope_attention_is_the_default() -> None:
 
 def test_fresh_row_window_covers_every_packed_step() -> None:
     """The kernel looks back ``LOOKBACK`` rows for fresh rows; a packed step may hold up to
-    ``PACKED_MAX_ROWS`` rows of one chunk, so a larger limit would silently drop keys."""
+    ``PACKED_MAX_CHUNK`` rows of one chunk, so a larger limit would silently drop keys."""
     from services.common.kernels.rope_attention import LOOKBACK
     from services.thinker.runner import ModelRunner
 
-    assert ModelRunner.PACKED_MAX_ROWS <= LOOKBACK
+    assert ModelRunner.PACKED_MAX_CHUNK <= LOOKBACK

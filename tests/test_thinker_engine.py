@@ -342,8 +342,16 @@ def test_packed_row_step_matches_the_eager_step(llm: torch.nn.Module) -> None:
     assert not torch.allclose(
         runner.packed_step_eager(plain).prefill_logits[0], packed.prefill_logits[0], atol=1e-3
     )
-    too_big = StepInput(prefill=[PrefillChunk(list(range(40)), 0, runner.cache.pool.allocate(3))])
-    assert runner.pack_rows(too_big) is None
+    # A chunk longer than PACKED_MAX_CHUNK (the fused kernel's look-back) runs eagerly; several chunks
+    # within it pack up to PACKED_MAX_ROWS rows (16 sessions' decode rows plus units arriving together).
+    long_chunk = StepInput(prefill=[PrefillChunk(list(range(40)), 0, runner.cache.pool.allocate(3))])
+    assert runner.pack_rows(long_chunk) is None
+    units = [PrefillChunk(list(range(13)), 0, runner.cache.pool.allocate(1)) for _ in range(8)]
+    many = StepInput(decode=[DecodeRow(4000, 20, seqs[0])] * 16, prefill=units)
+    packed_many = runner.pack_rows(many)
+    assert packed_many is not None and len(packed_many[0]) == 16 + 8 * 13 <= ModelRunner.PACKED_MAX_ROWS
+    too_many = StepInput(decode=many.decode, prefill=[*units, units[0]])
+    assert runner.pack_rows(too_many) is None
 
 
 def test_engine_metrics_exported(llm: torch.nn.Module) -> None:
@@ -399,27 +407,28 @@ def test_graph_warmup_enumerates_every_bucket_up_to_the_limits() -> None:
     )
     eager: list = []
     fake._eager_step = eager.append
-    # Row buckets go up to PACKED_MAX_ROWS (32) even for 8 sequences: packed prefill steps use them.
-    assert ModelRunner.warmup_graphs(fake, 8, 1024) == 18
-    assert seen == [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (256, 512, 1024)]
+    # Row buckets go up to PACKED_MAX_ROWS (128) even for 8 sequences: packed prefill steps use them.
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+    assert ModelRunner.warmup_graphs(fake, 8, 1024) == 24
+    assert seen == [(b, c) for b in buckets for c in (256, 512, 1024)]
     seen.clear()
-    assert ModelRunner.warmup_graphs(fake, 3, 300) == 12  # 300 -> bucket 512
-    assert seen == [(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (256, 512)]
+    assert ModelRunner.warmup_graphs(fake, 3, 300) == 16  # 300 -> bucket 512
+    assert seen == [(b, c) for b in buckets for c in (256, 512)]
     assert ModelRunner.warmup_graphs(fake, 8, 0) == 0
     # The CLI default asks for the model's whole context: every bucket a graph serves (up to 16384).
     seen.clear()
-    assert ModelRunner.warmup_graphs(fake, 24, 40960) == 42
-    assert seen[-1] == (32, ModelRunner.GRAPH_MAX_CONTEXT) and fake.graphs_warmed
+    assert ModelRunner.warmup_graphs(fake, 24, 40960) == 56
+    assert seen[-1] == (128, ModelRunner.GRAPH_MAX_CONTEXT) and fake.graphs_warmed
     # Every warm-up first runs one eager step into the scratch block, so the eager kernel variants
     # compile and the allocator grows at start-up rather than at the first prefill or burst: 16 tokens
     # by default, a full step of 16-token chunks (max_batch of them with logits) when given its size.
     eager.clear()
     fake.kernel_backend = "triton"
-    assert ModelRunner.warmup_graphs(fake, 1, 256) == 6
+    assert ModelRunner.warmup_graphs(fake, 1, 256) == 8
     [step] = eager
     assert not step.decode and [(len(c.token_ids), c.start, c.blocks) for c in step.prefill] == [(16, 0, [0])]
     eager.clear()
-    assert ModelRunner.warmup_graphs(fake, 8, 256, max_step_tokens=512) == 6
+    assert ModelRunner.warmup_graphs(fake, 8, 256, max_step_tokens=512) == 8
     [step] = eager
     assert step.num_tokens == 512 and {(c.start, tuple(c.blocks)) for c in step.prefill} == {(0, (0,))}
     assert sum(c.want_logits for c in step.prefill) == 8
@@ -484,7 +493,7 @@ def test_row_graph_path_matches_eager_engine_on_cpu(
             engine.runner.use_cuda_graphs = True
             engine.runner.graph_capture = emulated
             # with the burst warm-up step (512 tokens into scratch) first: it must leave no trace
-            assert engine.runner.warmup_graphs(4, 64, 512) == 6  # row buckets 1..32 x context 256
+            assert engine.runner.warmup_graphs(4, 64, 512) == 8  # row buckets 1..128 x context 256
         sinks = []
         for i, prompt in enumerate(prompts):
             sink = Collector()
@@ -494,7 +503,7 @@ def test_row_graph_path_matches_eager_engine_on_cpu(
             engine.step()  # staggered: later prompts prefill while earlier ones decode
         engine.run_until_idle()
         if graphed:
-            assert len(engine.runner._graphs) == 6  # everything fit the warmed buckets: no capture
+            assert len(engine.runner._graphs) == 8  # everything fit the warmed buckets: no capture
             # Greedy rows of graph steps take the graph's own argmax; only eager steps pick on the host.
             assert len(host_picks) <= engine.runner.step_counts["eager"]
         return sinks

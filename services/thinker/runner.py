@@ -14,8 +14,8 @@ We call the transformers Qwen3 layers' own submodules (projections, q/k norms, M
 arithmetic is the checkpoint's, and replace only the attention/cache plumbing. Rotary cos/sin come from
 a table built with the model's own ``inv_freq`` and scaling, indexed by position (graph-safe).
 
-CUDA graphs: a step of at most 32 tokens (decode rows plus short prefill chunks, such as a duplex unit's
-~13 tokens) runs as "rows": a prefill token is a row at its own position, and since every row writes its
+CUDA graphs: a step of at most 128 tokens (decode rows plus prefill chunks of at most 32 tokens, such as
+a duplex unit's ~13) runs as "rows": a prefill token is a row at its own position, and since every row writes its
 key/value before any row attends, the chunk's tokens see each other causally as in a chunked prefill.
 Such a step replays a graph captured per (row bucket, context bucket) (:mod:`services.thinker.row_graph`);
 padded rows write to the pool's scratch block and attend to one masked-in scratch slot, so they cannot
@@ -81,11 +81,17 @@ def _next_pow2(n: int, floor: int) -> int:
 class ModelRunner:
     """Owns the forward pass and the CUDA graphs; knows nothing about requests or sampling."""
 
-    GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+    GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
     GRAPH_MIN_CONTEXT = 256
     GRAPH_MAX_CONTEXT = 16384
     # Steps of at most this many tokens (decode rows plus short prefill chunks) can replay a row graph.
-    PACKED_MAX_ROWS = 32
+    # Why 128: with 16-24 duplex sessions a step carries their decode rows plus the units that arrived
+    # together (13 tokens each: 16 + 3 x 13 = 55 rows); at the old 32 such steps ran eagerly, 45-90 ms
+    # of host-bound launches against ~12 ms for a replay, and every session's decode waited on them.
+    PACKED_MAX_ROWS = 128
+    # ... each prefill chunk in it at most this many tokens: the fused rope-attention kernel looks back
+    # this far for a row's fresh keys (services.common.kernels.rope_attention.LOOKBACK).
+    PACKED_MAX_CHUNK = 32
 
     def __init__(
         self,
@@ -390,6 +396,8 @@ class ModelRunner:
         """
         total = inp.num_tokens
         if not total or total > self.PACKED_MAX_ROWS:
+            return None
+        if any(len(chunk.token_ids) > self.PACKED_MAX_CHUNK for chunk in inp.prefill):
             return None
         rows = list(inp.decode)
         embeds: list[tuple[int, torch.Tensor]] = []
