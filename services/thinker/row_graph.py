@@ -29,6 +29,8 @@ class GraphHost(Protocol):
     graph_capture: Capture | None
     _graph_pool: Any  # the runner's shared CUDA graph memory pool, made by the first capture
 
+    def row_logits_buffer(self, batch: int, like: torch.Tensor) -> torch.Tensor: ...
+
     def decode_forward_static(
         self,
         ids: torch.Tensor,
@@ -114,7 +116,13 @@ class RowGraph:
         args = (self.ids, self.pos, self.write, self.table, self.embeds, self.use_embeds)
 
         def body() -> Outputs:
-            hidden, logits = runner.decode_forward_static(*args)
+            hidden, step_logits = runner.decode_forward_static(*args)
+            # The logits land in a buffer that every graph of this row bucket shares (made outside the
+            # graph pool by the warm-up passes before the capture): kept per graph they were the bulk of
+            # the pool (rows x vocabulary for each context bucket, ~0.5 GB with 128-row buckets), and
+            # steps run one at a time, so a step's logits are read before the next replay writes them.
+            logits = runner.row_logits_buffer(batch, step_logits)
+            logits.copy_(step_logits)
             # Greedy picks inside the graph: an all-greedy step then reads back B ids, with no logits
             # conversion, stack or argmax launched after the replay.
             torch.argmax(logits, dim=-1, out=self.tokens)

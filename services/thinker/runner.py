@@ -141,6 +141,7 @@ class ModelRunner:
         # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
         self.step_counts: dict[str, int] = {"graph": 0, "graph_mixed": 0, "eager": 0}
         self._graph_pool = None
+        self._row_logits: dict[int, torch.Tensor] = {}  # row bucket -> the logits its graphs share
         self.graphs_warmed = False  # set by warmup_graphs: a capture after it is logged as a stall
         self.graph_capture: Capture | None = None  # None: real CUDA graphs (tests emulate them on CPU)
 
@@ -221,6 +222,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
+        self._row_logits.clear()
         # The pool dies with its last graph: capturing into its stale handle again tripped the caching
         # allocator's assert on the H200 (use_count > 0), so the next capture makes a fresh pool.
         self._graph_pool = None
@@ -570,6 +572,14 @@ class ModelRunner:
             else:
                 log.info("captured decode CUDA graph batch=%d context=%d in %.0f ms", bb, lb, ms)
         return graph
+
+    def row_logits_buffer(self, batch: int, like: torch.Tensor) -> torch.Tensor:
+        """The ``[batch, vocab]`` logits buffer shared by the row graphs of one row bucket (see RowGraph)."""
+        buf = self._row_logits.get(batch)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            self._row_logits[batch] = buf
+        return buf
 
     def warmup_graphs(self, max_batch: int, max_context: int, max_step_tokens: int = 16) -> int:
         """Capture every (batch, context) bucket up to ``max_batch`` x ``max_context`` now; returns the count.
