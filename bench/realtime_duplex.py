@@ -257,6 +257,16 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def with_session_room(profile: Any, sessions: int) -> Any:
+    """``profile`` with the gateway admitting ``sessions`` realtime sessions (a level above the profile's
+    ``max_realtime_sessions``, e.g. 24 on the 16-session profile, would otherwise be refused in part).
+    The thinker's ``max_num_seqs`` is left alone: a level beyond it queues, which the bench reports."""
+    if sessions <= profile.gateway.max_realtime_sessions:
+        return profile
+    print(f"[realtime] gateway max_realtime_sessions raised to {sessions} for this run", flush=True)
+    return profile.with_overrides({"gateway": {"max_realtime_sessions": sessions}})
+
+
 def _launch(args: argparse.Namespace) -> tuple[Any, list[str], dict[str, int]]:
     """Start the pipeline for ``--checkpoint`` with the profile; point the bench at it."""
     from bench.cancel import stage_endpoints
@@ -268,6 +278,7 @@ def _launch(args: argparse.Namespace) -> tuple[Any, list[str], dict[str, int]]:
     if args.stage_overrides:
         profile = profile.with_overrides(parse_overrides(args.stage_overrides))
     profile = with_gpu_sharing(profile, args)
+    profile = with_session_room(profile, max(args.sessions))
     # Stage logs go with the results ($OUT on a device machine), so a failed start keeps them.
     out = Path(args.out_dir or Path(os.environ.get("OUT", ".")) / "realtime_duplex")
     pipeline = Pipeline(profile, Path(args.checkpoint), out / "logs", {})

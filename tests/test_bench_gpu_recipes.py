@@ -71,3 +71,14 @@ def test_recipes_are_documented_and_cited_recipes_exist() -> None:
     assert cited, "BENCHMARKS.md names no recipe"
     for name in cited:
         assert (GPU / name).exists(), f"BENCHMARKS.md cites bench/gpu/{name}, which does not exist"
+
+
+def test_duplex_bench_makes_room_for_its_largest_level() -> None:
+    """24 sessions on the 16-session profile: the launched gateway admits 24; 16 leaves the profile as is."""
+    from bench.realtime_duplex import with_session_room
+    from services.common.deploy_profile import load_profile
+
+    profile = load_profile("configs/deploy/minicpmo_4_5.yaml")
+    assert profile.gateway.max_realtime_sessions == 16
+    assert with_session_room(profile, 16) is profile
+    assert with_session_room(profile, 24).gateway.max_realtime_sessions == 24

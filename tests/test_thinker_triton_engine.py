@@ -88,3 +88,33 @@ def test_packed_row_step_with_triton_kernels_matches_eager(llm: torch.nn.Module)
         torch.testing.assert_close(out.decode_logits, ref.decode_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out.decode_hidden, ref.decode_hidden, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out.prefill_logits[0], ref.prefill_logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_wide_packed_step_with_triton_kernels_matches_torch(llm: torch.nn.Module) -> None:
+    """What many duplex sessions make: several decode rows plus three 13-token units, 47 rows in all
+    (past the skinny GEMMs' 32-row limit, each chunk within the fused kernel's look-back), through the
+    graph body on the Triton kernels, equals the torch step: decode rows, each chunk's last logits and
+    hidden rows."""
+    engine = ThinkerEngine(llm, EngineConfig(max_num_seqs=8, kv_budget_bytes=8 << 20), torch.device("cpu"))
+    runner = engine.runner
+    runner.set_kernels("triton")
+    seqs = [engine.cache.pool.allocate(6) for _ in range(11)]
+    prompts = [list(range(2000 + 90 * i, 2000 + 90 * i + 30 + i)) for i in range(11)]
+    runner.step(StepInput(prefill=[PrefillChunk(p, 0, b) for p, b in zip(prompts, seqs, strict=True)]))
+    decode = [DecodeRow(7 + i, len(prompts[i]), seqs[i]) for i in range(8)]
+    units = [
+        PrefillChunk(
+            list(range(500 + 13 * k, 513 + 13 * k)), len(prompts[8 + k]), seqs[8 + k], None, True, True
+        )
+        for k in range(3)
+    ]
+    step = StepInput(decode=decode, prefill=units)
+    assert runner.pack_rows(step) is not None and step.num_tokens == 47
+    packed = runner.packed_step_eager(step)
+    runner.set_kernels("torch")
+    ref = runner.step(step)  # rewrites the same key/value slots with the torch kernels
+    torch.testing.assert_close(packed.decode_logits, ref.decode_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed.decode_hidden, ref.decode_hidden, rtol=1e-4, atol=1e-4)
+    for k in range(3):
+        torch.testing.assert_close(packed.prefill_logits[k], ref.prefill_logits[k], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(packed.prefill_hidden[k], ref.prefill_hidden[k], rtol=1e-4, atol=1e-4)

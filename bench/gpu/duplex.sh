@@ -7,18 +7,19 @@
 # and each stage's drain, the thinker's unit and step split, each stage's busy share.
 # Env: SESSIONS, DURATION, LANES, BUDGET (seconds, 400), EXTRA (more bench.realtime_duplex flags, e.g.
 # "--gpu-sharing time_slice" to run the stages without MPS).
-# Writes $OUT/realtime.json and $OUT/realtime.md. Run from the repository root.
+# Writes $OUT/realtime/realtime.json, realtime.md and the stage logs (realtime/logs/) as it goes, so a run
+# cut short by the host's time limit keeps every finished level and every log. Run from the repository root.
 set -uo pipefail
 source bench/gpu/env.sh || exit 1
 make_checkpoint || exit 1
+mkdir -p "$OUT/realtime"
 # shellcheck disable=SC2086  # SESSIONS and EXTRA are lists
 timeout "${BUDGET:-400}" "$PY" -m bench.realtime_duplex --checkpoint "$CKPT" --deploy-config "$PROFILE" \
   --device cuda --units 10 --lanes ${LANES:-turn} --warmup 1 --startup-timeout 150 \
-  --sessions ${SESSIONS:-16} --duration "${DURATION:-30}" ${EXTRA:-} --out-dir /tmp/rt > /tmp/rt.log 2>&1
+  --sessions ${SESSIONS:-16} --duration "${DURATION:-30}" ${EXTRA:-} --out-dir "$OUT/realtime" \
+  > "$OUT/realtime/bench.log" 2>&1
 rc=$?
 echo "bench.realtime_duplex rc=$rc after $(elapsed) s"
-cp /tmp/rt/realtime.json "$OUT/realtime.json" 2>/dev/null
-cp /tmp/rt/realtime.md "$OUT/realtime.md" 2>/dev/null
-cp -r /tmp/rt/logs "$OUT/realtime_logs" 2>/dev/null
-grep -h "slow engine step\|slow step\|GC pause\|no graph for" /tmp/rt/logs/*.log 2>/dev/null | cut -c1-220 | head -12
-cat /tmp/rt/realtime.md 2>/dev/null || tail -30 /tmp/rt.log
+grep -h "slow engine step\|while serving\|no graph for\|OutOfMemory" "$OUT"/realtime/logs/*.log 2>/dev/null \
+  | cut -c1-220 | head -12
+cat "$OUT/realtime/realtime.md" 2>/dev/null || tail -30 "$OUT/realtime/bench.log"
