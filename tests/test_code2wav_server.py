@@ -162,8 +162,16 @@ def test_talker_windows_cover_every_code() -> None:
     assert [c for w, _ in wins for c in w[3:]] == codes[3 - 3 : 22] + codes[22:47] + codes[47:]
 
 
-def test_engine_batches_streams_and_interrupt_drops_queued_windows(tiny_ckpt: Path) -> None:
+def test_engine_batches_streams_and_interrupt_drops_queued_windows(
+    tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Also: the scheduler's steps go through the slow-step timer (at 5x the stage threshold, here set
+    below any step), whose line names the batch and how many of its windows were a stream's first."""
     from services.code2wav.service import build_engine
+    from services.common import slow_steps
+
+    monkeypatch.setattr(slow_steps, "_threshold_ms", 0.001)
+    caplog.set_level(logging.WARNING, logger="services.common.slow_steps")
 
     async def scenario() -> None:
         engine, _ = build_engine(_args(tiny_ckpt))
@@ -198,6 +206,8 @@ def test_engine_batches_streams_and_interrupt_drops_queued_windows(tiny_ckpt: Pa
             await engine.stop()
 
     asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records if "code2wav: slow engine step" in r.getMessage()]
+    assert any("windows" in m and "(batch 2, first_windows 2)" in m for m in lines)
 
 
 def test_engine_start_warms_every_batch_size_before_it_schedules() -> None:
@@ -328,33 +338,3 @@ def test_close_releases_a_running_window_from_the_gauge_at_once(tiny_ckpt: Path)
         assert s.outputs.empty()  # a closed stream gets nothing
 
     asyncio.run(scenario())
-
-
-def test_a_slow_code2wav_step_is_logged_with_its_batch(
-    tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The scheduler's steps go through the slow-step timer (at 5x the stage threshold): the line names
-    the batch and how many of its windows were a stream's first."""
-    from services.code2wav.service import build_engine
-    from services.common import slow_steps
-
-    monkeypatch.setattr(slow_steps, "_threshold_ms", 0.001)
-
-    async def scenario() -> None:
-        engine, _ = build_engine(_args(tiny_ckpt))
-        await engine.start()
-        try:
-            a = await engine.open_stream("a", None, seed=1)
-            b = await engine.open_stream("b", None, seed=2)
-            first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
-            engine.submit(a, first, 3, False, "a0")
-            engine.submit(b, first, 3, False, "b0")
-            with caplog.at_level(logging.WARNING, logger="services.common.slow_steps"):
-                for s in (a, b):
-                    await asyncio.wait_for(s.outputs.get(), 300)
-        finally:
-            await engine.stop()
-
-    asyncio.run(scenario())
-    lines = [r.getMessage() for r in caplog.records if "code2wav: slow engine step" in r.getMessage()]
-    assert any("windows" in m and "(batch 2, first_windows 2)" in m for m in lines)
