@@ -73,6 +73,21 @@ def _call_unit(seq: int, *, forced: bool, spec: str | None = None) -> thinker_pb
     return req
 
 
+def _call_policy(compiler: GrammarCompiler, tools: list[dict], *, forced: bool) -> DuplexPolicy:
+    """A greedy duplex policy offering ``tools`` under the tool-call grammar (a forced call speaks)."""
+    grammar = compiler.grammar(
+        thinker_pb2.Constraint(kind=thinker_pb2.Constraint.KIND_TOOL_CALLS, spec=json.dumps(tools))
+    )
+    return DuplexPolicy(
+        DuplexSampling(temperature=0.0),
+        PolicyState(),
+        torch.zeros(151748, dtype=torch.bool),
+        force_listen=False,
+        force_speak=forced,
+        tool_call=ToolCallPlan(lambda: compiler.from_grammar(grammar, check=False), forced=forced),
+    )
+
+
 def _args(call: str) -> dict[str, object]:
     assert call.startswith('<tool_call>\n{"name": "get_weather", "arguments": '), call
     assert call.endswith("}\n</tool_call>"), call
@@ -142,19 +157,8 @@ def test_auto_call_starts_when_the_model_draws_the_tag(backend) -> None:  # noqa
     compiler = backend.grammar or GrammarCompiler(
         backend.processor.tokenizer, len(backend.processor.tokenizer)
     )
-    grammar = compiler.grammar(
-        thinker_pb2.Constraint(kind=thinker_pb2.Constraint.KIND_TOOL_CALLS, spec=json.dumps([WEATHER]))
-    )
-    plan = ToolCallPlan(lambda: compiler.from_grammar(grammar, check=False))
-    state = PolicyState()
-    policy = DuplexPolicy(
-        DuplexSampling(temperature=0.0),
-        state,
-        torch.zeros(151748, dtype=torch.bool),
-        force_listen=False,
-        force_speak=False,
-        tool_call=plan,
-    )
+    policy = _call_policy(compiler, [WEATHER], forced=False)
+    state = policy.state
     assert policy.reserve_tokens == CALL_UNIT_TOKENS and policy.max_new_tokens == 19
     gen = torch.Generator().manual_seed(0)
     tokens: list[int] = []
@@ -225,18 +229,8 @@ def test_a_call_past_its_token_cap_is_cut_and_ends_the_turn(backend) -> None:  #
         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
     }
     compiler = backend.grammar
-    grammar = compiler.grammar(
-        thinker_pb2.Constraint(kind=thinker_pb2.Constraint.KIND_TOOL_CALLS, spec=json.dumps([free]))
-    )
-    state = PolicyState()
-    policy = DuplexPolicy(
-        DuplexSampling(temperature=0.0),
-        state,
-        torch.zeros(151748, dtype=torch.bool),
-        force_listen=False,
-        force_speak=True,
-        tool_call=ToolCallPlan(lambda: compiler.from_grammar(grammar, check=False), forced=True),
-    )
+    policy = _call_policy(compiler, [free], forced=True)
+    state = policy.state
     tokenizer = backend.processor.tokenizer
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     quotes = torch.tensor([i for i, p in enumerate(pieces) if p and '"' in p])

@@ -34,6 +34,7 @@ from services.thinker.sampling import (
 )
 from services.thinker.scheduler import Sequence, WorkItem
 from tests.graph_emulation import emulated
+from tests.test_thinker_constrained import SCHEMA
 
 torch.set_num_threads(1)
 
@@ -227,16 +228,6 @@ def test_chain_rules_refuse_every_batch_change() -> None:
 
 
 # ------------------------------------------------------------------------------ rows chosen on the device
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "unit": {"enum": ["c", "f"]},
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["unit", "ok", "n"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"name": "get_weather", "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}}}
 ]

@@ -11,6 +11,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.common.metrics import BATCH_SIZE, STEP_SECONDS
 
 STAGE = "thinker"
+# Buckets of the thinker's phase histograms (engine step phases, prompt building): 0.5 ms to 2 s.
+PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 KV_USED_BYTES = Gauge("minicpmo_thinker_kv_used_bytes", "KV cache bytes allocated to sequences")
 KV_BUDGET_BYTES = Gauge("minicpmo_thinker_kv_budget_bytes", "KV cache byte budget")
@@ -25,7 +27,7 @@ STEP_PHASE_SECONDS = Histogram(
     "Engine step split: 'forward' (the model, CUDA graph or eager; device time from CUDA events on a GPU, "
     "where the launch returns early) and 'sample' (the rest: sampling, its host sync, events)",
     ["phase"],
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+    buckets=PHASE_BUCKETS,
 )
 PREFIX_HITS = Counter(
     "minicpmo_thinker_prefix_cache_hit_tokens_total", "Prompt tokens whose KV came from the prefix cache"

@@ -28,6 +28,7 @@ from services.common.tensors import dtype_from_proto
 from services.thinker.backend import ThinkerBackend
 from services.thinker.constrained import GrammarCompiler
 from services.thinker.engine import EngineEvent
+from services.thinker.engine_metrics import PHASE_BUCKETS
 from services.thinker.errors import failure
 from services.thinker.prefix_hash import MediaSpan
 from services.thinker.sampling import DEFAULT_STOP_IDS, Sampler, SamplingConfig, StopCheck, StopText
@@ -44,7 +45,7 @@ PROMPT_BUILD_SECONDS = Histogram(
     "A turn's prompt building on the encode executor: 'wait' for a free worker, 'build' the template, "
     "media decoding and the encoders (a transcription window's audio encoder pass is here)",
     ["phase"],
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+    buckets=PHASE_BUCKETS,
 )
 DEFAULT_CHUNK_TOKENS = 10
 Response = thinker_pb2.ThinkerResponse
