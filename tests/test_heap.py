@@ -32,7 +32,10 @@ def test_prepare_freezes_live_objects_and_times_collections(clean_gc: None) -> N
     keep = [object() for _ in range(1000)]
     before = _pauses("2")
     frozen = heap.prepare_heap_for_serving()
-    assert frozen >= len(keep) and gc.get_freeze_count() == frozen
+    # The count is the freeze's own: later it can only fall, when another thread of the test process
+    # (a stage server left by an earlier test) frees a frozen object; it fell by 2 in one CI run.
+    assert frozen >= len(keep) and 0 < gc.get_freeze_count() <= frozen
+    assert not any(o is keep for o in gc.get_objects())  # the live list went to the permanent generation
     assert _pauses("2") == before + 1  # the freeze's own full collection was timed
     heap.prepare_heap_for_serving()  # a second call adds no second callback
     assert gc.callbacks.count(heap._on_gc) == 1
