@@ -129,18 +129,28 @@ def test_streaming_audio_units_match_offline_chunked_encoding(model, processor):
     assert state.frames == 200
 
 
-def test_audio_stream_bytes_bounds_a_full_whisper_cache(model, processor):
-    """The KV budget reserves ``audio_stream_bytes`` per duplex session: a stream filled to the encoder's
-    position limit (where the session resets it) holds exactly that much."""
+def test_audio_stream_cache_is_one_fixed_buffer_of_audio_stream_bytes(model, processor):
+    """The KV budget reserves ``audio_stream_bytes`` per duplex session: the stream's first piece allocates
+    exactly that much in one buffer, which neither grows nor moves up to the encoder's position limit,
+    survives the session's reset and is dropped by ``release``."""
     feats, lens, _ = processor.process_audio(_audio(1.0, 1))
     piece = feats[0, :, :100]
     state = model.new_audio_stream()
+    assert state.cache is None and state.kv == []
+    model.get_audio_embeds_streaming(piece, state, piece[:, :2])
+    buffer = state.cache
+    assert buffer is not None and buffer.numel() * buffer.element_size() == model.audio_stream_bytes()
     per_unit = 50  # encoder frames per 1 s unit
-    for _ in range(model.dims.audio.max_source_positions // per_unit):
+    for _ in range(model.dims.audio.max_source_positions // per_unit - 1):
         model.get_audio_embeds_streaming(piece, state, piece[:, :2])
-    held = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in state.kv)
-    assert state.frames == model.dims.audio.max_source_positions
-    assert held == model.audio_stream_bytes()
+    assert state.frames == model.dims.audio.max_source_positions and state.cache is buffer
+    assert [k.shape[2] for k, _ in state.kv] == [state.frames] * model.dims.audio.num_layers
+    state.reset()
+    assert state.frames == 0 and state.cache is buffer
+    state.release()
+    assert state.cache is None and state.kv == []
+    model.get_audio_embeds_streaming(piece, state, piece[:, :2])  # a pass that was already queued
+    assert state.cache is None  # a closed session keeps no buffer
 
 
 def test_merge_rejects_row_count_mismatch(model, processor):

@@ -13,7 +13,7 @@ each streamed chunk is a whole number of chunks and the convolution sees its lef
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast, overload
 
 import torch
@@ -69,48 +69,37 @@ class WhisperAttention(nn.Module):
         b, n, _ = t.shape
         return t.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor | None,
-        past: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Returns the output and this call's full (past + new) keys/values, ``[B, heads, T, head_dim]``."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Self-attention over a whole clip ``x`` [B, T, d] under ``mask`` (the offline encoder)."""
         b, n, d = x.shape
         q = self._heads(self.q_proj(x))
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
         out = attention(q, k, v, attn_mask=mask)
-        return self.out_proj(out.transpose(1, 2).reshape(b, n, d)), (k, v)
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
 
-    def forward_streams(
-        self, x: torch.Tensor, pasts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """``x`` [B, n, d]: row b is the next piece of stream b, whose cached keys/values are ``pasts[b]``.
+    def forward_streams(self, x: torch.Tensor, caches: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """``x`` [B, n, d]: row b is the next piece of stream b, whose cache is ``caches[b]``.
 
-        The projections run once for all B streams; attention runs per stream over its own cache (the
-        caches have different lengths, and padding them to one length would change the softmax's
-        summation order, so the rows would no longer equal a single stream's bit for bit on CPU).
-        Returns the output and every stream's full (past + new) keys/values, ``[1, heads, T_b, head_dim]``.
+        A cache is ``(buffer, start)``: this layer's ``[2, heads, max_frames, head_dim]`` keys and values of
+        the stream, filled up to frame ``start``. The piece's keys and values are written at
+        ``[start, start + n)`` and its queries attend over ``[0, start + n)``. The projections run once
+        for all B streams; attention runs per stream over its own cache (the caches have different
+        lengths, and padding them to one length would change the softmax's summation order, so the rows
+        would no longer equal a single stream's bit for bit on CPU).
         """
         b, n, d = x.shape
         q = self._heads(self.q_proj(x))
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
         outs: list[torch.Tensor] = []
-        kvs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, past in enumerate(pasts):
-            ki, vi = k[i : i + 1], v[i : i + 1]
-            if past is not None:
-                ki = torch.cat([past[0], ki], dim=2)
-                vi = torch.cat([past[1], vi], dim=2)
-            outs.append(attention(q[i : i + 1], ki, vi))
-            kvs.append((ki, vi))
+        for i, (buf, start) in enumerate(caches):
+            end = start + n
+            buf[0, :, start:end] = k[i]
+            buf[1, :, start:end] = v[i]
+            outs.append(attention(q[i : i + 1], buf[0, None, :, :end], buf[1, None, :, :end]))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return self.out_proj(out.transpose(1, 2).reshape(b, n, d)), kvs
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
 
 
 class WhisperEncoderLayer(nn.Module):
@@ -123,43 +112,52 @@ class WhisperEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(dims.ffn_dim, dims.d_model)
         self.act = ACT2FN[dims.activation]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor | None,
-        past: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        attn, kv = self.self_attn(self.self_attn_layer_norm(x), mask, past)
-        x = x + attn
-        x = x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
-        return x, kv
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), mask)
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
-    def forward_streams(
-        self, x: torch.Tensor, pasts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def forward_streams(self, x: torch.Tensor, caches: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
         """One layer for B streams' next pieces at once (see :meth:`WhisperAttention.forward_streams`)."""
-        attn, kvs = self.self_attn.forward_streams(self.self_attn_layer_norm(x), pasts)
-        x = x + attn
-        x = x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
-        return x, kvs
+        x = x + self.self_attn.forward_streams(self.self_attn_layer_norm(x), caches)
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
 
 @dataclass
 class AudioStreamState:
     """Per-session incremental Whisper state (one stream, batch 1).
 
-    ``kv`` holds every layer's keys/values of the frames encoded so far; ``mel_tail`` the last mel frames
-    of the previous chunk, which the convolutions need as left context.
+    ``cache`` holds every layer's keys and values, ``[layers, 2, heads, max_source_positions, head_dim]``,
+    in one buffer allocated at the stream's first piece; frames ``[0, frames)`` are filled. One
+    fixed-size buffer per session, rather than per-layer tensors that grow by one piece each unit, means
+    no copy of the whole cache per unit and no allocator blocks of ever-changing sizes (with two dozen
+    sessions those fragment the thinker's capped memory); its size is exactly what the thinker reserves
+    per session (:meth:`~services.thinker.model.thinker.ThinkerModel.audio_stream_bytes`).
+    ``mel_tail`` holds the last mel frames of the previous piece, which the convolutions need as left
+    context.
     """
 
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    cache: torch.Tensor | None = None
     mel_tail: torch.Tensor | None = None
     frames: int = 0  # encoder frames already in the cache (= next position id)
+    released: bool = False  # the session closed: a pass still running gets a buffer it does not keep
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's cached keys and values, ``[1, heads, frames, head_dim]`` views (tests, dumps)."""
+        if self.cache is None or self.frames == 0:
+            return []
+        return [(layer[0, None, :, : self.frames], layer[1, None, :, : self.frames]) for layer in self.cache]
 
     def reset(self) -> None:
-        self.kv = []
+        """Start the stream over at position 0 (the buffer is kept for the next frames)."""
         self.mel_tail = None
         self.frames = 0
+
+    def release(self) -> None:
+        """Drop the buffer now (a closed session), whoever still holds a reference to the state."""
+        self.released = True
+        self.reset()
+        self.cache = None
 
 
 @dataclass
@@ -213,7 +211,7 @@ class WhisperChunkedEncoder(nn.Module):
         if chunk_frames is not None and chunk_frames > 0:
             allowed = allowed & chunked_attention_allowed(t, chunk_frames, x.device)[None, None]
         for layer in self.layers:
-            x, _ = layer(x, allowed)
+            x = layer(x, allowed)
         return self.layer_norm(x)
 
     def forward_chunk(
@@ -252,18 +250,27 @@ class WhisperChunkedEncoder(nn.Module):
             self._check_piece(piece, new_frames)
         rows = [self._piece_front(piece, new_frames) for piece in pieces]
         x = torch.cat(rows) if len(rows) > 1 else rows[0]
-        pasts = [p.state.kv for p in pieces]
-        kvs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in pieces]
+        # Buffers and start frames are read once: a session closed meanwhile (release) loses its buffer
+        # only after this pass, which still holds it.
+        buffers = [self._cache_of(p.state, x) for p in pieces]
+        starts = [p.state.frames for p in pieces]
         for li, layer in enumerate(self.layers):
-            x, layer_kv = cast(WhisperEncoderLayer, layer).forward_streams(
-                x, [kv[li] if kv else None for kv in pasts]
-            )
-            for b, pair in enumerate(layer_kv):
-                kvs[b].append(pair)
-        for piece, kv in zip(pieces, kvs, strict=True):
-            piece.state.kv = kv
+            caches = [(buf[li], start) for buf, start in zip(buffers, starts, strict=True)]
+            x = cast(WhisperEncoderLayer, layer).forward_streams(x, caches)
+        for piece in pieces:
             piece.state.frames += new_frames
         return self.layer_norm(x)
+
+    def _cache_of(self, state: AudioStreamState, like: torch.Tensor) -> torch.Tensor:
+        """The stream's cache buffer, allocated on its first piece (dtype and device of ``like``)."""
+        if state.cache is not None:
+            return state.cache
+        attn = cast(WhisperEncoderLayer, self.layers[0]).self_attn
+        shape = (len(self.layers), 2, attn.num_heads, self.embed_positions.num_embeddings, attn.head_dim)
+        buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
+        if not state.released:
+            state.cache = buffer
+        return buffer
 
     def _check_piece(self, piece: StreamPiece, new_frames: int) -> None:
         if piece.mel.shape[-1] % 2:
