@@ -447,6 +447,60 @@ def test_forward_failures_are_typed() -> None:
     assert other.code == INTERNAL and "RuntimeError: boom" in str(other)
 
 
+def test_a_failed_sampling_step_ends_its_streams_and_the_engine_goes_on(
+    llm: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Device memory running out after the forward (sampling, emitting) ends the step's sequences with
+    RESOURCE_EXHAUSTED and frees their KV; it does not escape the step, where the same plan would be
+    planned, and fail, again and again with its clients waiting. The next request is served."""
+    engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20), "cpu")
+    real = engine._consume
+    calls = {"n": 0}
+
+    def fail_once(*args: object, **kw: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "_consume", fail_once)
+    first, second = run_requests(engine, PROMPTS[:1], [greedy(4)]), None
+    assert [e.code for e in first[0].errors] == [RESOURCE_EXHAUSTED] and not first[0].tokens
+    assert engine.kv_used_bytes == 0 and engine.is_idle()
+    second = run_requests(engine, PROMPTS[1:2], [greedy(4)])
+    assert not second[0].errors and len(second[0].tokens) == 4 and second[0].finish == "length"
+
+
+def test_an_iteration_that_keeps_failing_ends_every_stream(
+    llm: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure outside any one step's plan (here the planner itself) that repeats ends every running and
+    waiting stream with a typed error after MAX_STEP_FAILURES iterations instead of leaving them hanging."""
+    import time
+
+    from services.common.errors import INTERNAL
+
+    engine = ThinkerEngine(llm, EngineConfig(kv_budget_bytes=8 << 20), "cpu")
+
+    def broken_plan() -> None:
+        raise RuntimeError("planner broke")
+
+    monkeypatch.setattr(engine.scheduler, "plan", broken_plan)
+    sinks = [Collector(), Collector()]
+    for sink, prompt in zip(sinks, PROMPTS, strict=False):
+        engine.submit(engine.open(sink), WorkItem(prompt, sampler=greedy(4)))
+    engine.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(s.errors for s in sinks):
+            time.sleep(0.02)
+    finally:
+        engine.shutdown()
+    assert [[e.code for e in s.errors] for s in sinks] == [[INTERNAL], [INTERNAL]]
+    assert "failed repeatedly" in str(sinks[0].errors[0]) and "planner broke" in str(sinks[0].errors[0])
+    assert engine.kv_used_bytes == 0
+
+
 def test_row_graph_path_matches_eager_engine_on_cpu(
     llm: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:

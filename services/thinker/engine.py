@@ -34,6 +34,7 @@ from services.common.errors import (
     RESOURCE_EXHAUSTED,
     StageError,
 )
+from services.common.memory_watch import MemoryWatch
 from services.common.metrics import IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH
 from services.common.slow_steps import StepTimer
 from services.thinker.engine_metrics import (
@@ -63,6 +64,7 @@ from services.thinker.overlap import (
 from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
 from services.thinker.sampling import Sampler, choose_tokens
 from services.thinker.scheduler import Scheduler, SeqStatus, Sequence, StepPlan, WorkItem
+from services.thinker.step_types import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,8 @@ Sink = Callable[[EngineEvent], None]
 class ThinkerEngine:
     """Continuous batching over a paged KV cache for any number of streams."""
 
+    MAX_STEP_FAILURES = 3  # consecutive failed iterations after which every stream is ended
+
     def __init__(self, llm: torch.nn.Module, config: EngineConfig, device: torch.device | str) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -179,6 +183,7 @@ class ThinkerEngine:
         self.overlap = config.overlap_decode
         self._inflight: InFlight | None = None  # a launched decode step whose tokens are not consumed yet
         self._timer = StepTimer("thinker")  # logs a step slower than slow_step_ms with its phases
+        self._memory = MemoryWatch("thinker", self.device)  # allocator gauges, high-water log lines
         self.chained_steps = 0  # steps launched before their predecessor was consumed (tests, bench)
         KV_BUDGET_BYTES.set(self.cache.budget_bytes)
         self._exported = (0, 0, 0)  # prefix hits, misses, evictions already added to the counters
@@ -269,11 +274,21 @@ class ThinkerEngine:
             self._thread = None
 
     def _loop(self) -> None:
+        failures = 0
         while not self._stop.is_set():
             try:
                 did = self.step()
-            except Exception:  # keep serving other streams; step() already failed the affected ones
+                failures = 0
+            except Exception as exc:  # step() ends the sequences of a failed forward or sampling itself
                 log.exception("thinker engine step failed")
+                failures += 1
+                if failures >= self.MAX_STEP_FAILURES:
+                    # Something outside one plan keeps failing: end every stream with the error rather
+                    # than spin on it with their clients waiting.
+                    self._inflight = None
+                    everyone = StepPlan(decode=[*self.scheduler.running, *self.scheduler.waiting])
+                    self._fail_plan(everyone, "thinker engine step failed repeatedly", exc)
+                    failures = 0
                 did = False
             if not did:
                 self._wake.wait(timeout=0.05)
@@ -309,7 +324,11 @@ class ThinkerEngine:
         if self._inflight is not None:
             if self._chain():
                 return True
-            self._consume_inflight()
+            inf_plan = self._inflight.plan
+            try:
+                self._consume_inflight()
+            except Exception as exc:
+                self._fail_plan(inf_plan, "reading a thinker step's tokens failed", exc)
             self._timer.mark("consume in-flight")
             consumed = True
         self._drain_commands()
@@ -324,11 +343,7 @@ class ThinkerEngine:
         try:
             out = self.runner.step(self._step_input(plan))
         except Exception as exc:
-            log.exception("thinker forward failed")
-            err = failure("thinker forward failed", exc)
-            for seq in {*plan.decode, *(s for s, _ in plan.prefill)}:
-                self._emit(seq, EngineEvent(seq.seq_id, error=err))
-                self._drop(seq)
+            self._fail_plan(plan, "thinker forward failed", exc)
             return True
         if events is not None:
             events[1].record()
@@ -337,6 +352,24 @@ class ThinkerEngine:
         self._timer.mark("forward", decode_rows=len(plan.decode), prefill_tokens=n_prefill)
         self._flush_step_metrics()
         self._update_gauges()
+        try:
+            self._finish_step(plan, out, events, t0, t_forward)
+        except Exception as exc:
+            # Sampling or emitting failed (device memory, a grammar): the same plan would fail again on
+            # the next iteration, so its sequences end now with a typed error and the others go on.
+            self._inflight = None
+            self._fail_plan(plan, "thinker sampling failed", exc)
+        return True
+
+    def _finish_step(
+        self,
+        plan: StepPlan,
+        out: StepOutput,
+        events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
+        t0: float,
+        t_forward: float,
+    ) -> None:
+        """After a launched forward: leave a deferrable decode step in flight, or consume it now."""
         if self.overlap and self.runner.use_cuda_graphs and deferrable(plan, out):
             assert out.greedy_tokens is not None
             emit = any(s.work is not None and s.work.emit_hidden for s in plan.decode)
@@ -353,12 +386,23 @@ class ThinkerEngine:
             settle(inf)  # grammar masks and draws queued behind the replay, then the tokens' copy
             self._inflight = inf
             self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(plan.decode), 0)
-            return True
+            return
         self._consume(plan, out)
         self._timer.mark("sample and emit")
         dt = time.perf_counter() - t0
+        n_prefill = sum(n for _, n in plan.prefill)
         self._pending_metrics = (events, t_forward, dt, n_prefill, len(plan.decode), len(plan.prefill))
-        return True
+
+    def _fail_plan(self, plan: StepPlan, what: str, exc: BaseException) -> None:
+        """End every sequence of ``plan`` with a typed error (device out of memory is RESOURCE_EXHAUSTED)
+        and free its KV: a step that raised would raise again if planned again, and the engine must
+        neither spin on it nor leave its streams waiting."""
+        log.error("%s; ending its %d sequence(s)", what, len(plan.decode) + len(plan.prefill), exc_info=exc)
+        err = failure(what, exc)
+        for seq in {*plan.decode, *(s for s, _ in plan.prefill)}:
+            if seq.seq_id in self._sequences:
+                self._emit(seq, EngineEvent(seq.seq_id, error=err))
+            self._drop(seq)
 
     def _forward_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """On CUDA the forward is asynchronous: its time is read from a pair of events (the first recorded
@@ -658,3 +702,4 @@ class ThinkerEngine:
                     counter.inc(new - old)
             self._exported = now
         PREFIX_CACHED_BLOCKS.set(pool.cached_blocks)
+        self._memory.check()
