@@ -42,6 +42,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.code2wav.model.prompt import PromptFeatures, ReferenceAudioError, ReferenceVoiceEncoder
 from services.code2wav.runner import Code2WavRunner, StreamState, WindowCursor, WindowResult
 from services.common.errors import BAD_REFERENCE_AUDIO, INTERNAL, RESOURCE_EXHAUSTED, UNAVAILABLE, StageError
+from services.common.memory_watch import MemoryWatch
 from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, STEP_SECONDS
 from services.common.slow_steps import StepTimer
 
@@ -145,6 +146,7 @@ class Code2WavEngine:
         self.max_batch = max_batch
         # A step runs up to max_batch windows (tens of ms by design): slow at 5x the stage threshold.
         self._timer = StepTimer(STAGE, scale=5.0)
+        self._memory = MemoryWatch(STAGE, torch.device(runner.device))  # allocator gauges, high-water lines
         self.max_streams = max_streams
         self.streams: dict[int, StreamHandle] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-model")
@@ -409,6 +411,7 @@ class Code2WavEngine:
                 self._record(batch, results, elapsed)
                 self._timer.mark("route")
                 self._timer.finish()
+                self._memory.check()
 
     async def _idle_trim(self) -> None:
         """Hand the heap pages freed by finished batches back to the OS once the engine is idle.

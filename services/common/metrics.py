@@ -46,3 +46,9 @@ INTERRUPT_DRAIN = Histogram(
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
 )
 DRAINING = Gauge("minicpmo_stage_draining", "1 while the stage drains before shutdown", ["stage"])
+DEVICE_MEMORY = Gauge(
+    "minicpmo_stage_device_memory_bytes",
+    "Device memory of the stage's allocator: allocated (tensors alive), reserved (held by the caching "
+    "allocator, what a per-process cap counts), peak_allocated (services.common.memory_watch)",
+    ["stage", "kind"],
+)

@@ -73,6 +73,7 @@ from services.common.errors import (
     INVALID_ARGUMENT,
     StageError,
 )
+from services.common.memory_watch import MemoryWatch
 from services.common.metrics import BATCH_SIZE, IN_FLIGHT, INTERRUPT_DRAIN, QUEUE_DEPTH, STEP_SECONDS
 from services.common.slow_steps import StepTimer
 from services.talker import multistep
@@ -158,6 +159,7 @@ class TalkerEngine:
         self._batch_size = BATCH_SIZE.labels(STAGE)
         self._step_seconds = STEP_SECONDS.labels(STAGE)
         self._timer = StepTimer(STAGE)  # logs a step slower than slow_step_ms with its phases
+        self._memory = MemoryWatch(STAGE, torch.device(self.runner.device))  # allocator gauges, high-water
         # Optional tap on the raw fp32 logits each stream samples from (fidelity dumps, tests).
         self.logits_observer: Callable[[StreamState, torch.Tensor], None] | None = None
 
@@ -296,6 +298,7 @@ class TalkerEngine:
             self._decode(decoding)
             timer.mark("decode", batch=len(decoding), steps=self.steps_per_replay)
         timer.finish()
+        self._memory.check()
         for st in list(self._streams):
             if st.phase is Phase.IDLE and not st.queue:
                 self._maybe_finish_idle(st)

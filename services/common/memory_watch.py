@@ -1,0 +1,53 @@
+"""The device memory a stage's allocator holds, as gauges and a log line per new high-water mark.
+
+Why: a stage runs under a per-process memory cap, and what it allocates beyond its sized pools
+(activations, per-session caches, graph pools) decides how many streams fit under it. Out of memory
+in the middle of serving says only that the cap was reached; the high-water lines say how the use
+grew with the load up to it, so the pools and headroom can be sized from a run's log.
+``minicpmo_stage_device_memory_bytes{kind}`` carries ``allocated`` (tensors alive), ``reserved`` (what
+the caching allocator holds, what the cap counts) and ``peak_allocated``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.common.metrics import DEVICE_MEMORY
+
+log = logging.getLogger(__name__)
+
+LOG_STEP_BYTES = 256 << 20  # a new high-water line each time the peak passes the last one by this much
+
+
+class MemoryWatch:
+    """Call :meth:`check` once per engine iteration (three host-side counter reads on CUDA, none on CPU)."""
+
+    def __init__(self, stage: str, device: torch.device, log_step_bytes: int = LOG_STEP_BYTES) -> None:
+        self.stage = stage
+        self.device = device
+        self.log_step_bytes = log_step_bytes
+        self.logged_peak = 0
+        self.on_cuda = device.type == "cuda"
+        if self.on_cuda:
+            self.logged_peak = torch.cuda.max_memory_allocated(device)
+
+    def check(self) -> None:
+        if not self.on_cuda:
+            return
+        peak = torch.cuda.max_memory_allocated(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        DEVICE_MEMORY.labels(self.stage, "allocated").set(allocated)
+        DEVICE_MEMORY.labels(self.stage, "reserved").set(reserved)
+        DEVICE_MEMORY.labels(self.stage, "peak_allocated").set(peak)
+        if peak >= self.logged_peak + self.log_step_bytes:
+            self.logged_peak = peak
+            log.info(
+                "%s: device memory high-water %.2f GiB allocated (now %.2f GiB, allocator holds %.2f GiB)",
+                self.stage,
+                peak / 2**30,
+                allocated / 2**30,
+                reserved / 2**30,
+            )
