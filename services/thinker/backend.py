@@ -17,6 +17,7 @@ from services.common.pb import common_pb2
 from services.common.tensors import compute_dtype, dtype_to_proto
 from services.thinker.duplex_window import DuplexWindow
 from services.thinker.engine import STAGE, EngineConfig, ThinkerEngine
+from services.thinker.kv_cache import SEQUENCE_HEADROOM_BYTES
 from services.thinker.sampling import DEFAULT_STOP_IDS
 from services.thinker.voice import VoicePrefixCache
 
@@ -67,8 +68,10 @@ def build_backend(
     model = ThinkerModel.from_checkpoint(ckpt, dtype=compute_dtype(dtype, device), device=device)
     processor = ThinkerProcessor.from_checkpoint(ckpt)
     if engine_config.kv_budget_bytes is None and not engine_config.reserve_bytes:
-        # Every running sequence may be a duplex session with its own Whisper cache (plus two waiting).
-        engine_config.reserve_bytes = (engine_config.max_num_seqs + 2) * model.audio_stream_bytes()
+        # Every running sequence may be a duplex session with its own Whisper cache and per-session state
+        # (plus two waiting).
+        per_sequence = model.audio_stream_bytes() + SEQUENCE_HEADROOM_BYTES
+        engine_config.reserve_bytes = (engine_config.max_num_seqs + 2) * per_sequence
     engine = ThinkerEngine(model.llm, engine_config, device)
     from services.thinker.constrained import GrammarCompiler
 
