@@ -120,10 +120,66 @@ class NvmlSampler:
         return {name: (sum(v) / len(v) / 100 if v else None) for name, v in self.samples.items()}
 
 
+PROGRESS_EVERY_S = 10.0  # a progress line per level this often, so a run cut short shows where it was
+
+
+def level_deadline(args: argparse.Namespace) -> float:
+    """Seconds a level may run before its unfinished sessions are stopped (``--level-timeout``; default
+    twice the session duration plus two minutes, for the last response and the close)."""
+    given = getattr(args, "level_timeout", None)
+    return float(given) if given is not None else 2 * args.duration + 120.0
+
+
 async def _sessions(args: argparse.Namespace, lane: str, n: int, ref_uri: str) -> list[Any]:
+    """Run ``n`` sessions of ``lane`` at once; one still running at the level's deadline is cancelled and
+    returned as what it measured so far, with an ``unfinished`` error (it counts as failed), so a level
+    that cannot keep up is reported instead of holding the run until an outer time limit kills it."""
     script = turn_session if lane == "turn" else native_session
-    return await asyncio.gather(
-        *(script(args.url, ref_uri, args.duration, args.units) for _ in range(n)), return_exceptions=True
+    results = [SessionResult(lane) for _ in range(n)]
+    tasks = [
+        asyncio.create_task(script(args.url, ref_uri, args.duration, args.units, result=result))
+        for result in results
+    ]
+    deadline_s = level_deadline(args)
+    t0 = time.monotonic()
+    pending: set[asyncio.Task[SessionResult]] = set(tasks)
+    while pending:
+        left = deadline_s - (time.monotonic() - t0)
+        if left <= 0:
+            break
+        _done, pending = await asyncio.wait(pending, timeout=min(PROGRESS_EVERY_S, left))
+        if pending:
+            print(progress_line(time.monotonic() - t0, n - len(pending), results), flush=True)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    out: list[Any] = []
+    for task, result in zip(tasks, results, strict=True):
+        if task in pending:
+            result.errors.append(
+                {
+                    "code": "unfinished",
+                    "message": f"session still running after the {deadline_s:g} s deadline",
+                }
+            )
+            out.append(result)
+        elif task.exception() is not None:
+            out.append(task.exception())
+        else:
+            out.append(task.result())
+    return out
+
+
+def progress_line(elapsed_s: float, finished: int, results: list[SessionResult]) -> str:
+    """One line on a running level: sessions finished, responses done, unit RTF p90 and underruns so far."""
+    rtf = _pct([v for r in results for c in r.responses for v in c.unit_rtf])
+    underruns = sum(c.underruns for r in results for c in r.responses)
+    done = sum(c.status is not None for r in results for c in r.responses)
+    p90 = f"{rtf['p90']:.3f}" if rtf else "-"
+    return (
+        f"[realtime]   {elapsed_s:5.0f} s: {finished}/{len(results)} sessions finished, {done} responses "
+        f"done, unit RTF p90 {p90}, underruns {underruns}"
     )
 
 
@@ -152,6 +208,7 @@ def run_level(
         "sessions": n,
         "wall_s": wall,
         "failed": len(results) - len(ok) + sum(bool(s["errors"]) for s in per_session),
+        "unfinished": sum(any(e.get("code") == "unfinished" for e in s["errors"]) for s in per_session),
         "errors": [repr(r)[:300] for r in results if not isinstance(r, SessionResult)]
         + [e for s in per_session for e in s["errors"]][:20],
         "responses": sum(s["responses"] for s in per_session),
@@ -323,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds each session runs its workload (real-time paced; the last cycle finishes)",
     )
     p.add_argument("--units", type=int, default=12, help="max units per response (the issue asks >= 10)")
+    p.add_argument(
+        "--level-timeout",
+        type=float,
+        default=None,
+        help="seconds a level may run; sessions still running then are stopped and reported as unfinished "
+        "with what they measured (default: 2 x --duration + 120)",
+    )
     p.add_argument(
         "--warmup",
         type=int,

@@ -176,10 +176,17 @@ async def _response(
 
 
 async def turn_session(
-    url: str, ref_uri: str, duration_s: float, units: int, timeout: float = 300.0
+    url: str,
+    ref_uri: str,
+    duration_s: float,
+    units: int,
+    timeout: float = 300.0,
+    result: SessionResult | None = None,
 ) -> SessionResult:
+    """The turn lane for ``duration_s``; ``result`` (filled as the session goes) lets a caller that gives
+    up on the session keep what it measured."""
+    result = result or SessionResult("turn")
     client = await _open(url, _session(ref_uri, {"max_response_units": units}))
-    result = SessionResult("turn")
     end = time.monotonic() + duration_s
     try:
         while True:
@@ -197,11 +204,17 @@ async def turn_session(
 
 
 async def native_session(
-    url: str, ref_uri: str, duration_s: float, units: int, timeout: float = 300.0
+    url: str,
+    ref_uri: str,
+    duration_s: float,
+    units: int,
+    timeout: float = 300.0,
+    result: SessionResult | None = None,
 ) -> SessionResult:
+    """The native lane for ``duration_s`` (``result`` as for :func:`turn_session`)."""
+    result = result or SessionResult("native")
     extra = {"auto_response": True, "force_listen_count": 0, "max_response_units": units}
     client = await _open(url, _session(ref_uri, extra))
-    result = SessionResult("native")
     active: dict[str, ResponseClock] = {}
     streaming = True
 

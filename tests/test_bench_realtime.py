@@ -74,3 +74,39 @@ def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: 
     for pid in json.loads((out / "logs" / "pids.json").read_text()).values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_level_past_its_deadline_keeps_what_its_sessions_measured(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A session still running at the level's deadline is stopped and returned with the responses it
+    measured and an ``unfinished`` error; a session that ended is returned as it is; progress lines show
+    the level while it runs."""
+    import argparse
+    import asyncio
+
+    from bench import realtime_duplex
+    from bench.realtime_workload import ResponseClock, SessionResult
+
+    calls = {"n": 0}
+
+    async def script(url, ref_uri, duration, units, result):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        clock = ResponseClock(started=0.0)
+        clock.unit_rtf.extend([0.5, 0.7])
+        clock.status = "completed"
+        result.responses.append(clock)
+        if calls["n"] == 2:
+            await asyncio.sleep(3600)  # a session that never finishes
+        return result
+
+    monkeypatch.setattr(realtime_duplex, "turn_session", script)
+    monkeypatch.setattr(realtime_duplex, "PROGRESS_EVERY_S", 0.1)
+    args = argparse.Namespace(url="ws://x", duration=0.0, units=3, level_timeout=0.35)
+    out = asyncio.run(realtime_duplex._sessions(args, "turn", 2, "data:"))
+    assert all(isinstance(r, SessionResult) for r in out)
+    assert out[0].errors == [] and len(out[0].responses) == 1
+    assert [e["code"] for e in out[1].errors] == ["unfinished"] and out[1].responses[0].unit_rtf == [0.5, 0.7]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "sessions finished" in ln]
+    assert lines and "1/2 sessions finished, 2 responses done, unit RTF p90" in lines[-1]
+    assert realtime_duplex.level_deadline(argparse.Namespace(duration=60.0, level_timeout=None)) == 240.0

@@ -5,8 +5,9 @@
 # for both), after one warm-up session. Reports per level: unit RTF p50/p90/p99 (a session keeps up
 # while it stays under 1), playout underruns, first audio after commit, barge-in latency at the client
 # and each stage's drain, the thinker's unit and step split, each stage's busy share.
-# Env: SESSIONS, DURATION, LANES, BUDGET (seconds, 400), EXTRA (more bench.realtime_duplex flags, e.g.
-# "--gpu-sharing time_slice" to run the stages without MPS).
+# Env: SESSIONS, DURATION, LANES, BUDGET (seconds, 400), LEVEL_TIMEOUT (seconds a level may run before
+# its unfinished sessions are stopped and reported as such; 2 x DURATION + 60), EXTRA (more
+# bench.realtime_duplex flags, e.g. "--gpu-sharing time_slice" to run the stages without MPS).
 # Writes $OUT/realtime/realtime.json, realtime.md and the stage logs (realtime/logs/) as it goes, so a run
 # cut short by the host's time limit keeps every finished level and every log. Run from the repository root.
 set -uo pipefail
@@ -16,7 +17,8 @@ mkdir -p "$OUT/realtime"
 # shellcheck disable=SC2086  # SESSIONS and EXTRA are lists
 timeout "${BUDGET:-400}" "$PY" -m bench.realtime_duplex --checkpoint "$CKPT" --deploy-config "$PROFILE" \
   --device cuda --units 10 --lanes ${LANES:-turn} --warmup 1 --startup-timeout 150 \
-  --sessions ${SESSIONS:-16} --duration "${DURATION:-30}" ${EXTRA:-} --out-dir "$OUT/realtime" \
+  --sessions ${SESSIONS:-16} --duration "${DURATION:-30}" --level-timeout "${LEVEL_TIMEOUT:-$((2 * ${DURATION:-30} + 60))}" \
+  ${EXTRA:-} --out-dir "$OUT/realtime" \
   > "$OUT/realtime/bench.log" 2>&1
 rc=$?
 echo "bench.realtime_duplex rc=$rc after $(elapsed) s"
