@@ -391,3 +391,35 @@ def test_span_selection() -> None:
     assert select_span([TTS_BOS, 10, 11, CHUNK_EOS]) == [1, 2]
     assert select_span([10, 11, TURN_EOS, 12, LISTEN]) == [1, 2]  # turn_eos inclusive, rest dropped
     assert select_span([10, 11, TTS_BOS, 12, TTS_EOS, 13]) == [3]  # restarts after an inner tts_bos
+
+
+def test_a_closed_session_drops_its_whisper_cache_and_the_auto_pool_leaves_room_for_one(
+    backend,  # noqa: ANN001
+    tiny_ckpt: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Closing a duplex stream releases its Whisper buffer at once (not when the last reference goes), and
+    an automatically sized KV pool keeps a Whisper cache plus SEQUENCE_HEADROOM_BYTES per sequence (+2)
+    outside it."""
+    from services.thinker.kv_cache import SEQUENCE_HEADROOM_BYTES
+    from services.thinker.model.thinker import ThinkerModel
+
+    states = []
+    new_stream = ThinkerModel.new_audio_stream
+
+    def record(self: ThinkerModel):  # noqa: ANN202
+        states.append(new_stream(self))
+        return states[-1]
+
+    monkeypatch.setattr(ThinkerModel, "new_audio_stream", record)
+    reqs = [duplex_open(force_listen_units=2)] + [unit(i) for i in range(2)] + [END]
+    got = asyncio.run(_session(backend, reqs))
+    assert got[-1].HasField("done") and len(states) == 1
+    assert states[0].released and states[0].cache is None and states[0].frames == 0
+
+    cfg = EngineConfig(max_num_seqs=3)
+    auto = build_backend(str(tiny_ckpt), "cpu", "float32", cfg)
+    try:
+        assert cfg.reserve_bytes == 5 * (auto.model.audio_stream_bytes() + SEQUENCE_HEADROOM_BYTES)
+    finally:
+        auto.executor.shutdown(wait=False)

@@ -224,8 +224,8 @@ KV_HEADROOM_BYTES = 2 * 1024**3
 # services/thinker/backend.py): what a session holds on the device beyond that cache (its unit and voice
 # rows, context record, policy state) and the share of transient activations and allocator
 # fragmentation that grows with the number of sessions. 24 duplex sessions at once on an H100 ran out of
-# memory two seconds in with the fixed 2 GiB alone: 1.42 GiB allocated beyond the weights, the KV pool and
-# the Whisper caches, plus 0.87 GiB held by the allocator unallocated.
+# memory within 3 s with the fixed 2 GiB alone: 1.42 GiB allocated beyond the weights, the KV pool and the
+# Whisper caches, plus 0.87 GiB held by the allocator unallocated (BENCHMARKS.md).
 SEQUENCE_HEADROOM_BYTES = 48 * 1024**2
 # Without a memory fraction the pool takes this share of the memory left free after the headroom.
 FREE_MEMORY_SHARE = 0.9
