@@ -435,3 +435,57 @@ def test_gpu_priority_from_the_profile_or_the_flag_sets_the_mps_client_priority(
     monkeypatch.delenv(STAGE_SETTINGS_ENV)
     parse_stage_args(_parsers()[stage](), stage, [*STAGE_ARGV, "--gpu-priority", "below_normal"])
     assert os.environ[PRIORITY_ENV] == "1"
+
+
+# ---- talker slots --------------------------------------------------------------------------------
+TALKER_SLOT_BYTES = 2 * 20 * 4097 * 12 * 64 * 2  # K and V, 20 layers, 4096 positions + scratch, 12 heads × 64
+TALKER_WEIGHTS = int(0.62 * GIB)  # ~330 M bf16 parameters, rounded up
+
+
+def test_talker_slot_bytes_and_the_budget_error() -> None:
+    from services.talker.kv_cache import SLOT_HEADROOM_BYTES, SlotBudgetError, check_slot_budget, slot_bytes
+
+    assert slot_bytes(20, 12, 64, 4096, torch.bfloat16) == TALKER_SLOT_BYTES  # 0.23 GiB a stream
+    check_slot_budget(16, TALKER_SLOT_BYTES, 0.08, H100_BYTES, TALKER_WEIGHTS)  # the profile's 16 fit
+    with pytest.raises(SlotBudgetError) as err:
+        check_slot_budget(24, TALKER_SLOT_BYTES, 0.08, H100_BYTES, TALKER_WEIGHTS)
+    message = str(err.value)
+    assert "24 streams need 5.63 GiB of KV (0.23 GiB each)" in message
+    assert "stages.talker.memory_fraction 0.08 of 79.19 GiB = 6.34 GiB" in message
+    assert "room for 19" in message and "at least 0.095" in message and "(--max-streams) to 19" in message
+    # the suggested fraction really holds the 24 slots
+    check_slot_budget(24, TALKER_SLOT_BYTES, 0.095, H100_BYTES, TALKER_WEIGHTS)
+    assert SLOT_HEADROOM_BYTES == 1280 * 2**20
+
+
+@pytest.mark.parametrize("name", sorted(PROFILE_CARDS))
+def test_talker_fraction_holds_its_streams_slots(name: str) -> None:
+    from services.talker.kv_cache import check_slot_budget
+
+    talker = load_profile(name).stage("talker")
+    assert talker.memory_fraction is not None and talker.max_num_seqs is not None
+    for card in PROFILE_CARDS[name]:
+        check_slot_budget(talker.max_num_seqs, TALKER_SLOT_BYTES, talker.memory_fraction, card, TALKER_WEIGHTS)
+
+
+def test_talker_cli_passes_its_cap_to_the_slot_check_and_exits_with_its_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import services.talker.server as talker_server
+    from services.talker.kv_cache import SlotBudgetError
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i=None: None)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(total_memory=H100_BYTES)
+    )
+    caps: list[Any] = []
+
+    def refuse(*_args: Any, memory_cap: Any = None, **_settings: Any) -> Any:
+        caps.append(memory_cap)
+        raise SlotBudgetError("24 streams need 5.63 GiB of KV")
+
+    monkeypatch.setattr(talker_server, "build_engine", refuse)
+    monkeypatch.setenv(STAGE_SETTINGS_ENV, load_profile("minicpmo_4_5").stage("talker").settings_json())
+    with pytest.raises(SystemExit, match="^talker: 24 streams need 5.63 GiB of KV$"):
+        talker_server.main(STAGE_ARGV)
+    assert caps == [(0.08, "stages.talker.memory_fraction")]

@@ -19,6 +19,8 @@ Layout rules the runner relies on:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -75,3 +77,50 @@ class SlotKVCache:
     def highest_active(self) -> int:
         used = [s for s in range(self.num_slots) if s not in self._free]
         return max(used) if used else -1
+
+
+# Memory the talker keeps beside its weights and slots: the decode graphs' pools, prefill activations,
+# sampling buffers. On an H100 the talker's peak was 1.12 GiB above its weights and slots at 16 streams and
+# 1.15 GiB at 24 (BENCHMARKS.md, device memory under the duplex bench).
+SLOT_HEADROOM_BYTES = 1280 * 1024**2
+
+
+class SlotBudgetError(ValueError):
+    """The talker's memory cap cannot hold the KV slots its stream limit asks for (a startup error)."""
+
+
+def slot_bytes(num_layers: int, num_kv_heads: int, head_dim: int, context: int, dtype: torch.dtype) -> int:
+    """Bytes of one stream's slot in :class:`SlotKVCache` (K and V, ``context`` positions plus scratch)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * (context + 1) * num_kv_heads * head_dim * elem
+
+
+def check_slot_budget(
+    num_slots: int,
+    per_slot_bytes: int,
+    fraction: float,
+    total_bytes: int,
+    held_bytes: int,
+    key: str = "stages.talker.memory_fraction",
+    headroom_bytes: int = SLOT_HEADROOM_BYTES,
+) -> None:
+    """Refuse at start, with the numbers and the settings to change, a stream limit whose slots do not fit
+    the per-process cap: ``fraction × total − held − headroom`` must hold ``num_slots`` slots. Without this
+    the talker died with a bare ``OutOfMemoryError`` in the middle of building its runner."""
+    cap = int(fraction * total_bytes)
+    room = cap - int(held_bytes) - int(headroom_bytes)
+    need = num_slots * per_slot_bytes
+    if need <= room:
+        return
+    fits = max(0, room // per_slot_bytes)
+    at_least = math.ceil(1000 * (int(held_bytes) + int(headroom_bytes) + need) / total_bytes) / 1000
+    raise SlotBudgetError(
+        f"{num_slots} streams need {_gib(need)} of KV ({_gib(per_slot_bytes)} each), but the cap ({key} "
+        f"{fraction:g} of {_gib(total_bytes)} = {_gib(cap)}) holds {_gib(held_bytes)} already and keeps "
+        f"{_gib(headroom_bytes)} for graphs and activations, which leaves room for {fits}. Raise {key} to "
+        f"at least {at_least:.3f}, or lower the talker's max_num_seqs (--max-streams) to {fits}."
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -39,6 +39,7 @@ from services.common.stage_settings import add_memory_fraction_argument, apply_m
 from services.common.stage_stream import Inbox, Interrupted, StageServicer, StageStream, StageStreamDriver
 from services.common.tensors import TORCH_DTYPES, compute_dtype, dtype_to_proto, tensor_from_proto
 from services.talker.engine import STAGE, TalkerEngine
+from services.talker.kv_cache import SlotBudgetError, check_slot_budget, slot_bytes
 from services.talker.model.tts import MiniCPMTTS
 from services.talker.streams import (
     ClosedOut,
@@ -272,9 +273,29 @@ def build_engine(
     cuda_graphs: bool | None,
     kernels: str | None = None,
     steps_per_replay: int | None = None,
+    memory_cap: tuple[float, str] | None = None,
 ) -> tuple[TalkerEngine, Checkpoint]:
+    """Load the talker and build its engine. ``memory_cap`` (the fraction in force and the setting it came
+    from) checks that ``max_streams`` KV slots fit it before they are allocated (:class:`SlotBudgetError`)."""
     ckpt = Checkpoint(checkpoint)
     model = MiniCPMTTS.from_checkpoint(ckpt, dtype=compute_dtype(dtype, device), device=device)
+    if memory_cap is not None and model.device.type == "cuda":
+        torch.cuda.empty_cache()  # loading's temporaries count against the cap but the slots cannot reuse them
+        cfg = model.cfg
+        check_slot_budget(
+            max_streams,
+            slot_bytes(
+                len(model.model.layers),
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                cfg.max_position_embeddings,
+                model.dtype,
+            ),
+            memory_cap[0],
+            torch.cuda.get_device_properties(model.device).total_memory,
+            max(torch.cuda.memory_reserved(model.device), torch.cuda.memory_allocated(model.device)),
+            key=memory_cap[1],
+        )
     engine = TalkerEngine(
         model,
         max_streams=max_streams,
@@ -337,16 +358,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args, fraction = parse_stage_args(build_parser(), STAGE, argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    apply_memory_cap(STAGE, args.device, fraction, log)  # before the weights load, so they count too
-    engine, ckpt = build_engine(
-        args.checkpoint,
-        args.device,
-        args.dtype,
-        args.max_streams,
-        False if args.no_cuda_graphs else None,
-        kernels=args.kernels,
-        steps_per_replay=args.steps_per_replay,
-    )
+    cap = apply_memory_cap(STAGE, args.device, fraction, log)  # before the weights load, so they count too
+    try:
+        engine, ckpt = build_engine(
+            args.checkpoint,
+            args.device,
+            args.dtype,
+            args.max_streams,
+            False if args.no_cuda_graphs else None,
+            kernels=args.kernels,
+            steps_per_replay=args.steps_per_replay,
+            memory_cap=None if cap is None else (cap, fraction.key),
+        )
+    except SlotBudgetError as exc:
+        raise SystemExit(f"talker: {exc}") from None
     if not args.no_graph_warmup:
         if engine.runner.device.type == "cuda":  # the first burst's allocations and first calls, now
             engine.runner.warmup_prefill(engine.max_prefills_per_step)
