@@ -224,7 +224,7 @@ def test_engine_start_warms_every_batch_size_before_it_schedules() -> None:
         calls.append((p, max_batch, engine._task))
         return 0
 
-    runner = types.SimpleNamespace(open_stream=lambda *a: None, warm_up_shapes=warm_up_shapes)
+    runner = types.SimpleNamespace(open_stream=lambda *a: None, warm_up_shapes=warm_up_shapes, device="cpu")
     voices = types.SimpleNamespace(encode_file=lambda path: prompt)
 
     async def scenario() -> None:
