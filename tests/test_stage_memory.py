@@ -465,7 +465,9 @@ def test_talker_fraction_holds_its_streams_slots(name: str) -> None:
     talker = load_profile(name).stage("talker")
     assert talker.memory_fraction is not None and talker.max_num_seqs is not None
     for card in PROFILE_CARDS[name]:
-        check_slot_budget(talker.max_num_seqs, TALKER_SLOT_BYTES, talker.memory_fraction, card, TALKER_WEIGHTS)
+        check_slot_budget(
+            talker.max_num_seqs, TALKER_SLOT_BYTES, talker.memory_fraction, card, TALKER_WEIGHTS
+        )
 
 
 def test_talker_cli_passes_its_cap_to_the_slot_check_and_exits_with_its_message(
