@@ -32,6 +32,10 @@ class MemoryWatch:
         self.on_cuda = device.type == "cuda"
         if self.on_cuda:
             self.logged_peak = torch.cuda.max_memory_allocated(device)
+        # Labelled children resolved once: check() runs on every engine step.
+        self._allocated = DEVICE_MEMORY.labels(stage, "allocated")
+        self._reserved = DEVICE_MEMORY.labels(stage, "reserved")
+        self._peak = DEVICE_MEMORY.labels(stage, "peak_allocated")
 
     def check(self) -> None:
         if not self.on_cuda:
@@ -39,9 +43,9 @@ class MemoryWatch:
         peak = torch.cuda.max_memory_allocated(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
-        DEVICE_MEMORY.labels(self.stage, "allocated").set(allocated)
-        DEVICE_MEMORY.labels(self.stage, "reserved").set(reserved)
-        DEVICE_MEMORY.labels(self.stage, "peak_allocated").set(peak)
+        self._allocated.set(allocated)
+        self._reserved.set(reserved)
+        self._peak.set(peak)
         if peak >= self.logged_peak + self.log_step_bytes:
             self.logged_peak = peak
             log.info(

@@ -353,7 +353,7 @@ class ThinkerEngine:
         self._flush_step_metrics()
         self._update_gauges()
         try:
-            self._finish_step(plan, out, events, t0, t_forward)
+            self._finish_step(plan, out, events, t0, t_forward, n_prefill)
         except Exception as exc:
             # Sampling or emitting failed (device memory, a grammar): the same plan would fail again on
             # the next iteration, so its sequences end now with a typed error and the others go on.
@@ -368,6 +368,7 @@ class ThinkerEngine:
         events: tuple[torch.cuda.Event, torch.cuda.Event] | None,
         t0: float,
         t_forward: float,
+        n_prefill: int,
     ) -> None:
         """After a launched forward: leave a deferrable decode step in flight, or consume it now."""
         if self.overlap and self.runner.use_cuda_graphs and deferrable(plan, out):
@@ -390,7 +391,6 @@ class ThinkerEngine:
         self._consume(plan, out)
         self._timer.mark("sample and emit")
         dt = time.perf_counter() - t0
-        n_prefill = sum(n for _, n in plan.prefill)
         self._pending_metrics = (events, t_forward, dt, n_prefill, len(plan.decode), len(plan.prefill))
 
     def _fail_plan(self, plan: StepPlan, what: str, exc: BaseException) -> None:
