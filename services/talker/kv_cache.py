@@ -80,8 +80,8 @@ class SlotKVCache:
 
 
 # Memory the talker keeps beside its weights and slots: the decode graphs' pools, prefill activations,
-# sampling buffers. On an H100 the talker's peak was 1.12 GiB above its weights and slots at 16 streams and
-# 1.15 GiB at 24 (BENCHMARKS.md, device memory under the duplex bench).
+# sampling buffers. On an H100 the talker's measured peak (5.47 GiB at 16 streams, 7.38 at 24; BENCHMARKS.md)
+# less its slots and its weights (~0.6 GiB, counted from the shapes) leaves 1.12 and 1.15 GiB.
 SLOT_HEADROOM_BYTES = 1280 * 1024**2
 
 
