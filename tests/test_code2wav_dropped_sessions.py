@@ -6,8 +6,14 @@ then cut without a close frame; the gateway reaps them after a 1 s resume grace.
 own gauges must read their idle baseline (no open stream, no cache bytes, nothing in flight), and its
 RSS must come back near where it was before: the storm measured +191 MiB after 4 such sessions and
 +566 MiB after 8, which was the batches' freed working set kept mapped by glibc, now handed back when the
-engine goes idle (``minicpmo_code2wav_heap_trims_total``). Two rounds: the second must not add to the
-first (nothing per session).
+engine goes idle (``minicpmo_code2wav_heap_trims_total``).
+
+Nothing may accumulate per session, but one RSS reading is noisy: with every stream gone and the heap
+trimmed, a thread arena's resident pages still move by tens of MiB between rounds (one run's per-mapping
+diff: -4, -23, -5, -5 MiB over four rounds, mostly in one 64 MiB arena; a CI run read +10 then +43 over two
+rounds). So the test runs four rounds and judges the trend, not one difference: the least-squares
+slope of the growth must stay under 5 MiB per dropped session, and no round may exceed the bound. The
+storm's leak (about 48 MiB per session) fails both by far.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from realtime_stages import Conn, RunningStages, realtime_gateway, stage_servers
 pytestmark = pytest.mark.slow
 
 SESSIONS = 4
-RSS_BOUND_MIB = 64.0  # over the warmed-up baseline, after the idle trim
+ROUNDS = 4
+RSS_BOUND_MIB = 96.0  # any round, over the warmed-up baseline, after the idle trim
+SLOPE_BOUND_MIB = 5.0 * SESSIONS  # per round: 5 MiB per dropped session
 LONG = {"max_response_units": 40}  # still speaking when the socket is cut
 
 
@@ -98,9 +106,24 @@ def test_dropped_sessions_leave_code2wav_at_baseline(stages: RunningStages) -> N
         _settled(stages, trims)
         baseline = _rss_mib(pid)
         growth = []
-        for _ in range(2):
+        for _ in range(ROUNDS):
             _round(url, stages)
             growth.append(_rss_mib(pid) - baseline)
-    print(f"FIGURE code2wav_rss_growth_mib={growth[0]:.1f},{growth[1]:.1f} (baseline {baseline:.0f} MiB)")
+    slope = _slope(growth)
+    shown = ",".join(f"{g:.1f}" for g in growth)
+    print(f"FIGURE code2wav_rss_growth_mib={shown} slope={slope:.1f}/round (baseline {baseline:.0f} MiB)")
     assert max(growth) <= RSS_BOUND_MIB, growth
-    assert growth[1] - growth[0] <= RSS_BOUND_MIB / 2, growth
+    assert slope <= SLOPE_BOUND_MIB, (slope, growth)
+
+
+def _slope(ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` against their round numbers 0, 1, 2, ..."""
+    n = len(ys)
+    mx, my = (n - 1) / 2, sum(ys) / n
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
+
+
+def test_slope_reads_a_steady_leak_and_not_one_jump() -> None:
+    assert _slope([0.0, 48.0, 96.0, 144.0]) == pytest.approx(48.0)
+    assert _slope([9.9, 42.9, 42.9, 42.9]) < SLOPE_BOUND_MIB  # one retained arena chunk, then flat
+    assert _slope([4 * 5.5 * k for k in range(1, ROUNDS + 1)]) > SLOPE_BOUND_MIB  # 5.5 MiB per session
