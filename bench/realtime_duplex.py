@@ -44,7 +44,7 @@ import numpy as np
 
 from bench.e2e_client import histogram_sums
 from bench.launch import add_gpu_sharing_flags
-from bench.realtime_workload import SessionResult, native_session, turn_session
+from bench.realtime_workload import SessionPlan, SessionResult, native_session, turn_session
 
 # Stage histograms read per level: barge-in drain, engine step time and batch size of every stage; the
 # thinker's split of a duplex unit (queued / encode / engine) and of a step (forward / sample), and its
@@ -135,11 +135,9 @@ async def _sessions(args: argparse.Namespace, lane: str, n: int, ref_uri: str) -
     returned as what it measured so far, with an ``unfinished`` error (it counts as failed), so a level
     that cannot keep up is reported instead of holding the run until an outer time limit kills it."""
     script = turn_session if lane == "turn" else native_session
+    plan = SessionPlan(args.url, ref_uri, args.duration, args.units)
     results = [SessionResult(lane) for _ in range(n)]
-    tasks = [
-        asyncio.create_task(script(args.url, ref_uri, args.duration, args.units, result=result))
-        for result in results
-    ]
+    tasks = [asyncio.create_task(script(plan, result=result)) for result in results]
     deadline_s = level_deadline(args)
     t0 = time.monotonic()
     pending: set[asyncio.Task[SessionResult]] = set(tasks)

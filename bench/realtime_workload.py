@@ -1,6 +1,6 @@
 """The controlled realtime workload of ``bench.realtime_duplex``: one client session, paced in real time.
 
-Two scripts, each run by one session for at least ``duration_s`` seconds of wall time:
+Two scripts, each run by one session for at least the plan's ``duration_s`` seconds of wall time:
 
 * **turn lane** (``turn_session``): a cycle of [2 s of speech appended in real time (200 ms appends),
   commit + ``response.create``, the whole response (it speaks up to ``units`` units), 2 s of speech,
@@ -175,19 +175,25 @@ async def _response(
             return
 
 
-async def turn_session(
-    url: str,
-    ref_uri: str,
-    duration_s: float,
-    units: int,
-    timeout: float = 300.0,
-    result: SessionResult | None = None,
-) -> SessionResult:
-    """The turn lane for ``duration_s``; ``result`` (filled as the session goes) lets a caller that gives
-    up on the session keep what it measured."""
+@dataclass(frozen=True)
+class SessionPlan:
+    """What every session of a level is given: where to connect, the reference voice, how long to run,
+    the units per response, and how long to wait for any one event."""
+
+    url: str
+    ref_uri: str
+    duration_s: float
+    units: int
+    timeout: float = 300.0
+
+
+async def turn_session(plan: SessionPlan, result: SessionResult | None = None) -> SessionResult:
+    """The turn lane for ``plan.duration_s``; ``result`` (filled as the session goes) lets a caller that
+    gives up on the session keep what it measured."""
     result = result or SessionResult("turn")
-    client = await _open(url, _session(ref_uri, {"max_response_units": units}))
-    end = time.monotonic() + duration_s
+    timeout = plan.timeout
+    client = await _open(plan.url, _session(plan.ref_uri, {"max_response_units": plan.units}))
+    end = time.monotonic() + plan.duration_s
     try:
         while True:
             for barge_at in (None, 1):
@@ -203,18 +209,12 @@ async def turn_session(
     return result
 
 
-async def native_session(
-    url: str,
-    ref_uri: str,
-    duration_s: float,
-    units: int,
-    timeout: float = 300.0,
-    result: SessionResult | None = None,
-) -> SessionResult:
-    """The native lane for ``duration_s`` (``result`` as for :func:`turn_session`)."""
+async def native_session(plan: SessionPlan, result: SessionResult | None = None) -> SessionResult:
+    """The native lane for ``plan.duration_s`` (``result`` as for :func:`turn_session`)."""
     result = result or SessionResult("native")
-    extra = {"auto_response": True, "force_listen_count": 0, "max_response_units": units}
-    client = await _open(url, _session(ref_uri, extra))
+    timeout = plan.timeout
+    extra = {"auto_response": True, "force_listen_count": 0, "max_response_units": plan.units}
+    client = await _open(plan.url, _session(plan.ref_uri, extra))
     active: dict[str, ResponseClock] = {}
     streaming = True
 
@@ -239,7 +239,7 @@ async def native_session(
 
     follower = asyncio.create_task(follow())
     try:
-        end = time.monotonic() + duration_s
+        end = time.monotonic() + plan.duration_s
         while time.monotonic() < end and not follower.done():
             await client.stream(2.0, speech=True)
             await client.stream(4.0, speech=False)

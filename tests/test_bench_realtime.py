@@ -90,7 +90,7 @@ def test_a_level_past_its_deadline_keeps_what_its_sessions_measured(
 
     calls = {"n": 0}
 
-    async def script(url, ref_uri, duration, units, result):  # noqa: ANN001, ANN202
+    async def script(plan, result):  # noqa: ANN001, ANN202
         calls["n"] += 1
         clock = ResponseClock(started=0.0)
         clock.unit_rtf.extend([0.5, 0.7])
