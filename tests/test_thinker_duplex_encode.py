@@ -1,6 +1,6 @@
 """Batched duplex unit encoding (tiny checkpoint, CPU fp32): N sessions' units in one streaming-Whisper pass
-give the same numbers, bit for bit, as N passes of one unit each, and keep each session's encoder cache
-its own; the encoder queue gathers units that wait together into one pass; one unit's bad input fails
+give the same numbers, to float rounding, as N passes of one unit each, and keep each session's encoder
+cache its own; the encoder queue gathers units that wait together into one pass; one unit's bad input fails
 only that unit."""
 
 from __future__ import annotations
@@ -55,12 +55,19 @@ def _open(name: str) -> thinker_pb2.ThinkerOpen:
     )
 
 
+# A batched pass sums in another order than a pass of one stream (the convolutions over a batch, attention
+# over keys padded to the longest stream), so rows agree to float rounding, not bit for bit.
+CLOSE = {"rtol": 1e-5, "atol": 1e-5}
+
+
 def _same_state(a, b) -> None:  # noqa: ANN001
     assert a.frames == b.frames
     assert torch.equal(a.mel_tail, b.mel_tail)
     assert len(a.kv) == len(b.kv)
     for (ka, va), (kb, vb) in zip(a.kv, b.kv, strict=True):
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+        torch.testing.assert_close(ka, kb, **CLOSE)
+        torch.testing.assert_close(va, vb, **CLOSE)
+    assert a.slot != b.slot or a.pool is not b.pool  # each stream its own slot
 
 
 def test_batched_whisper_pass_equals_one_pass_per_stream(backend) -> None:  # noqa: ANN001
@@ -87,7 +94,7 @@ def test_batched_whisper_pass_equals_one_pass_per_stream(backend) -> None:  # no
     together = model.get_audio_embeds_streaming_batch(pieces)
     assert together.shape == (4, 10, model.dims.hidden_size)
     for s in range(4):
-        assert torch.equal(together[s], alone[s]), f"stream {s}"
+        torch.testing.assert_close(together[s], alone[s], **CLOSE, msg=f"stream {s}")
         _same_state(batched[s], single[s])
     assert len({st.frames for st in batched}) == 4  # the caches really had different lengths
 
@@ -124,7 +131,7 @@ def test_batched_unit_encode_equals_single_unit_encodes(backend) -> None:  # noq
         assert not isinstance(many, BaseException)
         assert many.token_ids == one.token_ids
         assert many.embeds is not None and one.embeds is not None
-        assert torch.equal(many.embeds, one.embeds), f"session {s}"
+        torch.testing.assert_close(many.embeds, one.embeds, **CLOSE, msg=f"session {s}")
         assert many.emit_hidden and many.feed_last
         _same_state(together[s].audio_state, alone[s].audio_state)
 
@@ -161,7 +168,8 @@ def test_encoder_queue_gathers_waiting_units_into_one_pass(backend) -> None:  # 
         assert WHISPER_BATCH._sum.get() - calls[0] == 3
         assert sum(b.get() for b in WHISPER_BATCH._buckets) - calls[1] == 1
         for work, ref in zip(got, expected, strict=True):
-            assert work.token_ids == ref.token_ids and torch.equal(work.embeds, ref.embeds)
+            assert work.token_ids == ref.token_ids
+            torch.testing.assert_close(work.embeds, ref.embeds, **CLOSE)
     finally:
         gate.set()
         executor.shutdown(wait=True)

@@ -129,28 +129,59 @@ def test_streaming_audio_units_match_offline_chunked_encoding(model, processor):
     assert state.frames == 200
 
 
-def test_audio_stream_cache_is_one_fixed_buffer_of_audio_stream_bytes(model, processor):
-    """The KV budget reserves ``audio_stream_bytes`` per duplex session: the stream's first piece allocates
-    exactly that much in one buffer, which neither grows nor moves up to the encoder's position limit,
-    survives the session's reset and is dropped by ``release``."""
+def test_audio_stream_cache_is_one_pool_slot_of_audio_stream_bytes(model, processor):
+    """The KV budget reserves ``audio_stream_bytes`` per duplex session: the stream's first piece takes one
+    slot of exactly that size in the pooled cache, which it keeps (same slot, same memory) up to the
+    encoder's position limit and across a reset; ``release`` gives it back, a pass already queued for a
+    closed session keeps none, and the next stream reuses the slot instead of growing the pool."""
     feats, lens, _ = processor.process_audio(_audio(1.0, 1))
     piece = feats[0, :, :100]
+    pool = model.apm.stream_pool
     state = model.new_audio_stream()
     assert state.cache is None and state.kv == []
     model.get_audio_embeds_streaming(piece, state, piece[:, :2])
-    buffer = state.cache
+    slot, buffer = state.slot, state.cache
     assert buffer is not None and buffer.numel() * buffer.element_size() == model.audio_stream_bytes()
+    slots = pool.tensor.shape[0]
     per_unit = 50  # encoder frames per 1 s unit
     for _ in range(model.dims.audio.max_source_positions // per_unit - 1):
         model.get_audio_embeds_streaming(piece, state, piece[:, :2])
-    assert state.frames == model.dims.audio.max_source_positions and state.cache is buffer
+    assert state.frames == model.dims.audio.max_source_positions and state.slot == slot
+    assert state.cache.data_ptr() == buffer.data_ptr()
     assert [k.shape[2] for k, _ in state.kv] == [state.frames] * model.dims.audio.num_layers
     state.reset()
-    assert state.frames == 0 and state.cache is buffer
+    assert state.frames == 0 and state.slot == slot
+    held = pool.in_use
     state.release()
     assert state.cache is None and state.kv == []
     model.get_audio_embeds_streaming(piece, state, piece[:, :2])  # a pass that was already queued
-    assert state.cache is None  # a closed session keeps no buffer
+    assert state.cache is None and state.slot is None  # a closed session keeps no slot
+    fresh = model.new_audio_stream()
+    model.get_audio_embeds_streaming(piece, fresh, piece[:, :2])
+    assert pool.in_use == held and pool.tensor.shape[0] == slots
+    fresh.release()
+
+
+def test_audio_cache_pool_reuses_a_released_slot_only_from_the_next_pass_and_grows_keeping_contents():
+    """A slot released while a pass runs is not handed out again in that pass (the pass may still write
+    it); more sessions than the capacity double the pool and keep what the held slots hold."""
+    from services.thinker.model.audio import AudioCachePool
+
+    pool = AudioCachePool((2, 3), capacity=2)
+    like = torch.zeros(1)
+    with pool.pass_lock:
+        pool.begin_pass()
+        a, b = pool.acquire(like), pool.acquire(like)
+        assert pool.tensor is not None and pool.tensor.shape == (2, 2, 3) and {a, b} == {0, 1}
+        pool.tensor[a].fill_(7.0)
+        pool.release(b)  # the session closes during the pass
+        c = pool.acquire(like)  # not b: the pool grows instead
+        assert c not in (a, b) and pool.tensor.shape[0] == 4
+        assert torch.equal(pool.tensor[a], torch.full((2, 3), 7.0))
+    with pool.pass_lock:
+        pool.begin_pass()
+        assert pool.in_use == 2  # a and c
+        assert pool.acquire(like) in (b, 3)
 
 
 def test_merge_rejects_row_count_mismatch(model, processor):

@@ -72,6 +72,7 @@ def build_backend(
         # (plus two waiting).
         per_sequence = model.audio_stream_bytes() + SEQUENCE_HEADROOM_BYTES
         engine_config.reserve_bytes = (engine_config.max_num_seqs + 2) * per_sequence
+    model.reserve_audio_streams(engine_config.max_num_seqs + 2)  # the sessions the reserve above counts
     engine = ThinkerEngine(model.llm, engine_config, device)
     from services.thinker.constrained import GrammarCompiler
 

@@ -19,11 +19,11 @@ batch gathers, and the batch grows with the load without any waiting window. One
 
 1. per unit, on the host: the streaming mel and the frames' slices (:meth:`DuplexSession.prepare_unit`);
 2. one :meth:`ThinkerModel.get_audio_embeds_streaming_batch` over all the units (each session keeps its own
-   encoder cache; projections and MLPs run batched, attention per cache);
+   slot of the pooled encoder cache; convolutions, projections, MLPs and attention run batched);
 3. the frames' vision rows, per unit that has frames.
 
-A unit's rows and embeddings are the same numbers as when it is encoded alone (bit for bit on CPU fp32:
-tests/test_thinker_duplex_encode.py), so batching changes nothing the model sees.
+A unit's rows and embeddings are the same numbers as when it is encoded alone, to float rounding (the
+batched sums run in another order: tests/test_thinker_duplex_encode.py).
 """
 
 from __future__ import annotations

@@ -344,8 +344,8 @@ class DuplexStream(StageStream[Response]):
         return responses
 
     async def close(self) -> None:
-        """Stop the session's queued encodes, free its KV and drop its Whisper cache now (147 MB at full
-        size), not whenever the last reference to the session happens to go."""
+        """Stop the session's queued encodes, free its KV and give its Whisper cache slot back now (147 MB
+        at full size), not whenever the last reference to the session happens to go."""
         for task in (self.ahead.task if self.ahead is not None else None, self.dropped_ahead):
             if task is not None:
                 task.cancel()

@@ -12,8 +12,10 @@ each streamed chunk is a whole number of chunks and the convolution sees its lef
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast, overload
 
 import torch
@@ -23,6 +25,9 @@ from transformers.activations import ACT2FN
 
 from services.common.sdpa import attention
 from services.thinker.model.config import AudioDims
+from services.thinker.model.device import to_device
+
+log = logging.getLogger(__name__)
 
 ENCODER_FRAMES_PER_SECOND = 50
 
@@ -78,27 +83,29 @@ class WhisperAttention(nn.Module):
         out = attention(q, k, v, attn_mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
 
-    def forward_streams(self, x: torch.Tensor, caches: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
-        """``x`` [B, n, d]: row b is the next piece of stream b, whose cache is ``caches[b]``.
+    def forward_streams(self, x: torch.Tensor, cache: StreamCacheView) -> torch.Tensor:
+        """``x`` [B, n, d]: row b is the next piece of stream b, whose keys and values are slot
+        ``cache.slots[b]`` of this layer's pooled cache, filled up to frame ``cache.starts[b]``.
 
-        A cache is ``(buffer, start)``: this layer's ``[2, heads, max_frames, head_dim]`` keys and values of
-        the stream, filled up to frame ``start``. The piece's keys and values are written at
-        ``[start, start + n)`` and its queries attend over ``[0, start + n)``. The projections run once
-        for all B streams; attention runs per stream over its own cache (the caches have different
-        lengths, and padding them to one length would change the softmax's summation order, so the rows
-        would no longer equal a single stream's bit for bit on CPU).
+        The piece's keys and values are written at ``[start, start + n)`` of every stream with one
+        ``index_put`` each, and the queries attend over ``[0, start + n)`` in one attention call: the
+        caches are gathered up to the longest stream's end, and a stream's keys past its own end are
+        masked. Per-stream calls (three launches per stream per layer) made this pass host-bound.
         """
         b, n, d = x.shape
         q = self._heads(self.q_proj(x))
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
-        outs: list[torch.Tensor] = []
-        for i, (buf, start) in enumerate(caches):
-            end = start + n
-            buf[0, :, start:end] = k[i]
-            buf[1, :, start:end] = v[i]
-            outs.append(attention(q[i : i + 1], buf[0, None, :, :end], buf[1, None, :, :end]))
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        keys, values = cache.layer
+        rows = cache.slots[:, None]
+        keys[rows, :, cache.frames] = k.transpose(1, 2)  # [B, n, heads, head_dim] into [slot, :, frame]
+        values[rows, :, cache.frames] = v.transpose(1, 2)
+        out = attention(
+            q,
+            keys[:, :, : cache.span].index_select(0, cache.slots),
+            values[:, :, : cache.span].index_select(0, cache.slots),
+            attn_mask=cache.key_mask,
+        )
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
 
 
@@ -116,48 +123,153 @@ class WhisperEncoderLayer(nn.Module):
         x = x + self.self_attn(self.self_attn_layer_norm(x), mask)
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
-    def forward_streams(self, x: torch.Tensor, caches: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    def forward_streams(self, x: torch.Tensor, cache: StreamCacheView) -> torch.Tensor:
         """One layer for B streams' next pieces at once (see :meth:`WhisperAttention.forward_streams`)."""
-        x = x + self.self_attn.forward_streams(self.self_attn_layer_norm(x), caches)
+        x = x + self.self_attn.forward_streams(self.self_attn_layer_norm(x), cache)
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+
+class AudioCachePool:
+    """Every duplex session's Whisper keys and values in one tensor, one slot per session.
+
+    ``tensor`` is ``[slots, layers, 2, heads, max_source_positions, head_dim]``; a slot is exactly what
+    the thinker reserves per session
+    (:meth:`~services.thinker.model.thinker.ThinkerModel.audio_stream_bytes`, 147 MB at full size). One
+    tensor lets a pass over B sessions write every session's new keys and values with one ``index_put``
+    per layer and read them with one gather, where separate buffers cost three launches per session per
+    layer. It is allocated at the first pass with ``capacity`` slots (the thinker sets that to the
+    sequences it reserves for) and doubles, with a warning, if more sessions than that encode at once.
+
+    Passes take :attr:`pass_lock` (one at a time). A session closing during a pass gives its slot back
+    through :meth:`release`, which never waits for the pass; the slot is reused only from the next pass
+    on (:meth:`begin_pass`), so the running pass may still write it without touching a new session.
+    """
+
+    def __init__(self, slot_shape: tuple[int, ...], capacity: int = 4) -> None:
+        self.slot_shape = slot_shape
+        self.capacity = capacity
+        self.tensor: torch.Tensor | None = None
+        self.pass_lock = threading.Lock()
+        self._free: list[int] = []
+        self._released: list[int] = []
+        self._release_lock = threading.Lock()  # release runs on the event loop, passes on a worker
+
+    @property
+    def in_use(self) -> int:
+        """Slots held by sessions (or released during the running pass)."""
+        return 0 if self.tensor is None else self.tensor.shape[0] - len(self._free)
+
+    def begin_pass(self) -> None:
+        """Make the slots released since the last pass free again (call holding :attr:`pass_lock`)."""
+        with self._release_lock:
+            self._free.extend(self._released)
+            self._released.clear()
+
+    def acquire(self, like: torch.Tensor) -> int:
+        """A free slot (call holding :attr:`pass_lock`); the first call allocates the tensor with the
+        dtype and device of ``like``."""
+        if self.tensor is None:
+            self.tensor = torch.empty((self.capacity, *self.slot_shape), dtype=like.dtype, device=like.device)
+            self._free = list(range(self.capacity - 1, -1, -1))
+        if not self._free:
+            old = self.tensor
+            grown = torch.empty((2 * old.shape[0], *self.slot_shape), dtype=old.dtype, device=old.device)
+            grown[: old.shape[0]] = old
+            self.tensor = grown
+            self._free = list(range(grown.shape[0] - 1, old.shape[0] - 1, -1))
+            log.warning(
+                "streaming-Whisper cache grew to %d session slots (%d were reserved for)",
+                grown.shape[0],
+                self.capacity,
+            )
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back; it is free again from the next pass on."""
+        with self._release_lock:
+            self._released.append(slot)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s keys and values of every slot, ``[slots, heads, frames, head_dim]`` views."""
+        assert self.tensor is not None, "no pass has allocated the cache yet"
+        return self.tensor[:, index, 0], self.tensor[:, index, 1]
+
+
+@dataclass(frozen=True)
+class StreamCacheView:
+    """Where one pass's B pieces go in the pooled cache (the same for every layer but ``layer``)."""
+
+    slots: torch.Tensor  # [B] each stream's slot
+    frames: torch.Tensor  # [B, n] the positions the piece's n frames take
+    span: int  # the longest stream's end after this piece: the keys every stream's attention reads
+    key_mask: torch.Tensor | None  # [B, 1, 1, span] keys a stream may see; None when all end at span
+    layer: tuple[torch.Tensor, torch.Tensor]  # this layer's keys and values, [slots, heads, frames, hd]
+
+    @classmethod
+    def build(
+        cls, slots: Sequence[int], starts: Sequence[int], n: int, device: torch.device
+    ) -> StreamCacheView:
+        ends = [start + n for start in starts]
+        span = max(ends)
+        starts_t = torch.tensor(starts, dtype=torch.long)
+        frames = starts_t[:, None] + torch.arange(n)[None, :]
+        mask = None
+        if min(ends) != span:
+            mask = (torch.arange(span)[None, :] < torch.tensor(ends)[:, None])[:, None, None, :]
+            mask = to_device(mask, device)
+        empty = torch.empty(0, device=device)
+        return cls(
+            to_device(torch.tensor(slots, dtype=torch.long), device),
+            to_device(frames, device),
+            span,
+            mask,
+            (empty, empty),
+        )
 
 
 @dataclass
 class AudioStreamState:
     """Per-session incremental Whisper state (one stream, batch 1).
 
-    ``cache`` holds every layer's keys and values, ``[layers, 2, heads, max_source_positions, head_dim]``,
-    in one buffer allocated at the stream's first piece; frames ``[0, frames)`` are filled. One
-    fixed-size buffer per session, rather than per-layer tensors that grow by one piece each unit, means
-    no copy of the whole cache per unit and no allocator blocks of ever-changing sizes (with two dozen
-    sessions those fragment the thinker's capped memory); its size is exactly what the thinker reserves
-    per session (:meth:`~services.thinker.model.thinker.ThinkerModel.audio_stream_bytes`).
+    The session's keys and values live in slot ``slot`` of its encoder's :class:`AudioCachePool`,
+    taken at the stream's first piece and kept until :meth:`release`; frames ``[0, frames)`` are filled.
     ``mel_tail`` holds the last mel frames of the previous piece, which the convolutions need as left
     context.
     """
 
-    cache: torch.Tensor | None = None
+    pool: AudioCachePool | None = None
+    slot: int | None = None
     mel_tail: torch.Tensor | None = None
     frames: int = 0  # encoder frames already in the cache (= next position id)
-    released: bool = False  # the session closed: a pass still running gets a buffer it does not keep
+    released: bool = False  # the session closed: a pass still running uses a slot it does not keep
+
+    @property
+    def cache(self) -> torch.Tensor | None:
+        """The session's slot, ``[layers, 2, heads, max_source_positions, head_dim]`` (a view), or None."""
+        if self.pool is None or self.slot is None or self.pool.tensor is None:
+            return None
+        return self.pool.tensor[self.slot]
 
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's cached keys and values, ``[1, heads, frames, head_dim]`` views (tests, dumps)."""
-        if self.cache is None or self.frames == 0:
+        cache = self.cache
+        if cache is None or self.frames == 0:
             return []
-        return [(layer[0, None, :, : self.frames], layer[1, None, :, : self.frames]) for layer in self.cache]
+        return [(layer[0, None, :, : self.frames], layer[1, None, :, : self.frames]) for layer in cache]
 
     def reset(self) -> None:
-        """Start the stream over at position 0 (the buffer is kept for the next frames)."""
+        """Start the stream over at position 0 (the slot is kept for the next frames)."""
         self.mel_tail = None
         self.frames = 0
 
     def release(self) -> None:
-        """Drop the buffer now (a closed session), whoever still holds a reference to the state."""
+        """Give the slot back now (a closed session), whoever still holds a reference to the state."""
         self.released = True
         self.reset()
-        self.cache = None
+        if self.pool is not None and self.slot is not None:
+            self.pool.release(self.slot)
+        self.slot = None
 
 
 @dataclass
@@ -186,6 +298,9 @@ class WhisperChunkedEncoder(nn.Module):
         self.embed_positions = nn.Embedding(dims.max_source_positions, dims.d_model)
         self.layers = nn.ModuleList([WhisperEncoderLayer(dims) for _ in range(dims.num_layers)])
         self.layer_norm = nn.LayerNorm(dims.d_model)
+        head_dim = dims.d_model // dims.num_heads
+        slot = (dims.num_layers, 2, dims.num_heads, dims.max_source_positions, head_dim)
+        self.stream_pool = AudioCachePool(slot)  # the duplex sessions' caches (forward_chunks)
 
     def _front(self, mel: torch.Tensor) -> torch.Tensor:
         x = F.gelu(self.conv1(mel.to(self.conv1.weight.dtype)))
@@ -235,11 +350,13 @@ class WhisperChunkedEncoder(nn.Module):
     def forward_chunks(self, pieces: Sequence[StreamPiece]) -> torch.Tensor:
         """Encode the next piece of several streams in one pass: ``[B, P // 2, d_model]``, states updated.
 
-        Every piece must have the same length P (a 1 s unit is 100 frames). The convolutions run per
-        piece (the first piece of a stream has no left context, so the windows differ in width, and a
-        batched convolution does not sum in the same order as a single one); the projections, MLPs and
-        norms of every layer run once for all B rows; attention runs per stream over its own cache. Row b
-        equals :meth:`forward_chunk` of piece b alone, bit for bit on CPU fp32 (tests hold it to that).
+        Every piece must have the same length P (a 1 s unit is 100 frames). The convolutions run once per
+        group of pieces with the same window (a stream's first piece has no left context), the
+        projections, MLPs and norms of every layer once for all B rows, and attention once over the
+        pooled caches (:meth:`WhisperAttention.forward_streams`). Pieces may be on the host: their
+        windows are built there and go to the device in one copy per group. Row b equals
+        :meth:`forward_chunk` of piece b alone up to float rounding (the batched sums run in another
+        order; bit for bit when B is 1).
         """
         if not pieces:
             raise ValueError("forward_chunks needs at least one piece")
@@ -248,29 +365,30 @@ class WhisperChunkedEncoder(nn.Module):
             raise ValueError("a stream's pieces must be encoded one call after another, not together")
         for piece in pieces:  # every piece is checked before any state moves on
             self._check_piece(piece, new_frames)
-        rows = [self._piece_front(piece, new_frames) for piece in pieces]
-        x = torch.cat(rows) if len(rows) > 1 else rows[0]
-        # Buffers and start frames are read once: a session closed meanwhile (release) loses its buffer
-        # only after this pass, which still holds it.
-        buffers = [self._cache_of(p.state, x) for p in pieces]
-        starts = [p.state.frames for p in pieces]
-        for li, layer in enumerate(self.layers):
-            caches = [(buf[li], start) for buf, start in zip(buffers, starts, strict=True)]
-            x = cast(WhisperEncoderLayer, layer).forward_streams(x, caches)
-        for piece in pieces:
-            piece.state.frames += new_frames
+        x = self._fronts(pieces, new_frames)
+        pool = self.stream_pool
+        with pool.pass_lock:
+            pool.begin_pass()
+            slots, scratch = [], []
+            for piece in pieces:
+                state = piece.state
+                if state.slot is None:
+                    slot = pool.acquire(x)
+                    if state.released:  # closed meanwhile: this pass writes a slot the state does not keep
+                        scratch.append(slot)
+                    else:
+                        state.pool, state.slot = pool, slot
+                slots.append(slot if state.slot is None else state.slot)
+            starts = [p.state.frames for p in pieces]
+            x = x + self.embed_positions.weight[_positions(starts, new_frames, x.device)]
+            view = StreamCacheView.build(slots, starts, new_frames, x.device)
+            for li, layer in enumerate(self.layers):
+                x = cast(WhisperEncoderLayer, layer).forward_streams(x, replace(view, layer=pool.layer(li)))
+            for piece in pieces:
+                piece.state.frames += new_frames
+            for slot in scratch:
+                pool.release(slot)
         return self.layer_norm(x)
-
-    def _cache_of(self, state: AudioStreamState, like: torch.Tensor) -> torch.Tensor:
-        """The stream's cache buffer, allocated on its first piece (dtype and device of ``like``)."""
-        if state.cache is not None:
-            return state.cache
-        attn = cast(WhisperEncoderLayer, self.layers[0]).self_attn
-        shape = (len(self.layers), 2, attn.num_heads, self.embed_positions.num_embeddings, attn.head_dim)
-        buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
-        if not state.released:
-            state.cache = buffer
-        return buffer
 
     def _check_piece(self, piece: StreamPiece, new_frames: int) -> None:
         if piece.mel.shape[-1] % 2:
@@ -285,25 +403,46 @@ class WhisperChunkedEncoder(nn.Module):
         if tail is not None and tail.shape[-1] % 2:
             raise ValueError("the left context must have an even number of frames (conv stride 2)")
 
-    def _piece_front(self, piece: StreamPiece, new_frames: int) -> torch.Tensor:
-        """One piece through the convolutions plus its positions: ``[1, P // 2, d_model]``; the state's
-        ``mel_tail`` moves on (its cache and frame count move on in :meth:`forward_chunks`)."""
-        mel, state = piece.mel, piece.state
-        dtype = self.conv1.weight.dtype
-        parts = [mel]
-        left = 0
-        tail = state.mel_tail if piece.lookbehind is None else piece.lookbehind
-        if tail is not None and tail.shape[-1] > 0:
-            parts.insert(0, tail.to(mel.device))
-            left = tail.shape[-1]
-        if piece.lookahead is not None and piece.lookahead.shape[-1] > 0:
-            parts.append(piece.lookahead[:, :2].to(mel.device))
-        window = torch.cat(parts, dim=-1).to(dtype)
-        # With an even left context the stride-2 grid stays aligned with the offline pass; the first
-        # left/2 outputs belong to the previous piece and are dropped.
-        x = self._front(window[None])[:, left // 2 : left // 2 + new_frames]
-        state.mel_tail = mel[:, -self.CONV_LEFT_CONTEXT :].to(dtype)
-        return x + self.embed_positions.weight[state.frames : state.frames + new_frames]
+    def _fronts(self, pieces: Sequence[StreamPiece], new_frames: int) -> torch.Tensor:
+        """Every piece through the convolutions: ``[B, P // 2, d_model]``; each state's ``mel_tail`` moves
+        on (its slot and frame count move on in :meth:`forward_chunks`).
+
+        A piece's window is its left context (the previous piece's last frames, or ``lookbehind``), the
+        piece and up to two lookahead frames. Pieces whose windows have the same shape run as one batch;
+        with an even left context the stride-2 grid stays aligned with the offline pass, and the first
+        left/2 outputs (the previous piece's) are dropped.
+        """
+        weight = self.conv1.weight
+        groups: dict[tuple[int, int], list[int]] = {}
+        windows: list[torch.Tensor] = []
+        for i, piece in enumerate(pieces):
+            mel, state = piece.mel, piece.state
+            parts = [mel]
+            tail = state.mel_tail if piece.lookbehind is None else piece.lookbehind
+            if tail is not None and tail.shape[-1] > 0:
+                parts.insert(0, tail.to(mel.device))
+            left = parts[0].shape[-1] if len(parts) > 1 else 0
+            if piece.lookahead is not None and piece.lookahead.shape[-1] > 0:
+                parts.append(piece.lookahead[:, :2].to(mel.device))
+            windows.append(torch.cat(parts, dim=-1) if len(parts) > 1 else mel)
+            groups.setdefault((left, windows[-1].shape[-1]), []).append(i)
+            state.mel_tail = mel[:, -self.CONV_LEFT_CONTEXT :]
+        rows: list[torch.Tensor | None] = [None] * len(pieces)
+        out: torch.Tensor | None = None
+        for (left, _), members in groups.items():
+            batch = to_device(torch.stack([windows[i] for i in members]), weight.device)
+            front = self._front(batch)[:, left // 2 : left // 2 + new_frames]
+            if len(groups) == 1:
+                out = front
+            for row, i in zip(front.unbind(0), members, strict=True):
+                rows[i] = row
+        return out if out is not None else torch.stack(cast(list[torch.Tensor], rows))
+
+
+def _positions(starts: Sequence[int], n: int, device: torch.device) -> torch.Tensor:
+    """``[B, n]`` position ids: stream b's piece takes positions ``[starts[b], starts[b] + n)``."""
+    host = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(n)[None, :]
+    return to_device(host, device)
 
 
 class AudioProjector(nn.Module):

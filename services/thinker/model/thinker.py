@@ -26,6 +26,7 @@ from services.thinker.model.audio import (
     pooled_length,
 )
 from services.thinker.model.config import ThinkerDims, thinker_dims
+from services.thinker.model.device import to_device
 from services.thinker.model.vision import Resampler, SiglipNavitTower
 
 
@@ -39,14 +40,6 @@ class PromptTensors(Protocol):
     audio_features: torch.Tensor
     audio_feature_lens: torch.Tensor
     audio_bounds: torch.Tensor
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; a CPU tensor goes to a GPU through pinned memory without a stream sync (a
-    plain copy from pageable memory waits for every kernel queued before it, the engine's included)."""
-    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _spans_to_indices(bounds: torch.Tensor) -> torch.Tensor:
@@ -194,6 +187,11 @@ class ThinkerModel(nn.Module):
         """A fresh incremental-Whisper state for one duplex session (see :meth:`get_audio_embeds_streaming`)."""
         return AudioStreamState()
 
+    def reserve_audio_streams(self, sessions: int) -> None:
+        """Size the duplex sessions' pooled Whisper cache for ``sessions`` at once (allocated at the first
+        pass; it grows past that with a warning)."""
+        self.apm.stream_pool.capacity = max(1, sessions)
+
     @torch.inference_mode()
     def get_audio_embeds_streaming(
         self,
@@ -216,20 +214,12 @@ class ThinkerModel(nn.Module):
     def get_audio_embeds_streaming_batch(self, pieces: Sequence[StreamPiece]) -> torch.Tensor:
         """The next unit of several duplex sessions in one encoder pass: ``[B, 10, H]``, states updated.
 
-        Row b equals :meth:`get_audio_embeds_streaming` of piece b alone (per-session caches stay
-        separate; see :meth:`WhisperChunkedEncoder.forward_chunks`). CPU pieces are copied to the device
-        without a stream sync, so the encoder never waits for the engine's queued steps.
+        Row b equals :meth:`get_audio_embeds_streaming` of piece b alone up to float rounding (each session
+        keeps its own slot of the pooled cache; see :meth:`WhisperChunkedEncoder.forward_chunks`). Host
+        pieces go to the device in one copy per window shape, without a stream sync, so the encoder never
+        waits for the engine's queued steps.
         """
-        on_device = [
-            StreamPiece(
-                _to_device(p.mel, self.device),
-                p.state,
-                None if p.lookahead is None else _to_device(p.lookahead, self.device),
-                None if p.lookbehind is None else _to_device(p.lookbehind, self.device),
-            )
-            for p in pieces
-        ]
-        enc = self.apm.forward_chunks(on_device)
+        enc = self.apm.forward_chunks(pieces)
         return pool_embeddings(self.audio_projection_layer(enc), self.dims.audio.pool_step)
 
     # ---------------------------------------------------------------------------------------- merge
@@ -246,10 +236,10 @@ class ThinkerModel(nn.Module):
         ``vision_embeds`` [n_spans, Q, H] fills ``image_bounds`` (one ``[start, end)`` span per slice);
         the audio rows are concatenated and fill the ``audio_bounds`` spans in prompt order.
         """
-        ids = _to_device(input_ids, self.device).reshape(-1)
+        ids = to_device(input_ids, self.device).reshape(-1)
         embeds = self.embed_tokens(ids).clone()
         if image_bounds is not None and image_bounds.numel():
-            idx = _to_device(_spans_to_indices(image_bounds), self.device)
+            idx = to_device(_spans_to_indices(image_bounds), self.device)
             rows = (vision_embeds if vision_embeds is not None else torch.zeros(0)).reshape(
                 -1, embeds.shape[-1]
             )
@@ -257,7 +247,7 @@ class ThinkerModel(nn.Module):
                 raise ValueError(f"{rows.shape[0]} vision rows for {idx.numel()} image placeholder positions")
             embeds[idx] = rows.to(embeds.dtype)
         if audio_bounds is not None and audio_bounds.numel():
-            idx = _to_device(_spans_to_indices(audio_bounds), self.device)
+            idx = to_device(_spans_to_indices(audio_bounds), self.device)
             rows = torch.cat(list(audio_embeds), 0) if audio_embeds else torch.zeros(0, embeds.shape[-1])
             if rows.shape[0] != idx.numel():
                 raise ValueError(f"{rows.shape[0]} audio rows for {idx.numel()} audio placeholder positions")
