@@ -200,7 +200,7 @@ class StreamCacheView:
     """Where one pass's B pieces go in the pooled cache (the same for every layer but ``layer``)."""
 
     slots: torch.Tensor  # [B] each stream's slot
-    frames: torch.Tensor  # [B, n] the positions the piece's n frames take
+    frames: torch.Tensor  # [B, n] the positions (cache frames and position ids) the piece's n frames take
     span: int  # the longest stream's end after this piece: the keys every stream's attention reads
     key_mask: torch.Tensor | None  # [B, 1, 1, span] keys a stream may see; None when all end at span
     layer: tuple[torch.Tensor, torch.Tensor]  # this layer's keys and values, [slots, heads, frames, hd]
@@ -379,15 +379,18 @@ class WhisperChunkedEncoder(nn.Module):
                     else:
                         state.pool, state.slot = pool, slot
                 slots.append(slot if state.slot is None else state.slot)
-            starts = [p.state.frames for p in pieces]
-            x = x + self.embed_positions.weight[_positions(starts, new_frames, x.device)]
-            view = StreamCacheView.build(slots, starts, new_frames, x.device)
-            for li, layer in enumerate(self.layers):
-                x = cast(WhisperEncoderLayer, layer).forward_streams(x, replace(view, layer=pool.layer(li)))
-            for piece in pieces:
-                piece.state.frames += new_frames
-            for slot in scratch:
-                pool.release(slot)
+            try:
+                view = StreamCacheView.build(slots, [p.state.frames for p in pieces], new_frames, x.device)
+                x = x + self.embed_positions.weight[view.frames]
+                for li, layer in enumerate(self.layers):
+                    x = cast(WhisperEncoderLayer, layer).forward_streams(
+                        x, replace(view, layer=pool.layer(li))
+                    )
+                for piece in pieces:
+                    piece.state.frames += new_frames
+            finally:
+                for slot in scratch:
+                    pool.release(slot)
         return self.layer_norm(x)
 
     def _check_piece(self, piece: StreamPiece, new_frames: int) -> None:
@@ -437,12 +440,6 @@ class WhisperChunkedEncoder(nn.Module):
             for row, i in zip(front.unbind(0), members, strict=True):
                 rows[i] = row
         return out if out is not None else torch.stack(cast(list[torch.Tensor], rows))
-
-
-def _positions(starts: Sequence[int], n: int, device: torch.device) -> torch.Tensor:
-    """``[B, n]`` position ids: stream b's piece takes positions ``[starts[b], starts[b] + n)``."""
-    host = torch.tensor(starts, dtype=torch.long)[:, None] + torch.arange(n)[None, :]
-    return to_device(host, device)
 
 
 class AudioProjector(nn.Module):
