@@ -85,9 +85,9 @@ class WhisperAttention(nn.Module):
 
     def forward_streams(self, x: torch.Tensor, cache: StreamCacheView) -> torch.Tensor:
         """``x`` [B, n, d]: row b is the next piece of stream b, whose keys and values are slot
-        ``cache.slots[b]`` of this layer's pooled cache, filled up to frame ``cache.starts[b]``.
+        ``cache.slots[b]`` of this layer's pooled cache, filled up to the piece's first frame ``start``.
 
-        The piece's keys and values are written at ``[start, start + n)`` of every stream with one
+        The piece's keys and values are written at ``[start, start + n)`` (``cache.frames``) with one
         ``index_put`` each, and the queries attend over ``[0, start + n)`` in one attention call: the
         caches are gathered up to the longest stream's end, and a stream's keys past its own end are
         masked. Per-stream calls (three launches per stream per layer) made this pass host-bound.
@@ -371,14 +371,14 @@ class WhisperChunkedEncoder(nn.Module):
             pool.begin_pass()
             slots, scratch = [], []
             for piece in pieces:
-                state = piece.state
-                if state.slot is None:
+                state, slot = piece.state, piece.state.slot
+                if slot is None:
                     slot = pool.acquire(x)
                     if state.released:  # closed meanwhile: this pass writes a slot the state does not keep
                         scratch.append(slot)
                     else:
                         state.pool, state.slot = pool, slot
-                slots.append(slot if state.slot is None else state.slot)
+                slots.append(slot)
             try:
                 view = StreamCacheView.build(slots, [p.state.frames for p in pieces], new_frames, x.device)
                 x = x + self.embed_positions.weight[view.frames]
