@@ -7,13 +7,21 @@
 # and each stage's drain, the thinker's unit and step split, each stage's busy share.
 # Env: SESSIONS, DURATION, LANES, BUDGET (seconds, 400), LEVEL_TIMEOUT (seconds a level may run before
 # its unfinished sessions are stopped and reported as such; 2 x DURATION + 60), EXTRA (more
-# bench.realtime_duplex flags, e.g. "--gpu-sharing time_slice" to run the stages without MPS).
+# bench.realtime_duplex flags, e.g. "--gpu-sharing time_slice" to run the stages without MPS),
+# WHISPER_PASS (1: first time one batched streaming-Whisper pass at 1/4/16/24 sessions, full-size shapes,
+# alone on the card, into $OUT/realtime/whisper_pass.md, about half a minute; 0 skips it).
 # Writes $OUT/realtime/realtime.json, realtime.md and the stage logs (realtime/logs/) as it goes, so a run
 # cut short by the host's time limit keeps every finished level and every log. Run from the repository root.
 set -uo pipefail
 source bench/gpu/env.sh || exit 1
 make_checkpoint || exit 1
 mkdir -p "$OUT/realtime"
+if [ "${WHISPER_PASS:-1}" = 1 ]; then
+  timeout 120 "$PY" -m bench.thinker.whisper_pass --device cuda --dims full --batches 1,4,16,24 --passes 10 \
+    > "$OUT/realtime/whisper_pass.md" 2> "$OUT/realtime/whisper_pass.log"
+  echo "bench.thinker.whisper_pass rc=$? after $(elapsed) s"
+  tail -6 "$OUT/realtime/whisper_pass.md"
+fi
 # shellcheck disable=SC2086  # SESSIONS and EXTRA are lists
 timeout "${BUDGET:-400}" "$PY" -m bench.realtime_duplex --checkpoint "$CKPT" --deploy-config "$PROFILE" \
   --device cuda --units 10 --lanes ${LANES:-turn} --warmup 1 --startup-timeout 150 \
