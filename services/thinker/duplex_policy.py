@@ -29,6 +29,7 @@ from services.common.checkpoint import SPECIAL_TOKEN_IDS
 from services.common.pb import thinker_pb2
 from services.thinker.constrained import TOOL_CALL_END_ID, TOOL_CALL_ID, TokenConstraint
 from services.thinker.duplex_policy_graph import graphs_for, warmup_policy_graphs
+from services.thinker.model.device import to_device
 from services.thinker.sampling import Sampler, SamplingConfig, sample_from_logits
 
 LISTEN = SPECIAL_TOKEN_IDS["<|listen|>"]
@@ -353,10 +354,7 @@ def _penalty_window(
         if w.shape[0]:
             ids[r, : w.shape[0]] = w
             ids[r, w.shape[0] :] = w[0]
-    host = torch.from_numpy(ids)
-    if device.type == "cuda":
-        host = host.pin_memory().to(device, non_blocking=True)
-    return host, _per_row(divisors, device)
+    return to_device(torch.from_numpy(ids), device), _per_row(divisors, device)
 
 
 def _forbidden_rows(policies: Sequence[DuplexPolicy], device: torch.device) -> torch.Tensor:
@@ -375,10 +373,7 @@ def _forbidden_rows(policies: Sequence[DuplexPolicy], device: torch.device) -> t
 
 
 def _per_row(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    t = torch.tensor(list(values), dtype=torch.float32)
-    if device.type == "cuda":
-        t = t.pin_memory().to(device, non_blocking=True)
-    return t.unsqueeze(1)
+    return to_device(torch.tensor(list(values), dtype=torch.float32), device).unsqueeze(1)
 
 
 def _policy_tokens(
@@ -390,11 +385,8 @@ def _policy_tokens(
     n, vocab = logits.shape
     sampled = [p.sampling.temperature > 0.0 for p in policies]
     forced_now = [p.force_speak and g == 0 for p, g in zip(policies, num_generated, strict=True)]
-    rows_sampled = torch.tensor(sampled, dtype=torch.bool)
-    rows_forced = torch.tensor(forced_now, dtype=torch.bool)
-    if device.type == "cuda":
-        rows_sampled = rows_sampled.pin_memory().to(device, non_blocking=True)
-        rows_forced = rows_forced.pin_memory().to(device, non_blocking=True)
+    rows_sampled = to_device(torch.tensor(sampled, dtype=torch.bool), device)
+    rows_forced = to_device(torch.tensor(forced_now, dtype=torch.bool), device)
 
     # 1. The raw first draw only detects the model's own <|chunk_eos|> (skipped for a forced speak).
     first = torch.argmax(logits, dim=-1)

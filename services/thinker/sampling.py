@@ -28,6 +28,7 @@ import torch
 
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.thinker.constrained import TokenConstraint, apply_masks, fill_masks
+from services.thinker.model.device import to_device
 
 # docs/model.md, Thinker generation: <|tts_eos|> ends the spoken span, <|im_end|> ends the turn.
 DEFAULT_STOP_IDS: tuple[int, ...] = (151704, 151645)
@@ -394,10 +395,7 @@ def choose_tokens(
 def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 index tensor on ``device`` without a stream sync (a plain ``torch.tensor(...,
     device=cuda)`` waits for the queued work): staged through pinned memory, copied asynchronously."""
-    host = torch.tensor(list(values), dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor(list(values), dtype=torch.long), device)
 
 
 def choose_on_device(

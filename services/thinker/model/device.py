@@ -1,4 +1,4 @@
-"""Host-to-device copies for the model's small per-call inputs."""
+"""Host-to-device copies of the thinker's small per-call inputs (ids, positions, masks, mel windows)."""
 
 from __future__ import annotations
 
