@@ -24,6 +24,8 @@ from services.code2wav.model.prompt import ReferenceVoiceEncoder
 from services.code2wav.runner import Code2WavRunner, WindowCursor, binary_parts
 from services.code2wav.service import dit_choice
 from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
+from services.common.cuda_graphs import SharedBuffers
+from tests.graph_emulation import emulated_capture
 
 MEL_ATOL = 1e-4
 WAV_ATOL = 1e-3  # as tests/test_code2wav_model.py: HiFT's phase integration amplifies float differences
@@ -128,35 +130,12 @@ def test_dit_choice_and_bad_combinations() -> None:
         FlowStepper(types.SimpleNamespace(flow=None, dims=None), dit="onnx")
 
 
-class _Replay:
-    """Host-side stand-in for a CUDA graph sharing the input and output arenas like the real capture:
-    a function marked ``fills_outputs`` writes into the output views itself, others are copied in."""
-
-    def __init__(self, fn, inputs: list, outputs: tuple) -> None:  # noqa: ANN001
-        self.fn, self.inputs, self.outputs = fn, inputs, outputs
-
-    def replay(self) -> None:
-        if getattr(self.fn, "fills_outputs", False):
-            self.fn(*self.inputs, out=self.outputs)
-            return
-        fresh = self.fn(*self.inputs)
-        for out, new in zip(
-            self.outputs, (fresh,) if isinstance(fresh, torch.Tensor) else fresh, strict=True
-        ):
-            out.copy_(new)
-
-
 def _shared_capture(calls: list):  # noqa: ANN202
-    from services.code2wav.model.cuda_graphs import SharedBuffers, _Captured, static_inputs
-
     shared = SharedBuffers()
 
     def capture(fn, args: tuple):  # noqa: ANN001, ANN202
         calls.append((getattr(fn, "fills_outputs", False), args))
-        inputs = static_inputs(args, shared.inputs)
-        first = fn(*inputs)
-        outputs = shared.outputs.views((first,) if isinstance(first, torch.Tensor) else first)
-        return _Captured(_Replay(fn, inputs, outputs), inputs, outputs)
+        return emulated_capture(fn, args, shared)
 
     return capture, shared
 

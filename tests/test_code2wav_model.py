@@ -4,6 +4,7 @@ window validation, reference-voice errors and the safe flow.yaml loader."""
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,9 @@ from services.code2wav.model.loader import load_token2wav
 from services.code2wav.model.prompt import ReferenceAudioError, ReferenceVoiceEncoder
 from services.code2wav.runner import Code2WavRunner, WindowCursor, cfm_noise_table
 from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
+from services.common.cuda_graphs import SharedBuffers
 from services.common.errors import INVALID_ARGUMENT, OUT_OF_ORDER, StageError
+from tests.graph_emulation import emulated_capture, recording_capture
 
 MEL_ATOL = 1e-4
 WAV_ATOL = 1e-3  # HiFT's phase integration amplifies float-order differences (docs/model.md, Tiny checkpoint)
@@ -268,36 +271,12 @@ def test_flow_yaml_rejects_foreign_tags(tmp_path: Path) -> None:
         flow_yaml.load_flow_from_yaml(bad)
 
 
-class _ReplayEmulation:
-    """Host-side stand-in for a CUDA graph: replay recomputes from the static inputs into the same
-    static output tensors, so callers see exactly the buffer reuse a real graph imposes."""
-
-    def __init__(self, fn, inputs: list, outputs: tuple) -> None:  # noqa: ANN001
-        self.fn, self.inputs, self.outputs = fn, inputs, outputs
-
-    def replay(self) -> None:
-        fresh = self.fn(*self.inputs)
-        for out, new in zip(
-            self.outputs, (fresh,) if isinstance(fresh, torch.Tensor) else fresh, strict=True
-        ):
-            out.copy_(new)
-
-
-def _emulated_capture(fn, args: tuple):  # noqa: ANN001, ANN202
-    from services.code2wav.model.cuda_graphs import _Captured
-
-    inputs = [None if a is None else a.clone() for a in args]
-    first = fn(*inputs)
-    outputs = tuple(o.clone() for o in ((first,) if isinstance(first, torch.Tensor) else first))
-    return _Captured(_ReplayEmulation(fn, inputs, outputs), inputs, outputs)
-
-
 def test_graph_replay_semantics_match_eager(stack) -> None:  # noqa: ANN001
     """The graphed code path (static inputs, reused outputs, shape keys) gives the eager numbers."""
     from services.code2wav.model.cuda_graphs import enable_cuda_graphs
 
     runner = Code2WavRunner(stack.model)
-    graphs = enable_cuda_graphs(runner, capture=_emulated_capture)
+    graphs = enable_cuda_graphs(runner, capture=emulated_capture)
     windows = talker_windows(_codes(4, 53), 3)[:2]
     graphed = _stream(runner, [runner.open_stream("g", stack.prompt, 1)], [windows])[0]
     eager = _stream(stack.runner, [stack.runner.open_stream("e", stack.prompt, 1)], [windows])[0]
@@ -306,89 +285,14 @@ def test_graph_replay_semantics_match_eager(stack) -> None:  # noqa: ANN001
     assert len(graphs["hift_decode"].graphs) == 2  # 50 and 8 + 50 mel frames
 
 
-def _recording_capture(calls: list, capture=_emulated_capture):  # noqa: ANN001, ANN202
-    """Wraps a capture so the test sees every key it was asked to capture."""
-
-    def capture_and_record(fn, args: tuple):  # noqa: ANN001, ANN202
-        calls.append(args)
-        return capture(fn, args)
-
-    return capture_and_record
-
-
-def test_frozen_graph_set_never_captures_and_runs_eager(caplog) -> None:  # noqa: ANN001
-    """Unfrozen, a new key is captured and replayed; frozen, a new key is never captured: it runs the
-    plain function (identical numbers), counts as eager and is logged once, while captured keys replay."""
-    from services.code2wav.model.cuda_graphs import ShapeKeyedGraphs
-
-    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tanh(x) @ w, x.sum(0)
-
-    gen = torch.Generator().manual_seed(0)
-    small = (torch.randn(2, 3, generator=gen), torch.randn(3, 4, generator=gen))
-    large = (torch.randn(5, 3, generator=gen), torch.randn(3, 4, generator=gen))
-    calls: list = []
-    graphs = ShapeKeyedGraphs("t", fn, capture=_recording_capture(calls))
-    out = graphs(*small)
-    assert len(calls) == 1 and graphs.captured == 1 and (graphs.replays, graphs.eager_calls) == (1, 0)
-    assert all(torch.equal(o, e) for o, e in zip(out, fn(*small), strict=True))
-
-    graphs.frozen = True
-    with caplog.at_level("INFO", logger="services.code2wav.model.cuda_graphs"):
-        for _ in range(2):
-            out = graphs(*large)
-            assert all(torch.equal(o, e) for o, e in zip(out, fn(*large), strict=True))
-    assert len(calls) == 1 and graphs.captured == 1 and graphs.eager_calls == 2
-    assert graphs.eager_keys == {ShapeKeyedGraphs.key(large)}
-    assert sum("running eager" in r.getMessage() for r in caplog.records) == 1
-    graphs(*small)  # a key captured before the freeze still replays
-    assert graphs.replays == 2 and len(calls) == 1
-
-
-def test_shared_arena_packs_views_and_grows() -> None:
-    """Views are aligned, typed, shaped and strided like the tensors they stand for, start at the buffer's
-    first byte, and a larger request allocates a bigger buffer while older views keep theirs."""
-    from services.code2wav.model.cuda_graphs import SharedArena, static_inputs
-
-    arena = SharedArena(growth=1.5)
-    a, b = arena.views([torch.zeros(3, 5), torch.zeros(7, dtype=torch.int64)])
-    assert (a.shape, a.dtype, b.shape, b.dtype) == ((3, 5), torch.float32, (7,), torch.int64)
-    assert a.data_ptr() == arena.buffer.data_ptr() and b.data_ptr() - a.data_ptr() == SharedArena.ALIGN
-    (t,) = arena.views([torch.zeros(5, 3).t()])  # a dense transposed tensor keeps its strides, as clone does
-    assert t.shape == (3, 5) and t.stride() == (1, 3)
-    (e,) = arena.views([torch.zeros(3, 1).expand(3, 4)])  # overlapping: laid out contiguously instead
-    assert e.stride() == (4, 1)
-    first = arena.buffer
-    (c,) = arena.views([torch.zeros(100)])  # fits in 1.5 x 1024 bytes: same buffer
-    assert arena.buffer is first and c.data_ptr() == a.data_ptr() and arena.allocations == 1
-    (d,) = arena.views([torch.zeros(1000)])
-    assert arena.allocations == 2 and d.data_ptr() == arena.buffer.data_ptr() != first.data_ptr()
-    assert arena.nbytes == int(4096 * 1.5)
-    x = torch.arange(6.0).reshape(2, 3)
-    static = static_inputs((x, None, x + 1), arena)
-    assert static[1] is None and torch.equal(static[0], x) and torch.equal(static[2], x + 1)
-    assert static[0].data_ptr() == arena.buffer.data_ptr()
-
-
 def test_graphs_sharing_input_and_output_arenas_match_eager(stack) -> None:  # noqa: ANN001
     """Every graph (DiT, f0, decoder) reading its inputs from and writing its outputs into the same bytes,
     as on CUDA, still gives the eager numbers: inputs are copied in before each replay, and the code
     consumes each replay's outputs before the next replay of any graph."""
-    from services.code2wav.model.cuda_graphs import (
-        SharedBuffers,
-        _Captured,
-        enable_cuda_graphs,
-        static_inputs,
-    )
+    from services.code2wav.model.cuda_graphs import enable_cuda_graphs
 
     shared = SharedBuffers()
-
-    def shared_capture(fn, args: tuple):  # noqa: ANN001, ANN202
-        inputs = static_inputs(args, shared.inputs)
-        first = fn(*inputs)
-        outputs = shared.outputs.views((first,) if isinstance(first, torch.Tensor) else first)
-        return _Captured(_ReplayEmulation(fn, inputs, outputs), inputs, outputs)
-
+    shared_capture = functools.partial(emulated_capture, shared=shared)
     runner = Code2WavRunner(stack.model, nsf_noise=True)
     eager_runner = Code2WavRunner(stack.model, nsf_noise=True)
     graphs = enable_cuda_graphs(runner, capture=shared_capture)
@@ -412,7 +316,7 @@ def test_startup_warm_up_captures_every_batch_size_then_freezes(stack) -> None: 
     assert stack.runner.warm_up_shapes(stack.prompt, max_batch=3) == 0  # eager runner: nothing to warm
     calls: list = []
     runner = Code2WavRunner(stack.model)
-    graphs = enable_cuda_graphs(runner, capture=_recording_capture(calls))
+    graphs = enable_cuda_graphs(runner, capture=recording_capture(calls))
     assert not any(g.frozen for g in graphs.values())
     assert runner.warm_up_shapes(stack.prompt, max_batch=3, first_windows=(25,), steady_windows=1) == 6
     assert all(g.frozen for g in graphs.values()) and runner.last_batch_sizes == []
