@@ -16,10 +16,19 @@ On CUDA the decode+sample step is captured once per (batch bucket, attention-len
 graph and replayed, with one small copy in and the picked ids out; on CPU (tests) the same function
 runs eagerly. Buckets are powers of two so a handful of
 graphs cover every batch size and context length.
+
+The batched prefill of conditions up to ``PREFILL_WIDTHS[-1]`` rows is graphed too (CUDA; tests emulate
+the replay): padded to a (streams, rows, attention length) bucket of at most ``PREFILL_GRAPH_KEYS`` key
+rows, it replays one graph of a :class:`~services.common.cuda_graphs.ShapeKeyedGraphs` set captured at
+start-up and then frozen. Why: run eagerly, a prefill is several hundred small launches; at 16 duplex
+sessions the talker logged 28–56 ms prefills of 1–8 new streams in front of every stream's decode, most
+of the time between a unit's text and its first codec window. Longer conditions (whole utterances,
+rollover windows) and larger buckets prefill eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -27,6 +36,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from services.common.cuda_graphs import Capture, ShapeKeyedGraphs, SharedBuffers, capture_cuda_graph
 from services.common.sdpa import attention
 from services.talker import sampling as smp
 from services.talker.fused_decode import FusedDecode, select_backend
@@ -36,6 +46,14 @@ from services.talker.model.tts import MiniCPMTTS
 log = logging.getLogger(__name__)
 
 MIN_LENGTH_BUCKET = 64
+# Row buckets of a graphed prefill (a condition is one unit's or chunk's text: a few to a few tens of rows).
+PREFILL_WIDTHS = (16, 32, 64)
+# Most key rows (streams × attention length) a graphed prefill reads. Its attention gathers each stream's
+# K and V ([streams, length, heads, head dim] per layer) inside the graph pool, which keeps its peak for
+# good: at 8192 that is 25 MB per layer at full size (12 heads × 64, bf16), against 96 MB for 8 streams at
+# 4096, while the talker's headroom beside its slots had ~0.1 GiB to spare (kv_cache.SLOT_HEADROOM_BYTES).
+# Larger products (8 streams past 1024 positions, 4 past 2048) prefill eagerly.
+PREFILL_GRAPH_KEYS = 8192
 
 
 class BlockGraphs(Protocol):
@@ -164,6 +182,12 @@ class TalkerRunner:
         # K decode steps per replay (:mod:`multistep`); the engine attaches it when K > 1, and
         # :meth:`warmup_graphs` then captures its graphs too.
         self.blocks: BlockGraphs | None = None
+        # Graphed batched prefill (:meth:`enable_prefill_graphs`): on with the decode graphs.
+        self.prefill_graphs: ShapeKeyedGraphs | None = None
+        self.prefill_graph_batch = 0  # the largest batch bucket the set covers
+        self._cols: dict[int, torch.Tensor] = {}  # attention-length bucket -> arange (a graph input)
+        if self.use_cuda_graphs:
+            self.enable_prefill_graphs()
 
     # ----------------------------------------------------------------------------------- attention
     def _attention(
@@ -262,7 +286,11 @@ class TalkerRunner:
         Streams that start together (c=8 requests arriving at once) would otherwise prefill one after the
         other, each a full eager pass over every layer. Rows are padded to the longest condition; a padded
         row writes to the scratch column and attends only to position 0, so it touches no slot's context.
+        With prefill graphs on, a batch that fits a bucket replays a graph instead (:meth:`_prefill_graphed`).
         """
+        bucket = self._prefill_bucket(items)
+        if bucket is not None:
+            return self._prefill_graphed(items, *bucket)
         if len(items) == 1:
             slot, rows = items[0]
             return self.prefill(slot, rows)[None]
@@ -325,6 +353,121 @@ class TalkerRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return fed
+
+    # ------------------------------------------------------------------------------ graphed prefill
+    def enable_prefill_graphs(self, capture: Capture | None = None, max_batch: int = 8) -> None:
+        """Route batched prefills of up to ``max_batch`` streams through shape-keyed graphs.
+
+        ``capture`` is the CUDA capture into the decode graphs' pool by default, with the inputs and outputs
+        in arenas outside it. Sharing the pool is safe because one thread replays every graph in turn and
+        each replay's results are consumed before the next (a decode step's ids and logits inside
+        :meth:`decode_sample`, a prefill's logits copied out by :meth:`_prefill_graphed`), so a graph may
+        reuse another's intermediates. CPU tests pass a host-side emulation. Without CUDA and without
+        ``capture`` nothing changes.
+        """
+        if capture is None:
+            if self.device.type != "cuda":
+                return
+            capture = functools.partial(capture_cuda_graph, pool=self._graph_pool, shared=SharedBuffers())
+        self.prefill_graph_batch = min(next_bucket(max_batch), next_bucket(self.cache.num_slots))
+        self.prefill_graphs = ShapeKeyedGraphs("talker_prefill", self._prefill_fixed, capture=capture)
+
+    def _prefill_bucket(self, items: list[tuple[int, torch.Tensor]]) -> tuple[int, int, int] | None:
+        """(streams, rows, attention length) bucket of a graphed prefill, or None to prefill eagerly."""
+        if self.prefill_graphs is None or not items or len(items) > self.prefill_graph_batch:
+            return None
+        longest = max(int(rows.shape[0]) for _, rows in items)
+        width = next((w for w in PREFILL_WIDTHS if w >= longest), None)
+        if width is None or longest == 0:
+            return None
+        lengths = self.cache.lengths
+        end = max(lengths[slot] + int(rows.shape[0]) for slot, rows in items)
+        if end > self.context:
+            return None  # the eager path raises the context error
+        batch, read_len = next_bucket(len(items)), min(next_bucket(end, MIN_LENGTH_BUCKET), self.context)
+        if batch * read_len > PREFILL_GRAPH_KEYS:
+            return None
+        return batch, width, read_len
+
+    def _prefill_fixed(
+        self, x: torch.Tensor, ints: torch.Tensor, slots: torch.Tensor, cols: torch.Tensor
+    ) -> tuple[torch.Tensor]:
+        """The graphed prefill: fp32 logits ``[B, V]`` of each stream's last condition row.
+
+        ``x`` [B, W, H] holds each stream's rows from column 0, zero-padded; ``ints`` [B, W, 3] =
+        (position, KV write index, valid) per row; ``slots`` [B]; ``cols`` = ``arange(R)``, whose length is
+        the attention length. A padding row (valid 0) writes to the scratch column and attends to column 0
+        only, as in :meth:`prefill_batch`; padding streams have no valid row at all. Fixed shapes only.
+        """
+        positions, write_index, valid = ints.unbind(-1)
+        live = valid.bool()
+        mask = torch.where(live[:, :, None], cols <= positions[:, :, None], cols == 0)[:, None]
+        hidden = self._layers(x, positions, slots, write_index, slots, cols.shape[0], mask)
+        last = (valid.sum(dim=1) - 1).clamp_min(0)
+        rows = torch.arange(x.shape[0], device=x.device)
+        return (self.model.head_logits(hidden[rows, last]),)
+
+    def _prefill_inputs(
+        self, items: list[tuple[int, torch.Tensor]], batch: int, width: int, read_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The padded device inputs of :meth:`_prefill_fixed` for ``items`` in a (batch, width, read_len)
+        bucket; streams past ``len(items)`` are padding (slot 0, every row invalid)."""
+        dev = self.device
+        x = torch.zeros(batch, width, self.cfg.hidden_size, dtype=self.dtype, device=dev)
+        ints = torch.zeros(batch, width, 3, dtype=torch.int64)
+        ints[:, :, 1] = self.cache.scratch_index
+        slots = torch.zeros(batch, dtype=torch.int64)
+        lengths = self.cache.lengths
+        for b, (slot, rows) in enumerate(items):
+            size, start = int(rows.shape[0]), lengths[slot]
+            x[b, :size] = rows.to(device=dev, dtype=self.dtype)
+            span = torch.arange(start, start + size)
+            ints[b, :size, 0] = span
+            ints[b, :size, 1] = span
+            ints[b, :size, 2] = 1
+            slots[b] = slot
+        cols = self._cols.get(read_len)
+        if cols is None:
+            cols = self._cols[read_len] = torch.arange(read_len, device=dev)
+        return x, ints.to(dev), slots.to(dev), cols
+
+    def _prefill_graphed(
+        self, items: list[tuple[int, torch.Tensor]], batch: int, width: int, read_len: int
+    ) -> torch.Tensor:
+        """:meth:`prefill_batch` through the graph of its bucket (eager if the frozen set lacks it)."""
+        assert self.prefill_graphs is not None
+        (logits,) = self.prefill_graphs(*self._prefill_inputs(items, batch, width, read_len))
+        lengths = self.cache.lengths
+        for slot, rows in items:
+            lengths[slot] += int(rows.shape[0])
+        return logits[: len(items)].clone()  # the output arena is the next replay's
+
+    @torch.inference_mode()
+    def warmup_prefill_graphs(self, max_batch: int | None = None) -> int:
+        """Capture every prefill bucket (batch 1, 2, 4, … up to ``max_batch``, the engine's prefills per step;
+        each row width; each attention length, up to ``PREFILL_GRAPH_KEYS`` key rows) and freeze the set, so no capture happens under traffic;
+        returns the graphs held. A larger batch then prefills eagerly.
+
+        The warm-up inputs are padding only (every row invalid): they write the scratch column and leave
+        every slot's context and length as they were.
+        """
+        graphs = self.prefill_graphs
+        if graphs is None:
+            return 0
+        if max_batch:
+            self.prefill_graph_batch = next_bucket(min(max_batch, self.cache.num_slots))
+        top = self.prefill_graph_batch
+        batches = [1 << i for i in range(top.bit_length())]
+        lengths = sorted({min(MIN_LENGTH_BUCKET << i, self.context) for i in range(16)})
+        for batch in batches:
+            for width in PREFILL_WIDTHS:
+                for read_len in lengths:
+                    if batch * read_len <= PREFILL_GRAPH_KEYS:
+                        graphs(*self._prefill_inputs([], batch, width, read_len))
+        graphs.frozen = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return graphs.captured
 
     # -------------------------------------------------------------------------------------- decode
     def _step_eager(
@@ -449,6 +592,7 @@ class TalkerRunner:
         """Decode eagerly from now on (a capture failed): drop every captured graph, one-step and block."""
         self.use_cuda_graphs = False
         self._graphs.clear()
+        self.prefill_graphs = None
         if self.blocks is not None:
             self.blocks.clear()
 

@@ -262,6 +262,8 @@ def stage_info(engine: TalkerEngine, ckpt: Checkpoint, device: str) -> common_pb
     info.properties["codec_eos_id"] = str(cfg.eos_id)
     info.properties["codec_silence_id"] = str(CODEC_SILENCE_ID)
     info.properties["cuda_graphs"] = str(engine.runner.use_cuda_graphs).lower()
+    prefill_graphs = engine.runner.prefill_graphs
+    info.properties["prefill_graphs"] = str(0 if prefill_graphs is None else prefill_graphs.captured)
     return info
 
 
@@ -373,9 +375,16 @@ def main(argv: list[str] | None = None) -> None:
     except SlotBudgetError as exc:
         raise SystemExit(f"talker: {exc}") from None
     if not args.no_graph_warmup:
-        if engine.runner.device.type == "cuda":  # the first burst's allocations and first calls, now
-            engine.runner.warmup_prefill(engine.max_prefills_per_step)
-        graphs = engine.runner.warmup_graphs()
+        runner = engine.runner
+        t0 = time.perf_counter()
+        prefill_graphs = runner.warmup_prefill_graphs(engine.max_prefills_per_step)
+        if prefill_graphs:
+            log.info(
+                "captured %d talker prefill CUDA graphs in %.1f s", prefill_graphs, time.perf_counter() - t0
+            )
+        elif runner.device.type == "cuda":  # the first burst's allocations and first calls, now
+            runner.warmup_prefill(engine.max_prefills_per_step)
+        graphs = runner.warmup_graphs()
         if graphs:
             log.info("captured %d talker decode CUDA graphs", graphs)
     engine.start()
