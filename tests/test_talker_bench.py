@@ -55,3 +55,20 @@ def test_bench_steps_per_replay_ab_on_cpu(tiny_ckpt: Path) -> None:
     )
     assert [(r["steps_per_replay"], r["batch"]) for r in result["rows"]] == [(1, 1), (1, 2), (4, 1), (4, 2)]
     assert all(r["engine_fps_per_stream"] > 0 for r in result["rows"])
+
+
+def test_prefill_bench_smoke_on_cpu(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.talker.prefill times the eager prefill per (streams, rows, start) case and prints its table;
+    the graphed column is CUDA-only (no graphs on the CPU)."""
+    from bench.talker.prefill import main as prefill_main
+
+    result = prefill_main(
+        ["--checkpoint", str(tiny_ckpt), "--device", "cpu", "--streams", "1,2", "--rows", "5",
+         "--starts", "0,70", "--repeats", "2"]
+    )  # fmt: skip
+    cases = [(c["streams"], c["rows"], c["start"]) for c in result["cases"]]
+    assert cases == [(1, 5, 0), (1, 5, 70), (2, 5, 0), (2, 5, 70)]
+    assert all(c["eager_ms"] > 0 and "graphed_ms" not in c for c in result["cases"])
+    assert result["graphs"] == 0
+    out = capsys.readouterr().out
+    assert "| streams | rows | start | eager ms | graphed ms | replayed |" in out and "| 2 | 5 | 70 |" in out
