@@ -24,13 +24,13 @@ stream with 16 streams. Prints one JSON object, then a Markdown table for BENCHM
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from typing import Any
 
 import torch
 
+from bench.output import publish
 from services.common.checkpoint import Checkpoint
 from services.talker import multistep
 from services.talker.engine import TalkerEngine
@@ -247,12 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "targets": {"batch1_fps": 1000, "batch16_fps_per_stream": 600},
     }
-    print(json.dumps(result, indent=2))
-    print()
-    print(markdown_table(result))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2)
+    publish(result, markdown_table(result), args.out)
     return result
 
 

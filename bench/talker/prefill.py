@@ -13,19 +13,19 @@ before and after the capture). On CPU only the eager column is measured.
 
 Why: at 16 duplex sessions the talker's eager prefills of 1–8 new streams took 28–56 ms in front of every
 stream's decode; this separates the prefill's own cost on an idle GPU from the contention of a full run.
-Prints one JSON object, then a Markdown table.
+Prints one JSON object, then a Markdown table (:func:`bench.output.publish`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from bench.output import publish
 from services.common.checkpoint import Checkpoint
 from services.talker.model.tts import MiniCPMTTS
 from services.talker.runner import TalkerRunner
@@ -105,11 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 time_prefill(runner, case["streams"], case["rows"], case["start"], args.repeats), 3
             )
             case["replayed"] = graphs.replays > replays
-    print(json.dumps(result))
-    print(markdown_table(result))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    publish(result, markdown_table(result), args.out)
     return result
 
 
