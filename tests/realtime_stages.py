@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,3 +159,21 @@ class Conn:
 
     def close(self) -> None:
         self._connection.__exit__(None, None, None)
+
+
+@contextmanager
+def closing_session(url: str, seen: list[dict[str, Any]] | None = None) -> Iterator[Conn]:
+    """A :class:`Conn` that ends with ``session.close`` (unless the test closed it already), so the session
+    frees its admission slot and stage streams at once instead of lingering in the disconnect grace;
+    every event it received is added to ``seen`` at the end, if given."""
+    conn = Conn(url)
+    try:
+        yield conn
+    finally:
+        if not any(e["type"] == "session.closed" for e in conn.events):
+            with suppress(Exception):
+                conn.send({"type": "session.close"})
+                conn.until("session.closed", 30)
+        if seen is not None:
+            seen.extend(conn.events)
+        conn.close()

@@ -17,7 +17,6 @@ tested in tests/test_realtime_native_turns.py, on a checkpoint variant that ends
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 from realtime_helpers import pcm16_b64, response_metadata, session_body, tone
 from realtime_invariants import check_response_invariants
-from realtime_stages import STAGES, Conn, RunningStages, realtime_gateway, stage_servers
+from realtime_stages import STAGES, Conn, RunningStages, closing_session, realtime_gateway, stage_servers
 from websockets.exceptions import ConnectionClosedOK
 
 pytestmark = pytest.mark.slow
@@ -51,17 +50,8 @@ def gateway_url(stages: RunningStages) -> Iterator[str]:
 
 @pytest.fixture()
 def conn(gateway_url: str) -> Iterator[Conn]:
-    """A session that is closed with ``session.close`` at the end, so it frees its admission slot and stage
-    streams at once instead of lingering in the disconnect grace."""
-    c = Conn(f"{gateway_url}/v1/duplex")
-    try:
+    with closing_session(f"{gateway_url}/v1/duplex") as c:
         yield c
-    finally:
-        if not any(e["type"] == "session.closed" for e in c.events):
-            with contextlib.suppress(Exception):
-                c.send({"type": "session.close"})
-                c.until("session.closed", 30)
-        c.close()
 
 
 def _open(conn: Conn, **overrides: Any) -> None:

@@ -10,7 +10,6 @@ text-only response must open no talker or code2wav stream (the stages' own ``req
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 from realtime_ga import ga_model, ga_problems
 from realtime_helpers import pcm16_b64, response_metadata, tone, wav_data_uri
 from realtime_invariants import check_response_invariants
-from realtime_stages import Conn, RunningStages, realtime_gateway, stage_servers
+from realtime_stages import Conn, RunningStages, closing_session, realtime_gateway, stage_servers
 
 pytestmark = pytest.mark.slow
 
@@ -42,16 +41,8 @@ def gateway_url(stages: RunningStages) -> Iterator[str]:
 
 @pytest.fixture()
 def conn(gateway_url: str) -> Iterator[Conn]:
-    c = Conn(f"{gateway_url}/v1/realtime")
-    try:
+    with closing_session(f"{gateway_url}/v1/realtime", seen=SEEN) as c:
         yield c
-    finally:
-        if not any(e["type"] == "session.closed" for e in c.events):
-            with contextlib.suppress(Exception):
-                c.send({"type": "session.close"})
-                c.until("session.closed", 30)
-        SEEN.extend(c.events)
-        c.close()
 
 
 def _open(conn: Conn, **extra: Any) -> None:
