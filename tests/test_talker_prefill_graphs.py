@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from services.common.checkpoint import Checkpoint
+from services.common.cuda_graphs import SharedBuffers
 from services.talker.engine import TalkerEngine
 from services.talker.model.tts import MiniCPMTTS
 from services.talker.runner import MIN_LENGTH_BUCKET, PREFILL_GRAPH_KEYS, PREFILL_WIDTHS, TalkerRunner
@@ -139,3 +140,14 @@ def test_engine_frames_with_prefill_graphs_equal_eager(model: MiniCPMTTS) -> Non
     graphed = _engine_frames(model, graphs=True)
     assert graphed == _engine_frames(model, graphs=False)
     assert all(graphed)
+
+
+def test_warm_up_lays_out_the_shared_arenas_once(model: MiniCPMTTS) -> None:
+    """With the shared input/output arenas of the CUDA capture, the warm-up captures its largest bucket
+    first, so each arena is allocated once for the whole set (a smaller buffer left behind would stay held
+    by the graphs captured on it)."""
+    shared = SharedBuffers()
+    runner = TalkerRunner(model, num_slots=4, use_cuda_graphs=False)
+    runner.enable_prefill_graphs(capture=lambda fn, args: emulated_capture(fn, args, shared))
+    assert runner.warmup_prefill_graphs() > 0
+    assert shared.inputs.allocations == shared.outputs.allocations == 1

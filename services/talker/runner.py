@@ -457,10 +457,12 @@ class TalkerRunner:
         if max_batch:
             self.prefill_graph_batch = next_bucket(min(max_batch, self.cache.num_slots))
         top = self.prefill_graph_batch
-        batches = [1 << i for i in range(top.bit_length())]
-        lengths = sorted({min(MIN_LENGTH_BUCKET << i, self.context) for i in range(16)})
+        # Largest first: the shared input and output arenas then reach their full size at the first
+        # capture, instead of growing and leaving each smaller buffer held by the graphs captured on it.
+        batches = [1 << i for i in reversed(range(top.bit_length()))]
+        lengths = sorted({min(MIN_LENGTH_BUCKET << i, self.context) for i in range(16)}, reverse=True)
         for batch in batches:
-            for width in PREFILL_WIDTHS:
+            for width in reversed(PREFILL_WIDTHS):
                 for read_len in lengths:
                     if batch * read_len <= PREFILL_GRAPH_KEYS:
                         graphs(*self._prefill_inputs([], batch, width, read_len))
