@@ -15,8 +15,8 @@ makes this safe is the caller's: one thread replays the set's graphs in sequence
 replay's outputs are valid only until the next replay of any graph of the pool, so callers consume or
 copy them first.
 
-Users: the Code2Wav stage's DiT, conformer and HiFT parts (:mod:`services.code2wav.model.cuda_graphs`) and
-the Talker's batched prefill (:mod:`services.talker.runner`).
+Users: the Code2Wav stage's DiT, conformer and HiFT parts, and the Talker's batched prefill (each stage
+wires its own functions through a set; this module knows neither).
 """
 
 from __future__ import annotations
