@@ -431,15 +431,14 @@ class WhisperChunkedEncoder(nn.Module):
             groups.setdefault((left, windows[-1].shape[-1]), []).append(i)
             state.mel_tail = mel[:, -self.CONV_LEFT_CONTEXT :]
         rows: list[torch.Tensor | None] = [None] * len(pieces)
-        out: torch.Tensor | None = None
         for (left, _), members in groups.items():
             batch = to_device(torch.stack([windows[i] for i in members]), weight.device)
             front = self._front(batch)[:, left // 2 : left // 2 + new_frames]
             if len(groups) == 1:
-                out = front
+                return front  # every window alike (the steady state): already in the pieces' order
             for row, i in zip(front.unbind(0), members, strict=True):
                 rows[i] = row
-        return out if out is not None else torch.stack(cast(list[torch.Tensor], rows))
+        return torch.stack(cast(list[torch.Tensor], rows))
 
 
 class AudioProjector(nn.Module):
