@@ -336,7 +336,12 @@ def test_packed_row_step_matches_the_eager_step(llm: torch.nn.Module) -> None:
     for got, want in zip(packed.prefill_logits, eager.prefill_logits, strict=True):
         assert got is not None and want is not None
         assert torch.allclose(got, want, atol=1e-4, rtol=0)
-    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(k_packed, runner.cache.k, strict=True))
+    # The pool is uninitialised storage: slots neither step writes hold the same bits in both, NaN included.
+    same = (
+        torch.allclose(a, b, atol=1e-5, rtol=0, equal_nan=True)
+        for a, b in zip(k_packed, runner.cache.k, strict=True)
+    )
+    assert all(same)
     # The embedding rows were used: the same chunk without them gives other logits.
     plain = StepInput(prefill=[PrefillChunk(list(range(4100, 4106)), 20, seqs[1], want_logits=True)])
     assert not torch.allclose(
