@@ -13,7 +13,11 @@ mode; what a unit means to the model (its tokens, embeddings, policy and results
   (token layout, embeddings, policy) and goes to the engine (:meth:`DuplexStream.advance`).
   it is the default (tests compare it with encoding after the decision through :data:`ENCODE_AHEAD`);
 * with ``--duplex-window basic`` a unit that would pass the window's high mark first replaces the
-  sequence with a trimmed one (prefix + newest units) and follows that prefill;
+  sequence with a trimmed one (prefix + newest units) and follows that prefill. The mark is lowered to
+  the session's share of the KV pool (:meth:`~services.thinker.engine.ThinkerEngine.session_share`),
+  so open sessions never hold more than the pool; a session whose share cannot hold its prefix plus
+  ``MIN_ROOM_TOKENS`` is refused at open, and one past its share without a window ends with
+  ``RESOURCE_EXHAUSTED``;
 * an interrupt to a newer epoch (the fence is the driver's) cancels the running unit, drops the queued
   ones and acknowledges how many; a unit that finishes just before the interrupt is applied is dropped.
   A dropped unit that was already encoded ahead leaves its audio in the session's streaming encoder
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, StageError
+from services.common.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, StageError
 from services.common.metrics import INTERRUPT_DRAIN
 from services.common.pb import common_pb2, thinker_pb2
 from services.common.stage_stream import Inbox, Interrupted, StageStream
@@ -40,7 +44,7 @@ from services.thinker.backend import ThinkerBackend
 from services.thinker.duplex import UNIT_PHASE_SECONDS, DuplexSession, EncodedAudio, UnitOutcome
 from services.thinker.duplex_encode import DuplexUnitEncoder
 from services.thinker.duplex_policy import MAX_TOKENS_PER_UNIT
-from services.thinker.duplex_window import ContextRecord
+from services.thinker.duplex_window import MIN_ROOM_TOKENS, ContextRecord
 from services.thinker.engine import STAGE, EngineEvent, Sink
 from services.thinker.errors import failure
 from services.thinker.scheduler import Sequence as EngineSequence
@@ -133,6 +137,17 @@ class DuplexStream(StageStream[Response]):
         self.session = session
         self.sink = inbox.post_threadsafe
         self.seq = self.engine.open(self.sink, persistent=True)
+        share, need = self.engine.session_share(), len(prefix.token_ids) + MIN_ROOM_TOKENS
+        if share < need:
+            self.engine.close(self.seq)
+            self.seq = None
+            raise StageError(
+                RESOURCE_EXHAUSTED,
+                f"the thinker's KV cache has no room for another duplex session: with "
+                f"{self.engine.open_sessions + 1} open each may hold {share} tokens, and this one needs "
+                f"{need} (its {len(prefix.token_ids)}-token prefix and {MIN_ROOM_TOKENS} more)",
+                "session",
+            )
         self.engine.submit(self.seq, prefix)
         if self.backend.duplex_window is not None:
             self.record = ContextRecord(self.backend.duplex_window, self.engine.runner.model.embed_tokens)
@@ -242,6 +257,16 @@ class DuplexStream(StageStream[Response]):
                 "unit",
             )
             return self._fail(too_long, unit_seq)
+        share = self.engine.session_share()
+        if self.context_tokens + len(work.token_ids) + new_tokens > share:
+            over = StageError(
+                RESOURCE_EXHAUSTED,
+                f"duplex session context {self.context_tokens} + unit would pass its share of the thinker's "
+                f"KV cache ({share} tokens with {self.engine.open_sessions} sessions open)"
+                + ("" if self.record is not None else "; --duplex-window basic would trim it instead"),
+                "unit",
+            )
+            return self._fail(over, unit_seq)
         self._submit(encoded_unit, self.context_tokens)
         self._maybe_encode_ahead()
         return ()
@@ -255,11 +280,14 @@ class DuplexStream(StageStream[Response]):
         incoming = len(encoded.work.token_ids) + max(
             0, (sampler.reserve_tokens if sampler else 0) - MAX_TOKENS_PER_UNIT
         )
-        if record is None or not record.needs_trim(self.context_tokens, incoming):
+        if record is None:
+            return False
+        window = record.window.within(self.engine.session_share())  # the pool's share binds first
+        if not record.needs_trim(self.context_tokens, incoming, window):
             return False
         loop = asyncio.get_running_loop()
         trim = await loop.run_in_executor(
-            self.backend.executor, record.trimmed, list(self.seq.tokens), incoming
+            self.backend.executor, record.trimmed, list(self.seq.tokens), incoming, window
         )
         if trim is None:
             return False

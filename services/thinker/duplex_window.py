@@ -24,6 +24,10 @@ from services.common.errors import INVALID_ARGUMENT, StageError
 from services.thinker.duplex_policy import MAX_TOKENS_PER_UNIT
 from services.thinker.scheduler import WorkItem
 
+# A duplex session is admitted only if its share of the KV pool holds its prefix and this many tokens more
+# (about eight spoken units: their audio rows, markers and replies), so it can go on between trims.
+MIN_ROOM_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class DuplexWindow:
@@ -43,6 +47,15 @@ class DuplexWindow:
                 f"duplex window: high ({self.high}) exceeds the thinker context ({max_context})",
             )
         return self
+
+    def within(self, tokens: int) -> DuplexWindow:
+        """This window, lowered to at most ``tokens`` (the session's share of the thinker's KV pool,
+        :meth:`~services.thinker.engine.ThinkerEngine.session_share`) with ``low`` in the same
+        proportion to ``high``; unchanged when the share is larger."""
+        if tokens >= self.high:
+            return self
+        high = max(2, tokens)
+        return DuplexWindow(high=high, low=max(1, high * self.low // self.high))
 
 
 @dataclass
@@ -66,13 +79,17 @@ class ContextRecord:
         if work.embeds is not None:
             self.overrides.append((start, work.embeds.detach()))
 
-    def needs_trim(self, context: int, incoming: int) -> bool:
-        return context + incoming + MAX_TOKENS_PER_UNIT > self.window.high
+    def needs_trim(self, context: int, incoming: int, window: DuplexWindow | None = None) -> bool:
+        """Whether the next unit (``incoming`` tokens) could pass ``window``'s high mark (default: the
+        configured window; the caller passes it lowered to the session's share of the KV pool)."""
+        return context + incoming + MAX_TOKENS_PER_UNIT > (window or self.window).high
 
-    def trimmed(self, tokens: list[int], incoming: int) -> WorkItem | None:
-        """The prefill that replaces the context ``tokens`` (prefix + newest whole units within ``low``,
-        leaving room for the ``incoming`` unit), or None when not even one unit can be dropped."""
-        budget = self.window.low - incoming - MAX_TOKENS_PER_UNIT
+    def trimmed(
+        self, tokens: list[int], incoming: int, window: DuplexWindow | None = None
+    ) -> WorkItem | None:
+        """The prefill that replaces the context ``tokens`` (prefix + newest whole units within ``window``'s
+        ``low``, leaving room for the ``incoming`` unit), or None when not even one unit can be dropped."""
+        budget = (window or self.window).low - incoming - MAX_TOKENS_PER_UNIT
         cut = len(tokens)
         for start in reversed(self.unit_starts):
             if self.prefix_len + len(tokens) - start > budget:

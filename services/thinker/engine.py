@@ -178,6 +178,9 @@ class ThinkerEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sequences: dict[int, Sequence] = {}
+        # Persistent sequences opened and not yet closed (duplex sessions), by id. Touched only by the
+        # callers of open/close (the server's event loop), never by the engine thread.
+        self._open_sessions: set[int] = set()
         self.max_kv_used_bytes = 0  # high-water mark, for tests and capacity planning
         self._pending_metrics: tuple | None = None  # the last step's, observed after the next launch
         self.overlap = config.overlap_decode
@@ -222,7 +225,10 @@ class ThinkerEngine:
     # ------------------------------------------------------------------------------------ public API
     def open(self, sink: Sink, *, persistent: bool = False) -> Sequence:
         """A new KV owner. Turn requests are one-shot; duplex sessions are ``persistent``."""
-        return Sequence(persistent=persistent, sink=sink)
+        seq = Sequence(persistent=persistent, sink=sink)
+        if persistent:
+            self._open_sessions.add(seq.seq_id)
+        return seq
 
     def submit(self, seq: Sequence, work: WorkItem) -> None:
         """Append ``work`` to ``seq`` (validated on the engine thread; failures arrive as error events)."""
@@ -234,7 +240,26 @@ class ThinkerEngine:
 
     def close(self, seq: Sequence) -> None:
         """Drop the sequence and free its KV on the next engine iteration (at most one step away)."""
+        self._open_sessions.discard(seq.seq_id)
         self._command("close", seq, None)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._open_sessions)
+
+    def session_share(self) -> int:
+        """Context tokens one duplex session may hold, its next unit's reservation included.
+
+        Why: a duplex session keeps its KV between units and never finishes on its own, so sessions that
+        together outgrow the pool wait for blocks that nobody gives back, and every one of them stalls
+        (24 sessions on an H100's 8 GiB pool did after about 50 s). An equal share of the pool per open
+        session, with one share left over for chat requests and in-flight work, keeps the sum of what
+        the sessions hold within the pool: a session past its share trims its context window (or ends
+        with RESOURCE_EXHAUSTED when it has none). One block per session is kept for the partly filled
+        last block.
+        """
+        tokens = self.cache.capacity_tokens // (len(self._open_sessions) + 1)
+        return max(0, tokens - self.layout.block_size)
 
     def check_prompt_length(self, num_tokens: int, param: str = "messages") -> None:
         """Raise the stable context error before any work is queued for an over-long prompt."""
