@@ -575,3 +575,29 @@ def test_row_graph_path_matches_eager_engine_on_cpu(
         he = torch.stack([ev.hidden for ev in e.events if ev.hidden is not None])
         hg = torch.stack([ev.hidden for ev in g.events if ev.hidden is not None])
         assert torch.allclose(hg, he, atol=1e-4, rtol=0)
+
+
+def test_never_written_cache_memory_cannot_reach_the_logits(llm: torch.nn.Module) -> None:
+    """The pool is uninitialised storage and may hold NaN where nothing was written yet (a sequence's
+    last block past its end). Attention masks those positions, but a masked NaN still poisons the output
+    (0 * NaN): the eager, packed and prefill paths must read the zeroed scratch slot there instead."""
+    from services.thinker.kv_cache import KVLayout, PagedKVCache
+    from services.thinker.runner import DecodeRow, ModelRunner, PrefillChunk, StepInput
+
+    cfg = llm.config
+    layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, 16)
+    runner = ModelRunner(llm, PagedKVCache(layout, 32 * layout.bytes_per_block, "cpu"))
+    for t in runner.cache.k + runner.cache.v:
+        t[layout.block_size :].fill_(float("nan"))  # every block but scratch
+    seqs = [runner.cache.pool.allocate(3) for _ in range(2)]
+    first = runner.step(
+        StepInput(prefill=[PrefillChunk(list(range(3000, 3020)), 0, seqs[0], want_logits=True)])
+    )
+    step = StepInput(
+        decode=[DecodeRow(4000, 20, seqs[0])],
+        prefill=[PrefillChunk(list(range(4200, 4209)), 0, seqs[1], want_logits=True)],
+    )
+    outputs = [first.prefill_logits[0], *runner.packed_step_eager(step).prefill_logits]
+    eager = runner._eager_step(step)
+    outputs += [eager.decode_logits, *eager.prefill_logits, runner.packed_step_eager(step).decode_logits]
+    assert all(x is not None and bool(torch.isfinite(x).all()) for x in outputs)
