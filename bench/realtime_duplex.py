@@ -21,7 +21,7 @@ and level (JSON + Markdown):
 * ``barge_in_ms``: ``barge_in`` sent to the cancelled ``response.done`` (client side), the gateway's
   ``minicpmo_realtime_barge_in_seconds``, and each stage's drain
   (``minicpmo_stage_interrupt_drain_seconds``: interrupt received -> last engine step of the old epoch);
-* the thinker's unit split (queued / encode / engine), step split (forward / host, i.e. the rest of the
+* the thinker's unit split (queued / encode / behind / engine), step split (forward / host, i.e. the rest of the
   step: sampling, its sync, events), each stage's mean engine batch size, the streaming-Whisper batch
   size (units per encode call), and each stage's busy share: its engine step seconds per wall second
   (a host-side proxy; with ``pynvml`` installed also the NVML per-process SM utilisation);
@@ -47,7 +47,7 @@ from bench.launch import add_gpu_sharing_flags
 from bench.realtime_workload import SessionPlan, SessionResult, native_session, turn_session
 
 # Stage histograms read per level: barge-in drain, engine step time and batch size of every stage; the
-# thinker's split of a duplex unit (queued / encode / engine) and of a step (forward / sample), and its
+# thinker's split of a duplex unit (queued / encode / behind / engine) and of a step (forward / sample), and its
 # streaming-Whisper batch size.
 STAGE_PREFIXES = (
     "(?:minicpmo_stage_interrupt_drain_|minicpmo_stage_step_|minicpmo_stage_batch_|"
@@ -253,7 +253,7 @@ def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
         out[f"{stage}_batch_mean"] = mean(f'minicpmo_stage_batch_size{{stage="{stage}"}}', 1.0)
         busy = delta.get(f'minicpmo_stage_step_seconds_sum{{stage="{stage}"}}')
         out[f"{stage}_busy_share"] = busy / wall if busy is not None and wall > 0 else None
-    for phase in ("queued", "encode", "engine"):
+    for phase in ("queued", "encode", "behind", "engine"):
         out[f"thinker_unit_{phase}_mean_ms"] = mean(
             f'minicpmo_thinker_duplex_unit_seconds{{phase="{phase}"}}'
         )

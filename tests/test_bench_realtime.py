@@ -56,7 +56,9 @@ def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: 
     assert split["speech"] <= split["window"] <= split["audio"] <= 1000 * turn["first_audio_s"]["p90"] + 1
     # The thinker's drain histogram is scraped from its own metrics port (0 when no unit was running).
     assert turn["thinker_drain_mean_ms"] is not None and turn["thinker_drain_mean_ms"] >= 0
-    # The thinker's unit split (queued / encode / engine) and step split (forward / sample) are scraped.
+    # The thinker's unit split (queued / encode / behind / engine) and step split (forward / sample) are
+    # scraped; "behind" may be zero when every unit was encoded after the previous decision.
+    assert turn["thinker_unit_behind_mean_ms"] is not None and turn["thinker_unit_behind_mean_ms"] >= 0
     for key in (
         "thinker_unit_encode_mean_ms",
         "thinker_unit_engine_mean_ms",

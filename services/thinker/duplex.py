@@ -68,8 +68,10 @@ log = logging.getLogger(__name__)
 UNIT_PHASE_SECONDS = Histogram(
     "minicpmo_thinker_duplex_unit_seconds",
     "Where a duplex unit's time goes: 'queued' (arrival to start: the session's previous unit still "
-    "running), 'encode' (mel + Whisper rows + token ids, on the encode executor), 'engine' (submit to "
-    "its decision: prefill, decode steps and sampling, shared with every other sequence)",
+    "running), 'encode' (mel + Whisper rows + token ids, on the encode executor), 'behind' (encoded to "
+    "submitted: an encode-ahead unit waits for the previous unit's decision, or for a window trim), "
+    "'engine' (submit to its decision: prefill, decode steps and sampling, shared with every other "
+    "sequence)",
     ["phase"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )

@@ -67,6 +67,7 @@ class AheadEncode:
     unit: thinker_pb2.ThinkerUnit
     started: float  # perf_counter when its encode began
     task: asyncio.Task[EncodedAudio]
+    done_at: float = 0.0  # perf_counter when its encode ended (set by the task)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class EncodedUnit:
     unit_seq: int
     work: WorkItem
     started: float  # perf_counter when its encode began
+    encoded_at: float  # perf_counter when its encode ended: from here it waits for the previous decision
 
 
 class DuplexStream(StageStream[Response]):
@@ -206,26 +208,30 @@ class DuplexStream(StageStream[Response]):
                     await previous
             started = time.perf_counter()
             encoded = await self.encoder.encode(session, unit)
-            UNIT_PHASE_SECONDS.labels("encode").observe(time.perf_counter() - started)
+            ahead.done_at = time.perf_counter()
+            UNIT_PHASE_SECONDS.labels("encode").observe(ahead.done_at - started)
             return encoded
 
-        self.ahead = AheadEncode(unit, time.perf_counter(), asyncio.ensure_future(encode()))
+        ahead = AheadEncode(unit, time.perf_counter(), asyncio.ensure_future(encode()))
+        self.ahead = ahead
 
-    async def _encoded(self, unit: thinker_pb2.ThinkerUnit) -> tuple[EncodedAudio, float]:
-        """The unit's encoder rows (from its encode-ahead, or encoded now) and when its encode began."""
+    async def _encoded(self, unit: thinker_pb2.ThinkerUnit) -> tuple[EncodedAudio, float, float]:
+        """The unit's encoder rows (from its encode-ahead, or encoded now), when its encode began and when
+        it ended."""
         session = self.session
         assert session is not None
         ahead, self.ahead = self.ahead, None
         if ahead is not None and ahead.unit is unit:
-            return await ahead.task, ahead.started
+            return await ahead.task, ahead.started, ahead.done_at
         if self.dropped_ahead is not None:  # wait for a dropped unit's encode: the encoder state is serial
             with contextlib.suppress(BaseException):
                 await self.dropped_ahead
             self.dropped_ahead = None
         started = time.perf_counter()
         encoded = await self.encoder.encode(session, unit)
-        UNIT_PHASE_SECONDS.labels("encode").observe(time.perf_counter() - started)
-        return encoded, started
+        done = time.perf_counter()
+        UNIT_PHASE_SECONDS.labels("encode").observe(done - started)
+        return encoded, started, done
 
     async def _start_next_unit(self) -> Sequence[Response]:
         """Assemble the oldest queued unit (encoded ahead, or now) and hand it to the engine (after a window
@@ -236,7 +242,7 @@ class DuplexStream(StageStream[Response]):
         unit_seq = int(unit.id.unit_seq) if unit.HasField("id") else session.units_done
         force_speak = bool(self.open_msg.force_speak or unit.request_response)
         try:
-            encoded, started = await self._encoded(unit)
+            encoded, started, encoded_at = await self._encoded(unit)
             UNIT_PHASE_SECONDS.labels("queued").observe(max(0.0, started - arrived))
             work = session.assemble_unit(encoded, force_speak)
         except StageError as err:
@@ -245,7 +251,7 @@ class DuplexStream(StageStream[Response]):
             log.exception("duplex unit encode failed")
             return self._fail(failure("duplex unit encode failed", exc), unit_seq)
         work.deadline = arrived + UNIT_PERIOD_S  # the engine serves the unit closest to an underrun first
-        encoded_unit = EncodedUnit(unit_seq, work, started)
+        encoded_unit = EncodedUnit(unit_seq, work, started, encoded_at)
         if await self._trim_window(encoded_unit):
             return ()
         # A unit that may make a function call can decode a whole call past the unit's 19 tokens.
@@ -313,6 +319,7 @@ class DuplexStream(StageStream[Response]):
         assert session is not None and self.seq is not None
         encoded.work.tag = (encoded.unit_seq, session.epoch)
         submitted = time.perf_counter()
+        UNIT_PHASE_SECONDS.labels("behind").observe(max(0.0, submitted - encoded.encoded_at))
         if self.record is not None:
             self.record.record(start, encoded.work)
         self.engine.submit(self.seq, encoded.work)
