@@ -66,6 +66,7 @@ from typing import cast
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.common.device import to_device
 from services.common.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     FAILED_PRECONDITION,
@@ -619,7 +620,9 @@ class TalkerEngine:
         rules = [self._rules(st) for st in batch]
         ints, floats = smp.pack_rows(rows, rules, logits.shape[-1])  # type: ignore[arg-type]
         dev = logits.device
-        picked = smp.sample_packed(logits, ints.to(dev), floats.to(dev), self.eos, self.runner.vocab_salt)
+        picked = smp.sample_packed(
+            logits, to_device(ints, dev), to_device(floats, dev), self.eos, self.runner.vocab_salt
+        )
         for st, code in zip(batch, picked.tolist(), strict=True):
             self._guarded(st, functools.partial(self._on_sample, code=code))
 

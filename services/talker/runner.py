@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common.cuda_graphs import Capture, ShapeKeyedGraphs, SharedBuffers, capture_cuda_graph
+from services.common.device import to_device
 from services.common.sdpa import attention
 from services.talker import sampling as smp
 from services.talker.fused_decode import FusedDecode, select_backend
@@ -429,7 +430,7 @@ class TalkerRunner:
         cols = self._cols.get(read_len)
         if cols is None:
             cols = self._cols[read_len] = torch.arange(read_len, device=dev)
-        return x, ints.to(dev), slots.to(dev), cols
+        return x, to_device(ints, dev), to_device(slots, dev), cols
 
     def _prefill_graphed(
         self, items: list[tuple[int, torch.Tensor]], batch: int, width: int, read_len: int

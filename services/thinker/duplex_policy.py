@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from services.common.checkpoint import SPECIAL_TOKEN_IDS
+from services.common.device import to_device
 from services.common.pb import thinker_pb2
 from services.thinker.constrained import TOOL_CALL_END_ID, TOOL_CALL_ID, TokenConstraint
 from services.thinker.duplex_policy_graph import graphs_for, warmup_policy_graphs
-from services.thinker.model.device import to_device
 from services.thinker.sampling import Sampler, SamplingConfig, sample_from_logits
 
 LISTEN = SPECIAL_TOKEN_IDS["<|listen|>"]

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from services.common.device import to_device
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.thinker.constrained import TokenConstraint, apply_masks, fill_masks
-from services.thinker.model.device import to_device
 
 # docs/model.md, Thinker generation: <|tts_eos|> ends the spoken span, <|im_end|> ends the turn.
 DEFAULT_STOP_IDS: tuple[int, ...] = (151704, 151645)

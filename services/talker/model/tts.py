@@ -24,6 +24,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from services.common.checkpoint import Checkpoint, CheckpointError
+from services.common.device import to_device
 from services.common.errors import INVALID_ARGUMENT, StageError
 from services.talker.model.config import (
     LLAMA_HIDDEN_ACT,
@@ -161,16 +162,15 @@ class MiniCPMTTS(nn.Module):
     def condition_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``emb_text(ids) + [L2norm](projector_semantic(hidden))`` → [n, H] (no suffix)."""
         self.validate_condition_inputs(token_ids, hidden)
-        ids = token_ids.to(device=self.device, dtype=torch.long)
-        projected = self.projector_semantic(hidden.to(device=self.device, dtype=self.dtype))
+        ids = to_device(token_ids.to(dtype=torch.long), self.device)
+        projected = self.projector_semantic(to_device(hidden, self.device).to(dtype=self.dtype))
         if self.cfg.normalize_projected_hidden:
             projected = F.normalize(projected, p=2, dim=-1)
         return self.emb_text(ids) + projected
 
     @torch.inference_mode()
     def special_rows(self, *token_ids: int) -> torch.Tensor:
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
-        return self.emb_text(ids)
+        return self.emb_text(to_device(torch.tensor(list(token_ids), dtype=torch.long), self.device))
 
     def whole_utterance_condition(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Upstream ``_generate_speech_non_streaming``: cond rows + text_eos + audio_bos."""

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from services.common.device import to_device
 from services.common.sdpa import attention
 from services.thinker.model.config import AudioDims
-from services.thinker.model.device import to_device
 
 log = logging.getLogger(__name__)
 

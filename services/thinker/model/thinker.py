@@ -16,6 +16,7 @@ from transformers import Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from services.common.checkpoint import STAGE_PREFIXES, Checkpoint, CheckpointError
+from services.common.device import to_device
 from services.thinker.model.audio import (
     ENCODER_FRAMES_PER_SECOND,
     AudioProjector,
@@ -26,7 +27,6 @@ from services.thinker.model.audio import (
     pooled_length,
 )
 from services.thinker.model.config import ThinkerDims, thinker_dims
-from services.thinker.model.device import to_device
 from services.thinker.model.vision import Resampler, SiglipNavitTower
 
 

@@ -1,4 +1,4 @@
-"""Host-to-device copies of the thinker's small per-call inputs (ids, positions, masks, mel windows)."""
+"""Host-to-device copies of a stage's small per-call inputs (ids, positions, masks, mel windows, rows)."""
 
 from __future__ import annotations
 
