@@ -21,7 +21,8 @@ and level (JSON + Markdown):
 * ``barge_in_ms``: ``barge_in`` sent to the cancelled ``response.done`` (client side), the gateway's
   ``minicpmo_realtime_barge_in_seconds``, and each stage's drain
   (``minicpmo_stage_interrupt_drain_seconds``: interrupt received -> last engine step of the old epoch);
-* the thinker's unit split (queued / encode / behind / engine), step split (forward / host, i.e. the rest of the
+* the thinker's unit split (queued / encode / behind / engine; behind and engine again for the units that
+  request a response), step split (forward / host, i.e. the rest of the
   step: sampling, its sync, events), each stage's mean engine batch size, the streaming-Whisper batch
   size (units per encode call), and each stage's busy share: its engine step seconds per wall second
   (a host-side proxy; with ``pynvml`` installed also the NVML per-process SM utilisation);
@@ -253,7 +254,7 @@ def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
         out[f"{stage}_batch_mean"] = mean(f'minicpmo_stage_batch_size{{stage="{stage}"}}', 1.0)
         busy = delta.get(f'minicpmo_stage_step_seconds_sum{{stage="{stage}"}}')
         out[f"{stage}_busy_share"] = busy / wall if busy is not None and wall > 0 else None
-    for phase in ("queued", "encode", "behind", "engine"):
+    for phase in ("queued", "encode", "behind", "engine", "request_behind", "request_engine"):
         out[f"thinker_unit_{phase}_mean_ms"] = mean(
             f'minicpmo_thinker_duplex_unit_seconds{{phase="{phase}"}}'
         )

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from services.common.grpc_server import ServeOptions
 from services.common.pb import common_pb2, thinker_pb2, thinker_pb2_grpc
@@ -102,6 +103,10 @@ def _units(got: list) -> list[tuple]:  # noqa: ANN001
     ]
 
 
+def _phase_count(phase: str) -> float:
+    return REGISTRY.get_sample_value("minicpmo_thinker_duplex_unit_seconds_count", {"phase": phase}) or 0.0
+
+
 def _speech(got: list) -> list[tuple]:  # noqa: ANN001
     return [
         (s.id.unit_seq, list(s.token_ids), tensor_from_proto(s.hidden))
@@ -113,8 +118,15 @@ def test_encode_ahead_changes_nothing_the_model_sees(backend, monkeypatch) -> No
     """A sampled session with speaking units: identical results with encode-ahead on and off, and with it
     on each unit's encode really began before the unit in front of it was decided."""
     requests = [_open(), *(_unit(i, request_response=i in (1, 4)) for i in range(7)), END]
+    counts = {
+        phase: _phase_count(phase) for phase in ("behind", "engine", "request_behind", "request_engine")
+    }
     off, done_off = _session(backend, monkeypatch, False, requests)
     on, done_on = _session(backend, monkeypatch, True, requests)
+    # The unit split: every unit waits "behind" and runs in the engine once; the two that ask for a
+    # response are counted again apart (their time is on the way to the first audio).
+    runs = {phase: _phase_count(phase) - n for phase, n in counts.items()}
+    assert runs == {"behind": 14, "engine": 14, "request_behind": 4, "request_engine": 4}
     assert len(_units(off)) == 7
     assert _units(on) == _units(off)
     speech_off, speech_on = _speech(off), _speech(on)

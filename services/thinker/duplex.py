@@ -71,7 +71,8 @@ UNIT_PHASE_SECONDS = Histogram(
     "running), 'encode' (mel + Whisper rows + token ids, on the encode executor), 'behind' (encoded to "
     "submitted: an encode-ahead unit waits for the previous unit's decision, or for a window trim), "
     "'engine' (submit to its decision: prefill, decode steps and sampling, shared with every other "
-    "sequence)",
+    "sequence); 'request_behind' and 'request_engine' again for the units that ask for a response "
+    "(a commit), whose time is on the way to the response's first audio",
     ["phase"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )

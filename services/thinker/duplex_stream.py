@@ -77,6 +77,7 @@ class RunningUnit:
     outcome: UnitOutcome
     submitted: float  # perf_counter when it went to the engine
     context_before: int = 0  # the session's context when it was submitted (held in the KV)
+    requested: bool = False  # see EncodedUnit.requested
 
 
 UNIT_PERIOD_S = 1.0  # a unit is 1 s of audio: its decision is due before the next one arrives
@@ -90,6 +91,7 @@ class EncodedUnit:
     work: WorkItem
     started: float  # perf_counter when its encode began
     encoded_at: float  # perf_counter when its encode ended: from here it waits for the previous decision
+    requested: bool = False  # the unit asks for a response (a commit): its time is on the first-audio path
 
 
 class DuplexStream(StageStream[Response]):
@@ -251,7 +253,7 @@ class DuplexStream(StageStream[Response]):
             log.exception("duplex unit encode failed")
             return self._fail(failure("duplex unit encode failed", exc), unit_seq)
         work.deadline = arrived + UNIT_PERIOD_S  # the engine serves the unit closest to an underrun first
-        encoded_unit = EncodedUnit(unit_seq, work, started, encoded_at)
+        encoded_unit = EncodedUnit(unit_seq, work, started, encoded_at, bool(unit.request_response))
         if await self._trim_window(encoded_unit):
             return ()
         # A unit that may make a function call can decode a whole call past the unit's 19 tokens.
@@ -319,11 +321,16 @@ class DuplexStream(StageStream[Response]):
         assert session is not None and self.seq is not None
         encoded.work.tag = (encoded.unit_seq, session.epoch)
         submitted = time.perf_counter()
-        UNIT_PHASE_SECONDS.labels("behind").observe(max(0.0, submitted - encoded.encoded_at))
+        behind = max(0.0, submitted - encoded.encoded_at)
+        UNIT_PHASE_SECONDS.labels("behind").observe(behind)
+        if encoded.requested:
+            UNIT_PHASE_SECONDS.labels("request_behind").observe(behind)
         if self.record is not None:
             self.record.record(start, encoded.work)
         self.engine.submit(self.seq, encoded.work)
-        self.current = RunningUnit(encoded.unit_seq, session.epoch, UnitOutcome(), submitted, start)
+        self.current = RunningUnit(
+            encoded.unit_seq, session.epoch, UnitOutcome(), submitted, start, requested=encoded.requested
+        )
         self.busy = True
 
     def _fail(self, err: StageError, unit_seq: int) -> list[Response]:
@@ -368,7 +375,10 @@ class DuplexStream(StageStream[Response]):
         current.outcome.absorb(ev)
         if ev.finish_reason is None:
             return ()
-        UNIT_PHASE_SECONDS.labels("engine").observe(time.perf_counter() - current.submitted)
+        engine_s = time.perf_counter() - current.submitted
+        UNIT_PHASE_SECONDS.labels("engine").observe(engine_s)
+        if current.requested:
+            UNIT_PHASE_SECONDS.labels("request_engine").observe(engine_s)
         self.busy, self.current = False, None
         if current.epoch < session.epoch:
             return ()  # finished just before an interrupt was applied: drop its output
