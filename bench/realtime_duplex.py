@@ -55,6 +55,9 @@ STAGE_PREFIXES = (
     "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_whisper_)"
 )
 STAGES = ("thinker", "talker", "code2wav")
+# The thinker's duplex unit split (minicpmo_thinker_duplex_unit_seconds{phase}): every unit's four
+# phases, then behind and engine again for the units that request a response.
+UNIT_PHASES = ("queued", "encode", "behind", "engine", "request_behind", "request_engine")
 
 
 def _scrape(http_url: str | None, stage_urls: list[str] | None = None) -> dict[str, float]:
@@ -254,7 +257,7 @@ def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
         out[f"{stage}_batch_mean"] = mean(f'minicpmo_stage_batch_size{{stage="{stage}"}}', 1.0)
         busy = delta.get(f'minicpmo_stage_step_seconds_sum{{stage="{stage}"}}')
         out[f"{stage}_busy_share"] = busy / wall if busy is not None and wall > 0 else None
-    for phase in ("queued", "encode", "behind", "engine", "request_behind", "request_engine"):
+    for phase in UNIT_PHASES:
         out[f"thinker_unit_{phase}_mean_ms"] = mean(
             f'minicpmo_thinker_duplex_unit_seconds{{phase="{phase}"}}'
         )
@@ -303,6 +306,14 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
             f"| {lv['sessions']} | {lv['lane']} | {lv['failed']} | {rtf} | {unders} | {first} | {split} | "
             f"{p(lv['barge_in_ms'], 'p50', digits=0)}, {drains} | {step} | "
             f"{f(lv.get('whisper_batch_mean'), 1)} | {busy} |"
+        )
+    for lv in levels:
+        phases = " / ".join(f(lv.get(f"thinker_unit_{k}_mean_ms"), 1) for k in UNIT_PHASES[:4])
+        requested = " / ".join(f(lv.get(f"thinker_unit_{k}_mean_ms"), 1) for k in UNIT_PHASES[4:])
+        lines.append(
+            f"\nThinker unit split at {lv['sessions']} sessions ({lv['lane']}; mean ms): unit sent to decision "
+            f"{f(lv.get('unit_decision_mean_ms'), 1)} at the gateway; queued / encode / behind / engine "
+            f"{phases}; units that request a response, behind / engine {requested}"
         )
     for lv in levels:
         if lv.get("underrun_times"):

@@ -73,6 +73,7 @@ def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: 
     assert native["failed"] == 0 and native["completed"] == native["responses"], native
     md = (out / "realtime.md").read_text()
     assert md.startswith("| sessions |") and "| 1 | native |" in md
+    assert "Thinker unit split at 1 sessions (turn; mean ms): unit sent to decision " in md
     for pid in json.loads((out / "logs" / "pids.json").read_text()).values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
