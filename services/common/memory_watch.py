@@ -7,11 +7,11 @@ grew with the load up to it, so the pools and headroom can be sized from a run's
 ``minicpmo_stage_device_memory_bytes{kind}`` carries ``allocated`` (tensors alive), ``reserved`` (what
 the caching allocator holds, what the cap counts) and ``peak_allocated``.
 
-The counters are read at most once per ``interval_s`` (default 0.5 s), not on every engine step: each
+The counters are read at most once per ``interval_s`` (default 0.5 s), not on every engine step. Each
 read builds the allocator's whole statistics dict in Python (``torch.cuda.memory_stats``): the three
 reads took 231 us on an H100, and on every step they cost the talker's batch-1 decode 10% of its frames
-per second (916 against 1021, BENCHMARKS.md). The peak is
-the allocator's own running maximum, so a throttled read still sees every high-water mark, only later.
+per second (916 against 1021, BENCHMARKS.md). The peak is the allocator's own running maximum, so a
+throttled read still sees every high-water mark, only later.
 """
 
 from __future__ import annotations
