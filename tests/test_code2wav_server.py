@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 import types
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -303,6 +304,7 @@ def test_batches_hold_one_shape_and_first_windows_go_first(tiny_ckpt: Path) -> N
         c = await engine.open_stream("c", None, seed=3)
         engine.submit(b, first, 3, False, "b0")
         engine.submit(c, first, 3, False, "c0")
+        a.audio_start = time.perf_counter()  # a's first audio is playing: a1 has slack (a CPU open is slow)
         batch = engine._collect()
         assert [w.tag for _, w in batch] == ["b0", "c0"]  # first windows, one shape, one batch
         engine._record(batch, engine._compute(batch), 0.0)
@@ -310,6 +312,43 @@ def test_batches_hold_one_shape_and_first_windows_go_first(tiny_ckpt: Path) -> N
         assert [w.tag for _, w in batch] == ["a1"]
         engine._record(batch, engine._compute(batch), 0.0)
         assert list(engine.batch_history)[-2:] == [2, 1]
+
+    asyncio.run(scenario())
+
+
+def test_the_stream_closest_to_running_dry_goes_first(tiny_ckpt: Path) -> None:
+    """Earliest deadline first: of two later windows in different shape groups, the one whose stream's
+    audio runs out sooner runs first, though the other arrived earlier; a first window still goes before
+    a later window whose stream has audio in hand, and a stream already past its deadline goes before a
+    first window that arrived after that deadline."""
+
+    async def scenario() -> None:
+        engine = _manual_engine(tiny_ckpt)
+        first = [CODEC_SILENCE_ID] * 3 + CODES[:25]
+        a = await engine.open_stream("a", None, seed=1)
+        b = await engine.open_stream("b", None, seed=2)
+        engine.submit(a, first, 3, False, "a0")
+        engine.submit(b, first, 3, False, "b0")
+        batch = engine._collect()
+        engine._record(batch, engine._compute(batch), 0.0)
+        assert a.audio_start is not None and a.audio_sent_s > 0 and a.audio_sent_s == b.audio_sent_s
+        engine.submit(b, first[-3:] + CODES[25:40], 3, False, "b1")  # 15 codes: one shape group
+        engine.submit(a, first[-3:] + CODES[25:35], 3, False, "a1")  # 10 codes: another, queued later
+        c = await engine.open_stream("c", None, seed=3)
+        engine.submit(c, first, 3, False, "c0")
+        # The playout clocks (a CPU open takes a while, so they are set rather than waited for): a's
+        # playback began 30 s ago and has run dry; b's began just now, with its first audio in hand.
+        now = time.perf_counter()
+        a.audio_start, b.audio_start = now - 30.0, now
+        assert engine.deadline(a) < engine.deadline(c) < engine.deadline(b)
+        order = []
+        while batch := engine._collect():
+            order.append([w.tag for _, w in batch])
+            engine._record(batch, engine._compute(batch), 0.0)
+        assert order == [["a1"], ["c0"], ["b1"]]
+        # An interrupt starts a new first audio: the stream's playout clock starts over.
+        engine.interrupt(a, 1)
+        assert a.audio_start is None and a.audio_sent_s == 0.0
 
     asyncio.run(scenario())
 

@@ -8,9 +8,16 @@ its stream's output queue. Model work is serialised on that one thread: torch mo
 are not shared across threads, and batching (not concurrency) is what buys throughput.
 
 Batch choice: one model batch holds windows of a single shape key (see :meth:`Code2WavRunner.batch_key`),
-so every window in it finishes together and its audio is routed as soon as that batch ends. Groups that
-hold a stream's *first* window go first (time to first audio is what a listener waits on; later windows
-have the slack of the audio already sent), then the group with the oldest window.
+so every window in it finishes together and its audio is routed as soon as that batch ends. The group
+with the earliest *deadline* goes first (earliest deadline first), and a group runs its most urgent
+windows. A window's deadline is when a listener needs it (:meth:`Code2WavEngine.deadline`): for a stream's
+first window of an epoch, the moment it arrived (the listener is waiting for the first audio already);
+for a later window, the moment the audio sent so far runs out if playback began with the first audio.
+So first windows go before later windows that still have audio in hand, and among later windows the
+stream closest to an underrun goes first, not the one whose window happened to arrive first: when many
+sessions' windows arrive together (their units share one clock) and fall into several shape groups, the
+order of the groups decides which streams wait a whole batch or two longer. The engine never idles
+while a window is ready, so the order changes only who waits, not how much is done.
 
 Interrupts and closes: :meth:`Code2WavEngine.interrupt` moves the stream to a new epoch, drops its queued
 windows of older epochs (and discards the result of a window of an old epoch that is still running), and
@@ -124,6 +131,10 @@ class StreamHandle:
     state_epoch: int = 0
     closed: bool = False
     first_window_latency: float | None = None
+    # The current epoch's playout as a listener would hear it: when its first audio was routed
+    # (perf_counter, None before) and the seconds of audio routed since.
+    audio_start: float | None = None
+    audio_sent_s: float = 0.0
 
 
 class Code2WavEngine:
@@ -308,6 +319,7 @@ class Code2WavEngine:
         handle.pending = deque(w for w in handle.pending if w.epoch >= new_epoch)
         handle.epoch = new_epoch
         handle.cursor = WindowCursor()
+        handle.audio_start, handle.audio_sent_s = None, 0.0  # the new epoch is a new first audio
         IN_FLIGHT.labels(STAGE).dec(dropped)
         DROPPED_WINDOWS.inc(dropped)
         self._release_running(handle, lambda w: w.epoch < new_epoch, record_idle=True)
@@ -341,11 +353,25 @@ class Code2WavEngine:
         CACHE_BYTES.set(sum(h.state.cache_bytes for h in self.streams.values()))
 
     # ------------------------------------------------------------------ scheduling
+    @staticmethod
+    def deadline(handle: StreamHandle) -> float:
+        """When the listener needs the stream's next pending window (perf_counter seconds).
+
+        A first window of its epoch (no audio routed yet, or the stream must first be reset to a newer
+        epoch) is due when it arrived: the listener has been waiting since. A later window is due when the
+        audio routed so far runs out for a listener who started playing at the first audio (a client that
+        starts later, or holds a lead, only has more slack)."""
+        window = handle.pending[0]
+        if handle.audio_start is None or window.epoch > handle.state_epoch:
+            return window.enqueued
+        return handle.audio_start + handle.audio_sent_s
+
     def _collect(self) -> list[tuple[StreamHandle, PendingWindow]]:
-        """The next batch: up to ``max_batch`` ready windows that share one shape key.
+        """The next batch: up to ``max_batch`` ready windows that share one shape key, earliest deadline
+        first (:meth:`deadline`): the group holding the most urgent window, its most urgent windows.
 
         A window whose stream must first be reset to a new epoch gets a key of its own (its shapes are
-        only known after the reset). First windows win, then the oldest window."""
+        only known after the reset)."""
         ready = [h for h in self.streams.values() if h.pending and not h.in_flight and not h.closed]
         if not ready:
             return []
@@ -358,12 +384,9 @@ class Code2WavEngine:
                 key = self.runner.batch_key(handle.state, window.tokens, window.is_last)
             groups.setdefault(key, []).append(handle)
 
-        def urgency(members: list[StreamHandle]) -> tuple[bool, float]:
-            first = any(h.state.windows_done == 0 or h.pending[0].epoch > h.state_epoch for h in members)
-            return (not first, min(h.pending[0].enqueued for h in members))
-
-        chosen = min(groups.values(), key=urgency)
-        chosen.sort(key=lambda h: h.pending[0].enqueued)
+        due = {id(h): self.deadline(h) for h in ready}
+        chosen = min(groups.values(), key=lambda members: min(due[id(h)] for h in members))
+        chosen.sort(key=lambda h: due[id(h)])
         batch = []
         for handle in chosen[: self.max_batch]:
             window = handle.pending.popleft()
@@ -469,6 +492,10 @@ class Code2WavEngine:
             if handle.first_window_latency is None:
                 handle.first_window_latency = now - window.enqueued
                 FIRST_WINDOW_SECONDS.observe(handle.first_window_latency)
+            if result.samples.shape[0]:
+                if handle.audio_start is None:
+                    handle.audio_start = now
+                handle.audio_sent_s += result.samples.shape[0] / self.runner.model.sample_rate
             handle.outputs.put_nowait((window.tag, result))
         self._update_cache_gauge()
         self._wake.set()
