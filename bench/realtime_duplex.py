@@ -49,10 +49,11 @@ from bench.realtime_workload import SessionPlan, SessionResult, native_session, 
 
 # Stage histograms read per level: barge-in drain, engine step time and batch size of every stage; the
 # thinker's split of a duplex unit (queued / encode / behind / engine) and of a step (forward / sample), and its
-# streaming-Whisper batch size.
+# streaming-Whisper batch size; code2wav's later windows that were past their deadline on arrival or when done.
 STAGE_PREFIXES = (
     "(?:minicpmo_stage_interrupt_drain_|minicpmo_stage_step_|minicpmo_stage_batch_|"
-    "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_whisper_)"
+    "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_whisper_|"
+    "minicpmo_code2wav_late_window_)"
 )
 STAGES = ("thinker", "talker", "code2wav")
 # The thinker's duplex unit split (minicpmo_thinker_duplex_unit_seconds{phase}): every unit's four
@@ -267,6 +268,10 @@ def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
         )
     for phase in ("forward", "sample"):
         out[f"thinker_step_{phase}_mean_ms"] = mean(f'minicpmo_thinker_step_phase_seconds{{phase="{phase}"}}')
+    for phase in ("arrived", "done"):
+        late = f'minicpmo_code2wav_late_window_seconds{{phase="{phase}"}}'
+        out[f"code2wav_late_{phase}_windows"] = delta.get(late.replace("{", "_count{", 1), 0.0)
+        out[f"code2wav_late_{phase}_mean_ms"] = mean(late)
     return out
 
 
@@ -315,6 +320,16 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
             f"{f(lv.get('unit_decision_mean_ms'), 1)} at the gateway; queued / encode / behind / engine "
             f"{phases}; units that request a response, behind / engine {requested}"
         )
+    for lv in levels:
+        if "code2wav_late_done_windows" in lv:
+            late = "; ".join(
+                f"{k} {lv[f'code2wav_late_{k}_windows']:.0f} (mean {f(lv.get(f'code2wav_late_{k}_mean_ms'), 0)} ms)"
+                for k in ("arrived", "done")
+            )
+            lines.append(
+                f"\nCode2wav later windows past their deadline at {lv['sessions']} sessions ({lv['lane']}; the "
+                f"listener starting at the first audio, without the client's lead): {late}"
+            )
     for lv in levels:
         if lv.get("underrun_times"):
             when = "; ".join(f"{t:.1f} s #{i} {ms:.0f} ms" for t, i, ms in lv["underrun_times"][:24])

@@ -74,9 +74,37 @@ def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: 
     md = (out / "realtime.md").read_text()
     assert md.startswith("| sessions |") and "| 1 | native |" in md
     assert "Thinker unit split at 1 sessions (turn; mean ms): unit sent to decision " in md
+    # Code2wav's late later windows are scraped (how many depends on the CPU's speed, so only present).
+    assert turn["code2wav_late_arrived_windows"] >= 0 and turn["code2wav_late_done_windows"] >= 0
+    assert "Code2wav later windows past their deadline at 1 sessions (turn; " in md
     for pid in json.loads((out / "logs" / "pids.json").read_text()).values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_code2wav_late_windows_are_counted_and_averaged_per_level() -> None:
+    """The late-window histogram's count is the number of late windows and its mean their lateness; a
+    phase with none reads 0 windows and no mean."""
+    from bench.realtime_duplex import _metric_means, render_markdown
+
+    done = 'minicpmo_code2wav_late_window_seconds_{}{{phase="done"}}'
+    out = _metric_means({done.format("count"): 3.0, done.format("sum"): 0.6}, wall=60.0)
+    assert out["code2wav_late_done_windows"] == 3.0
+    assert out["code2wav_late_done_mean_ms"] == pytest.approx(200.0)
+    assert out["code2wav_late_arrived_windows"] == 0.0 and out["code2wav_late_arrived_mean_ms"] is None
+    level = {
+        "sessions": 16,
+        "lane": "turn",
+        "failed": 0,
+        "unit_rtf": None,
+        "underruns_per_session": None,
+        "first_audio_s": None,
+        "barge_in_ms": None,
+        **out,
+    }
+    md = render_markdown([level])
+    assert "at 16 sessions (turn; the listener starting at the first audio, without the client" in md
+    assert "arrived 0 (mean - ms); done 3 (mean 200 ms)" in md
 
 
 def test_a_level_past_its_deadline_keeps_what_its_sessions_measured(

@@ -316,6 +316,17 @@ def test_batches_hold_one_shape_and_first_windows_go_first(tiny_ckpt: Path) -> N
     asyncio.run(scenario())
 
 
+def _late_count(phase: str) -> float:
+    from services.code2wav.engine import LATE_WINDOW_SECONDS
+
+    return sum(
+        s.value
+        for m in LATE_WINDOW_SECONDS.collect()
+        for s in m.samples
+        if s.name.endswith("_count") and s.labels.get("phase") == phase
+    )
+
+
 def test_the_stream_closest_to_running_dry_goes_first(tiny_ckpt: Path) -> None:
     """Earliest deadline first: of two later windows in different shape groups, the one whose stream's
     audio runs out sooner runs first, though the other arrived earlier; a first window still goes before
@@ -337,15 +348,19 @@ def test_the_stream_closest_to_running_dry_goes_first(tiny_ckpt: Path) -> None:
         c = await engine.open_stream("c", None, seed=3)
         engine.submit(c, first, 3, False, "c0")
         # The playout clocks (a CPU open takes a while, so they are set rather than waited for): a's
-        # playback began 30 s ago and has run dry; b's began just now, with its first audio in hand.
+        # playback began 30 s ago and has run dry; b's began just now, with a minute of audio in hand.
         now = time.perf_counter()
         a.audio_start, b.audio_start = now - 30.0, now
+        b.audio_sent_s += 60.0
         assert engine.deadline(a) < engine.deadline(c) < engine.deadline(b)
+        late_arrived, late_done = _late_count("arrived"), _late_count("done")
         order = []
         while batch := engine._collect():
             order.append([w.tag for _, w in batch])
             engine._record(batch, engine._compute(batch), 0.0)
         assert order == [["a1"], ["c0"], ["b1"]]
+        # a1 arrived after its stream's audio had run out, b1 with slack: only a1 counts as late.
+        assert _late_count("arrived") == late_arrived + 1 and _late_count("done") == late_done + 1
         # An interrupt starts a new first audio: the stream's playout clock starts over.
         engine.interrupt(a, 1)
         assert a.audio_start is None and a.audio_sent_s == 0.0

@@ -69,6 +69,15 @@ FIRST_WINDOW_SECONDS = Histogram(
     "Time from a stream's first window arriving to its audio being ready",
     buckets=(0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
+LATE_WINDOW_SECONDS = Histogram(
+    "minicpmo_code2wav_late_window_seconds",
+    "How far past its deadline (Code2WavEngine.deadline: when the audio sent before it runs out for a "
+    "listener who began playing at the first audio) a later window arrived (phase=arrived) or had its "
+    "audio routed (phase=done); observed only for windows that were late, so the count is the late "
+    "windows. Late on arrival: the thinker or talker were late; late only when done: code2wav's queue",
+    ["phase"],
+    buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+)
 DROPPED_WINDOWS = Counter("minicpmo_code2wav_dropped_windows_total", "Queued windows dropped by interrupts")
 STORED_VOICE_LOADS = Counter(
     "minicpmo_code2wav_stored_voice_loads_total",
@@ -456,6 +465,15 @@ class Code2WavEngine:
         HEAP_TRIMS.inc()
 
     @staticmethod
+    def _observe_lateness(deadline: float, arrived: float, done: float) -> None:
+        """A later window past its deadline on arrival and/or when its audio was routed (the split tells
+        an upstream stage's delay from this stage's queue)."""
+        if arrived > deadline:
+            LATE_WINDOW_SECONDS.labels("arrived").observe(arrived - deadline)
+        if done > deadline:
+            LATE_WINDOW_SECONDS.labels("done").observe(done - deadline)
+
+    @staticmethod
     def _finish_running(handle: StreamHandle, window: PendingWindow, now: float) -> None:
         """The batch holding ``window`` ended: clear the stream's running slot and settle the gauge."""
         handle.in_flight = False
@@ -495,6 +513,8 @@ class Code2WavEngine:
             if result.samples.shape[0]:
                 if handle.audio_start is None:
                     handle.audio_start = now
+                else:
+                    self._observe_lateness(handle.audio_start + handle.audio_sent_s, window.enqueued, now)
                 handle.audio_sent_s += result.samples.shape[0] / self.runner.model.sample_rate
             handle.outputs.put_nowait((window.tag, result))
         self._update_cache_gauge()
