@@ -366,13 +366,12 @@ class Code2WavEngine:
     def deadline(handle: StreamHandle) -> float:
         """When the listener needs the stream's next pending window (perf_counter seconds).
 
-        A first window of its epoch (no audio routed yet, or the stream must first be reset to a newer
-        epoch) is due when it arrived: the listener has been waiting since. A later window is due when the
-        audio routed so far runs out for a listener who started playing at the first audio (a client that
+        A first window of its epoch (no audio routed yet: :meth:`interrupt` clears the playout clock) is
+        due when it arrived: the listener has been waiting since. A later window is due when the audio
+        routed so far runs out for a listener who started playing at the first audio (a client that
         starts later, or holds a lead, only has more slack)."""
-        window = handle.pending[0]
-        if handle.audio_start is None or window.epoch > handle.state_epoch:
-            return window.enqueued
+        if handle.audio_start is None:
+            return handle.pending[0].enqueued
         return handle.audio_start + handle.audio_sent_s
 
     def _collect(self) -> list[tuple[StreamHandle, PendingWindow]]:
