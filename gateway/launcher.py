@@ -26,7 +26,9 @@
   the URL, and then supervises: a child that exits (a stage crash, an OOM kill) is started again on the
   same port after a backoff (1 s, doubling to 30 s while it keeps dying within a minute of its start;
   it gives up, stopping everything with exit code 1, after 5 such quick deaths in a row). The gateway's
-  channels reconnect by themselves, so nothing else restarts.
+  channels reconnect by themselves, so nothing else restarts, with one exception: an MPS client killed
+  by a signal leaves its MPS server refusing new clients until all of them have exited, so the other
+  stages of that server are stopped and restarted with it (:meth:`Supervisor.restart_mps_group`).
 * Ctrl-C / SIGTERM stops the tree in order, exit code 0: the gateway first (it stops admitting, closes
   realtime sessions with ``session.closed{server_shutdown}`` and lets in-flight requests finish for up
   to its graceful-shutdown time), and only once it has exited the stages (each drains, then exits);
@@ -71,7 +73,7 @@ from services.common.deploy_profile import (
     parse_overrides,
 )
 from services.common.deploy_schema import STAGES, ProfileError
-from services.common.gpu_sharing import MpsDaemon, start_sharing
+from services.common.gpu_sharing import PIPE_ENV, MpsDaemon, start_sharing
 
 log = logging.getLogger("minicpmo.launcher")
 
@@ -90,6 +92,11 @@ MAX_QUICK_DEATHS = 5
 # what the grace could not finish and to close (gateway.shutdown) before it is killed.
 GATEWAY_STOP_MARGIN_S = 15.0
 STAGE_STOP_S = 40.0  # a stage drains for up to --drain-timeout (30 s) before it exits
+# The other MPS clients of a server that refuses new clients (see Supervisor.restart_mps_group) get this
+# long to exit on SIGTERM before SIGKILL: their requests are failing anyway, the point is to serve again.
+MPS_GROUP_STOP_S = 10.0
+# What a stage prints when its CUDA context is refused: cudaErrorMpsServerNotReady (807).
+MPS_REFUSED_SIGNS = ("MPS server is not ready", "Error 807")
 
 
 @dataclass
@@ -459,9 +466,11 @@ class Supervisor:
 
     def supervise(self, now: float | None = None, log: Callable[..., None] | None = None) -> None:
         """Restart children that exited: at once the first time, with backoff while one keeps dying
-        within a minute of its start; raises RuntimeError once one keeps dying.
+        within a minute of its start; raises RuntimeError once one keeps dying. A dead MPS client that
+        leaves its server refusing new clients takes the server's other clients with it
+        (:meth:`restart_mps_group`).
 
-        Called every few hundred milliseconds by the launcher's main loop (after start-up).
+        Called every 0.1 s by the launcher's main loop (after start-up).
         """
         now = time.monotonic() if now is None else now
         log = log or _say
@@ -486,6 +495,8 @@ class Supervisor:
                     f"restarting {'now' if delay == 0 else f'in {delay:g} s'}",
                     flush=True,
                 )
+                if self.mps_refuses_after(child, proc.returncode):
+                    self.restart_mps_group(child, due, log)
             if now >= due:
                 del self.restart_due[child.name]
                 self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
@@ -495,6 +506,51 @@ class Supervisor:
                     f"pid {self.procs[child.name].pid}",
                     flush=True,
                 )
+
+    def mps_group(self, child: ChildSpec) -> list[ChildSpec]:
+        """The stage children that are clients of the same MPS server as ``child`` (itself included);
+        empty when it is not an MPS client."""
+        pipe = child.env.get(PIPE_ENV)
+        if child.stage is None or not pipe:
+            return []
+        return [c for c in self.children if c.stage is not None and c.env.get(PIPE_ENV) == pipe]
+
+    def mps_refuses_after(self, child: ChildSpec, returncode: int) -> bool:
+        """Whether ``child``'s death leaves its MPS server refusing new clients: it was an MPS client and
+        was killed by a signal (SIGKILL, an OOM kill, a segfault: the server treats the lost client as a
+        fatal fault), or its log says its own context was refused (cudaErrorMpsServerNotReady)."""
+        if len(self.mps_group(child)) < 2:
+            return False
+        return returncode < 0 or any(sign in self.tail(child) for sign in MPS_REFUSED_SIGNS)
+
+    def restart_mps_group(self, child: ChildSpec, due: float, log: Callable[..., None]) -> None:
+        """Stop the other clients of ``child``'s MPS server and restart them with it at ``due``.
+
+        Why: after a fatal fault, and the loss of a client killed mid-work is one, an MPS server keeps
+        serving the clients it has but refuses every new one (``cudaErrorMpsServerNotReady``) until all
+        of its clients have exited; then it recreates its GPU contexts. Measured on an H100: code2wav
+        SIGKILLed under load, its five restarts over 80 s were all refused while the thinker and the
+        talker stayed connected, and the launcher gave up. So the only way back is a restart of every
+        client of that server: they get SIGTERM (their streams drain or fail, as they would on a stop)
+        and ``MPS_GROUP_STOP_S`` before SIGKILL, and start again together with the dead one; these
+        restarts do not count as quick deaths of their own.
+        """
+        others = [
+            c
+            for c in self.mps_group(child)
+            if c is not child and (p := self.procs.get(c.name)) is not None and p.poll() is None
+        ]
+        if not others:
+            return
+        names = ", ".join(c.name for c in others)
+        log(
+            f"[minicpmo-serve] {child.name} was an MPS client: its MPS server takes no new client until "
+            f"all of its clients have exited; stopping {names} to restart them with it",
+            flush=True,
+        )
+        self._stop_group(others, MPS_GROUP_STOP_S)
+        for other in others:
+            self.restart_due[other.name] = due
 
     def tail(self, child: ChildSpec, lines: int = 30) -> str:
         path = self.log_path(child)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from gateway.launcher import ChildSpec, Supervisor, build_parser, pick_free_stage_ports, plan_children
 from services.common.deploy_profile import STAGE_SETTINGS_ENV, ProfileError, load_profile
+from services.common.gpu_sharing import PIPE_ENV
 
 
 def _arg(argv: list[str], flag: str) -> str:
@@ -203,3 +205,74 @@ def test_supervisor_restarts_a_dead_child_at_once_then_with_backoff_then_gives_u
     sup.supervise(time.monotonic(), log=log)
     assert "flaky-0" not in sup.restart_due and sup.restarts["flaky-0"] == restarts + 1  # at once again
     sup.procs["flaky-0"].wait(30)
+
+
+_SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+_KILLED = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+_REFUSED = [
+    sys.executable,
+    "-c",
+    "print('RuntimeError: ... Error 807: MPS server is not ready to accept new MPS client requests'); "
+    "raise SystemExit(1)",
+]
+
+
+def _group(tmp_path: Path, first: list[str], pipe: str | None) -> tuple[Supervisor, list[ChildSpec]]:
+    env = {PIPE_ENV: pipe} if pipe else {}
+    children = [
+        ChildSpec("code2wav-0", "code2wav", first, env=dict(env)),
+        ChildSpec("thinker-0", "thinker", _SLEEPER, env=dict(env)),
+        ChildSpec("talker-0", "talker", _SLEEPER, env=dict(env)),
+        ChildSpec("gateway", None, _SLEEPER),
+    ]
+    sup = Supervisor(children, tmp_path)
+    for child in children:
+        sup.start(child)
+    return sup, children
+
+
+def _stop_all(sup: Supervisor) -> None:
+    sup.stop(gateway_timeout_s=5, stage_timeout_s=5)
+
+
+@pytest.mark.parametrize("first", [_KILLED, _REFUSED], ids=["killed-by-a-signal", "context-refused"])
+def test_a_dead_mps_client_restarts_every_client_of_its_server(tmp_path: Path, first: list[str]) -> None:
+    """A stage that dies by a signal, or whose CUDA context was refused, under a shared MPS server: the
+    server takes no new client until all of its clients have exited, so the launcher stops the other
+    stage clients of that server and restarts them with it; the gateway (no MPS client) is left alone,
+    and the siblings' restarts are not quick deaths of their own."""
+    sup, _ = _group(tmp_path, first, "/tmp/mps-pipe")
+    try:
+        sup.procs["code2wav-0"].wait(30)
+        before = {name: proc.pid for name, proc in sup.procs.items()}
+        logs: list[str] = []
+        sup.supervise(time.monotonic(), log=lambda m, **_: logs.append(m))  # one pass restarts all three
+        after = {name: proc.pid for name, proc in sup.procs.items()}
+        for name in ("code2wav-0", "thinker-0", "talker-0"):
+            assert after[name] != before[name], name
+            assert sup.restarts[name] == 1
+        assert after["gateway"] == before["gateway"] and "gateway" not in sup.restarts
+        assert sup.quick_deaths == {"code2wav-0": 1}
+        assert any("stopping thinker-0, talker-0" in m for m in logs), logs
+        assert sup.procs["thinker-0"].poll() is None and sup.procs["talker-0"].poll() is None
+    finally:
+        _stop_all(sup)
+
+
+def test_a_stage_that_exits_normally_or_without_mps_restarts_alone(tmp_path: Path) -> None:
+    """Without MPS a signal death restarts only that stage; under MPS an ordinary exit (code 3, no
+    refused context in its log) restarts only that stage too."""
+    for first, pipe in ((_KILLED, None), ([sys.executable, "-c", "raise SystemExit(3)"], "/tmp/mps-pipe")):
+        sup, _ = _group(tmp_path, first, pipe)
+        try:
+            sup.procs["code2wav-0"].wait(30)
+            assert sup.procs["code2wav-0"].returncode == (-signal.SIGKILL if pipe is None else 3)
+            before = {name: proc.pid for name, proc in sup.procs.items()}
+            sup.supervise(time.monotonic(), log=lambda m, **_: None)
+            after = {name: proc.pid for name, proc in sup.procs.items()}
+            assert after["code2wav-0"] != before["code2wav-0"]
+            assert {n: after[n] for n in ("thinker-0", "talker-0", "gateway")} == {
+                n: before[n] for n in ("thinker-0", "talker-0", "gateway")
+            }
+        finally:
+            _stop_all(sup)

@@ -16,8 +16,10 @@ host (or Kubernetes' device plugin) is in charge and none is started. When the d
 time-slice as before and the reason is logged: MPS is a speed-up, never a reason not to serve.
 
 MPS trade-off (docs/deploy.md): the clients of one MPS server share its fault domain, so a fatal GPU
-error (an illegal memory access) in one stage can end the other stages' CUDA contexts too; the
-launcher restarts whatever exits.
+error (an illegal memory access) in one stage can end the other stages' CUDA contexts too, and after a
+client is lost that way (a SIGKILL counts) the server refuses new clients until all of its clients have
+exited; the launcher therefore restarts such a stage together with the server's other clients
+(``gateway.launcher.Supervisor.restart_mps_group``).
 """
 
 from __future__ import annotations
