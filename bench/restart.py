@@ -215,6 +215,17 @@ async def run(args: argparse.Namespace, launcher: Launcher) -> dict[str, Any]:
     return report
 
 
+def passed(report: dict[str, Any], bound_s: float) -> bool:
+    """A run passes when it ended without an error, every killed stage has a figure within ``bound_s``,
+    and the launcher exited 0."""
+    figures = report["worst_served_s"].values()
+    return (
+        "error" not in report
+        and all(v is not None and v <= bound_s for v in figures)
+        and report.get("launcher_exit") == 0
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=2, help="kills per stage")
@@ -250,11 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         rc = launcher.stop()
     report["launcher_exit"] = rc
-    report["passed"] = (
-        "error" not in report
-        and all(v is not None and v <= args.bound_s for v in report["worst_served_s"].values())
-        and rc == 0
-    )
+    report["passed"] = passed(report, args.bound_s)
     (out / "restart.json").write_text(json.dumps(report, indent=2))
     print(
         json.dumps({k: report.get(k) for k in ("worst_served_s", "load", "launcher_exit", "passed", "error")})
