@@ -142,7 +142,13 @@ async def _sessions(args: argparse.Namespace, lane: str, n: int, ref_uri: str) -
     script = turn_session if lane == "turn" else native_session
     plan = SessionPlan(args.url, ref_uri, args.duration, args.units)
     results = [SessionResult(lane) for _ in range(n)]
-    tasks = [asyncio.create_task(script(plan, result=result)) for result in results]
+    stagger_s = float(getattr(args, "stagger_s", 0.0) or 0.0)
+
+    async def started(i: int, result: SessionResult) -> SessionResult:
+        await asyncio.sleep(i * stagger_s / n)  # 0 for every session without --stagger-s
+        return await script(plan, result=result)
+
+    tasks = [asyncio.create_task(started(i, result)) for i, result in enumerate(results)]
     deadline_s = level_deadline(args)
     t0 = time.monotonic()
     pending: set[asyncio.Task[SessionResult]] = set(tasks)
@@ -417,6 +423,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="sessions run once (one short turn-lane cycle), unmeasured, before the first level",
+    )
+    p.add_argument(
+        "--stagger-s",
+        type=float,
+        default=0.0,
+        help="spread a level's session starts evenly over this many seconds (session i starts i/n of it "
+        "late), as independent users would arrive; 0 (default) starts them together, the worst case, "
+        "whose alignment lasts a varying part of the level",
     )
     p.add_argument("--ref-audio", default=None, help="voice WAV (default: the checkpoint's, in launch mode)")
     add_gpu_sharing_flags(p)

@@ -141,3 +141,30 @@ def test_a_level_past_its_deadline_keeps_what_its_sessions_measured(
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "sessions finished" in ln]
     assert lines and "1/2 sessions finished, 2 responses done, unit RTF p90" in lines[-1]
     assert realtime_duplex.level_deadline(argparse.Namespace(duration=60.0, level_timeout=None)) == 240.0
+
+
+def test_stagger_spreads_the_session_starts_evenly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--stagger-s 0.4 over 4 sessions: session i starts i x 0.1 s after the first; without it together."""
+    import argparse
+    import asyncio
+    import time
+
+    from bench import realtime_duplex
+    from bench.realtime_workload import SessionResult
+
+    def run(stagger_s: float) -> list[float]:
+        starts: list[float] = []
+
+        async def script(plan, result):  # noqa: ANN001, ANN202
+            starts.append(time.monotonic())
+            return result
+
+        monkeypatch.setattr(realtime_duplex, "turn_session", script)
+        args = argparse.Namespace(url="ws://x", duration=0.0, units=3, level_timeout=5.0, stagger_s=stagger_s)
+        out = asyncio.run(realtime_duplex._sessions(args, "turn", 4, "data:"))
+        assert all(isinstance(r, SessionResult) for r in out)
+        return [t - starts[0] for t in starts]
+
+    spread = run(0.4)
+    assert [round(t, 1) for t in spread] == [0.0, 0.1, 0.2, 0.3]
+    assert max(run(0.0)) < 0.05
