@@ -35,7 +35,7 @@
   whatever is still running after its timeout gets SIGKILL, to its whole process group.
 
 The child plan is a pure function (:func:`plan_children`) so tests can check placements without GPUs.
-The file is a little over 500 lines on purpose: plan, start, supervise and ordered stop share the child
+The file is about 800 lines on purpose: plan, start, supervise and ordered stop share the child
 specs and the process-group handling, and a reader checking the shutdown order should see all of it here.
 """
 
