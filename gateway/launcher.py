@@ -73,7 +73,7 @@ from services.common.deploy_profile import (
     parse_overrides,
 )
 from services.common.deploy_schema import STAGES, ProfileError
-from services.common.gpu_sharing import PIPE_ENV, MpsDaemon, start_sharing
+from services.common.gpu_sharing import MPS_REFUSED_SIGNS, PIPE_ENV, MpsDaemon, start_sharing
 
 log = logging.getLogger("minicpmo.launcher")
 
@@ -95,8 +95,6 @@ STAGE_STOP_S = 40.0  # a stage drains for up to --drain-timeout (30 s) before it
 # The other MPS clients of a server that refuses new clients (see Supervisor.restart_mps_group) get this
 # long to exit on SIGTERM before SIGKILL: their requests are failing anyway, the point is to serve again.
 MPS_GROUP_STOP_S = 10.0
-# What a stage prints when its CUDA context is refused: cudaErrorMpsServerNotReady (807).
-MPS_REFUSED_SIGNS = ("MPS server is not ready", "Error 807")
 
 
 @dataclass

@@ -323,6 +323,35 @@ def test_cap_is_applied_on_cuda_and_logged(
     assert "stages.thinker.memory_fraction via MINICPMO_STAGE_SETTINGS" in caplog.text
 
 
+def test_a_refused_mps_client_exits_saying_why_and_what_to_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's first initialisation refused by an MPS server (what a stage restarted alone after a SIGKILL
+    under MPS gets): the stage exits with the reason and what to restart, which the launcher's log check
+    recognises; any other CUDA error is raised as it is."""
+    from gateway.launcher import MPS_REFUSED_SIGNS
+
+    def refused(*_a: Any) -> None:
+        raise RuntimeError(
+            "Unexpected error from cudaGetDeviceCount(). Error 807: MPS server is not ready to accept new "
+            "MPS client requests"
+        )
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", refused)
+    log = logging.getLogger("test.stage_memory")
+    with pytest.raises(SystemExit) as info:
+        apply_memory_cap("code2wav", "cuda:0", MemoryFractionChoice(0.4), log)
+    message = str(info.value.code)
+    assert message.startswith("code2wav: the MPS server is not ready to accept new clients")
+    assert "docker compose restart thinker talker code2wav" in message
+    assert any(sign in message for sign in MPS_REFUSED_SIGNS)
+
+    def other(*_a: Any) -> None:
+        raise RuntimeError("CUDA error: no CUDA-capable device is detected")
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", other)
+    with pytest.raises(RuntimeError, match="no CUDA-capable device"):
+        apply_memory_cap("code2wav", "cuda:0", MemoryFractionChoice(0.4), log)
+
+
 def test_cap_is_a_no_op_on_cpu_and_without_a_fraction(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

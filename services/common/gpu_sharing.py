@@ -45,6 +45,16 @@ LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
 PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
 PRIORITIES = ("normal", "below_normal")
 CONTROL_BINARY = "nvidia-cuda-mps-control"
+# What CUDA says when an MPS server refuses a new client (cudaErrorMpsServerNotReady, 807): after a client
+# was lost mid-work it takes none until all of its clients have exited. The launcher reads a dead stage's
+# log for these (a stage exits with MPS_REFUSED_MESSAGE, which carries the first).
+MPS_REFUSED_SIGNS = ("MPS server is not ready", "Error 807")
+MPS_REFUSED_MESSAGE = (
+    "the MPS server is not ready to accept new clients (cudaErrorMpsServerNotReady): a client of it was "
+    "lost mid-work, and it takes no new client until all of its clients have exited. Restart every stage "
+    "that shares this GPU (minicpmo-serve does so by itself; with docker compose: docker compose restart "
+    "thinker talker code2wav)"
+)
 START_TIMEOUT_S = 30.0
 
 
@@ -134,6 +144,11 @@ def start_sharing(
         log(f"gpu_sharing mps: {reason}; the stages time-slice {', '.join(gpus)} instead")
         return f"separate processes time-slicing {', '.join(gpus)} (MPS unavailable: {reason})", None
     return f"MPS clients of a private daemon ({daemon.env[PIPE_ENV]})", daemon
+
+
+def mps_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (CUDA's first initialisation failing) is an MPS server refusing new clients."""
+    return any(sign in str(exc) for sign in MPS_REFUSED_SIGNS)
 
 
 def set_client_priority(priority: str) -> None:

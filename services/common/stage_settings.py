@@ -27,7 +27,7 @@ from typing import Any
 
 from services.common import slow_steps
 from services.common.deploy_profile import STAGE_SETTINGS_ENV, apply_memory_fraction, stage_settings_from_env
-from services.common.gpu_sharing import set_client_priority
+from services.common.gpu_sharing import MPS_REFUSED_MESSAGE, mps_refused, set_client_priority
 
 MEMORY_FRACTION_FLAG = "--memory-fraction"
 
@@ -170,7 +170,12 @@ def apply_memory_cap(
         return None
     import torch
 
-    apply_memory_fraction({"memory_fraction": choice.fraction}, device)
+    try:
+        apply_memory_fraction({"memory_fraction": choice.fraction}, device)  # CUDA's first initialisation
+    except RuntimeError as exc:
+        if mps_refused(exc):
+            raise SystemExit(f"{stage}: {MPS_REFUSED_MESSAGE}") from exc
+        raise
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     log.info(
         "%s: GPU memory capped at %.3g of %s = %.1f GiB of %.1f GiB (from %s)",
