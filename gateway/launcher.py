@@ -73,7 +73,7 @@ from services.common.deploy_profile import (
     parse_overrides,
 )
 from services.common.deploy_schema import STAGES, ProfileError
-from services.common.gpu_sharing import MPS_REFUSED_SIGNS, PIPE_ENV, MpsDaemon, start_sharing
+from services.common.gpu_sharing import PIPE_ENV, MpsDaemon, mps_refused, start_sharing
 
 log = logging.getLogger("minicpmo.launcher")
 
@@ -519,7 +519,7 @@ class Supervisor:
         fatal fault), or its log says its own context was refused (cudaErrorMpsServerNotReady)."""
         if len(self.mps_group(child)) < 2:
             return False
-        return returncode < 0 or any(sign in self.tail(child) for sign in MPS_REFUSED_SIGNS)
+        return returncode < 0 or mps_refused(self.tail(child))
 
     def restart_mps_group(self, child: ChildSpec, due: float, log: Callable[..., None]) -> None:
         """Stop the other clients of ``child``'s MPS server and restart them with it at ``due``.

@@ -144,27 +144,35 @@ def test_a_level_past_its_deadline_keeps_what_its_sessions_measured(
 
 
 def test_stagger_spreads_the_session_starts_evenly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--stagger-s 0.4 over 4 sessions: session i starts i x 0.1 s after the first; without it together."""
+    """--stagger-s 0.4 over 4 sessions: session i waits i x 0.1 s before it starts; without it none waits.
+    The waits are read from the sleeps the sessions ask for, not from a clock."""
     import argparse
     import asyncio
-    import time
 
     from bench import realtime_duplex
     from bench.realtime_workload import SessionResult
 
+    real_sleep = asyncio.sleep
+
     def run(stagger_s: float) -> list[float]:
-        starts: list[float] = []
+        waits: list[float] = []
+        started: list[int] = []
+
+        async def sleep(delay: float) -> None:
+            waits.append(delay)
+            await real_sleep(0)
 
         async def script(plan, result):  # noqa: ANN001, ANN202
-            starts.append(time.monotonic())
+            started.append(len(waits))
             return result
 
+        monkeypatch.setattr(realtime_duplex.asyncio, "sleep", sleep)
         monkeypatch.setattr(realtime_duplex, "turn_session", script)
         args = argparse.Namespace(url="ws://x", duration=0.0, units=3, level_timeout=5.0, stagger_s=stagger_s)
         out = asyncio.run(realtime_duplex._sessions(args, "turn", 4, "data:"))
-        assert all(isinstance(r, SessionResult) for r in out)
-        return [t - starts[0] for t in starts]
+        monkeypatch.setattr(realtime_duplex.asyncio, "sleep", real_sleep)
+        assert all(isinstance(r, SessionResult) for r in out) and len(started) == 4
+        return waits
 
-    spread = run(0.4)
-    assert [round(t, 1) for t in spread] == [0.0, 0.1, 0.2, 0.3]
-    assert max(run(0.0)) < 0.05
+    assert [round(w, 6) for w in run(0.4)] == [0.0, 0.1, 0.2, 0.3]
+    assert run(0.0) == [0.0, 0.0, 0.0, 0.0]

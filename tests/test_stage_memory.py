@@ -327,7 +327,7 @@ def test_a_refused_mps_client_exits_saying_why_and_what_to_restart(monkeypatch: 
     """CUDA's first initialisation refused by an MPS server (what a stage restarted alone after a SIGKILL
     under MPS gets): the stage exits with the reason and what to restart, which the launcher's log check
     recognises; any other CUDA error is raised as it is."""
-    from gateway.launcher import MPS_REFUSED_SIGNS
+    from services.common.gpu_sharing import mps_refused
 
     def refused(*_a: Any) -> None:
         raise RuntimeError(
@@ -342,7 +342,7 @@ def test_a_refused_mps_client_exits_saying_why_and_what_to_restart(monkeypatch: 
     message = str(info.value.code)
     assert message.startswith("code2wav: the MPS server is not ready to accept new clients")
     assert "docker compose restart thinker talker code2wav" in message
-    assert any(sign in message for sign in MPS_REFUSED_SIGNS)
+    assert mps_refused(message)  # what the launcher looks for in a dead stage's log
 
     def other(*_a: Any) -> None:
         raise RuntimeError("CUDA error: no CUDA-capable device is detected")

@@ -146,9 +146,9 @@ def start_sharing(
     return f"MPS clients of a private daemon ({daemon.env[PIPE_ENV]})", daemon
 
 
-def mps_refused(exc: BaseException) -> bool:
-    """Whether ``exc`` (CUDA's first initialisation failing) is an MPS server refusing new clients."""
-    return any(sign in str(exc) for sign in MPS_REFUSED_SIGNS)
+def mps_refused(text: str) -> bool:
+    """Whether ``text`` (a CUDA error, a stage's log) says an MPS server refused a new client."""
+    return any(sign in text for sign in MPS_REFUSED_SIGNS)
 
 
 def set_client_priority(priority: str) -> None:

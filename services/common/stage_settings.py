@@ -173,7 +173,7 @@ def apply_memory_cap(
     try:
         apply_memory_fraction({"memory_fraction": choice.fraction}, device)  # CUDA's first initialisation
     except RuntimeError as exc:
-        if mps_refused(exc):
+        if mps_refused(str(exc)):
             raise SystemExit(f"{stage}: {MPS_REFUSED_MESSAGE}") from exc
         raise
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
