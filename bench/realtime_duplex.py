@@ -53,7 +53,7 @@ from bench.realtime_workload import SessionPlan, SessionResult, native_session, 
 STAGE_PREFIXES = (
     "(?:minicpmo_stage_interrupt_drain_|minicpmo_stage_step_|minicpmo_stage_batch_|"
     "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_whisper_|"
-    "minicpmo_code2wav_late_window_)"
+    "minicpmo_code2wav_late_window_|minicpmo_code2wav_first_window_|minicpmo_code2wav_lane_)"
 )
 STAGES = ("thinker", "talker", "code2wav")
 # The thinker's duplex unit split (minicpmo_thinker_duplex_unit_seconds{phase}): every unit's four
@@ -274,6 +274,10 @@ def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
         )
     for phase in ("forward", "sample"):
         out[f"thinker_step_{phase}_mean_ms"] = mean(f'minicpmo_thinker_step_phase_seconds{{phase="{phase}"}}')
+    # Code2wav's first window of a stream: arrival to its audio routed, and how many ran on the lane.
+    out["code2wav_first_window_mean_ms"] = mean("minicpmo_code2wav_first_window_seconds")
+    out["code2wav_lane_windows"] = delta.get("minicpmo_code2wav_lane_batch_size_sum", 0.0)
+    out["code2wav_lane_step_mean_ms"] = mean("minicpmo_code2wav_lane_step_seconds")
     for phase in ("arrived", "done"):
         late = f'minicpmo_code2wav_late_window_seconds{{phase="{phase}"}}'
         out[f"code2wav_late_{phase}_windows"] = delta.get(late.replace("{", "_count{", 1), 0.0)
@@ -335,6 +339,14 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
             lines.append(
                 f"\nCode2wav later windows past their deadline at {lv['sessions']} sessions ({lv['lane']}; the "
                 f"listener starting at the first audio, without the client's lead): {late}"
+            )
+    for lv in levels:
+        if lv.get("code2wav_first_window_mean_ms") is not None:
+            lines.append(
+                f"\nCode2wav first windows at {lv['sessions']} sessions ({lv['lane']}): arrival to audio "
+                f"{f(lv['code2wav_first_window_mean_ms'], 1)} ms (mean); "
+                f"{lv.get('code2wav_lane_windows', 0):.0f} ran on the first-window lane, "
+                f"{f(lv.get('code2wav_lane_step_mean_ms'), 1)} ms a lane batch"
             )
     for lv in levels:
         if lv.get("underrun_times"):
