@@ -219,6 +219,10 @@ class Code2WavRunner:
         entry = (cache.to(self.cache_dtype, self.est_cache_dtype), spk_cond, noise)
         if injected:  # an injected noise table is not what ``seed`` means: never share it
             return entry
+        if self.device.type == "cuda":
+            # The entry is shared across threads and CUDA streams (the engine's first-window lane reads
+            # what the main loop set up and the other way round): finish it before publishing it.
+            torch.cuda.current_stream(self.device).synchronize()
         with self._origin_lock:
             self._origins[key] = entry
             while len(self._origins) > self._origin_cache_size:
