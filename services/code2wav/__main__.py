@@ -69,14 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
         "separated: the talker's codec.window_frames (25); e.g. 25,50 when turn-mode speech uses 50-code "
         "windows (shapes not captured run eager)",
     )
-    parser.add_argument(
-        "--first-window-lane",
-        type=int,
-        default=0,
-        help="run streams' first windows on a second thread and CUDA stream, up to this many at a time,"
-        " beside the running batch (so first audio does not wait for it); 0: off (the profile's"
-        " first_window_lane)",
-    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     add_memory_fraction_argument(parser)
     add_serve_arguments(parser, "code2wav")

@@ -19,17 +19,6 @@ sessions' windows arrive together (their units share one clock) and fall into se
 order of the groups decides which streams wait a whole batch or two longer. The engine never idles
 while a window is ready, so the order changes only who waits, not how much is done.
 
-First-window lane (``lane``, the profile's ``first_window_lane``): a stream's first window of an epoch is
-what its listener waits for, and on a loaded GPU it used to find a batch running (tens of ms under the
-other stages' load) before its own. With a lane, first windows run on a second runner
-(:meth:`Code2WavRunner.lane_copy`: the same weights, its own CUDA graphs of the first-window shapes) on a
-second worker thread and a high-priority CUDA stream, at once, beside the running batch; later windows
-stay on the main loop. Streams are opened on the lane too, so the lane never waits for the main stream
-(except once per new voice, whose features the main thread may still be making), and a lane batch ends
-with its stream synchronised and its states' tensors marked as used by the main stream
-(:meth:`_hand_over`), so the caching allocator cannot give their memory to lane work while a main batch
-still reads them.
-
 Interrupts and closes: :meth:`Code2WavEngine.interrupt` moves the stream to a new epoch, drops its queued
 windows of older epochs (and discards the result of a window of an old epoch that is still running), and
 resets the stream to the voice's origin cache, so the new epoch starts at chunk 0 exactly like a fresh
@@ -80,17 +69,6 @@ FIRST_WINDOW_SECONDS = Histogram(
     "Time from a stream's first window arriving to its audio being ready",
     buckets=(0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
-LANE_BATCH_SIZE = Histogram(
-    "minicpmo_code2wav_lane_batch_size",
-    "First windows per first-window lane batch (the sum: first windows that ran beside the main batch)",
-    buckets=(1, 2, 4, 8, 16),
-)
-LANE_STEP_SECONDS = Histogram(
-    "minicpmo_code2wav_lane_step_seconds",
-    "Wall time of one first-window lane batch (it overlaps the main loop's steps, which "
-    "minicpmo_stage_step_seconds counts)",
-    buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0),
-)
 LATE_WINDOW_SECONDS = Histogram(
     "minicpmo_code2wav_late_window_seconds",
     "How far past its deadline (Code2WavEngine.deadline: when the audio sent before it runs out for a "
@@ -110,7 +88,6 @@ STORED_VOICE_HITS = Counter(
     "Streams opened with a registered voice whose features were already on the device",
 )
 STORED_VOICE_CACHE = 64  # registered voices whose device-resident features are kept (LRU; ~100 KB each)
-LANE_VOICES = 256  # voice digests the first-window lane has waited for (Code2WavEngine._open_on_lane)
 HEAP_TRIMS = Counter(
     "minicpmo_code2wav_heap_trims_total", "Times the idle engine returned freed heap pages to the OS"
 )
@@ -180,12 +157,8 @@ class Code2WavEngine:
         max_batch: int = 16,
         max_streams: int = 64,
         window_codes: tuple[int, ...] = (25,),
-        lane: Code2WavRunner | None = None,
-        lane_max_batch: int = 4,
     ) -> None:
-        """``window_codes``: the steady window sizes (new codes) the warm-up captures graphs for;
-        ``lane``: the first-window lane's runner (:meth:`Code2WavRunner.lane_copy`, module docstring),
-        which runs up to ``lane_max_batch`` first windows at a time; None: every window on the main loop."""
+        """``window_codes``: the steady window sizes (new codes) the warm-up captures graphs for."""
         self.runner = runner
         self.window_codes = window_codes
         self.voices = voices
@@ -208,21 +181,6 @@ class Code2WavEngine:
         self._trim = heap_trimmer()
         self._worked_since_trim = False
         self._last_trim = 0.0
-        self.lane = lane
-        self.lane_max_batch = max(1, lane_max_batch)
-        self._lane_worker: ThreadPoolExecutor | None = None
-        self._lane_wake = asyncio.Event()
-        self._lane_task: asyncio.Task | None = None
-        self._lane_stream: torch.cuda.Stream | None = None
-        self._main_stream: torch.cuda.Stream | None = None
-        self._lane_voices: OrderedDict[str, None] = OrderedDict()  # digests the lane has waited for
-        if lane is not None:
-            self._lane_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-lane")
-            device = torch.device(runner.device)
-            if device.type == "cuda":
-                self._main_stream = torch.cuda.default_stream(device)
-                highest = torch.cuda.Stream.priority_range()[1]  # type: ignore[call-arg]  # a staticmethod
-                self._lane_stream = torch.cuda.Stream(device, priority=highest)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -237,13 +195,6 @@ class Code2WavEngine:
         else:
             warm_up = functools.partial(self.runner.warm_up_shapes, steady_new=self.window_codes)
             await self._in_worker(warm_up, self._default_prompt, self.max_batch)
-        if self.lane is not None:
-            firsts = tuple(sorted({10, 25, *self.window_codes}))
-            await self._in_lane(
-                self.lane.warm_up_first_windows, self._default_prompt, self.lane_max_batch, firsts
-            )
-            self._lane_voices[self._default_prompt.digest] = None  # made (and synchronised) above
-            self._lane_task = asyncio.create_task(self._lane_loop(), name="code2wav-first-window-lane")
         self._task = asyncio.create_task(self._loop(), name="code2wav-scheduler")
 
     async def drain(self) -> None:
@@ -254,57 +205,16 @@ class Code2WavEngine:
 
     async def stop(self) -> None:
         self._accepting = False
-        for task in (self._task, self._lane_task):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
         self._worker.shutdown(wait=True, cancel_futures=True)
-        if self._lane_worker is not None:
-            self._lane_worker.shutdown(wait=True, cancel_futures=True)
 
     async def _in_worker(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
-
-    async def _in_lane(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn`` on the lane's thread, inside its CUDA stream (on CUDA)."""
-        return await asyncio.get_running_loop().run_in_executor(self._lane_worker, self._on_lane, fn, args)
-
-    def _on_lane(self, fn: Any, args: tuple) -> Any:
-        if self._lane_stream is None:
-            return fn(*args)
-        with torch.cuda.stream(self._lane_stream):
-            return fn(*args)
-
-    def _open_on_lane(self, stream_id: str, prompt: PromptFeatures, seed: int | None) -> StreamState:
-        """Lane-thread body of :meth:`open_stream`.
-
-        A voice the lane has not read before may still be in the making on the main stream (a reference
-        clip the main thread just encoded, stored features just copied to the device): the lane waits for
-        the main stream once per voice. The new state is then handed over (:meth:`_hand_over`)."""
-        assert self.lane is not None
-        if self._main_stream is not None and prompt.digest not in self._lane_voices:
-            self._main_stream.synchronize()
-            self._lane_voices[prompt.digest] = None
-            while len(self._lane_voices) > LANE_VOICES:
-                self._lane_voices.popitem(last=False)
-        state = self.lane.open_stream(stream_id, prompt, seed)
-        self._hand_over([state])
-        return state
-
-    def _hand_over(self, states: list[StreamState]) -> None:
-        """Lane thread: finish the lane stream's work and mark the states' tensors as used by the main
-        stream, whose batches read them next: a tensor made on the lane stream returns to the lane stream's
-        pool when freed, and without the mark the allocator could give it to lane work while a main batch
-        still reads it."""
-        if self._lane_stream is None or self._main_stream is None:
-            return
-        self._lane_stream.synchronize()
-        for st in states:
-            for t in (*st.flow.tensors(), st.hift.mel, st.hift.source, st.hift.speech, st.spk_cond, st.noise):
-                t.record_stream(self._main_stream)
 
     # ------------------------------------------------------------------ streams
     async def open_stream(
@@ -337,10 +247,7 @@ class Code2WavEngine:
                 prompt = await self._in_worker(self.voices.encode, reference[0], reference[1])
             except ReferenceAudioError as exc:
                 raise StageError(BAD_REFERENCE_AUDIO, str(exc), "open.ref_audio") from exc
-        if self.lane is None:
-            state = await self._in_worker(self.runner.open_stream, stream_id, prompt, seed)
-        else:
-            state = await self._in_lane(self._open_on_lane, stream_id, prompt, seed)
+        state = await self._in_worker(self.runner.open_stream, stream_id, prompt, seed)
         handle = StreamHandle(
             stream_id=stream_id, prompt=prompt, seed=seed, epoch=epoch, state=state, state_epoch=epoch
         )
@@ -414,7 +321,6 @@ class Code2WavEngine:
         handle.pending.append(PendingWindow(handle.epoch, tokens, is_last, tag))
         IN_FLIGHT.labels(STAGE).inc()
         self._wake.set()
-        self._lane_wake.set()
 
     def interrupt(self, handle: StreamHandle, new_epoch: int) -> int:
         """Move to ``new_epoch``: drop queued windows of older epochs; the stream restarts from its voice."""
@@ -474,39 +380,7 @@ class Code2WavEngine:
 
         A window whose stream must first be reset to a new epoch gets a key of its own (its shapes are
         only known after the reset)."""
-        ready = [
-            h
-            for h in self.streams.values()
-            if h.pending and not h.in_flight and not h.closed and not self._for_lane(h)
-        ]
-        return self._take(ready, self.max_batch)
-
-    def _collect_lane(self) -> list[tuple[StreamHandle, PendingWindow]]:
-        """The lane's next batch: the ready first windows :meth:`_for_lane` gives it, chosen as
-        :meth:`_collect` chooses, up to ``lane_max_batch``."""
-        ready = [
-            h
-            for h in self.streams.values()
-            if h.pending and not h.in_flight and not h.closed and self._for_lane(h)
-        ]
-        return self._take(ready, self.lane_max_batch)
-
-    def _for_lane(self, handle: StreamHandle) -> bool:
-        """Whether the stream's next window runs on the first-window lane: its first window of the epoch
-        the state already belongs to (a reset runs on the main loop), of a shape the lane captured (any
-        shape without graphs)."""
-        if self.lane is None:
-            return False
-        window = handle.pending[0]
-        if window.epoch != handle.state_epoch or handle.state.windows_done:
-            return False
-        if not self.lane.graph_sets:
-            return True
-        key = self.runner.batch_key(handle.state, window.tokens, window.is_last)
-        return (key, 1) in self.lane.graphed_batches
-
-    def _take(self, ready: list[StreamHandle], limit: int) -> list[tuple[StreamHandle, PendingWindow]]:
-        """Pop up to ``limit`` windows of the group holding the earliest deadline and mark them running."""
+        ready = [h for h in self.streams.values() if h.pending and not h.in_flight and not h.closed]
         if not ready:
             return []
         groups: dict[tuple, list[StreamHandle]] = {}
@@ -522,7 +396,7 @@ class Code2WavEngine:
         chosen = min(groups.values(), key=lambda members: min(due[id(h)] for h in members))
         chosen.sort(key=lambda h: due[id(h)])
         batch = []
-        for handle in chosen[:limit]:
+        for handle in chosen[: self.max_batch]:
             window = handle.pending.popleft()
             batch.append((handle, window))
             handle.in_flight = True
@@ -556,47 +430,19 @@ class Code2WavEngine:
                 try:
                     results = await self._in_worker(self._compute, batch)
                 except Exception as exc:  # noqa: BLE001 - a failed batch must not kill the scheduler
-                    self._fail_batch(batch, exc)
+                    log.exception("code2wav batch failed")
+                    for handle, window in batch:
+                        self._finish_running(handle, window, time.perf_counter())
+                        handle.outputs.put_nowait(
+                            (window.tag, StageError(INTERNAL, f"vocoder step failed: {exc}"))
+                        )
                     continue
                 elapsed = time.perf_counter() - t0
                 self._timer.mark("windows", batch=len(batch), first_windows=firsts)
-                STEP_SECONDS.labels(STAGE).observe(elapsed)
-                self._record(batch, results, elapsed, self.runner)
+                self._record(batch, results, elapsed)
                 self._timer.mark("route")
                 self._timer.finish()
                 self._memory.check()
-
-    async def _lane_loop(self) -> None:
-        """The first-window lane: run the first windows :meth:`_collect_lane` gives it, beside the main loop."""
-        assert self.lane is not None
-        while True:
-            await self._lane_wake.wait()
-            self._lane_wake.clear()
-            while batch := self._collect_lane():
-                t0 = time.perf_counter()
-                try:
-                    results = await self._in_lane(self._compute_lane, batch)
-                except Exception as exc:  # noqa: BLE001 - a failed batch must not kill the lane
-                    self._fail_batch(batch, exc)
-                    continue
-                elapsed = time.perf_counter() - t0
-                LANE_BATCH_SIZE.observe(len(batch))
-                LANE_STEP_SECONDS.observe(elapsed)
-                self._record(batch, results, elapsed, self.lane)
-
-    def _compute_lane(self, batch: list[tuple[StreamHandle, PendingWindow]]) -> list[WindowResult]:
-        """Lane-thread body: run the first windows on the lane's runner, then hand the states over."""
-        assert self.lane is not None
-        results = self.lane.run([(h.state, w.tokens, w.is_last) for h, w in batch])
-        self._hand_over([h.state for h, _ in batch])
-        return results
-
-    def _fail_batch(self, batch: list[tuple[StreamHandle, PendingWindow]], exc: Exception) -> None:
-        """A batch raised: every window in it gets a typed error, and the loop goes on."""
-        log.exception("code2wav batch failed", exc_info=exc)
-        for handle, window in batch:
-            self._finish_running(handle, window, time.perf_counter())
-            handle.outputs.put_nowait((window.tag, StageError(INTERNAL, f"vocoder step failed: {exc}")))
 
     async def _idle_trim(self) -> None:
         """Hand the heap pages freed by finished batches back to the OS once the engine is idle.
@@ -637,21 +483,15 @@ class Code2WavEngine:
             INTERRUPT_DRAIN.labels(STAGE).observe(now - window.released_at)
 
     def _record(
-        self,
-        batch: list[tuple[StreamHandle, PendingWindow]],
-        results: list[WindowResult],
-        elapsed: float,
-        runner: Code2WavRunner | None = None,
+        self, batch: list[tuple[StreamHandle, PendingWindow]], results: list[WindowResult], elapsed: float
     ) -> None:
-        """Route a finished batch's audio (``runner``: the one that ran it, the lane's or by default the
-        main one)."""
-        runner = self.runner if runner is None else runner
         self.steps += 1
-        sizes = list(runner.last_batch_sizes)
-        runner.last_batch_sizes.clear()
+        sizes = list(self.runner.last_batch_sizes)
+        self.runner.last_batch_sizes.clear()
         for size in sizes:
             BATCH_SIZE.labels(STAGE).observe(size)
             self.batch_history.append(size)
+        STEP_SECONDS.labels(STAGE).observe(elapsed)
         audio = sum(r.samples.shape[0] for r in results) / self.runner.model.sample_rate
         if audio > 0:
             REAL_TIME_FACTOR.observe(elapsed / audio)
@@ -678,4 +518,3 @@ class Code2WavEngine:
             handle.outputs.put_nowait((window.tag, result))
         self._update_cache_gauge()
         self._wake.set()
-        self._lane_wake.set()

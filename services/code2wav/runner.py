@@ -9,7 +9,6 @@ expensive prompt setup) is shared by every stream that starts from the same voic
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -142,49 +141,6 @@ class Code2WavRunner:
         # (batch_key, batch size) of every warm-up batch that replayed graphs only (see sub_batches).
         self.graphed_batches: set[tuple[tuple, int]] = set()
 
-    def lane_copy(self) -> Code2WavRunner:
-        """A runner for the engine's first-window lane: the same model, weights, origin caches and rules,
-        with its own eager entry points and graph bookkeeping.
-
-        Why a copy: the lane runs on a second thread and CUDA stream while this runner's batch is on the
-        GPU, and one runner's graphs share one memory pool and one pair of arenas (a replay's outputs
-        live until the next replay), so two replays at once must come from two sets:
-        :func:`services.code2wav.model.cuda_graphs.enable_cuda_graphs` on the copy gives it its own. The
-        origin-cache LRU (and its lock) stays shared: a voice set up by either is set up for both."""
-        lane = copy.copy(self)
-        lane.flow = self.flow.eager_copy()
-        lane.vocoder = self.vocoder.eager_copy()
-        lane.last_batch_sizes = []
-        lane.cuda_graphs = False
-        lane.graph_sets = {}
-        lane.graphed_batches = set()
-        return lane
-
-    def warm_up_first_windows(
-        self, prompt: PromptFeatures, max_batch: int, first_windows: tuple[int, ...] = (10, 25)
-    ) -> int:
-        """The first-window lane's warm-up: capture the graphs of a first window of each size in
-        ``first_windows`` at every batch size ``max_batch``..1, then freeze (graphs only; returns the
-        number of windows run). Nothing else runs on the lane, so nothing else is captured."""
-        if not self.cuda_graphs:
-            return 0
-        t0 = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-        for graphs in self.graph_sets.values():
-            graphs.frozen = False
-        ran = 0
-        try:
-            for batch in range(max(1, max_batch), 0, -1):
-                for first in first_windows:
-                    states = [self.open_stream(f"lane-warm-up-{batch}-{i}", prompt) for i in range(batch)]
-                    ran += self._warm_up_batch(states, [CODEC_SILENCE_ID] * (self.lookahead + first), False)
-        finally:
-            self.last_batch_sizes.clear()
-            for graphs in self.graph_sets.values():
-                graphs.frozen = True
-        self._log_warm_up(ran, max(1, max_batch), time.perf_counter() - t0, reserved, "first-window lane")
-        return ran
-
     # ---------------------------------------------------------------- streams
     def noise_frames(self, prompt_frames: int) -> int:
         return prompt_frames + 100 + (MAX_NEW_TOKENS + self.lookahead) * self.up_rate
@@ -219,10 +175,6 @@ class Code2WavRunner:
         entry = (cache.to(self.cache_dtype, self.est_cache_dtype), spk_cond, noise)
         if injected:  # an injected noise table is not what ``seed`` means: never share it
             return entry
-        if self.device.type == "cuda":
-            # The entry is shared across threads and CUDA streams (the engine's first-window lane reads
-            # what the main loop set up and the other way round): finish it before publishing it.
-            torch.cuda.current_stream(self.device).synchronize()
         with self._origin_lock:
             self._origins[key] = entry
             while len(self._origins) > self._origin_cache_size:
@@ -363,9 +315,7 @@ class Code2WavRunner:
             self.graphed_batches.add((key, len(states)))
         return 1
 
-    def _log_warm_up(
-        self, ran: int, max_batch: int, seconds: float, reserved: int, what: str = "code2wav"
-    ) -> None:
+    def _log_warm_up(self, ran: int, max_batch: int, seconds: float, reserved: int) -> None:
         memory = ""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -376,9 +326,8 @@ class Code2WavRunner:
             missed = len(graphs.graphs) - graphs.captured  # failed captures, keys over max_graphs
             parts.append(f"{name} {graphs.captured}" + (f" ({missed} left eager)" if missed else ""))
         log.info(
-            "%s warm-up: captured %d CUDA graphs [%s] over %d windows of batch sizes 1..%d in %.1f s%s;"
+            "code2wav warm-up: captured %d CUDA graphs [%s] over %d windows of batch sizes 1..%d in %.1f s%s;"
             " graph sets frozen",
-            what,
             sum(g.captured for g in self.graph_sets.values()),
             ", ".join(parts),
             ran,

@@ -65,14 +65,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Code2WavEngine, Checkpoint]:
         dit=dit,
         dit_dtype=dit_dtype,
     )
-    lane_batch = int(getattr(args, "first_window_lane", 0))
-    lane = runner.lane_copy() if lane_batch > 0 else None
     if args.cuda_graphs == "on" and model.device.type == "cuda":
         from services.code2wav.model.cuda_graphs import enable_cuda_graphs
 
         enable_cuda_graphs(runner)
-        if lane is not None:
-            enable_cuda_graphs(lane)  # its own graph pool and arenas (Code2WavRunner.lane_copy)
     engine = Code2WavEngine(
         runner,
         voices,
@@ -80,8 +76,6 @@ def build_engine(args: argparse.Namespace) -> tuple[Code2WavEngine, Checkpoint]:
         max_batch=args.max_batch,
         max_streams=args.max_streams,
         window_codes=window_codes(getattr(args, "window_codes", "25")),
-        lane=lane,
-        lane_max_batch=max(1, lane_batch),
     )
     return engine, ckpt
 

@@ -134,9 +134,6 @@ class StageProfile:
     prefix_caching: bool = True
     # talker only
     codec: CodecWindows = field(default_factory=CodecWindows)
-    # code2wav only: first windows run beside the running batch, up to this many at a time (0: off;
-    # services/code2wav/engine.py, first-window lane)
-    first_window_lane: int = 0
 
     @property
     def replicas(self) -> int:
@@ -298,8 +295,6 @@ class DeployProfile:
             if name == "code2wav":
                 sp.pop("sampling")
                 sp.pop("kernels")
-            else:
-                sp.pop("first_window_lane")
         return data
 
 

@@ -273,9 +273,6 @@ class TalkerDoc(_NoHiddenDoc):
 class Code2WavDoc(_NoHiddenDoc):
     sampling: NoSampling = None
     codec: CodecOnlyTalker = None
-    # First windows on a second thread and CUDA stream beside the running batch, up to this many at a time
-    # (services/code2wav/engine.py, first-window lane); 0: off.
-    first_window_lane: Count | None = None
 
 
 class StagesDoc(_Doc):

@@ -55,12 +55,7 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "slow_step_ms": "slow_step_ms",
         "gpu_priority": "gpu_priority",
     },
-    "code2wav": {
-        "max_num_seqs": "max_batch",
-        "slow_step_ms": "slow_step_ms",
-        "gpu_priority": "gpu_priority",
-        "first_window_lane": "first_window_lane",
-    },
+    "code2wav": {"max_num_seqs": "max_batch", "slow_step_ms": "slow_step_ms", "gpu_priority": "gpu_priority"},
 }
 
 

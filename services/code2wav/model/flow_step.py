@@ -25,7 +25,6 @@ prompt setup), which is the reference's offset rule (docs/model.md, Code2Wav).
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -244,28 +243,18 @@ class FlowStepper:
         self.cfg_rate = model.dims.cfg_rate
         self.dit_impl = dit
         self.compute_dtype = dit_dtype
+        # Per-CFM-step estimator callables; the CUDA-graph runner replaces these on GPU.
+        self.estimator: EstimatorFn = self._eager_estimator
         self.fused = None
+        self.solver: SolverFn = self._solve
         if dit == "fused":
             from services.code2wav.model.fused_dit import FusedDiTSolver
 
             self.fused = FusedDiTSolver(self.dit, n_timesteps, self.cfg_rate, dit_dtype)
-        self._eager_entry_points()
-
-    def _eager_entry_points(self) -> None:
-        """Point the solve, estimator and encoder entry points at this object's eager code; the CUDA-graph
-        runner (services/code2wav/model/cuda_graphs.py) replaces them on GPU."""
-        self.estimator: EstimatorFn = self._eager_estimator
-        self.solver: SolverFn = self.fused.solve if self.fused is not None else self._solve
+            self.solver = self.fused.solve
         self.eager_solver: SolverFn = self.solver  # prompt setup: once per voice, never graphed
         self.encode: EncoderFn = self._encode_eager
         self.encode_last: EncoderFn = functools.partial(self._encode_eager, last=True)
-
-    def eager_copy(self) -> FlowStepper:
-        """A stepper sharing this one's model and fused weights, with its own eager entry points (a second
-        set of CUDA graphs can then be routed through it without touching this one's)."""
-        twin = copy.copy(self)
-        twin._eager_entry_points()
-        return twin
 
     def _encode_eager(
         self, tokens: torch.Tensor, cnn_cache: torch.Tensor, att_cache: torch.Tensor, last: bool = False

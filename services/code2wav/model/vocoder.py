@@ -14,7 +14,6 @@ output equals the package's with its noise calls returning zeros, which is how t
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,19 +120,9 @@ class VocoderStepper:
         self.holdback = MEL_CACHE_FRAMES * self.hop
         window = torch.from_numpy(np.hamming(2 * self.holdback))  # float64, like the reference
         self.window = window.to(next(hift.parameters()).device)
-        self._eager_entry_points()
-
-    def _eager_entry_points(self) -> None:
-        """f0 predictor and pre-iSTFT decoder, eager; the CUDA-graph runner swaps these on GPU."""
-        hift = self.hift
+        # f0 predictor and pre-iSTFT decoder; the CUDA-graph runner swaps these on GPU.
         self.f0_fn = hift.f0_predictor
         self.decode_fn = lambda mel, source: hift_pre_istft(hift, mel, source)
-
-    def eager_copy(self) -> VocoderStepper:
-        """A stepper sharing this one's HiFT, with its own eager entry points (see FlowStepper.eager_copy)."""
-        twin = copy.copy(self)
-        twin._eager_entry_points()
-        return twin
 
     @torch.inference_mode()
     def step(
