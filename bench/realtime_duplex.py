@@ -17,7 +17,9 @@ and level (JSON + Markdown):
   received audio runs out before the next delta), count and total ms per session;
 * ``first_audio_s``: commit (+ ``response.create``) to the first audio delta (turn lane), and its split at
   the gateway (``minicpmo_realtime_first_audio_phase_seconds``: the request to the requesting unit's
-  decision, the first speech chunk, the talker's first codec window, code2wav's first audio);
+  decision, the first speech chunk, the talker's first codec window, code2wav's first audio), and
+  code2wav's own first-window time (``minicpmo_code2wav_first_window_seconds``: a first window's arrival
+  at the stage to its audio routed);
 * ``barge_in_ms``: ``barge_in`` sent to the cancelled ``response.done`` (client side), the gateway's
   ``minicpmo_realtime_barge_in_seconds``, and each stage's drain
   (``minicpmo_stage_interrupt_drain_seconds``: interrupt received -> last engine step of the old epoch);
@@ -53,7 +55,7 @@ from bench.realtime_workload import SessionPlan, SessionResult, native_session, 
 STAGE_PREFIXES = (
     "(?:minicpmo_stage_interrupt_drain_|minicpmo_stage_step_|minicpmo_stage_batch_|"
     "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_whisper_|"
-    "minicpmo_code2wav_late_window_|minicpmo_code2wav_first_window_|minicpmo_code2wav_lane_)"
+    "minicpmo_code2wav_late_window_|minicpmo_code2wav_first_window_)"
 )
 STAGES = ("thinker", "talker", "code2wav")
 # The thinker's duplex unit split (minicpmo_thinker_duplex_unit_seconds{phase}): every unit's four
@@ -274,10 +276,8 @@ def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
         )
     for phase in ("forward", "sample"):
         out[f"thinker_step_{phase}_mean_ms"] = mean(f'minicpmo_thinker_step_phase_seconds{{phase="{phase}"}}')
-    # Code2wav's first window of a stream: arrival to its audio routed, and how many ran on the lane.
+    # Code2wav's first window of a stream: its arrival at the stage to its audio routed.
     out["code2wav_first_window_mean_ms"] = mean("minicpmo_code2wav_first_window_seconds")
-    out["code2wav_lane_windows"] = delta.get("minicpmo_code2wav_lane_batch_size_sum", 0.0)
-    out["code2wav_lane_step_mean_ms"] = mean("minicpmo_code2wav_lane_step_seconds")
     for phase in ("arrived", "done"):
         late = f'minicpmo_code2wav_late_window_seconds{{phase="{phase}"}}'
         out[f"code2wav_late_{phase}_windows"] = delta.get(late.replace("{", "_count{", 1), 0.0)
@@ -343,10 +343,8 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
     for lv in levels:
         if lv.get("code2wav_first_window_mean_ms") is not None:
             lines.append(
-                f"\nCode2wav first windows at {lv['sessions']} sessions ({lv['lane']}): arrival to audio "
-                f"{f(lv['code2wav_first_window_mean_ms'], 1)} ms (mean); "
-                f"{lv.get('code2wav_lane_windows', 0):.0f} ran on the first-window lane, "
-                f"{f(lv.get('code2wav_lane_step_mean_ms'), 1)} ms a lane batch"
+                f"\nCode2wav first windows at {lv['sessions']} sessions ({lv['lane']}): arrival at the stage "
+                f"to audio routed {f(lv['code2wav_first_window_mean_ms'], 1)} ms (mean)"
             )
     for lv in levels:
         if lv.get("underrun_times"):

@@ -77,6 +77,9 @@ def test_realtime_bench_launches_the_pipeline_and_reports_both_lanes(tiny_ckpt: 
     # Code2wav's late later windows are scraped (how many depends on the CPU's speed, so only present).
     assert turn["code2wav_late_arrived_windows"] >= 0 and turn["code2wav_late_done_windows"] >= 0
     assert "Code2wav later windows past their deadline at 1 sessions (turn; " in md
+    # Every response's first window went through code2wav: its arrival-to-audio mean is scraped.
+    assert turn["code2wav_first_window_mean_ms"] is not None and turn["code2wav_first_window_mean_ms"] > 0
+    assert "Code2wav first windows at 1 sessions (turn): arrival at the stage to audio routed " in md
     for pid in json.loads((out / "logs" / "pids.json").read_text()).values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -88,7 +91,15 @@ def test_code2wav_late_windows_are_counted_and_averaged_per_level() -> None:
     from bench.realtime_duplex import _metric_means, render_markdown
 
     done = 'minicpmo_code2wav_late_window_seconds_{}{{phase="done"}}'
-    out = _metric_means({done.format("count"): 3.0, done.format("sum"): 0.6}, wall=60.0)
+    first = "minicpmo_code2wav_first_window_seconds_{}"
+    sums = {
+        done.format("count"): 3.0,
+        done.format("sum"): 0.6,
+        first.format("count"): 4.0,
+        first.format("sum"): 0.5,
+    }
+    out = _metric_means(sums, wall=60.0)
+    assert out["code2wav_first_window_mean_ms"] == pytest.approx(125.0)
     assert out["code2wav_late_done_windows"] == 3.0
     assert out["code2wav_late_done_mean_ms"] == pytest.approx(200.0)
     assert out["code2wav_late_arrived_windows"] == 0.0 and out["code2wav_late_arrived_mean_ms"] is None
@@ -105,6 +116,7 @@ def test_code2wav_late_windows_are_counted_and_averaged_per_level() -> None:
     md = render_markdown([level])
     assert "at 16 sessions (turn; the listener starting at the first audio, without the client" in md
     assert "arrived 0 (mean - ms); done 3 (mean 200 ms)" in md
+    assert "Code2wav first windows at 16 sessions (turn): arrival at the stage to audio routed 125.0 ms" in md
 
 
 def test_a_level_past_its_deadline_keeps_what_its_sessions_measured(
