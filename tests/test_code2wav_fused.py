@@ -9,6 +9,8 @@ output arena it writes into directly) through a host-side emulation of capture a
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +23,7 @@ from services.code2wav.dump import talker_windows
 from services.code2wav.model.flow_step import FlowStepper
 from services.code2wav.model.loader import load_token2wav
 from services.code2wav.model.prompt import ReferenceVoiceEncoder
-from services.code2wav.runner import Code2WavRunner, WindowCursor, binary_parts
+from services.code2wav.runner import Code2WavRunner, WindowCursor
 from services.code2wav.service import dit_choice
 from services.common.checkpoint import CODEC_SILENCE_ID, Checkpoint
 from services.common.cuda_graphs import SharedBuffers
@@ -155,9 +157,11 @@ def test_graphed_fused_flow_matches_eager_and_captures_last_windows(stack) -> No
     ran = runner.warm_up_shapes(
         stack.prompt, max_batch=1, first_windows=(25,), steady_windows=1, last_windows=(3,)
     )
-    assert ran == 3 and all(g.frozen for g in graphs.values())
-    assert sum(fills for fills, _ in calls) == graphs["flow_solve"].captured == 3  # only the solve fills
-    assert graphs["encoder_last"].captured == 1
+    # first, steady, the 3-code last window from the steady state and from the first window's (a reply
+    # of one window: its caches are still short of the steady length)
+    assert ran == 4 and all(g.frozen for g in graphs.values())
+    assert sum(fills for fills, _ in calls) == graphs["flow_solve"].captured == 4  # only the solve fills
+    assert graphs["encoder_last"].captured == 2
     before = {name: (g.replays, g.eager_calls) for name, g in graphs.items()}
     graphed = _stream(runner, runner.open_stream("g", stack.prompt, 1), stack.windows)
     delta = {
@@ -242,7 +246,9 @@ def test_warm_up_covers_duplex_turn_ends_at_every_batch_size(stack) -> None:  # 
     (on the H200 at 16 sessions such batches of 2, 4 and 8 ran eager), and a batch of two turn ends
     replays with the eager runner's audio."""
     runner, graphs, ran = _warmed_up(stack, max_batch=2)
-    assert ran == 8  # per batch size (2 and 1, both powers of two): first, steady, two last windows
+    # per batch size (2 and 1, both powers of two): first, steady, two last windows; at batch 1 also the
+    # two last windows from the first window's state (a reply of one window)
+    assert ran == 10
     codes = torch.randint(0, 6561, (50,), generator=torch.Generator().manual_seed(9)).tolist()
     w1 = [CODEC_SILENCE_ID] * 3 + codes[:25]
     w2 = w1[-3:] + codes[25:50]
@@ -255,14 +261,28 @@ def test_warm_up_covers_duplex_turn_ends_at_every_batch_size(stack) -> None:  # 
         assert np.array_equal(got["mel"], ref["mel"]) and np.array_equal(got["wav"], ref["wav"])
 
 
-def test_binary_parts_are_the_fewest_power_of_two_sub_batches() -> None:
-    """Each batch size 1..16 splits into distinct powers of two, largest first, that add up to it."""
-    expected = {1: [1], 2: [2], 3: [2, 1], 4: [4], 5: [4, 1], 6: [4, 2], 7: [4, 2, 1], 8: [8]}
-    expected |= {9: [8, 1], 10: [8, 2], 11: [8, 2, 1], 12: [8, 4], 13: [8, 4, 1], 14: [8, 4, 2]}
-    expected |= {15: [8, 4, 2, 1], 16: [16]}
-    assert {size: binary_parts(size) for size in range(1, 17)} == expected
-    with pytest.raises(ValueError):
-        binary_parts(0)
+def test_sub_batches_replay_the_graphed_sizes_largest_first() -> None:
+    """A batch with no graph of its own runs as the largest batch sizes its key was captured at: the
+    powers of two of a remainder (7 = 4 + 2 + 1), ones for a short reply's last window (captured at batch
+    1 only); a key captured at its own size, or at none, stays whole, and so does anything before the
+    sets are frozen."""
+    key, other = ("remainder",), ("short",)
+    graphed = {(key, n) for n in (1, 2, 4, 8)} | {(other, 1)}
+    sets = {"flow_solve": types.SimpleNamespace(frozen=True)}
+    runner = types.SimpleNamespace(graphed_batches=graphed, graph_sets=sets)
+    split = functools.partial(Code2WavRunner.sub_batches, runner)
+    assert {n: split(key, n) for n in (1, 3, 5, 7, 8, 11, 15)} == {
+        1: [1],
+        3: [2, 1],
+        5: [4, 1],
+        7: [4, 2, 1],
+        8: [8],
+        11: [8, 2, 1],
+        15: [8, 4, 2, 1],
+    }
+    assert split(other, 3) == [1, 1, 1] and split(("never",), 3) == [3]
+    sets["flow_solve"].frozen = False
+    assert split(key, 7) == [7]
 
 
 def test_replies_ending_together_replay_as_power_of_two_sub_batches(stack) -> None:  # noqa: ANN001
@@ -271,7 +291,9 @@ def test_replies_ending_together_replay_as_power_of_two_sub_batches(stack) -> No
     instead of one eager batch of 3 (before: eager on every set). Steady windows, which have a graph at
     batch 3, stay whole; each stream gets the eager runner's audio for its own seed, in input order."""
     runner, graphs, ran = _warmed_up(stack, max_batch=3)
-    assert ran == 11  # first and steady at batch 3, 2, 1; the empty last at each; the 3-code one at 2, 1
+    # first and steady at batch 3, 2, 1; the empty last at each; the 3-code one at 2, 1; at batch 1 both
+    # last windows from the first window's state too
+    assert ran == 13
     codes = torch.randint(0, 6561, (53,), generator=torch.Generator().manual_seed(11)).tolist()
     w1 = [CODEC_SILENCE_ID] * 3 + codes[:25]
     w2 = w1[-3:] + codes[25:50]
@@ -287,18 +309,42 @@ def test_replies_ending_together_replay_as_power_of_two_sub_batches(stack) -> No
     # The CPU's float rounding depends on the batch size, so the whole eager batch of 3 agrees to rounding
     # and an eager runner made to split the same way agrees bit for bit.
     split_runner = Code2WavRunner(stack.model, dit="fused")
-    split_runner.sub_batches = lambda key, size: binary_parts(size) if key[5] else [size]  # type: ignore[method-assign]
+    split_runner.sub_batches = lambda key, size: [2, 1] if key[5] and size == 3 else [size]  # type: ignore[method-assign]
     split = _batched(split_runner, stack.prompt, windows, seeds)
     for got, ref, whole in zip(graphed, split, eager, strict=True):
         assert np.array_equal(got["mel"], ref["mel"]) and np.array_equal(got["wav"], ref["wav"])
         assert np.abs(got["mel"] - whole["mel"]).max() < MEL_ATOL
         assert np.abs(got["wav"] - whole["wav"]).max() < WAV_ATOL
-    # The empty last window (3 context codes) has its own graph at batch 3: it stays one batch; a batch
-    # of 4 with a remainder has no graphed parts (the warm-up stopped at 3): one batch too.
-    (empty,) = {key for key, _ in runner.graphed_batches if key[5] and key[4] == 3}
-    (remainder,) = {key for key, _ in runner.graphed_batches if key[5] and key[4] == 6}
+    # The empty last window (3 context codes) has its own graph at batch 3: it stays one batch.
+    # (The steady state's keys: the ones with graphs above batch 1; a first window's state has its last
+    # windows at batch 1 only, test_short_replies_end_on_graphs_one_at_a_time.)
+    (empty,) = {key for key, n in runner.graphed_batches if key[5] and key[4] == 3 and n == 3}
+    (remainder,) = {key for key, n in runner.graphed_batches if key[5] and key[4] == 6 and n == 2}
     assert runner.sub_batches(empty, 3) == [3] and runner.sub_batches(remainder, 3) == [2, 1]
-    assert runner.sub_batches(remainder, 4) == [4]
+    assert runner.sub_batches(remainder, 4) == [2, 2]  # no graph at 4 (the warm-up stopped at 3)
+    unseen = (*remainder[:4], 9, *remainder[5:])  # a last window of a size never captured: eager, whole
+    assert runner.sub_batches(unseen, 3) == [3]
+
+
+def test_short_replies_end_on_graphs_one_at_a_time(stack) -> None:  # noqa: ANN001
+    """A reply of one window ends from caches still short of their steady length. The warm-up captures
+    those last windows at batch 1 (before, they ran eager: a batch of 4 such windows took 267 ms on the
+    H100 under load), and three replies ending together replay as 1 + 1 + 1 with nothing eager, each
+    with the audio of an eager runner split the same way."""
+    runner, graphs, _ = _warmed_up(stack, max_batch=3)
+    codes = torch.randint(0, 6561, (28,), generator=torch.Generator().manual_seed(13)).tolist()
+    w1 = [CODEC_SILENCE_ID] * 3 + codes[:25]
+    windows = [(w1, False), (w1[-3:] + codes[25:], True)]
+    seeds = (1, 2, 3)
+    before = {name: g.eager_calls for name, g in graphs.items()}
+    graphed = _batched(runner, stack.prompt, windows, seeds)
+    assert {name: g.eager_calls - before[name] for name, g in graphs.items()} == dict.fromkeys(graphs, 0)
+    assert runner.last_batch_sizes[-4:] == [3, 1, 1, 1]
+    split_runner = Code2WavRunner(stack.model, dit="fused")
+    split_runner.sub_batches = lambda key, size: [1] * size if key[5] else [size]  # type: ignore[method-assign]
+    split = _batched(split_runner, stack.prompt, windows, seeds)
+    for got, ref in zip(graphed, split, strict=True):
+        assert np.array_equal(got["mel"], ref["mel"]) and np.array_equal(got["wav"], ref["wav"])
 
 
 def test_warm_up_of_two_window_sizes_leaves_neither_eager(stack) -> None:  # noqa: ANN001
@@ -330,3 +376,35 @@ def test_warm_up_of_two_window_sizes_leaves_neither_eager(stack) -> None:  # noq
     _stream(runner, runner.open_stream("w50", stack.prompt, 1), turn([10, 50, 50]))
     _stream(runner, runner.open_stream("w25", stack.prompt, 1), turn([10, 15, 25, 25]))
     assert {name: g.eager_calls - before[name] for name, g in graphs.items()} == dict.fromkeys(graphs, 0)
+
+
+def test_short_replies_bench_runs_its_cases_on_cpu(
+    tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bench.code2wav_short_replies (the GPU figure of the warm-up's short-reply last windows) runs its
+    procedure end to end on the tiny checkpoint: every reply shape, its last window timed on the stage's
+    runner and on an eager one; without graphs nothing can run eager from a frozen set."""
+    from bench.code2wav_short_replies import REPLIES, main
+
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(tiny_ckpt),
+                "--device",
+                "cpu",
+                "--batches",
+                "1",
+                "--reps",
+                "1",
+                "--max-batch",
+                "1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    result = json.loads(out[: out.index("\n}\n") + 2])
+    assert [c["reply"] for c in result["cases"]] == list(REPLIES)
+    assert all(c["as_run"] == [1] and c["eager_calls"] == 0 and c["eager_ms"] > 0 for c in result["cases"])
+    assert "| chat reply of 50 frames (10 + 25 + 15) | 1 | 1 |" in out

@@ -48,14 +48,6 @@ MAX_NEW_TOKENS = 50  # per window; bounds the noise table and the cache growth o
 DEFAULT_SEED = 0
 
 
-def binary_parts(size: int) -> list[int]:
-    """``size`` as a sum of distinct powers of two, largest first (7 -> [4, 2, 1], 16 -> [16]): the
-    fewest sub-batches of the power-of-two sizes the warm-up captures last windows at."""
-    if size < 1:
-        raise ValueError(f"batch size must be positive (got {size})")
-    return [1 << bit for bit in range(size.bit_length() - 1, -1, -1) if size >> bit & 1]
-
-
 def cfm_noise_table(seed: int, mel_bins: int, frames: int) -> torch.Tensor:
     """CFM noise exactly as the reference draws it, [1, 80, 30000] from a seeded CPU generator, cut to
     the ``frames`` a stream can ever read (offsets never pass prompt + 100 frames after trimming)."""
@@ -265,9 +257,11 @@ class Code2WavRunner:
                         lasts = tuple(range(size)) if self.flow.fused is not None else ()
                     for first in firsts:
                         # The last windows come once per batch size and window size, from the longest
-                        # first window's states.
+                        # first window's states; a short reply's, before the caches are steady, at batch
+                        # 1 only (a batch of them runs as ones, :meth:`sub_batches`).
                         last = lasts if first == max(firsts) else ()
-                        ran += self._warm_up_streams(prompt, batch, first, steady_windows, size, last)
+                        early = lasts if batch == 1 else ()
+                        ran += self._warm_up_streams(prompt, batch, first, steady_windows, size, last, early)
         finally:
             # Frozen even if the warm-up failed part-way: capturing under live traffic is the failure
             # this avoids, so a shape the warm-up did not reach runs eager rather than capturing later.
@@ -285,17 +279,26 @@ class Code2WavRunner:
         steady_windows: int,
         steady_new: int,
         last_windows: tuple[int, ...],
+        early_last_windows: tuple[int, ...] = (),
     ) -> int:
-        """One warm-up pass of ``batch`` throwaway streams (:meth:`warm_up_shapes`); returns its window count."""
+        """One warm-up pass of ``batch`` throwaway streams (:meth:`warm_up_shapes`); returns its window count.
+
+        ``early_last_windows``: last windows to capture also from the states before the caches reach their
+        steady length (after the first window, its flush, and each steady window short of the trim), each
+        state whose shapes no earlier pass captured them for."""
         states = [self.open_stream(f"warm-up-{batch}-{first}-{i}", prompt) for i in range(batch)]
         window = [CODEC_SILENCE_ID] * (self.lookahead + first)
         ran = self._warm_up_batch(states, window, False)
+        early = [[replace(s) for s in states]]  # the states a reply of one window ends from
         if first < steady_new:  # a realtime unit's flush right after a short first window
             realign = [CODEC_SILENCE_ID] * (self.lookahead + steady_new - first)
-            ran += self._warm_up_batch([replace(s) for s in states], realign, False)
+            flushed = [replace(s) for s in states]
+            ran += self._warm_up_batch(flushed, realign, False)
+            early.append(flushed)
         for _ in range(steady_windows):
             window = [CODEC_SILENCE_ID] * (self.lookahead + steady_new)
             ran += self._warm_up_batch(states, window, False)
+            early.append([replace(s) for s in states])
         # Last windows, each on copies of the same steady states (caches are immutable). The empty one
         # ends each duplex turn (a unit is a whole window), so it comes from several sessions at once at
         # any batch size; a remainder only at the power-of-two sizes :meth:`sub_batches` splits into.
@@ -303,6 +306,15 @@ class Code2WavRunner:
         for new in last_windows if power_of_two else [n for n in last_windows if n == 0]:
             last = [replace(s) for s in states]
             ran += self._warm_up_batch(last, [CODEC_SILENCE_ID] * (self.lookahead + new), True)
+        steady = states[0].flow.signature()
+        for group in early:
+            if group[0].flow.signature() == steady:
+                continue  # the steady state: its last windows are the ones above
+            for new in early_last_windows:
+                window = [CODEC_SILENCE_ID] * (self.lookahead + new)
+                if (self.batch_key(group[0], window, True), len(group)) in self.graphed_batches:
+                    continue  # reached by an earlier pass too (a 25-code first window = 10 + its flush)
+                ran += self._warm_up_batch([replace(s) for s in group], window, True)
         return ran
 
     def _warm_up_batch(self, states: list[StreamState], window: list[int], is_last: bool) -> int:
@@ -457,20 +469,26 @@ class Code2WavRunner:
         return [r for r in out if r is not None]
 
     def sub_batches(self, key: tuple, size: int) -> list[int]:
-        """Batch sizes to run ``size`` windows of one :meth:`batch_key` as: ``[size]``, or its
-        :func:`binary_parts` when the frozen graph sets replay each part but not the whole batch.
+        """Batch sizes to run ``size`` windows of one :meth:`batch_key` as: ``[size]``, or, when the frozen
+        graph sets replay the key at other batch sizes but not at ``size``, those sizes, largest first.
 
         The warm-up captures last windows with a remainder only at power-of-two batch sizes (every size
         would cost ~90 s of start-up), so a batch of, say, 7 replies ending together would run eager, which
-        is slow on the GPU and lengthens every one of those replies' tails; 4 + 2 + 1 replays instead.
-        Only pairs the warm-up ran graph-only count (``graphed_batches``): a batch that has its own graph
-        (steady windows, empty last windows), any batch without graphs (CPU) and a batch whose parts
-        would run eager anyway are never split. Unfrozen sets capture any new size, so no split either."""
+        is slow on the GPU and lengthens every one of those replies' tails; 4 + 2 + 1 replays instead. The
+        last windows of short replies (caches not yet steady) are captured at batch 1 only, so several of
+        them replay one at a time. Only pairs the warm-up ran graph-only count (``graphed_batches``): a
+        batch that has its own graph (steady windows, empty last windows), any batch without graphs (CPU)
+        and a batch whose key has no graph at all are never split. Unfrozen sets capture any new size, so
+        no split either."""
         if (key, size) in self.graphed_batches or not self.graph_sets:
             return [size]
         if not all(g.frozen for g in self.graph_sets.values()):
             return [size]
-        parts = binary_parts(size)
-        if all((key, part) in self.graphed_batches for part in parts):
-            return parts
-        return [size]
+        sizes = sorted((n for k, n in self.graphed_batches if k == key and n < size), reverse=True)
+        parts: list[int] = []
+        left = size
+        for n in sizes:
+            while left >= n:
+                parts.append(n)
+                left -= n
+        return parts if left == 0 else [size]
