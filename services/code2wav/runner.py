@@ -232,8 +232,13 @@ class Code2WavRunner:
         any batch of them into (several replies ending together would otherwise run one eager batch).
         Every size would add ``max_batch - 1`` windows per non-zero remainder; powers of two add
         ``floor(log2(max_batch))``: with the defaults at ``max_batch`` 16 that is 96 more windows than
-        batch 1 alone (184 -> 280), where every size would be 360 more. Returns the number of windows
-        run; the (key, batch size) pairs that replayed without an eager call go to ``graphed_batches``.
+        batch 1 alone (184 -> 280), where every size would be 360 more. At batch 1 the same last windows
+        are also captured from every state before the caches are steady (after a first window, its flush,
+        a steady window short of the trim: 320, 350 and 370 estimator frames with the defaults), where a
+        short reply ends (a one-unit realtime answer ends with the empty window at 350; a chat reply of
+        50-59 frames with 15-24 codes at 370): 75 more windows at batch 1, and a batch of them replays one
+        window at a time (:meth:`sub_batches`). Returns the number of windows run; the (key, batch size)
+        pairs that replayed without an eager call go to ``graphed_batches``.
 
         ``steady_new`` may name several window sizes (the stage's ``--window-codes``: the talker's
         ``codec.window_frames`` of the deployment, 25 by default, and e.g. 50 when turn-mode speech uses

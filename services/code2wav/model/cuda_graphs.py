@@ -17,11 +17,12 @@ throwaway batches of every size 1..``max_batch`` through the usual window shapes
 or of 25 codes, then steady 25-code windows: estimator caches of 300 frames after the 6 s prompt grow by
 20 or 50 frames per window until trimming holds them at 400), 12 keys per batch size (6 DiT, 3 f0, 3
 decoder; the fused path adds its encoder graphs and the last windows: the empty one at every batch size,
-the talker's remainders of 1..24 codes at the power-of-two batch sizes 1, 2, 4, ...), capturing each key
-on first use, and then *freezes* every set. A frozen set never captures: a key it has not seen (an
-uncovered last window, an unusual first window) runs eager and is logged once. A batch of remainder
-last windows of another size runs as its power-of-two parts (7 as 4 + 2 + 1,
-:meth:`Code2WavRunner.sub_batches`), each replaying its graphs.
+the talker's remainders of 1..24 codes at the power-of-two batch sizes 1, 2, 4, ..., and at batch 1 the
+same last windows from the caches of a short reply, before they are steady), capturing each key on first
+use, and then *freezes* every set. A frozen set never captures: a key it has not seen (an uncovered last
+window, an unusual first window) runs eager and is logged once. A batch of last windows of a size without
+a graph runs as the largest sizes its key was captured at (7 remainders as 4 + 2 + 1, short replies' last
+windows one at a time; :meth:`Code2WavRunner.sub_batches`), each replaying its graphs.
 Capturing while serving is what failed on the H200 with three stages time-slicing the GPU (a cuDNN error
 inside the capture, then an illegal address that killed every later window), so after the warm-up it
 does not happen. A set that is never frozen (benchmarks that skip the warm-up) captures lazily, up to
