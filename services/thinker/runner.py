@@ -40,7 +40,7 @@ from torch import nn
 
 from services.common.kernels import get_ops, norm_fold_enabled, select_backend
 from services.common.kernels.fp8_quant import Fp8Weight
-from services.thinker.fp8_weights import check_weights, quantize_runner
+from services.thinker.fp8_weights import check_weights, quantize_runner, set_swiglu_epilogue
 from services.thinker.fp8_weights import head_logits as fp8_head_logits
 from services.thinker.fused_forward import FusedForward
 from services.thinker.kv_cache import BlockPool, PagedKVCache
@@ -210,6 +210,15 @@ class ModelRunner:
             return
         quantize_runner(self)
         self.weights = "fp8"
+
+    def set_fp8_swiglu(self, enabled: bool | None) -> None:
+        """fp8 weights: the gate|up GEMM with SwiGLU in its epilogue (None/True, the default) or followed
+        by the ``silu_mul`` kernel (False, a benchmark's other arm); before any capture
+        (:func:`services.thinker.fp8_weights.set_swiglu_epilogue`). No-op with bf16 weights."""
+        if self._graphs:
+            raise RuntimeError("set_fp8_swiglu after a CUDA graph was captured (drop_graphs first)")
+        if self.weights == "fp8":
+            set_swiglu_epilogue(self, True if enabled is None else bool(enabled))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head over ``hidden [rows, hidden]`` (fp8 when the GEMMs run in fp8)."""
