@@ -23,6 +23,9 @@ two decode, so its prefill and their decode rows replay one row graph (a mixed s
   logits of every step. As for the thinker, the eager engine runs the torch decode path and the graphed
   one the default backend (the fused Triton decode kernels on CUDA); the eager engine takes one step
   at a time, the graphed one ``--talker-steps-per-replay`` steps per replay (default: the engine's).
+* ``--kv-cache fp8``: both thinker engines keep an e4m3 KV cache, so the Triton kernels' fp8 stores and
+  loads are checked against torch's conversion (the CPU tests cannot: Triton's interpreter rounds some
+  values to e4m3 wrongly).
 
 Verdict per request: ``identical`` (same tokens), ``near-tie`` (at the first differing token the graph
 picked the eager runner-up and the eager top-2 logit margin is below ``--tie-margin``; random weights make
@@ -144,6 +147,7 @@ def thinker_runs(
     kv_bytes: int,
     late_after: int | None = None,
     kernels: str | None = None,
+    kv_cache: str = "bf16",
 ) -> list[Run]:
     """Greedy runs of ``prompts``; with ``late_after`` the last prompt arrives after that many steps, so
     its prefill shares a step with the others' decode rows (a mixed step, replayed as a row graph when the
@@ -153,7 +157,9 @@ def thinker_runs(
     from services.thinker.scheduler import WorkItem
 
     engine = ThinkerEngine(
-        llm, EngineConfig(max_num_seqs=8, kv_budget_bytes=kv_bytes, use_cuda_graphs=graphs), device
+        llm,
+        EngineConfig(max_num_seqs=8, kv_budget_bytes=kv_bytes, use_cuda_graphs=graphs, kv_cache=kv_cache),
+        device,
     )
     engine.runner.set_kernels(kernels)
     if graphs and late_after is not None:
@@ -224,10 +230,18 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
     for batch, lengths, late in ((1, [64], None), (3, [64, 97, 33], None), (3, [64, 97, 20], 5)):
         prompts = [torch.randint(1000, min(vocab, 100_000), (n,), generator=gen).tolist() for n in lengths]
         eager = thinker_runs(
-            llm, device, False, prompts, args.tokens, args.kv_bytes, late, args.eager_kernels
+            llm, device, False, prompts, args.tokens, args.kv_bytes, late, args.eager_kernels, args.kv_cache
         )
         graph = thinker_runs(
-            graph_llm, device, True, prompts, args.tokens, args.kv_bytes, late, args.graph_kernels
+            graph_llm,
+            device,
+            True,
+            prompts,
+            args.tokens,
+            args.kv_bytes,
+            late,
+            args.graph_kernels,
+            args.kv_cache,
         )
         for i, (e, g) in enumerate(zip(eager, graph, strict=True)):
             # Row k is the hidden of token k fed back; it chose token k+1. Token 0 came from the prefill.
@@ -344,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=48, help="thinker tokens per request")
     p.add_argument("--frames", type=int, default=60, help="talker frames per stream")
     p.add_argument("--kv-gb", type=float, default=2.0, help="thinker KV budget per engine")
+    p.add_argument(
+        "--kv-cache",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="thinker KV cache of both engines (fp8: the Triton kernels' e4m3 stores and loads against torch's)",
+    )
     p.add_argument(
         "--tie-margin",
         type=float,

@@ -146,7 +146,7 @@ def stage_flags(sp: StageProfile) -> list[str]:
                 "--duplex-window-low",
                 str(sp.duplex_window_low),
             ]
-        flags += ["--weights", sp.weights]
+        flags += ["--weights", sp.weights, "--kv-cache", sp.kv_cache]
         flags += ["--prefix-caching" if sp.prefix_caching else "--no-prefix-caching"]
         return flags + extra
     if sp.name == "talker":

@@ -74,6 +74,18 @@ def test_prefix_caching_profile_key_reaches_the_thinker_and_only_it() -> None:
         load_profile("cpu").with_overrides({"thinker": {"prefix_caching": "maybe"}})
 
 
+def test_kv_cache_profile_key_reaches_the_thinker_and_only_it() -> None:
+    fp8 = load_profile("cpu").with_overrides({"thinker": {"kv_cache": "fp8"}})
+    children = {c.stage: c for c in plan_children(fp8, "/ckpt", "/p.yaml", 8099, python="py") if c.stage}
+    assert _arg(children["thinker"].argv, "--kv-cache") == "fp8"
+    assert json.loads(children["thinker"].env[STAGE_SETTINGS_ENV])["kv_cache"] == "fp8"
+    assert "--kv-cache" not in children["talker"].argv
+    with pytest.raises(ProfileError, match="the KV cache format is a thinker setting"):
+        load_profile("cpu").with_overrides({"talker": {"kv_cache": "fp8"}})
+    with pytest.raises(ProfileError, match="kv_cache"):
+        load_profile("cpu").with_overrides({"thinker": {"kv_cache": "int4"}})
+
+
 def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
     profile = load_profile("minicpmo_4_5")
     children = {c.stage: c for c in plan_children(profile, "/ckpt", "/p.yaml", 8099, python="py") if c.stage}
@@ -92,6 +104,8 @@ def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
             "--duplex-window-low",
             "6000",
             "--weights",
+            "bf16",
+            "--kv-cache",
             "bf16",
             "--prefix-caching",
             "--memory-fraction",

@@ -29,6 +29,6 @@ timeout "${FIDELITY_BUDGET:-120}" "$PY" -m bench.thinker.fp8_fidelity --checkpoi
   --prompts 4 --tokens 64 --json-out "$OUT/fp8_fidelity.json" > /tmp/fp8_fidelity.log 2>&1
 rc=$?
 echo "fp8_fidelity rc=$rc after $(elapsed) s"
-{ echo; echo "## bench.thinker.fp8_fidelity (rc=$rc)"; echo; sed -n '/^fp8 vs bf16/,$p' /tmp/fp8_fidelity.log; } >> "$md"
+{ echo; echo "## bench.thinker.fp8_fidelity (rc=$rc)"; echo; sed -n '/ KV cache vs bf16 weights/,$p' /tmp/fp8_fidelity.log; } >> "$md"
 [ $rc -eq 0 ] || tail -30 /tmp/fp8_fidelity.log | tee -a "$md"
 cat "$md"

@@ -221,7 +221,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Thinker engine benchmark — {result['device_name']}, {result['dtype']}, "
         f"context {result['context_len']} tokens, CUDA graphs {'on' if result['cuda_graphs'] else 'off'}, "
-        f"torch.compile {'on' if result.get('compiled_layers') else 'off'}, kernels {result.get('kernels', 'torch')}",
+        f"torch.compile {'on' if result.get('compiled_layers') else 'off'}, kernels {result.get('kernels', 'torch')}, "
+        f"KV cache {result.get('kv_cache', 'bf16')}",
         "",
         "| batch | engine ms/step | engine tok/s per stream | engine tok/s total | transformers ms/step "
         "| speed-up | roofline ms/step | % of roofline |",
@@ -446,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--fp8-tune", action="store_true", help="sweep the fp8 GEMM configs before the fp8 arm")
     lever(ap, "--fp8-swiglu", "default", "fp8: SwiGLU in the gate|up GEMM's epilogue (on by default)")
+    ap.add_argument(
+        "--kv-cache",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="the engine's KV cache for every arm (fp8: e4m3; compare two runs for its effect)",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -482,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             compile_layers=args.compile,
             # The engine's compute is measured: prompts repeated by the profiler pass must not hit a cache.
             prefix_caching=False,
+            kv_cache=args.kv_cache,
         ),
         device,
     )
@@ -555,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_decode": decode,
         "engine_prefill": prefill,
         "kernels": engine.runner.kernel_backend,
+        "kv_cache": args.kv_cache,
         "floor": ref,
     }
     if args.weights == "fp8":

@@ -11,6 +11,9 @@ logits of every step. Then the same engine's weights are quantized to fp8
 * **free-running**: the fp8 model decodes greedily on its own; the tokens equal to bf16's before the first
   difference (greedy agreement) and the share of equal positions.
 
+``--kv-cache fp8`` measures an e4m3 KV cache too: the candidate is then a second engine on the same
+module with that cache (``--weights bf16`` leaves its weights alone, isolating the cache's cost).
+
 Prints one JSON object and a Markdown table (the form docs/fidelity.md records). On the tiny random
 checkpoint the logits are nearly flat, so greedy tokens part early there; the logit errors are the
 comparable figure, and a full-size checkpoint is what the greedy agreement is for.
@@ -95,7 +98,8 @@ def compare(
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        f"fp8 vs bf16 thinker weights — {result['device_name']}, {result['dtype']}, kernels "
+        f"{result['weights']} weights, {result['kv_cache']} KV cache vs bf16 weights and cache — "
+        f"{result['device_name']}, {result['dtype']}, kernels "
         f"{result['kernels']}, {result['tokens']} greedy tokens per prompt:",
         "",
         "| prompt | tokens | logit max abs err | logit mean abs err | mean err / logit std "
@@ -131,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default=None, help="thinker kernel backend: torch | triton | auto")
     ap.add_argument("--prompts", type=int, default=4, help=f"how many of the {len(PROMPTS)} fixed prompts")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    ap.add_argument("--weights", choices=["bf16", "fp8"], default="fp8", help="the candidate's weights")
+    ap.add_argument("--kv-cache", choices=["bf16", "fp8"], default="bf16", help="the candidate's KV cache")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -144,18 +150,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     prompts = [prompt_ids(ckpt, text) for text in PROMPTS[: args.prompts]]
     need = max(len(p) for p in prompts) + args.tokens + 64
-    engine = ThinkerEngine(
-        llm,
-        EngineConfig(
-            max_num_seqs=1, kv_budget_bytes=4 * need * _bytes_per_token(llm, dtype), use_cuda_graphs=False
-        ),
-        device,
-    )
-    engine.runner.set_kernels(args.kernels)
+
+    def build(kv_cache: str) -> ThinkerEngine:
+        engine = ThinkerEngine(
+            llm,
+            EngineConfig(
+                max_num_seqs=1,
+                kv_budget_bytes=4 * need * _bytes_per_token(llm, dtype),
+                use_cuda_graphs=False,
+                kv_cache=kv_cache,
+            ),
+            device,
+        )
+        engine.runner.set_kernels(args.kernels)
+        return engine
+
+    engine = build("bf16")
     t0 = time.perf_counter()
     refs = [decode(engine, p, args.tokens) for p in prompts]
     bf16_s = time.perf_counter() - t0
-    engine.runner.quantize_weights()
+    if args.kv_cache != "bf16":
+        engine.shutdown()
+        engine = build(args.kv_cache)  # same module: the folded norms compute the same function
+    if args.weights == "fp8":
+        engine.runner.quantize_weights()
     rows = []
     for p, (ref_tokens, ref_logits) in zip(prompts, refs, strict=True):
         _, forced = decode(engine, p, args.tokens, forced=ref_tokens)
@@ -170,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": engine.runner.kernel_backend,
         "checkpoint": args.checkpoint,
         "tokens": args.tokens,
+        "weights": args.weights,
+        "kv_cache": args.kv_cache,
         "bf16_decode_s": bf16_s,
         "prompts": rows,
         "summary": summary,

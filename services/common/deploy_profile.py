@@ -25,6 +25,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
                  first_hidden_chunk_tokens: 11, hidden_dtype: bfloat16,
                  duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000,
                  weights: bf16,   # or fp8: e4m3 projection weights quantized at load
+                 kv_cache: bf16,  # or fp8: an e4m3 KV cache
                  prefix_caching: true, kernels: auto, kernel_table: null, slow_step_ms: 50}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
                  codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25},
@@ -130,6 +131,8 @@ class StageProfile:
     duplex_window_low: int = 6000
     # thinker only: the projection weights, "bf16" (the checkpoint's dtype) or "fp8" (e4m3 per-channel)
     weights: str = "bf16"
+    # thinker only: the KV cache, "bf16" (the model's dtype) or "fp8" (e4m3, no scale)
+    kv_cache: str = "bf16"
     # thinker only: automatic prefix caching (full KV blocks shared by content hash), on by default
     prefix_caching: bool = True
     # talker only
@@ -284,6 +287,7 @@ class DeployProfile:
                     "first_hidden_chunk_tokens",
                     "hidden_dtype",
                     "weights",
+                    "kv_cache",
                     "kernel_table",
                     "prefix_caching",
                     *THINKER_WINDOW_KEYS,

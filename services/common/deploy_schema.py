@@ -121,6 +121,7 @@ PrefixOnlyThinker = Annotated[None, _refuse("prefix caching is a thinker setting
 WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
 WeightFormat = Annotated[str, _rule(lambda v: v in ("bf16", "fp8"), "expected 'bf16' or 'fp8', got {v!r}")]
 WeightsOnlyThinker = Annotated[None, _refuse("fp8 weights are a thinker setting")]
+KvCacheOnlyThinker = Annotated[None, _refuse("the KV cache format is a thinker setting")]
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 Kernels = Annotated[
     str, _rule(lambda v: v in KERNEL_BACKENDS, f"expected one of {list(KERNEL_BACKENDS)}, got {{v!r}}")
@@ -227,6 +228,9 @@ class ThinkerDoc(_StageDoc):
     duplex_window_low: PositiveInt | None = None
     # The projection weights: bf16 (the checkpoint's) or fp8 (e4m3, per-channel scales; services/thinker/fp8_weights.py).
     weights: WeightFormat | None = None
+    # The KV cache: bf16 (the model's dtype) or fp8 (e4m3, no scale: half the bytes a decode step reads
+    # and twice the tokens per GiB; services/thinker/kv_cache.py).
+    kv_cache: WeightFormat | None = None
     # Decode kernels (services/common/kernels): auto = Triton on CUDA, torch elsewhere.
     kernels: Kernels | None = None
     # A `bench.thinker.skinny --json-out` table of skinny-GEMM configs for a GPU the built-in one was not
@@ -258,6 +262,7 @@ class _NoHiddenDoc(_StageDoc):
     duplex_window_high: WindowOnlyThinker = None
     duplex_window_low: WindowOnlyThinker = None
     weights: WeightsOnlyThinker = None
+    kv_cache: KvCacheOnlyThinker = None
     prefix_caching: PrefixOnlyThinker = None
 
 

@@ -41,6 +41,7 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "duplex_window_high": "duplex_window_high",
         "duplex_window_low": "duplex_window_low",
         "weights": "weights",
+        "kv_cache": "kv_cache",
         "kernels": "kernels",
         "kernel_table": "kernel_table",
         "slow_step_ms": "slow_step_ms",

@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         "quantized at load; the Triton kernels on CUDA)",
     )
     ap.add_argument(
+        "--kv-cache",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="KV cache: bf16 (the model's dtype) or fp8 (e4m3, no scale: half the bytes per token; "
+        "profile kv_cache)",
+    )
+    ap.add_argument(
         "--kernels",
         choices=("auto", "torch", "triton"),
         default="auto",
@@ -143,6 +150,7 @@ def serve(argv: list[str]) -> int:
         memory_fraction_key=fraction.key,
         # fp8 weights are laid out for the kernel backend: quantized after an explicit --kernels applies
         weights=args.weights if args.kernels == "auto" else "bf16",
+        kv_cache=args.kv_cache,
         prefix_caching=args.prefix_caching,
     )
     try:

@@ -91,7 +91,7 @@ def stage_info(backend: ThinkerBackend) -> common_pb2.StageInfo:
         model_version=str(cfg.get("version", "")),
         protocol_version=PROTOCOL_VERSION,
         device=backend.device,
-        compute_dtype=dtype_to_proto(engine.layout.dtype),
+        compute_dtype=dtype_to_proto(engine.runner.dtype),
         capabilities=["turn", "duplex", "image", "audio", "video", "speech_hidden", "interrupt"],
     )
     info.limits["max_context"] = engine.max_context

@@ -51,7 +51,13 @@ from services.thinker.engine_metrics import (
     observe_step,
 )
 from services.thinker.errors import failure
-from services.thinker.kv_cache import KVLayout, PagedKVCache, check_explicit_kv_budget, default_kv_budget
+from services.thinker.kv_cache import (
+    KVLayout,
+    PagedKVCache,
+    check_explicit_kv_budget,
+    default_kv_budget,
+    kv_cache_dtype,
+)
 from services.thinker.overlap import (
     InFlight,
     Prefetched,
@@ -91,6 +97,9 @@ class EngineConfig:
     # Projection weights (QKV, O, gate|up, down, lm_head): "bf16" (the checkpoint's dtype) or "fp8" (e4m3,
     # per-channel scales, quantized at load: services.thinker.fp8_weights).
     weights: str = "bf16"
+    # The KV cache: "bf16" (the model's dtype) or "fp8" (e4m3 with no scale, services.thinker.kv_cache):
+    # half the bytes per token, so a decode step reads half the K/V and the pool holds twice the tokens.
+    kv_cache: str = "bf16"
     # The process's GIL switch interval while the engine thread runs (None: Python's 5 ms). Each CUDA sync
     # of a step drops the GIL; getting it back from a thread busy in pure Python (the event loop encoding
     # protobufs, the encode thread's mel) takes up to one interval, so at 5 ms a step's two syncs could
@@ -143,7 +152,11 @@ class ThinkerEngine:
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         dtype: torch.dtype = qwen.model.embed_tokens.weight.dtype
         self.layout = KVLayout(
-            int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), head_dim, dtype, config.block_size
+            int(cfg.num_hidden_layers),
+            int(cfg.num_key_value_heads),
+            head_dim,
+            kv_cache_dtype(config.kv_cache, dtype),
+            config.block_size,
         )
         self.max_context = min(int(config.max_context), int(cfg.max_position_embeddings))
         budget = config.kv_budget_bytes

@@ -38,7 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.kernels import get_ops, norm_fold_enabled, select_backend
+from services.common.kernels import (
+    get_ops,
+    norm_fold_enabled,
+    read_cache_rows,
+    select_backend,
+    write_cache_rows,
+)
 from services.common.kernels.fp8_quant import Fp8Weight
 from services.thinker.fp8_weights import check_weights, quantize_runner, set_swiglu_epilogue
 from services.thinker.fp8_weights import head_logits as fp8_head_logits
@@ -313,8 +319,8 @@ class ModelRunner:
                 hkv,
             )
             k_cache, v_cache = self.cache.k[idx], self.cache.v[idx]
-            k_cache.index_copy_(0, write_slots, k)
-            v_cache.index_copy_(0, write_slots, v)
+            write_cache_rows(k_cache, write_slots, k)
+            write_cache_rows(v_cache, write_slots, v)
             o = self._attend(q, k_cache, v_cache, plan)
             x = self._post(
                 x,
@@ -337,14 +343,14 @@ class ModelRunner:
         if b:
             assert plan.decode_gather is not None and plan.decode_mask is not None
             qd = q[:b].view(b, hkv, g, d)
-            kd = k_cache[plan.decode_gather].transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_cache[plan.decode_gather].transpose(1, 2)
+            kd = read_cache_rows(k_cache, plan.decode_gather, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+            vd = read_cache_rows(v_cache, plan.decode_gather, q.dtype).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
             parts.append(od.reshape(b, self.num_heads, d))
         for start, n, gather, mask in plan.prefill:
             qc = q[start : start + n].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n, d)
-            kc = k_cache[gather].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
-            vc = v_cache[gather].permute(1, 0, 2).unsqueeze(0)
+            kc = read_cache_rows(k_cache, gather, q.dtype).permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, L, D]
+            vc = read_cache_rows(v_cache, gather, q.dtype).permute(1, 0, 2).unsqueeze(0)
             oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)
             parts.append(oc.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads, d))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -105,6 +105,25 @@ def inv_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
+def write_cache_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``cache[slots] = rows``, rounded to the cache's dtype (an fp8 KV cache: e4m3, no scale, values
+    beyond ±448 saturate). An fp8 cache is written through its bytes: ``index_copy_`` has no float8
+    kernel on every device."""
+    rows = rows.to(cache.dtype)
+    if cache.dtype.itemsize == 1:
+        cache.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, rows)
+
+
+def read_cache_rows(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cache[index]`` widened to the activations' ``dtype`` (exact from e4m3: every e4m3 value is a
+    bf16 value)."""
+    if cache.dtype.itemsize == 1:
+        return cache.view(torch.uint8)[index].view(cache.dtype).to(dtype)
+    return cache[index]
+
+
 def scale_rows_ref(y: torch.Tensor, rms_of: tuple[torch.Tensor, float] | None) -> torch.Tensor:
     """``y`` with each row scaled by the inverse RMS of the same row of ``rms_of[0]`` (rounded to ``y``'s
     dtype once); ``y`` itself when ``rms_of`` is None."""
@@ -181,8 +200,8 @@ class TorchOps:
         if qk_norm_weight is not None:
             qk = rms_norm_ref(qk, qk_norm_weight, eps)
         qk = rotate_ref(qk, cos, sin)
-        k_cache.index_copy_(0, write_slots, qk[:, hq:])
-        v_cache.index_copy_(0, write_slots, v)
+        write_cache_rows(k_cache, write_slots, qk[:, hq:])
+        write_cache_rows(v_cache, write_slots, v)
         return qk[:, :hq]
 
     @staticmethod
@@ -227,8 +246,8 @@ class TorchOps:
             total = pos + n
             j = torch.arange(total, device=q.device)
             slots = tiles.table[seq].index_select(0, j // page) * page + j % page
-            k = k_cache.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
-            v = v_cache.index_select(0, slots).transpose(0, 1)
+            k = read_cache_rows(k_cache, slots, q.dtype).transpose(0, 1)  # [Hkv, L, D]
+            v = read_cache_rows(v_cache, slots, q.dtype).transpose(0, 1)
             qt = q[row : row + n].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
             allowed = j[None, :] <= (pos + torch.arange(n, device=q.device))[:, None]  # [n, L]
             mask = allowed.repeat(g, 1)

@@ -29,6 +29,7 @@ from services.common.kernels.triton_parts import (
     attend_pages,
     norm_rope_tile,
     row_inv_rms,
+    to_cache,
     write_output,
 )
 
@@ -37,11 +38,12 @@ LOOKBACK = 32  # rows a packed step holds at most (ModelRunner.PACKED_MAX_ROWS):
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
 def _fresh_key(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
-    qkv_ptr, w_ptr, cos_ptr, sin_ptr, row, pos, inv_x, eps, kh, vh, d_idx, lower,
+    qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, row, pos, inv_x, eps, kh, vh, d_idx, lower,
     D: tl.constexpr, WIDTH: tl.constexpr, HAS_NORM: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """Key head ``kh`` (normed, rotated at ``pos``) and value head ``vh`` of packed row ``row``, as
-    ``qk_rope_store`` writes them to the cache: ``[1, D]`` tiles in the activation dtype."""
+    ``qk_rope_store`` writes them to the cache: ``[1, D]`` tiles in the cache's dtype (what a later
+    step reads back; the caller widens them to attend)."""
     half: tl.constexpr = D // 2
     partner = (d_idx + half) % D
     base = qkv_ptr + row * WIDTH
@@ -58,7 +60,7 @@ def _fresh_key(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer
     v = tl.load(base + vh * D + d_idx)
     if SCALED:
         v = (v.to(tl.float32) * inv_x).to(v.dtype)
-    return k, v
+    return to_cache(k, k_ptr), to_cache(v, v_ptr)
 
 
 @triton.jit(  # type: ignore[untyped-decorator]  # triton ships no type information
@@ -117,13 +119,13 @@ def _rope_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annot
         # The row's own key and value first (their loads overlap the query's): into the cache for the
         # steps after this one, and into this row's attention from registers.
         k, v = _fresh_key(
-            qkv_ptr, w_ptr, cos_ptr, sin_ptr, r, p, inv_x, eps, kh, vh, d_idx, lower, D, WIDTH, HAS_NORM,
-            SCALED,
+            qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, r, p, inv_x, eps, kh, vh, d_idx, lower, D, WIDTH,
+            HAS_NORM, SCALED,
         )  # fmt: skip
         slot = tl.load(slot_ptr + r).to(tl.int64)
         tl.store(k_ptr + (slot * HKV + kvh) * D + d_idx, k)
         tl.store(v_ptr + (slot * HKV + kvh) * D + d_idx, v)
-        m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k, v, m_valid, scale_log2)
+        m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k.to(q.dtype), v.to(q.dtype), m_valid, scale_log2)
     # Earlier rows of this sequence in this step: their keys from qkv, one at a time (a serial chain of
     # loads), dealt round the key splits so that no program computes more than ceil(fresh / SPLITS).
     for i in range(split, fresh, SPLITS):
@@ -132,10 +134,10 @@ def _rope_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annot
         if SCALED:
             inv_i = row_inv_rms(x_ptr, row, x_eps, HIDDEN, CHUNK)
         k, v = _fresh_key(
-            qkv_ptr, w_ptr, cos_ptr, sin_ptr, row, p - fresh + i, inv_i, eps, kh, vh, d_idx, lower, D,
-            WIDTH, HAS_NORM, SCALED,
+            qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, row, p - fresh + i, inv_i, eps, kh, vh, d_idx,
+            lower, D, WIDTH, HAS_NORM, SCALED,
         )  # fmt: skip
-        m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k, v, m_valid, scale_log2)
+        m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k.to(q.dtype), v.to(q.dtype), m_valid, scale_log2)
     total = p - fresh  # keys written by earlier steps
     per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
     start = split * per

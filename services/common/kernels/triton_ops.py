@@ -24,7 +24,13 @@ import triton.language as tl
 from services.common.kernels.counters import ArrivalCounters, split_scratch
 from services.common.kernels.rope_attention import rope_attention
 from services.common.kernels.tiles import AttentionTiles
-from services.common.kernels.triton_parts import attend_pages, norm_rope_tile, row_inv_rms, write_output
+from services.common.kernels.triton_parts import (
+    attend_pages,
+    norm_rope_tile,
+    row_inv_rms,
+    to_cache,
+    write_output,
+)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
@@ -125,11 +131,11 @@ def _qk_rope_store_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annota
         if h < HQ:
             tl.store(q_ptr + (t * HQ + h) * D + offs, out)
         else:
-            tl.store(k_ptr + (slot * HKV + (h - HQ)) * D + offs, out)
+            tl.store(k_ptr + (slot * HKV + (h - HQ)) * D + offs, to_cache(out, k_ptr))
     else:
         if SCALED:
             x = (x.to(tl.float32) * inv_x).to(x.dtype)
-        tl.store(v_ptr + (slot * HKV + (h - HQ - HKV)) * D + offs, x)
+        tl.store(v_ptr + (slot * HKV + (h - HQ - HKV)) * D + offs, to_cache(x, v_ptr))
 
 
 @triton.jit(  # type: ignore[untyped-decorator]  # triton ships no type information

@@ -51,6 +51,15 @@ def norm_rope_tile(  # type: ignore[no-untyped-def]  # Triton DSL: annotations s
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def to_cache(x, cache_ptr):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
+    """``x`` rounded to the KV cache's element type; an fp8 (e4m3) cache saturates at ±448 first, as
+    torch's conversion does, so the Triton and torch paths store the same bytes."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
 def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     q,
     m_i,
@@ -80,7 +89,8 @@ def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations ste
         page = tl.load(table_row_ptr + j // PAGE, mask=j_valid, other=0).to(tl.int64)
         slot = page * PAGE + j % PAGE
         kv_off = (slot * HKV + kvh) * D
-        k = tl.load(k_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
+        # An fp8 cache widens to the query's dtype (exact) before the dot; a no-op for a bf16 one.
+        k = tl.load(k_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -93,7 +103,7 @@ def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations ste
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
