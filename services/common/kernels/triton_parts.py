@@ -50,7 +50,7 @@ def norm_rope_tile(  # type: ignore[no-untyped-def]  # Triton DSL: annotations s
     return (a + b).to(x.dtype)
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+@triton.jit
 def to_cache(x, cache_ptr):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     """``x`` rounded to the KV cache's element type; an fp8 (e4m3) cache saturates at ±448 first, as
     torch's conversion does, so the Triton and torch paths store the same bytes."""
