@@ -215,7 +215,7 @@ class PagedKVCache:
             BlockPool.SCRATCH_BLOCK * layout.block_size, (BlockPool.SCRATCH_BLOCK + 1) * layout.block_size
         )
         for t in (*self.k, *self.v):
-            t[scratch].zero_()
+            t[scratch].view(torch.uint8).zero_()  # through the bytes: any element type, fp8 included
 
     @property
     def used_bytes(self) -> int:
