@@ -251,7 +251,8 @@ def test_triton_fp8_step_gives_the_torch_fp8_logits(tiny_ckpt: Path, fold: bool)
     runner = engine.runner
     assert runner.head_fp8 is not None and runner.layers[0].fp8 is not None
     assert runner.layers[0].qkv_weight.numel() == 0  # the bf16 projection weights were released
-    assert runner.layers[0].fp8.gate_up_interleaved  # the SwiGLU epilogue is the default
+    runner.set_fp8_swiglu(True)
+    assert runner.layers[0].fp8.gate_up_interleaved
     got = _steps(engine)
     for r, q in zip(ref, got, strict=True):
         if fold:

@@ -325,10 +325,11 @@ def fp8_arm(
     for swiglu in ARMS[args.fp8_swiglu]:
         runner.drop_graphs()  # each arm recaptures with its own gate|up layout
         runner.set_fp8_swiglu(swiglu)
+        fp8_layer = runner.layers[0].fp8  # None on the torch kernels (fp8 round trip, no fp8 GEMM)
         for b in batches:
             for over in ARMS[args.overlap]:
                 r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)
-                r["fp8_swiglu"] = swiglu
+                r["fp8_swiglu"] = bool(fp8_layer is not None and fp8_layer.gate_up_interleaved)
                 mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
                 step_bytes = nbytes + b * mean_ctx * engine.layout.bytes_per_token
                 r["bytes_per_step"] = step_bytes
@@ -379,7 +380,7 @@ def fp8_markdown(fp8: dict[str, Any]) -> str:
 
     for r in fp8["engine_decode"]:
         lines.append(
-            f"| {r['batch']} | {'on' if r.get('overlap') else 'off'} | {'off' if r.get('fp8_swiglu') is False else 'on'} "
+            f"| {r['batch']} | {'on' if r.get('overlap') else 'off'} | {'on' if r.get('fp8_swiglu') else 'off'} "
             f"| {num(r.get('bf16_ms_per_step'), '.2f')} "
             f"| {r['ms_per_step']:.2f} | {num(r.get('bf16_ratio'), '.3f', 'x')} | {num(r.get('graph_replay_ms'), '.2f')} "
             f"| {num(r.get('floor_ms'), '.2f')} | {num(r.get('floor_ratio'), '.3f', 'x')} "
@@ -446,7 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         help="fp8: after the bf16 figures, quantize the same engine's weights to fp8 and measure again",
     )
     ap.add_argument("--fp8-tune", action="store_true", help="sweep the fp8 GEMM configs before the fp8 arm")
-    lever(ap, "--fp8-swiglu", "default", "fp8: SwiGLU in the gate|up GEMM's epilogue (on by default)")
+    lever(
+        ap,
+        "--fp8-swiglu",
+        "default",
+        "fp8: SwiGLU in the gate|up GEMM's epilogue (fp8_weights.SWIGLU_EPILOGUE)",
+    )
     ap.add_argument(
         "--kv-cache",
         choices=["bf16", "fp8"],

@@ -10,10 +10,11 @@ step then runs depends on the kernel backend:
   the weights take half the memory) and :func:`fp8_layers` runs every step's GEMMs through
   :func:`~services.common.kernels.fp8_gemm.fp8_linear` — the folded loop of
   :class:`~services.thinker.fused_forward.FusedForward` (the O and down GEMMs adding into the residual in
-  place) for every step when the norms are folded, else the norm-kernel loop. The gate|up rows are
-  stored interleaved, so that GEMM applies the post-attention norm's row scaling and SwiGLU in its
-  epilogue (:func:`~services.common.kernels.fp8_gemm.fp8_linear_swiglu`): five launches per folded layer,
-  not six (:func:`set_swiglu_epilogue` restores the halves and the ``silu_mul`` kernel for an A/B).
+  place) for every step when the norms are folded, else the norm-kernel loop. With
+  :data:`SWIGLU_EPILOGUE` (or :func:`set_swiglu_epilogue`) the gate|up rows are stored interleaved, so
+  that GEMM applies the post-attention norm's row scaling and SwiGLU in its epilogue
+  (:func:`~services.common.kernels.fp8_gemm.fp8_linear_swiglu`): five launches per folded layer, not
+  six; otherwise they stay in halves and a ``silu_mul`` kernel follows the GEMM.
   The transformers module's projection layers then hold empty weights: its own ``forward`` (the no-cache
   reference pass, the transformers baseline) is not available with fp8 weights on CUDA.
 * torch (CPU, tests): the weights are replaced in place by their dequantized values ``q * s`` in the
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from services.common.kernels.fp8_quant import Fp8Layer, quantize_fp8, reorder_gate_up
+from services.common.kernels.fp8_quant import Fp8Layer, Fp8Weight, quantize_fp8, reorder_gate_up
 from services.thinker.layer_ops import FusedLayer
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ Forward = Any
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("bf16", "fp8")
+# The gate|up GEMM with SwiGLU in its epilogue: off by default until a GPU run measures it against the
+# GEMM + silu_mul pair (``bench.thinker --weights fp8 --fp8-swiglu both``); BENCHMARKS.md has the status.
+SWIGLU_EPILOGUE = False
 
 
 def check_weights(weights: str) -> str:
@@ -94,9 +98,9 @@ def quantize_runner(runner: Runner) -> None:
                 Fp8Layer(
                     quantize_fp8(lay.qkv_weight),
                     quantize_fp8(lay.o_weight),
-                    reorder_gate_up(quantize_fp8(lay.gate_up_weight), interleave=True),
+                    _gate_up(quantize_fp8(lay.gate_up_weight)),
                     quantize_fp8(lay.down_weight),
-                    gate_up_interleaved=True,
+                    gate_up_interleaved=SWIGLU_EPILOGUE,
                 )
             )
             # Drop this layer's bf16 tensors before the next layer is quantized: the peak stays at the bf16
@@ -122,10 +126,14 @@ def quantize_runner(runner: Runner) -> None:
     )
 
 
+def _gate_up(weight: Fp8Weight) -> Fp8Weight:
+    return reorder_gate_up(weight, interleave=True) if SWIGLU_EPILOGUE else weight
+
+
 @torch.no_grad()
 def set_swiglu_epilogue(runner: Runner, enabled: bool) -> None:
     """Lay every fp8 gate|up weight of ``runner`` out for the GEMM with SwiGLU in its epilogue
-    (``enabled``: gate and up rows interleaved, the default from :func:`quantize_runner`) or in halves
+    (``enabled``: gate and up rows interleaved) or in halves
     followed by the ``silu_mul`` kernel (a benchmark's other arm). Reorders the rows in place of the
     old tensors, one layer at a time; no-op on the torch kernels (no fp8 tensors). Also updates the
     tensors the module shares with runners created after this call."""
