@@ -111,53 +111,6 @@ def test_split_counters_are_left_zeroed() -> None:
     assert torch.equal(fp8_gemm.fp8_linear(a, w, config=cfg), first)  # partials added in split order
 
 
-def test_gate_up_reorder_round_trips_rows_with_their_scales() -> None:
-    from services.common.kernels.fp8_quant import reorder_gate_up
-
-    w = quantize_fp8(torch.randn(6, 8, generator=torch.Generator().manual_seed(4)))
-    inter = reorder_gate_up(w, interleave=True)
-    assert [float(x) for x in inter.scale] == [float(w.scale[i]) for i in (0, 3, 1, 4, 2, 5)]
-    assert torch.equal(inter.q.view(torch.uint8)[1], w.q.view(torch.uint8)[3])  # up 0 after gate 0
-    back = reorder_gate_up(inter, interleave=False)
-    assert torch.equal(back.q.view(torch.uint8), w.q.view(torch.uint8)) and torch.equal(back.scale, w.scale)
-    with pytest.raises(ValueError, match="even"):
-        reorder_gate_up(quantize_fp8(torch.randn(5, 8)), interleave=True)
-
-
-@pytest.mark.usefixtures("_interpreter")
-@pytest.mark.parametrize("m", [1, 16, 40])
-def test_swiglu_epilogue_matches_the_gemm_then_silu_mul(m: int) -> None:
-    """The gate|up GEMM with SwiGLU (and the folded norm's 1/RMS) in its epilogue against the unfused
-    path on the same weights: the GEMM on the halves, then the ``silu_mul`` kernel. Both round at the
-    same points, so they agree up to the fp32 order of the RMS sum. fp32 operands: Triton's interpreter
-    has no bf16 arithmetic (the bf16 kernels run in ``bench/cuda_smoke.py`` on the GPU host)."""
-    from services.common.kernels.fp8_gemm import Fp8Config, fp8_linear, fp8_linear_swiglu
-    from services.common.kernels.fp8_quant import reorder_gate_up, swiglu_ref
-    from services.common.kernels.triton_ops import TritonOps
-
-    g = torch.Generator().manual_seed(20 + m)
-    n, k = 96, 256  # 48 gate and 48 up rows: ragged against 32- and 64-column tiles
-    w = quantize_fp8(torch.randn(n, k, generator=g) / 8)
-    inter = reorder_gate_up(w, interleave=True)
-    a = torch.randn(m, k, generator=g) * 3
-    configs = [
-        None,
-        Fp8Config(16 if m <= 16 else 64, 32, 64, 1, 4, 1),
-        Fp8Config(16, 64, 32, 3, 4, 1),  # split K: used without the RMS, forced to one split with it
-    ]
-    tol = {"rtol": 1e-4, "atol": 1e-4}  # fp32 sums in another order (values up to ~50)
-    for eps in (None, 1e-6):
-        unfused = TritonOps.silu_mul(fp8_linear(a, w), rms_of=None if eps is None else (a, eps))
-        torch.testing.assert_close(swiglu_ref(a, w, eps, interleaved=False), unfused, **tol)
-        torch.testing.assert_close(swiglu_ref(a, inter, eps), unfused, **tol)
-        for cfg in configs:
-            got = fp8_linear_swiglu(a, inter, rms_eps=eps, config=cfg)
-            assert got.shape == (m, n // 2)
-            torch.testing.assert_close(got, unfused, **tol, msg=f"{cfg} eps={eps}")
-    with pytest.raises(ValueError, match="even"):
-        fp8_linear_swiglu(a, quantize_fp8(torch.randn(5, k)))
-
-
 def test_config_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode row counts take the nearest tuned bucket (above, else below) with a row tile that holds
     them; other shapes and prefill row counts take the default rule."""
@@ -251,8 +204,6 @@ def test_triton_fp8_step_gives_the_torch_fp8_logits(tiny_ckpt: Path, fold: bool)
     runner = engine.runner
     assert runner.head_fp8 is not None and runner.layers[0].fp8 is not None
     assert runner.layers[0].qkv_weight.numel() == 0  # the bf16 projection weights were released
-    runner.set_fp8_swiglu(True)
-    assert runner.layers[0].fp8.gate_up_interleaved
     got = _steps(engine)
     for r, q in zip(ref, got, strict=True):
         if fold:
@@ -260,16 +211,6 @@ def test_triton_fp8_step_gives_the_torch_fp8_logits(tiny_ckpt: Path, fold: bool)
             assert float(torch.corrcoef(torch.stack([q, r]))[0, 1]) > 0.99
         else:
             torch.testing.assert_close(q, r, rtol=1e-4, atol=1e-4)
-    from bench.thinker.fp8 import swiglu_check
-
-    assert [c["batch"] for c in swiglu_check(runner, [1, 3])] == [1, 3]
-    assert all(c["max_rel_diff"] < 1e-5 for c in swiglu_check(runner, [1, 3]))
-    # The other arm: gate|up back in halves, the GEMM then silu_mul; the same function.
-    runner.set_fp8_swiglu(False)
-    assert not runner.layers[0].fp8.gate_up_interleaved
-    unfused = _steps(engine)
-    for q, u in zip(got, unfused, strict=True):
-        torch.testing.assert_close(u, q, rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="kernel backend"):
         runner.set_kernels("torch")
 

@@ -319,36 +319,27 @@ def fp8_arm(
         print("fp8 GEMM sweep (FP8_CONFIGS entries):", file=sys.stderr)
         print(fp8_bench.table_literal(out["tune"]), file=sys.stderr)
     nbytes = sum(w.nbytes() for w in weights) or weight_bytes_per_step(runner.llm)
-    if weights:
-        out["swiglu_check"] = fp8_bench.swiglu_check(runner, batches)
     decode = []
-    for swiglu in ARMS[args.fp8_swiglu]:
-        runner.drop_graphs()  # each arm recaptures with its own gate|up layout
-        runner.set_fp8_swiglu(swiglu)
-        fp8_layer = runner.layers[0].fp8  # None on the torch kernels (fp8 round trip, no fp8 GEMM)
-        for b in batches:
-            for over in ARMS[args.overlap]:
-                r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)
-                r["fp8_swiglu"] = bool(fp8_layer is not None and fp8_layer.gate_up_interleaved)
-                mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
-                step_bytes = nbytes + b * mean_ctx * engine.layout.bytes_per_token
-                r["bytes_per_step"] = step_bytes
-                r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
-                same = [
-                    x for x in bf16_decode if x["batch"] == b and x["overlap"] == r["overlap"] and x["norm_fold"] == r["norm_fold"]
-                ]  # fmt: skip
-                if same:
-                    r["bf16_ms_per_step"] = same[-1]["ms_per_step"]
-                    r["bf16_ratio"] = r["ms_per_step"] / same[-1]["ms_per_step"]
-                decode.append(r)
-        if args.profile and engine.device.type == "cuda":
-            ctx = args.context_len + args.warmup_steps + args.decode_steps + 1
-            for b in sorted({batches[0], batches[-1]}):
-                print(
-                    f"torch profiler, fp8 weights (SwiGLU epilogue {swiglu}), 3 decode-step bodies at batch {b}:"
-                )
-                print(profile_step(engine, b, ctx))
+    for b in batches:
+        for over in ARMS[args.overlap]:
+            r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)
+            mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
+            step_bytes = nbytes + b * mean_ctx * engine.layout.bytes_per_token
+            r["bytes_per_step"] = step_bytes
+            r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
+            same = [
+                x for x in bf16_decode if x["batch"] == b and x["overlap"] == r["overlap"] and x["norm_fold"] == r["norm_fold"]
+            ]  # fmt: skip
+            if same:
+                r["bf16_ms_per_step"] = same[-1]["ms_per_step"]
+                r["bf16_ratio"] = r["ms_per_step"] / same[-1]["ms_per_step"]
+            decode.append(r)
     out["engine_decode"] = decode
+    if args.profile and engine.device.type == "cuda":
+        ctx = args.context_len + args.warmup_steps + args.decode_steps + 1
+        for b in sorted({batches[0], batches[-1]}):
+            print(f"torch profiler, fp8 weights, 3 decode-step bodies at batch {b} (eager, the graph's kernels):")
+            print(profile_step(engine, b, ctx))
     out["engine_prefill"] = engine_prefill(engine, args.prompt_len, args.prefill_iters)
     if not args.no_floor and weights:
         ref = fp8_bench.reference(runner, batches, engine.device)
@@ -370,9 +361,9 @@ def fp8_markdown(fp8: dict[str, Any]) -> str:
         f"fp8 weights (e4m3, per-channel scales; {ref['weight_bytes'] / 1e9:.2f} GB of GEMM weights per step), "
         f"quantized in {fp8['quantize_s']:.1f} s, same run as the bf16 figures above:",
         "",
-        "| batch | overlap | SwiGLU epilogue | bf16 ms/step | fp8 ms/step | fp8 / bf16 | fp8 graph replay ms "
+        "| batch | overlap | bf16 ms/step | fp8 ms/step | fp8 / bf16 | fp8 graph replay ms "
         "| fp8 matmul-stack floor ms | ratio | replay ratio | floor weight TB/s |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def num(v: float | None, fmt: str, unit: str = "") -> str:
@@ -380,19 +371,13 @@ def fp8_markdown(fp8: dict[str, Any]) -> str:
 
     for r in fp8["engine_decode"]:
         lines.append(
-            f"| {r['batch']} | {'on' if r.get('overlap') else 'off'} | {'on' if r.get('fp8_swiglu') else 'off'} "
-            f"| {num(r.get('bf16_ms_per_step'), '.2f')} "
+            f"| {r['batch']} | {'on' if r.get('overlap') else 'off'} | {num(r.get('bf16_ms_per_step'), '.2f')} "
             f"| {r['ms_per_step']:.2f} | {num(r.get('bf16_ratio'), '.3f', 'x')} | {num(r.get('graph_replay_ms'), '.2f')} "
             f"| {num(r.get('floor_ms'), '.2f')} | {num(r.get('floor_ratio'), '.3f', 'x')} "
             f"| {num(r.get('replay_floor_ratio'), '.3f', 'x')} | {num(tb.get(r['batch']), '.2f')} |"
         )
     p = fp8["engine_prefill"]
     lines += ["", f"fp8 prefill: {p['prompt_len']} tokens in {p['ms']:.1f} ms ({p['tok_s']:.0f} tok/s)."]
-    for c in fp8.get("swiglu_check", []):
-        lines.append(
-            f"SwiGLU epilogue vs GEMM + silu_mul at batch {c['batch']}: max difference "
-            f"{c['max_rel_diff']:.2e} of the largest value, {100 * c['differing_share']:.2f} % of elements differ."
-        )
     return "\n".join(lines)
 
 
@@ -447,12 +432,6 @@ def main(argv: list[str] | None = None) -> int:
         help="fp8: after the bf16 figures, quantize the same engine's weights to fp8 and measure again",
     )
     ap.add_argument("--fp8-tune", action="store_true", help="sweep the fp8 GEMM configs before the fp8 arm")
-    lever(
-        ap,
-        "--fp8-swiglu",
-        "default",
-        "fp8: SwiGLU in the gate|up GEMM's epilogue (fp8_weights.SWIGLU_EPILOGUE)",
-    )
     ap.add_argument(
         "--kv-cache",
         choices=["bf16", "fp8"],

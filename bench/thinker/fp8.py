@@ -64,36 +64,6 @@ def matmul_stack_ms(
     return ms
 
 
-@torch.inference_mode()
-def swiglu_check(runner, batches: list[int], eps: float = 1e-6) -> list[dict]:  # noqa: ANN001 (ModelRunner)
-    """The SwiGLU epilogue on the device in the model's dtype: per batch, the first layer's gate|up
-    through :func:`~services.common.kernels.fp8_gemm.fp8_linear_swiglu` (folded norm's 1/RMS on)
-    against the unfused path on the same weights (the GEMM on the halves, then ``silu_mul``): the
-    largest difference relative to the largest value and the share of elements that differ at all
-    (both round at the same points; only the RMS sum's order differs)."""
-    from services.common.kernels.fp8_gemm import fp8_linear, fp8_linear_swiglu
-    from services.common.kernels.fp8_quant import reorder_gate_up
-
-    w = runner.layers[0].fp8.gate_up
-    inter, halves = (w, reorder_gate_up(w, False)) if runner.layers[0].fp8.gate_up_interleaved else (
-        reorder_gate_up(w, True), w)  # fmt: skip
-    gen = torch.Generator(device=w.q.device).manual_seed(0)
-    out = []
-    for b in batches:
-        x = torch.randn(b, w.shape[1], generator=gen, device=w.q.device).to(runner.dtype)
-        fused = fp8_linear_swiglu(x, inter, rms_eps=eps).float()
-        unfused = runner.ops.silu_mul(fp8_linear(x, halves), rms_of=(x, eps)).float()
-        diff = (fused - unfused).abs()
-        out.append(
-            {
-                "batch": b,
-                "max_rel_diff": float(diff.max() / unfused.abs().max().clamp_min(1e-30)),
-                "differing_share": float((diff > 0).float().mean()),
-            }
-        )
-    return out
-
-
 def reference(runner, batches: list[int], device: torch.device) -> dict:  # noqa: ANN001 (ModelRunner)
     """The fp8 matmul stack per batch and the fp8 weight bytes a step streams."""
     weights = step_weights(runner)

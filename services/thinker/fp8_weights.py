@@ -9,12 +9,8 @@ step then runs depends on the kernel backend:
 * Triton (CUDA): the runner keeps only the fp8 tensors (the bf16 projection weights are released, so
   the weights take half the memory) and :func:`fp8_layers` runs every step's GEMMs through
   :func:`~services.common.kernels.fp8_gemm.fp8_linear` — the folded loop of
-  :class:`~services.thinker.fused_forward.FusedForward` (the O and down GEMMs adding into the residual in
-  place) for every step when the norms are folded, else the norm-kernel loop. With
-  :data:`SWIGLU_EPILOGUE` (or :func:`set_swiglu_epilogue`) the gate|up rows are stored interleaved, so
-  that GEMM applies the post-attention norm's row scaling and SwiGLU in its epilogue
-  (:func:`~services.common.kernels.fp8_gemm.fp8_linear_swiglu`): five launches per folded layer, not
-  six; otherwise they stay in halves and a ``silu_mul`` kernel follows the GEMM.
+  :class:`~services.thinker.fused_forward.FusedForward` (six launches per layer, the O and down GEMMs
+  adding into the residual in place) for every step when the norms are folded, else the norm-kernel loop.
   The transformers module's projection layers then hold empty weights: its own ``forward`` (the no-cache
   reference pass, the transformers baseline) is not available with fp8 weights on CUDA.
 * torch (CPU, tests): the weights are replaced in place by their dequantized values ``q * s`` in the
@@ -26,13 +22,12 @@ step then runs depends on the kernel backend:
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from services.common.kernels.fp8_quant import Fp8Layer, Fp8Weight, quantize_fp8, reorder_gate_up
+from services.common.kernels.fp8_quant import Fp8Layer, quantize_fp8
 from services.thinker.layer_ops import FusedLayer
 
 if TYPE_CHECKING:
@@ -46,9 +41,6 @@ Forward = Any
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("bf16", "fp8")
-# The gate|up GEMM with SwiGLU in its epilogue: off by default until a GPU run measures it against the
-# GEMM + silu_mul pair (``bench.thinker --weights fp8 --fp8-swiglu both``); BENCHMARKS.md has the status.
-SWIGLU_EPILOGUE = False
 
 
 def check_weights(weights: str) -> str:
@@ -98,9 +90,8 @@ def quantize_runner(runner: Runner) -> None:
                 Fp8Layer(
                     quantize_fp8(lay.qkv_weight),
                     quantize_fp8(lay.o_weight),
-                    _gate_up(quantize_fp8(lay.gate_up_weight)),
+                    quantize_fp8(lay.gate_up_weight),
                     quantize_fp8(lay.down_weight),
-                    gate_up_interleaved=SWIGLU_EPILOGUE,
                 )
             )
             # Drop this layer's bf16 tensors before the next layer is quantized: the peak stays at the bf16
@@ -124,31 +115,6 @@ def quantize_runner(runner: Runner) -> None:
         (sum(sum(w.nbytes() for w in (q.qkv, q.o, q.gate_up, q.down)) for q in layers) + head_fp8.nbytes())
         / 1e9,
     )
-
-
-def _gate_up(weight: Fp8Weight) -> Fp8Weight:
-    return reorder_gate_up(weight, interleave=True) if SWIGLU_EPILOGUE else weight
-
-
-@torch.no_grad()
-def set_swiglu_epilogue(runner: Runner, enabled: bool) -> None:
-    """Lay every fp8 gate|up weight of ``runner`` out for the GEMM with SwiGLU in its epilogue
-    (``enabled``: gate and up rows interleaved) or in halves
-    followed by the ``silu_mul`` kernel (a benchmark's other arm). Reorders the rows in place of the
-    old tensors, one layer at a time; no-op on the torch kernels (no fp8 tensors). Also updates the
-    tensors the module shares with runners created after this call."""
-    llm: Any = runner.llm
-    shared = getattr(llm, "_thinker_fp8", None)
-    if not isinstance(shared, tuple):
-        return
-    layers = []
-    for lay in runner.layers:
-        w = _fp8_of(lay)
-        if w.gate_up_interleaved != enabled:
-            w = replace(w, gate_up=reorder_gate_up(w.gate_up, enabled), gate_up_interleaved=enabled)
-            lay.fp8 = w
-        layers.append(w)
-    llm._thinker_fp8 = (layers, shared[1])
 
 
 def _release(module: Any) -> None:
@@ -210,7 +176,7 @@ def fp8_layers(
                 idx, qkv, positions, write_slots, tiles, rms_of=(x, lay.input_eps), one_launch=packed
             )
             x = fp8_linear(o, w.o, lay.o_bias, residual=x, out=None if idx == 0 else x)
-            act = _swiglu(ops, x, w, lay.post_eps)
+            act = ops.silu_mul(fp8_linear(x, w.gate_up), rms_of=(x, lay.post_eps))
             x = fp8_linear(act, w.down, residual=x, out=x)
         return ff._final_norm(x, None)
     delta: torch.Tensor | None = None
@@ -224,17 +190,5 @@ def fp8_layers(
             idx, fp8_linear(h, w.qkv, lay.qkv_bias), positions, write_slots, tiles, one_launch=packed
         )
         x, h = ops.add_rms_norm(x, fp8_linear(o, w.o, lay.o_bias), lay.post_norm_weight, lay.post_eps)
-        delta = fp8_linear(_swiglu(ops, h, w, None), w.down)
+        delta = fp8_linear(ops.silu_mul(fp8_linear(h, w.gate_up)), w.down)
     return ff._final_norm(x, delta)
-
-
-def _swiglu(ops: Any, h: torch.Tensor, w: Fp8Layer, rms_eps: float | None) -> torch.Tensor:
-    """The MLP's activations ``silu(gate) * up`` of ``h`` (``rms_eps``: ``h`` is the residual stream and
-    the post-attention norm is folded into gate|up): one launch with the interleaved layout, else the
-    GEMM and ``silu_mul``."""
-    from services.common.kernels.fp8_gemm import fp8_linear, fp8_linear_swiglu
-
-    if w.gate_up_interleaved:
-        return fp8_linear_swiglu(h, w.gate_up, rms_eps=rms_eps)
-    gate_up = fp8_linear(h, w.gate_up)
-    return ops.silu_mul(gate_up, rms_of=None if rms_eps is None else (h, rms_eps))

@@ -46,7 +46,7 @@ from services.common.kernels import (
     write_cache_rows,
 )
 from services.common.kernels.fp8_quant import Fp8Weight
-from services.thinker.fp8_weights import SWIGLU_EPILOGUE, check_weights, quantize_runner, set_swiglu_epilogue
+from services.thinker.fp8_weights import check_weights, quantize_runner
 from services.thinker.fp8_weights import head_logits as fp8_head_logits
 from services.thinker.fused_forward import FusedForward
 from services.thinker.kv_cache import BlockPool, PagedKVCache
@@ -216,15 +216,6 @@ class ModelRunner:
             return
         quantize_runner(self)
         self.weights = "fp8"
-
-    def set_fp8_swiglu(self, enabled: bool | None) -> None:
-        """fp8 weights: the gate|up GEMM with SwiGLU in its epilogue (True) or followed by the ``silu_mul``
-        kernel (False); None: ``fp8_weights.SWIGLU_EPILOGUE``. Before any capture
-        (:func:`services.thinker.fp8_weights.set_swiglu_epilogue`). No-op with bf16 weights."""
-        if self._graphs:
-            raise RuntimeError("set_fp8_swiglu after a CUDA graph was captured (drop_graphs first)")
-        if self.weights == "fp8":
-            set_swiglu_epilogue(self, SWIGLU_EPILOGUE if enabled is None else bool(enabled))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head over ``hidden [rows, hidden]`` (fp8 when the GEMMs run in fp8)."""

@@ -20,10 +20,6 @@ step's arithmetic changes except the weights' rounding.
   (many rows) uses 128×128 tiles with no split: dequantizing tiles in registers reads each weight byte
   once per row tile, where materialising a bf16 copy of the matrix per GEMM would read and write three
   times its fp8 bytes (most of a short prompt's step).
-* :func:`fp8_linear_swiglu`: the gate|up GEMM with SwiGLU (and the folded post-attention norm's row
-  scaling) in its epilogue, over a weight whose gate and up rows are interleaved at load
-  (:func:`~.fp8_quant.reorder_gate_up`), so each column tile holds whole (gate, up) pairs: one launch
-  instead of the GEMM and ``silu_mul``, and the ``[rows, 2 * intermediate]`` tensor never goes to memory.
 * :func:`~.fp8_quant.fp8_linear_ref`: the same function in torch (fp32 arithmetic), the CPU reference of tests.
 
 Weight-only rather than ``torch._scaled_mm`` with per-token fp8 activations: decode is bandwidth-bound,
@@ -45,7 +41,7 @@ import triton.language as tl
 from services.common.kernels.counters import ArrivalCounters
 from services.common.kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantize_fp8
 
-__all__ = ["Fp8Config", "Fp8Weight", "fp8_linear", "fp8_linear_ref", "fp8_linear_swiglu", "quantize_fp8"]
+__all__ = ["Fp8Config", "Fp8Weight", "fp8_linear", "fp8_linear_ref", "quantize_fp8"]
 
 SKINNY_ROWS = 32  # at most this many rows: the decode layout (padded row tile, split K)
 
@@ -142,21 +138,17 @@ def config_for(m: int, n: int, k: int, device: torch.device | None = None) -> Fp
 
 @triton.jit(do_not_specialize=["m"])  # type: ignore[untyped-decorator]  # triton ships no type information
 def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
-    a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, ws_ptr, cnt_ptr, m, eps,
+    a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, ws_ptr, cnt_ptr, m,
     N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    K_PER: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, SWIGLU: tl.constexpr, RMS: tl.constexpr,
+    K_PER: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One (row tile, column tile, K split) program of ``out = [res +] (a @ q.T) * s (+ b)``.
 
     Row tiles are the fastest grid axis, so the programs in flight share weight tiles through L2 when a
     prefill has several row tiles. With ``SPLIT_K > 1`` (one row tile only) the partials go to ``ws`` and
     the last split to arrive merges them in split order. ``res`` may be ``out`` itself: each element is
-    read and then written by the one program that owns it.
-
-    ``SWIGLU``: the weight's rows interleave gate and up, and the program stores ``silu(gate) * up`` of
-    its column pairs (``out [m, N / 2]``; no bias or residual). ``RMS`` (one K split): first scale each
-    row by ``1 / RMS`` of the same row of ``a``, summed from the tiles the loop loads anyway."""
+    read and then written by the one program that owns it."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -168,7 +160,6 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    ssq = tl.zeros([BLOCK_M], tl.float32)
     k_lo = pid_k * K_PER
     for k0 in range(k_lo, k_lo + K_PER, BLOCK_K):
         k = k0 + kk
@@ -178,9 +169,6 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations
         else:
             w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if RMS:
-            af = a.to(tl.float32)
-            ssq += tl.sum(af * af, axis=1)
         wa = w.to(a.dtype)  # e4m3 -> activation dtype: exact
         if IEEE:
             acc += tl.dot(a, tl.trans(wa), input_precision="ieee")
@@ -201,17 +189,10 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations
                 acc += tl.load(
                     ws_ptr + s * BLOCK_M * N + ws_off, mask=out_msk, other=0.0, cache_modifier=".cg"
                 )
-            if SWIGLU:
-                _swiglu_epilogue(acc, ssq, eps, s_ptr, out_ptr, rows, row_ok, cols, col_ok, pid_n,
-                                 N, K, RMS, BLOCK_M, BLOCK_N)  # fmt: skip
-            else:
-                _fp8_epilogue(
-                    acc, s_ptr, b_ptr, out_ptr, res_ptr, cols, col_ok, out_off, out_msk, HAS_BIAS, HAS_RES
-                )
+            _fp8_epilogue(
+                acc, s_ptr, b_ptr, out_ptr, res_ptr, cols, col_ok, out_off, out_msk, HAS_BIAS, HAS_RES
+            )
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-    elif SWIGLU:
-        _swiglu_epilogue(acc, ssq, eps, s_ptr, out_ptr, rows, row_ok, cols, col_ok, pid_n,
-                         N, K, RMS, BLOCK_M, BLOCK_N)  # fmt: skip
     else:
         _fp8_epilogue(acc, s_ptr, b_ptr, out_ptr, res_ptr, cols, col_ok, out_off, out_msk, HAS_BIAS, HAS_RES)
 
@@ -228,27 +209,6 @@ def _fp8_epilogue(  # type: ignore[no-untyped-def]  # Triton DSL: annotations st
     if HAS_RES:
         acc += tl.load(res_ptr + out_off, mask=out_msk, other=0.0, cache_modifier=".cg").to(tl.float32)
     tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_msk)
-
-
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
-def _swiglu_epilogue(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
-    acc, ssq, eps, s_ptr, out_ptr, rows, row_ok, cols, col_ok, pid_n,
-    N: tl.constexpr, K: tl.constexpr, RMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """``silu(gate) * up`` of a tile of interleaved gate|up columns, rounded to the output dtype where the
-    unfused path (the GEMM's output, then ``silu_mul``) rounds, so both compute the same values."""
-    dt = out_ptr.dtype.element_ty
-    gu = (acc * tl.load(s_ptr + cols, mask=col_ok, other=0.0)[None, :]).to(dt)
-    if RMS:
-        inv = 1.0 / tl.sqrt(ssq / K + eps)
-        gu = (gu.to(tl.float32) * inv[:, None]).to(dt)
-    gate, up = tl.split(tl.reshape(gu, [BLOCK_M, BLOCK_N // 2, 2]))
-    gf = gate.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(dt)
-    half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    off = rows.to(tl.int64)[:, None] * (N // 2) + half[None, :]
-    msk = row_ok[:, None] & (half < N // 2)[None, :]
-    tl.store(out_ptr + off, (act.to(tl.float32) * up.to(tl.float32)).to(dt), mask=msk)
 
 
 _COUNTERS = ArrivalCounters("fp8 GEMM counters")  # one per column tile of a split-K launch
@@ -274,76 +234,24 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``[residual +] (a @ q.T) * scale (+ bias)`` for ``a [M, K]`` in one Triton launch (host metadata
     only: graph-safe). ``out`` (a new tensor if None) may be ``residual`` itself."""
-    n, k = _check(a, weight)
-    m = a.shape[0]
-    out = _out(a, (m, n), out)
-    if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
-        raise ValueError(f"residual must be a contiguous [{m}, {n}] tensor")
-    _launch(a, weight, bias, residual, out, config, swiglu=False, rms_eps=None)
-    return out
-
-
-def fp8_linear_swiglu(
-    a: torch.Tensor,
-    weight: Fp8Weight,
-    rms_eps: float | None = None,
-    out: torch.Tensor | None = None,
-    config: Fp8Config | None = None,
-) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate|up = [1/RMS(a) *] (a @ q.T) * scale`` in one Triton launch:
-    ``[M, N / 2]``, for a gate|up weight whose rows interleave gate and up
-    (:func:`~.fp8_quant.reorder_gate_up`), so every column tile holds whole pairs.
-
-    ``rms_eps``: the post-attention RMSNorm folded into the weight; each row is scaled by ``1 / RMS`` of
-    the same row of ``a`` (with this epsilon) before the activation, as ``silu_mul(..., rms_of=(a, eps))``
-    does, and the K loop runs unsplit so one program sees the whole row. Saves the ``silu_mul`` launch
-    and the round trip of the ``[M, N]`` gate|up tensor through memory."""
-    n, k = _check(a, weight)
-    if n % 2:
-        raise ValueError(f"a gate|up weight has an even row count (got {n})")
-    out = _out(a, (a.shape[0], n // 2), out)
-    _launch(a, weight, None, None, out, config, swiglu=True, rms_eps=rms_eps)
-    return out
-
-
-def _check(a: torch.Tensor, weight: Fp8Weight) -> tuple[int, int]:
-    n, k = weight.q.shape
-    if a.dim() != 2 or a.shape[1] != k:
-        raise ValueError(f"operand {tuple(a.shape)} does not fit weight {tuple(weight.q.shape)}")
-    if not (a.is_contiguous() and weight.q.is_contiguous()):
-        raise ValueError("fp8 GEMM takes a contiguous operand and weight")
-    return n, k
-
-
-def _out(a: torch.Tensor, shape: tuple[int, int], out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=a.dtype, device=a.device)
-    if out.shape != shape or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{shape[0]}, {shape[1]}] tensor")
-    return out
-
-
-def _launch(
-    a: torch.Tensor,
-    weight: Fp8Weight,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    out: torch.Tensor,
-    config: Fp8Config | None,
-    swiglu: bool,
-    rms_eps: float | None,
-) -> None:
     q, scale = weight
     n, k = q.shape
     m = a.shape[0]
+    if a.dim() != 2 or a.shape[1] != k:
+        raise ValueError(f"operand {tuple(a.shape)} does not fit weight {tuple(q.shape)}")
+    if not (a.is_contiguous() and q.is_contiguous()):
+        raise ValueError("fp8 GEMM takes a contiguous operand and weight")
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    elif out.shape != (m, n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] tensor")
+    if residual is not None and (residual.shape != (m, n) or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous [{m}, {n}] tensor")
     if m == 0:
-        return
+        return out
     cfg = config or config_for(m, n, k, a.device)
-    if swiglu and cfg.block_n % 2:
-        raise ValueError("the SwiGLU epilogue needs an even column tile")
     row_tiles = triton.cdiv(m, cfg.block_m)
-    # The folded norm's statistics come from the loop's own operand tiles: one split sees the whole row.
-    split = cfg.split_k if row_tiles == 1 and rms_eps is None else 1
+    split = cfg.split_k if row_tiles == 1 else 1
     k_per = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)  # no empty split: every one arrives at the counter with real work
     tiles = triton.cdiv(n, cfg.block_n)
@@ -359,7 +267,6 @@ def _launch(
         ws,
         cnt,
         m,
-        0.0 if rms_eps is None else float(rms_eps),
         N=n,
         K=k,
         HAS_BIAS=bias is not None,
@@ -371,8 +278,7 @@ def _launch(
         K_PER=k_per,
         EVEN=n % cfg.block_n == 0 and k_per * split == k,
         IEEE=a.dtype == torch.float32,
-        SWIGLU=swiglu,
-        RMS=rms_eps is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    return out

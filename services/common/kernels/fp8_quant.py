@@ -70,53 +70,12 @@ def fp8_linear_ref(
     return acc.to(a.dtype)
 
 
-def _row_order(n: int, interleave: bool, device: torch.device) -> torch.Tensor:
-    """Row indices that turn ``[gate (n) | up (n)]`` into ``[g0, u0, g1, u1, ...]`` (``interleave``), or back."""
-    if interleave:
-        return torch.arange(2 * n, device=device).view(2, n).t().reshape(-1)
-    return torch.cat((torch.arange(0, 2 * n, 2, device=device), torch.arange(1, 2 * n, 2, device=device)))
-
-
-def reorder_gate_up(weight: Fp8Weight, interleave: bool) -> Fp8Weight:
-    """A gate|up weight with its gate and up rows interleaved (``interleave``: row ``2j`` is gate ``j``,
-    row ``2j + 1`` up ``j``, the layout :func:`~.fp8_gemm.fp8_linear_swiglu` reads), or the interleaved
-    one back in halves. Rows move with their scales; the values are untouched."""
-    n2 = weight.q.shape[0]
-    if n2 % 2:
-        raise ValueError(f"a gate|up weight has an even row count (got {n2})")
-    order = _row_order(n2 // 2, interleave, weight.q.device)
-    # Indexing works on the bytes: not every device kernel takes float8 tensors.
-    q = weight.q.view(torch.uint8).index_select(0, order).view(weight.q.dtype)
-    return Fp8Weight(q, weight.scale.index_select(0, order))
-
-
-def swiglu_ref(
-    a: torch.Tensor, weight: Fp8Weight, rms_eps: float | None = None, interleaved: bool = True
-) -> torch.Tensor:
-    """What :func:`~.fp8_gemm.fp8_linear_swiglu` computes, in torch, rounding where the unfused path
-    (the gate|up GEMM, then ``silu_mul``) rounds: the GEMM's output, the row scaling by ``1/RMS(a)``
-    (``rms_eps`` given: the post-attention norm folded into the weight), ``silu(gate)``, its product with
-    ``up``. ``interleaved``: the weight's rows are in :func:`reorder_gate_up`'s layout."""
-    gu = fp8_linear_ref(a, weight)
-    if rms_eps is not None:
-        inv = torch.rsqrt(a.float().pow(2).mean(-1, keepdim=True) + rms_eps)
-        gu = (gu.float() * inv).to(gu.dtype)
-    if interleaved:
-        gate, up = gu[:, 0::2], gu[:, 1::2]
-    else:
-        gate, up = gu.chunk(2, dim=-1)
-    act = torch.nn.functional.silu(gate.float()).to(gu.dtype)
-    return (act.float() * up.float()).to(gu.dtype)
-
-
 @dataclass(frozen=True)
 class Fp8Layer:
     """One thinker decoder layer's four GEMM weights in e4m3 (the runner's fused layout: QKV, O, gate|up,
-    down). ``gate_up_interleaved``: the gate|up rows are interleaved (:func:`reorder_gate_up`), so the
-    layer runs that GEMM with SwiGLU in its epilogue; else in halves, followed by a ``silu_mul`` kernel."""
+    down)."""
 
     qkv: Fp8Weight
     o: Fp8Weight
     gate_up: Fp8Weight
     down: Fp8Weight
-    gate_up_interleaved: bool = False
