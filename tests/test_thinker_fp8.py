@@ -298,3 +298,22 @@ def test_triton_kernels_with_an_fp8_kv_cache_track_the_torch_path(tiny_ckpt: Pat
     for r, q in zip(ref, got, strict=True):
         assert float((q - r).abs().max()) < 0.15 * float(r.abs().max())
         assert float(torch.corrcoef(torch.stack([q, r]))[0, 1]) > 0.99
+
+
+@pytest.mark.usefixtures("_interpreter")
+def test_rope_attention_microbench_runs_on_an_fp8_cache() -> None:
+    """``bench.thinker.attention --rope --kv-cache fp8`` (the launch sweep for ``kv_cache: fp8``): one
+    point at the full-size head layout, one layer and one launch, through the interpreter."""
+    from bench.thinker.attention import _rope_sweep
+
+    point = _rope_sweep(
+        torch.device("cpu"),
+        1,
+        16,
+        lambda b, c: 1,
+        layers=1,
+        launches=[(32, 2, 1)],
+        kv_dtype=torch.float8_e4m3fn,
+    )
+    assert point["kv_cache"] == "float8_e4m3fn" and point["two_kernels_us"] > 0
+    assert point["best"]["launch"] == "(32, 2, 1)" and point["best"]["us"] > 0

@@ -338,7 +338,9 @@ def fp8_arm(
     if args.profile and engine.device.type == "cuda":
         ctx = args.context_len + args.warmup_steps + args.decode_steps + 1
         for b in sorted({batches[0], batches[-1]}):
-            print(f"torch profiler, fp8 weights, 3 decode-step bodies at batch {b} (eager, the graph's kernels):")
+            print(
+                f"torch profiler, fp8 weights, 3 decode-step bodies at batch {b} (eager, the graph's kernels):"
+            )
             print(profile_step(engine, b, ctx))
     out["engine_prefill"] = engine_prefill(engine, args.prompt_len, args.prefill_iters)
     if not args.no_floor and weights:

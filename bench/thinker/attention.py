@@ -6,7 +6,8 @@
 * ``triton``: the paged kernel of ``services.common.kernels`` (no gather copy), with and without key
   splits (what the runner picks for the bucket, and 1);
 * ``--rope``: rotary + attention as two kernels against the one-launch ``rope_attention`` at each of
-  its launches, same conditions as ``--sweep``;
+  its launches, same conditions as ``--sweep``; ``--kv-cache fp8`` runs it on e4m3 caches (the launch
+  to sweep for ``kv_cache: fp8``);
 * ``--sweep``: the kernel's launch parameters (key block, warps, pipeline stages) at half, once, twice and
   four times the rule's splits, against the default launch, per point, under a decode step's conditions:
   each layer its own pages (read from HBM, not L2), the block table padded to the graph's context bucket.
@@ -135,6 +136,7 @@ def _rope_sweep(  # noqa: PLR0913
     chunk: int = 0,
     split_factors: tuple[float, ...] = (1.0,),
     launches: list[tuple[int, int, int]] | None = None,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
     """µs per layer of rotary + attention of a decode step: the two kernels (``qk_rope_store`` then
     ``paged_attention``, default launches) against the one-launch ``rope_attention`` at each launch of
@@ -144,7 +146,8 @@ def _rope_sweep(  # noqa: PLR0913
     ``chunk``: the last ``chunk`` rows are one sequence's consecutive tokens (a packed prefill chunk,
     e.g. a duplex unit), whose one-launch programs compute the chunk's fresh keys one at a time; only the
     default launch is timed then. ``split_factors``: the one launch also at these multiples of the rule's
-    key splits (keys ``"s=N (bn, w, st)"``); ``launches``: a subset of :data:`ROPE_SWEEP`.
+    key splits (keys ``"s=N (bn, w, st)"``); ``launches``: a subset of :data:`ROPE_SWEEP`; ``kv_dtype``:
+    the caches' element type (``torch.float8_e4m3fn``: the thinker's ``kv_cache: fp8``).
     """
     from services.common.kernels.triton_ops import TritonOps as ops
 
@@ -154,7 +157,7 @@ def _rope_sweep(  # noqa: PLR0913
     blocks = -(-ctx // page)
     pool = b * blocks + 1
     caches = [
-        (torch.randn(pool * page, hkv, d, dtype=bf, device=device), torch.randn(pool * page, hkv, d, dtype=bf, device=device))
+        (torch.randn(pool * page, hkv, d, dtype=bf, device=device).to(kv_dtype), torch.randn(pool * page, hkv, d, dtype=bf, device=device).to(kv_dtype))
         for _ in range(layers)
     ]  # fmt: skip
     table = torch.zeros((b, width), dtype=torch.long, device=device)
@@ -186,6 +189,7 @@ def _rope_sweep(  # noqa: PLR0913
     result = {
         "batch": b,
         "context": ctx,
+        "kv_cache": str(kv_dtype).removeprefix("torch."),
         "chunk": chunk,
         "splits": tiles.splits,
         "two_kernels_us": per_layer(two),
@@ -243,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="with --rope, only these launches, as block_n:warps:stages,... (default: all of ROPE_SWEEP)",
     )
+    ap.add_argument(
+        "--kv-cache",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="with --rope, the caches' format (fp8: e4m3, the thinker's kv_cache: fp8)",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -251,13 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         return key_splits(b, 8, ctx, sms)
 
     if args.rope:
+        kv_dtype = torch.float8_e4m3fn if args.kv_cache == "fp8" else torch.bfloat16
         factors = tuple(float(x) for x in args.rope_splits.split(","))
         launches = [
             (int(bn), int(w), int(st))
             for bn, w, st in (x.split(":") for x in args.rope_launches.split(",") if x)
         ] or None
         points = [
-            _rope_sweep(device, b, ctx, splits_for, split_factors=factors, launches=launches)
+            _rope_sweep(
+                device, b, ctx, splits_for, split_factors=factors, launches=launches, kv_dtype=kv_dtype
+            )
             for ctx in (int(x) for x in args.contexts.split(","))
             for b in (int(x) for x in args.batches.split(","))
         ]
@@ -274,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         n = args.rope_chunk
         mixed = [
-            _rope_sweep(device, b, ctx, splits_for, chunk=n)
+            _rope_sweep(device, b, ctx, splits_for, chunk=n, kv_dtype=kv_dtype)
             for ctx in (int(x) for x in args.contexts.split(","))
             for b in (int(x) for x in args.batches.split(","))
             if n and b > n
