@@ -141,8 +141,11 @@ class Pipeline:
         profile_file = log_dir / "profile.yaml"
         profile_file.write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
         self.port = free_port()
+        # The gateway's port is free again once free_port() returns: keep the stages off it, or the OS may
+        # hand it to one of them (a CI run lost code2wav to "address already in use" on the gateway's port).
+        stage_ports = pick_free_stage_ports(profile, avoid={self.port})
         children = plan_children(
-            profile, checkpoint.resolve(), profile_file, self.port, stage_ports=pick_free_stage_ports(profile)
+            profile, checkpoint.resolve(), profile_file, self.port, stage_ports=stage_ports
         )
         for child in children:
             if child.stage is not None:
