@@ -24,7 +24,7 @@ from services.thinker.backend import build_backend
 from services.thinker.duplex_policy import warmup_duplex_policy
 from services.thinker.duplex_window import DuplexWindow
 from services.thinker.engine import STAGE, EngineConfig
-from services.thinker.kv_cache import KVBudgetError
+from services.thinker.kv_cache import KV_CACHE_FORMATS, KVBudgetError
 from services.thinker.server import make_server
 
 log = logging.getLogger("services.thinker")
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--kv-cache",
-        choices=("bf16", "fp8"),
+        choices=KV_CACHE_FORMATS,
         default="bf16",
         help="KV cache: bf16 (the model's dtype) or fp8 (e4m3, no scale: half the bytes per token; "
         "profile kv_cache)",

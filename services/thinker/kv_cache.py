@@ -49,8 +49,9 @@ KV_CACHE_FORMATS = ("bf16", "fp8")
 def kv_cache_dtype(kv_cache: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's element type for the profile's ``kv_cache``: ``bf16`` keeps the model's dtype; ``fp8``
     stores e4m3 with no scale. Qwen3's keys are RMS-normed per head before rotary and its values are
-    projections of a normed row, so both sit far inside e4m3's ±448 (beyond it a value saturates); what
-    fp8 costs is the 3-bit mantissa, measured in docs/fidelity.md. Attention widens every loaded key and
+    projections of a normed row, so both are expected well inside e4m3's ±448 (not checked on trained
+    weights, which are unavailable here; beyond it a value saturates); what fp8 costs is the 3-bit
+    mantissa, measured on the random checkpoints in docs/fidelity.md. Attention widens every loaded key and
     value back to the model's dtype (exact) and computes as before."""
     if kv_cache not in KV_CACHE_FORMATS:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_FORMATS)} (got {kv_cache!r})")
