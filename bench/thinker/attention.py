@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rope-launches",
         default="",
-        help="with --rope, only these launches, as block_n:warps:stages,... (default: all of ROPE_SWEEP)",
+        help="with --rope, only these launches, as block_n:warps:stages[:v_early],... (v_early 1: each "
+        "block's values loaded beside its keys; default: all of ROPE_SWEEP)",
     )
     ap.add_argument(
         "--kv-cache",
@@ -263,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rope:
         kv_dtype = torch.float8_e4m3fn if args.kv_cache == "fp8" else torch.bfloat16
         factors = tuple(float(x) for x in args.rope_splits.split(","))
-        launches = [
-            (int(bn), int(w), int(st))
-            for bn, w, st in (x.split(":") for x in args.rope_launches.split(",") if x)
-        ] or None
+        launches = [tuple(int(v) for v in x.split(":")) for x in args.rope_launches.split(",") if x] or None
         points = [
             _rope_sweep(
                 device, b, ctx, splits_for, split_factors=factors, launches=launches, kv_dtype=kv_dtype

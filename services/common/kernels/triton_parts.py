@@ -78,9 +78,13 @@ def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations ste
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    V_EARLY: tl.constexpr,
 ):
     """Online-softmax attention of ``q [M, D]`` (rows at positions ``q_pos``) over keys ``[start, end)`` of
-    one sequence's pages (``table_row_ptr``: its block-table row); returns the updated ``m, l, acc``."""
+    one sequence's pages (``table_row_ptr``: its block-table row); returns the updated ``m, l, acc``.
+
+    ``V_EARLY``: issue a block's V load beside its K load, before the scores (both in flight at once, at
+    the cost of the V tile's registers through the softmax); otherwise after them. The same result."""
     d_idx = tl.arange(0, D)
     n_idx = tl.arange(0, BLOCK_N)
     for kb in range(start, end, BLOCK_N):
@@ -91,6 +95,8 @@ def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations ste
         kv_off = (slot * HKV + kvh) * D
         # An fp8 cache widens to the query's dtype (exact) before the dot; a no-op for a bf16 one.
         k = tl.load(k_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0).to(q.dtype)
+        if V_EARLY:
+            v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -103,7 +109,9 @@ def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations ste
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0).to(q.dtype)
+        if not V_EARLY:
+            v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
+        v = v.to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
