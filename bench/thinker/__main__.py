@@ -49,7 +49,6 @@ import torch
 from bench.thinker import floor
 from services.common.checkpoint import Checkpoint
 from services.common.kernels import rope_attention_enabled, skinny_o_enabled
-from services.common.kernels.pdl import pdl_launch, set_pdl
 from services.thinker.engine import EngineConfig, ThinkerEngine
 from services.thinker.runner import build_qwen3_llm
 from services.thinker.sampling import Sampler, SamplingConfig
@@ -120,7 +119,7 @@ def engine_decode(
     chained = engine.chained_steps - chained0
     replay_ms = graph_replay_ms(engine, batch, max(len(s.tokens) for s in seqs) + 1)
     # Greedy tokens of the warm-up and timed steps: two arms that should compute the same function
-    # (e.g. --pdl both) must print the same digest.
+    # (a launch change meant to be exact, the same code on two cards) must print the same digest.
     digest = hashlib.sha256(json.dumps([s.tokens[context:] for s in seqs]).encode()).hexdigest()[:16]
     for s in seqs:
         engine.close(s)
@@ -326,43 +325,21 @@ def fp8_arm(
         print(fp8_bench.table_literal(out["tune"]), file=sys.stderr)
     nbytes = sum(w.nbytes() for w in weights) or weight_bytes_per_step(runner.llm)
     decode = []
-    floors: dict[str, Any] = {}
-    for pdl in ARMS[args.pdl]:
-        # PDL is read at launch: each arm recaptures its graphs (and times its own floor, whose fp8
-        # GEMMs launch the same way).
-        set_pdl(pdl)
-        runner.drop_graphs()
-        on = pdl_launch(engine.device)
-        arm = []
-        for b in batches:
-            for over in ARMS[args.overlap]:
-                r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)
-                r["pdl"] = on
-                mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
-                step_bytes = nbytes + b * mean_ctx * engine.layout.bytes_per_token
-                r["bytes_per_step"] = step_bytes
-                r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
-                same = [
-                    x for x in bf16_decode if x["batch"] == b and x["overlap"] == r["overlap"] and x["norm_fold"] == r["norm_fold"]
-                ]  # fmt: skip
-                if same:
-                    r["bf16_ms_per_step"] = same[-1]["ms_per_step"]
-                    r["bf16_ratio"] = r["ms_per_step"] / same[-1]["ms_per_step"]
-                arm.append(r)
-        if not args.no_floor and weights:
-            ref = floors[f"pdl={on}"] = fp8_bench.reference(runner, batches, engine.device)
-            stack = {x["batch"]: x["ms"] for x in ref["matmul_stack"]}
-            for r in arm:
-                r["floor_ms"] = stack[r["batch"]]
-                r["floor_ratio"] = r["ms_per_step"] / stack[r["batch"]]
-                if r.get("graph_replay_ms") is not None:
-                    r["replay_floor_ratio"] = r["graph_replay_ms"] / stack[r["batch"]]
-            out["floor"] = ref
-        decode += arm
-    set_pdl(None)
+    for b in batches:
+        for over in ARMS[args.overlap]:
+            r = engine_decode(engine, b, args.context_len, args.decode_steps, args.warmup_steps, over)
+            mean_ctx = args.context_len + args.warmup_steps + args.decode_steps / 2
+            step_bytes = nbytes + b * mean_ctx * engine.layout.bytes_per_token
+            r["bytes_per_step"] = step_bytes
+            r["roofline_ms"] = 1e3 * step_bytes / bandwidth if bandwidth else None
+            same = [
+                x for x in bf16_decode if x["batch"] == b and x["overlap"] == r["overlap"] and x["norm_fold"] == r["norm_fold"]
+            ]  # fmt: skip
+            if same:
+                r["bf16_ms_per_step"] = same[-1]["ms_per_step"]
+                r["bf16_ratio"] = r["ms_per_step"] / same[-1]["ms_per_step"]
+            decode.append(r)
     out["engine_decode"] = decode
-    if floors:
-        out["floors"] = floors
     if args.profile and engine.device.type == "cuda":
         ctx = args.context_len + args.warmup_steps + args.decode_steps + 1
         for b in sorted({batches[0], batches[-1]}):
@@ -371,6 +348,15 @@ def fp8_arm(
             )
             print(profile_step(engine, b, ctx))
     out["engine_prefill"] = engine_prefill(engine, args.prompt_len, args.prefill_iters)
+    if not args.no_floor and weights:
+        ref = fp8_bench.reference(runner, batches, engine.device)
+        out["floor"] = ref
+        stack = {x["batch"]: x["ms"] for x in ref["matmul_stack"]}
+        for r in decode:
+            r["floor_ms"] = stack[r["batch"]]
+            r["floor_ratio"] = r["ms_per_step"] / stack[r["batch"]]
+            if r.get("graph_replay_ms") is not None:
+                r["replay_floor_ratio"] = r["graph_replay_ms"] / stack[r["batch"]]
     return out
 
 
@@ -382,9 +368,9 @@ def fp8_markdown(fp8: dict[str, Any]) -> str:
         f"fp8 weights (e4m3, per-channel scales; {ref['weight_bytes'] / 1e9:.2f} GB of GEMM weights per step), "
         f"quantized in {fp8['quantize_s']:.1f} s, same run as the bf16 figures above:",
         "",
-        "| batch | overlap | PDL | bf16 ms/step | fp8 ms/step | fp8 / bf16 | fp8 graph replay ms "
+        "| batch | overlap | bf16 ms/step | fp8 ms/step | fp8 / bf16 | fp8 graph replay ms "
         "| fp8 matmul-stack floor ms | ratio | replay ratio | floor weight TB/s |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def num(v: float | None, fmt: str, unit: str = "") -> str:
@@ -392,8 +378,7 @@ def fp8_markdown(fp8: dict[str, Any]) -> str:
 
     for r in fp8["engine_decode"]:
         lines.append(
-            f"| {r['batch']} | {'on' if r.get('overlap') else 'off'} | {'on' if r.get('pdl') else 'off'} "
-            f"| {num(r.get('bf16_ms_per_step'), '.2f')} "
+            f"| {r['batch']} | {'on' if r.get('overlap') else 'off'} | {num(r.get('bf16_ms_per_step'), '.2f')} "
             f"| {r['ms_per_step']:.2f} | {num(r.get('bf16_ratio'), '.3f', 'x')} | {num(r.get('graph_replay_ms'), '.2f')} "
             f"| {num(r.get('floor_ms'), '.2f')} | {num(r.get('floor_ratio'), '.3f', 'x')} "
             f"| {num(r.get('replay_floor_ratio'), '.3f', 'x')} | {num(tb.get(r['batch']), '.2f')} |"
@@ -447,12 +432,6 @@ def main(argv: list[str] | None = None) -> int:
         "rotary + K/V write + attention in one launch (Triton; on by default)",
     )
     lever(ap, "--skinny-o", "default", "the O projection + residual add as one skinny Triton launch")
-    lever(
-        ap,
-        "--pdl",
-        "default",
-        "the fp8 arm's Triton kernels with programmatic dependent launch (services.common.kernels.pdl)",
-    )
     ap.add_argument(
         "--weights",
         choices=["bf16", "fp8"],

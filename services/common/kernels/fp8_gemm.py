@@ -40,7 +40,6 @@ import triton.language as tl
 
 from services.common.kernels.counters import ArrivalCounters
 from services.common.kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantize_fp8
-from services.common.kernels.pdl import pdl_enter, pdl_launch
 
 __all__ = ["Fp8Config", "Fp8Weight", "fp8_linear", "fp8_linear_ref", "quantize_fp8"]
 
@@ -142,15 +141,14 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations
     a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, ws_ptr, cnt_ptr, m,
     N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    K_PER: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    K_PER: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One (row tile, column tile, K split) program of ``out = [res +] (a @ q.T) * s (+ b)``.
 
     Row tiles are the fastest grid axis, so the programs in flight share weight tiles through L2 when a
     prefill has several row tiles. With ``SPLIT_K > 1`` (one row tile only) the partials go to ``ws`` and
     the last split to arrive merges them in split order. ``res`` may be ``out`` itself: each element is
-    read and then written by the one program that owns it. ``PDL``: see :mod:`.pdl`."""
-    pdl_enter(PDL)
+    read and then written by the one program that owns it."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -259,7 +257,6 @@ def fp8_linear(
     tiles = triton.cdiv(n, cfg.block_n)
     ws = torch.empty((split, cfg.block_m, n), dtype=torch.float32, device=a.device) if split > 1 else out
     cnt = _COUNTERS.get(a.device, tiles) if split > 1 else out
-    pdl = pdl_launch(a.device)
     _fp8_gemm_kernel[(row_tiles, tiles, split)](
         a,
         q,
@@ -281,9 +278,7 @@ def fp8_linear(
         K_PER=k_per,
         EVEN=n % cfg.block_n == 0 and k_per * split == k,
         IEEE=a.dtype == torch.float32,
-        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=pdl,
     )
     return out

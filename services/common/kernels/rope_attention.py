@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from services.common.kernels.counters import ArrivalCounters, split_scratch
-from services.common.kernels.pdl import pdl_enter, pdl_launch
 from services.common.kernels.tiles import AttentionTiles
 from services.common.kernels.triton_parts import (
     attend_one,
@@ -74,11 +73,10 @@ def _rope_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annot
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, LOOK: tl.constexpr,
     HAS_NORM: tl.constexpr, SCALED: tl.constexpr, HIDDEN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, V_EARLY: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, V_EARLY: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head, key split) program: the row's query heads of this KV head, normed and rotated;
     cached keys before the row's fresh rows; in the last split also the fresh keys and the K/V write."""
-    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -203,7 +201,6 @@ def rope_attention(
     hidden = x.shape[-1] if rms_of is not None else 1
     block_n, warps, stages, *rest = launch or default_launch(t)
     v_early = bool(rest[0]) if rest else False
-    pdl = pdl_launch(qkv.device)
     _rope_attention_kernel[(t, hkv, splits)](
         qkv, qkv if qk_norm_weight is None else qk_norm_weight, cos_table, sin_table, x, tiles.pos,
         write_slots, tiles.table, tiles.table.stride(0), k_cache, v_cache, out, po, pm, pl, counters, t,
@@ -211,6 +208,6 @@ def rope_attention(
         HQ=hq, HKV=hkv, G=g, D=d, PAGE=tiles.page_size, BLOCK_M=max(16, triton.next_power_of_2(g)),
         BLOCK_N=block_n, SPLITS=splits, LOOK=LOOKBACK, HAS_NORM=qk_norm_weight is not None,
         SCALED=rms_of is not None, HIDDEN=hidden, CHUNK=min(1024, triton.next_power_of_2(hidden)),
-        IEEE=qkv.dtype == torch.float32, V_EARLY=v_early, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        IEEE=qkv.dtype == torch.float32, V_EARLY=v_early, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from services.common.kernels.counters import ArrivalCounters, split_scratch
-from services.common.kernels.pdl import pdl_enter, pdl_launch
 from services.common.kernels.rope_attention import rope_attention
 from services.common.kernels.tiles import AttentionTiles
 from services.common.kernels.triton_parts import (
@@ -65,9 +64,7 @@ def _silu_mul_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annotations
     SCALED: tl.constexpr,
     HIDDEN: tl.constexpr,
     CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_cols
@@ -253,10 +250,9 @@ class TritonOps:
         block = min(2048, triton.next_power_of_2(n))
         x, x_eps = rms_of if rms_of is not None else (gate_up, 0.0)
         hidden = x.shape[-1] if rms_of is not None else 1
-        pdl = pdl_launch(gate_up.device)
         _silu_mul_kernel[(t, triton.cdiv(n, block))](
             gate_up, out, x, x_eps, n, BLOCK=block, SCALED=rms_of is not None, HIDDEN=hidden,
-            CHUNK=_chunk(hidden), PDL=pdl, num_warps=4, launch_pdl=pdl,
+            CHUNK=_chunk(hidden), num_warps=4,
         )  # fmt: skip
         return out
 
