@@ -87,6 +87,31 @@ def test_rope_attention_matches_rotary_then_attention(dtype: torch.dtype, splits
     torch.testing.assert_close(_run(TritonOps, s, True, True)[0], want, **tol)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_rope_attention_early_values_change_nothing(splits: int) -> None:
+    """``v_early`` (a launch's fourth field: each key block's values loaded beside its keys) only moves a
+    load: the output and the cache writes are bit-identical to the default order's, at several key-block
+    widths."""
+    from services.common.kernels.triton_ops import TritonOps
+
+    s = _packed_step(torch.float16, splits)
+
+    def run(launch: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k, v = s["k"].clone(), s["v"].clone()
+        out = TritonOps.rope_attention(
+            s["qkv"], s["w"], 1e-6, s["cos"], s["sin"], s["slots"], k, v, s["tiles"], HQ, (s["x"], 1e-6),
+            launch,
+        )  # fmt: skip
+        return out, k, v
+
+    for block_n in (16, 32):
+        late, early = run((block_n, 4, 1)), run((block_n, 4, 1, 1))
+        for a, b in zip(late, early, strict=True):
+            assert torch.equal(a, b)
+    want = _run(TorchOps, s, True, True)[0]
+    torch.testing.assert_close(run((16, 4, 1, 1))[0], want, rtol=0, atol=3e-3)
+
+
 def test_rope_attention_rejects_prefill_tiles() -> None:
     from services.common.kernels.triton_ops import TritonOps
 

@@ -155,17 +155,20 @@ def _rope_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annot
 _COUNTERS = ArrivalCounters("rope-attention split counters")
 
 
-def default_launch(rows: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` for a step of ``rows`` rows: the best of
-    ``bench.thinker.attention --rope`` on the H200 at context 576 (µs per layer, one launch vs the two
-    kernels): 1 row (64, 8, 2) 7.6 vs 8.7; 4 rows (128, 4, 2) 10.0 vs 11.7; 16 rows (64, 2, 2) 16.7 vs
-    19.4 (the default (64, 4, 2) there: 19.4, no gain). Fewer warps at 16 rows: more programs resident
-    per SM, so more key loads in flight."""
+def default_launch(rows: int, one_byte_cache: bool = False) -> tuple[int, ...]:
+    """``(BLOCK_N, num_warps, num_stages[, v_early])`` for a step of ``rows`` rows: the best of
+    ``bench.thinker.attention --rope`` at context 576 (µs per layer, one launch vs the two kernels). On
+    the H200 with the bf16 cache: 1 row (64, 8, 2) 7.6 vs 8.7; 4 rows (128, 4, 2) 10.0 vs 11.7; 16 rows
+    (64, 2, 2) 16.7 vs 19.4 (the default (64, 4, 2) there: 19.4, no gain). Fewer warps at 16 rows: more
+    programs resident per SM, so more key loads in flight. With an fp8 (e4m3) cache at 16 rows on the
+    H100 (``--kv-cache fp8``): (64, 2, 2) with each block's values loaded beside its keys, 18.4 against
+    19.4 µs; wider blocks, fewer or more key splits and deeper pipelines were all slower (BENCHMARKS.md,
+    "The fp8 gap at batch 16"). With the bf16 cache the early values measured no gain (20.5 either way)."""
     if rows <= 2:
         return 64, 8, 2
     if rows <= 8:
         return 128, 4, 2
-    return 64, 2, 2
+    return (64, 2, 2, 1) if one_byte_cache else (64, 2, 2)
 
 
 def rope_attention(
@@ -199,7 +202,7 @@ def rope_attention(
     po, pm, pl, counters = split_scratch(_COUNTERS, out, splits, t * hkv)
     x, x_eps = rms_of if rms_of is not None else (qkv, 0.0)
     hidden = x.shape[-1] if rms_of is not None else 1
-    block_n, warps, stages, *rest = launch or default_launch(t)
+    block_n, warps, stages, *rest = launch or default_launch(t, k_cache.element_size() == 1)
     v_early = bool(rest[0]) if rest else False
     _rope_attention_kernel[(t, hkv, splits)](
         qkv, qkv if qk_norm_weight is None else qk_norm_weight, cos_table, sin_table, x, tiles.pos,
