@@ -73,7 +73,7 @@ def _rope_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annot
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, LOOK: tl.constexpr,
     HAS_NORM: tl.constexpr, SCALED: tl.constexpr, HIDDEN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, LOADS: tl.constexpr,
+    IEEE: tl.constexpr, V_EARLY: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head, key split) program: the row's query heads of this KV head, normed and rotated;
     cached keys before the row's fresh rows; in the last split also the fresh keys and the K/V write."""
@@ -144,7 +144,7 @@ def _rope_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annot
     end = tl.minimum(total, start + per)
     m_i, l_i, acc = attend_pages(
         q, m_i, l_i, acc, table_ptr + r * table_stride, start, end, p + tl.zeros([BLOCK_M], tl.int64), k_ptr,
-        v_ptr, kvh, scale_log2, HKV, D, PAGE, BLOCK_N, IEEE, LOADS,
+        v_ptr, kvh, scale_log2, HKV, D, PAGE, BLOCK_N, IEEE, V_EARLY,
     )  # fmt: skip
     write_output(
         acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr + r * HKV + kvh, r + tl.zeros([BLOCK_M], tl.int64),
@@ -156,7 +156,7 @@ _COUNTERS = ArrivalCounters("rope-attention split counters")
 
 
 def default_launch(rows: int, one_byte_cache: bool = False) -> tuple[int, ...]:
-    """``(BLOCK_N, num_warps, num_stages[, loads])`` for a step of ``rows`` rows: the best of
+    """``(BLOCK_N, num_warps, num_stages[, v_early])`` for a step of ``rows`` rows: the best of
     ``bench.thinker.attention --rope`` at context 576 (µs per layer, one launch vs the two kernels). On
     the H200 with the bf16 cache: 1 row (64, 8, 2) 7.6 vs 8.7; 4 rows (128, 4, 2) 10.0 vs 11.7; 16 rows
     (64, 2, 2) 16.7 vs 19.4 (the default (64, 4, 2) there: 19.4, no gain). Fewer warps at 16 rows: more
@@ -203,7 +203,7 @@ def rope_attention(
     x, x_eps = rms_of if rms_of is not None else (qkv, 0.0)
     hidden = x.shape[-1] if rms_of is not None else 1
     block_n, warps, stages, *rest = launch or default_launch(t, k_cache.element_size() == 1)
-    loads = int(rest[0]) if rest else 0
+    v_early = bool(rest[0]) if rest else False
     _rope_attention_kernel[(t, hkv, splits)](
         qkv, qkv if qk_norm_weight is None else qk_norm_weight, cos_table, sin_table, x, tiles.pos,
         write_slots, tiles.table, tiles.table.stride(0), k_cache, v_cache, out, po, pm, pl, counters, t,
@@ -211,6 +211,6 @@ def rope_attention(
         HQ=hq, HKV=hkv, G=g, D=d, PAGE=tiles.page_size, BLOCK_M=max(16, triton.next_power_of_2(g)),
         BLOCK_N=block_n, SPLITS=splits, LOOK=LOOKBACK, HAS_NORM=qk_norm_weight is not None,
         SCALED=rms_of is not None, HIDDEN=hidden, CHUNK=min(1024, triton.next_power_of_2(hidden)),
-        IEEE=qkv.dtype == torch.float32, LOADS=loads, num_warps=warps, num_stages=stages,
+        IEEE=qkv.dtype == torch.float32, V_EARLY=v_early, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

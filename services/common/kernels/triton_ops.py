@@ -198,7 +198,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: anno
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     m_i, l_i, acc = attend_pages(
         q, m_i, l_i, acc, table_ptr + seq * table_stride, start, end, p0 + t_idx, k_ptr, v_ptr, kvh,
-        scale_log2, HKV, D, PAGE, BLOCK_N, IEEE, 0,
+        scale_log2, HKV, D, PAGE, BLOCK_N, IEEE, False,
     )  # fmt: skip
     write_output(
         acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr + tile * HKV + kvh, q_rows, head, m_valid,

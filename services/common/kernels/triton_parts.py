@@ -60,56 +60,6 @@ def to_cache(x, cache_ptr):  # type: ignore[no-untyped-def]  # Triton DSL: annot
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
-def _block_pages(table_row_ptr, kb, end, n_idx, PAGE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
-    """The page of each key ``kb + n_idx`` (0 past ``end``)."""
-    j = kb + n_idx
-    return tl.load(table_row_ptr + j // PAGE, mask=j < end, other=0).to(tl.int64)
-
-
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
-def _block_rows(
-    cache_ptr, page, kb, end, kvh, n_idx, d_idx, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr
-):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
-    """Keys (or values) ``kb + n_idx`` of KV head ``kvh`` from their pages, ``[BLOCK_N, D]`` in the cache's
-    dtype (0 past ``end``)."""
-    j = kb + n_idx
-    off = ((page * PAGE + j % PAGE) * HKV + kvh) * D
-    return tl.load(cache_ptr + off[:, None] + d_idx[None, :], mask=(j < end)[:, None], other=0.0)
-
-
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
-def _attend_block(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
-    q, m_i, l_i, acc, k, v, v_ptr, page, kb, end, kvh, n_idx, d_idx, q_pos, scale_log2,
-    HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr, V_LATE: tl.constexpr,
-):  # fmt: skip
-    """One key block ``kb + n_idx`` of the online softmax, masked past ``end`` and causally. ``k``/``v``
-    are in the cache's dtype and widen to the query's (exact for an fp8 cache); with ``V_LATE`` the values
-    are read from ``v_ptr`` only once the scores are in (``v`` is then unused)."""
-    j = kb + n_idx
-    k = k.to(q.dtype)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * scale_log2
-    allowed = (j < end)[None, :] & (j[None, :] <= q_pos[:, None])
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if V_LATE:
-        v = _block_rows(v_ptr, page, kb, end, kvh, n_idx, d_idx, HKV, D, PAGE)
-    v = v.to(q.dtype)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
 def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     q,
     m_i,
@@ -128,48 +78,45 @@ def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations ste
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
-    LOADS: tl.constexpr,
+    V_EARLY: tl.constexpr,
 ):
     """Online-softmax attention of ``q [M, D]`` (rows at positions ``q_pos``) over keys ``[start, end)`` of
     one sequence's pages (``table_row_ptr``: its block-table row); returns the updated ``m, l, acc``.
 
-    ``LOADS``, the order of a block's memory reads (the same result in every order):
-
-    * 0: the page ids, then the keys, then the values once the scores are in: three dependent round
-      trips a block;
-    * 1: the values beside the keys (one round trip fewer, the V tile's registers held through the
-      softmax);
-    * 2: one block ahead: while a block is computed, the next block's keys and values are in flight and
-      the page ids of the one after are being read, so a block waits for at most one round trip (and
-      none once the arithmetic covers it), at the cost of two blocks' K/V registers.
-    """
+    ``V_EARLY``: issue a block's V load beside its K load, before the scores (both in flight at once, at
+    the cost of the V tile's registers through the softmax); otherwise after them. The same result."""
     d_idx = tl.arange(0, D)
     n_idx = tl.arange(0, BLOCK_N)
-    if LOADS == 2:
-        page_next = _block_pages(table_row_ptr, start + BLOCK_N, end, n_idx, PAGE)
-        page = _block_pages(table_row_ptr, start, end, n_idx, PAGE)
-        k = _block_rows(k_ptr, page, start, end, kvh, n_idx, d_idx, HKV, D, PAGE)
-        v = _block_rows(v_ptr, page, start, end, kvh, n_idx, d_idx, HKV, D, PAGE)
-        for kb in range(start, end, BLOCK_N):
-            page_after = _block_pages(table_row_ptr, kb + 2 * BLOCK_N, end, n_idx, PAGE)
-            k_next = _block_rows(k_ptr, page_next, kb + BLOCK_N, end, kvh, n_idx, d_idx, HKV, D, PAGE)
-            v_next = _block_rows(v_ptr, page_next, kb + BLOCK_N, end, kvh, n_idx, d_idx, HKV, D, PAGE)
-            m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, k, v, v_ptr, page, kb, end, kvh, n_idx, d_idx, q_pos, scale_log2, HKV, D,
-                PAGE, IEEE, False,
-            )  # fmt: skip
-            k, v, page_next = k_next, v_next, page_after
-    else:
-        for kb in range(start, end, BLOCK_N):
-            page = _block_pages(table_row_ptr, kb, end, n_idx, PAGE)
-            k = _block_rows(k_ptr, page, kb, end, kvh, n_idx, d_idx, HKV, D, PAGE)
-            v = k  # LOADS 0: a placeholder, the values are read after the scores
-            if LOADS == 1:
-                v = _block_rows(v_ptr, page, kb, end, kvh, n_idx, d_idx, HKV, D, PAGE)
-            m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, k, v, v_ptr, page, kb, end, kvh, n_idx, d_idx, q_pos, scale_log2, HKV, D,
-                PAGE, IEEE, LOADS == 0,
-            )  # fmt: skip
+    for kb in range(start, end, BLOCK_N):
+        j = kb + n_idx
+        j_valid = j < end
+        page = tl.load(table_row_ptr + j // PAGE, mask=j_valid, other=0).to(tl.int64)
+        slot = page * PAGE + j % PAGE
+        kv_off = (slot * HKV + kvh) * D
+        # An fp8 cache widens to the query's dtype (exact) before the dot; a no-op for a bf16 one.
+        k = tl.load(k_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0).to(q.dtype)
+        if V_EARLY:
+            v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        allowed = j_valid[None, :] & (j[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if not V_EARLY:
+            v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
+        v = v.to(q.dtype)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     return m_i, l_i, acc
 
 
