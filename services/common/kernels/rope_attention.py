@@ -162,8 +162,9 @@ def default_launch(rows: int, one_byte_cache: bool = False) -> tuple[int, ...]:
     (64, 2, 2) 16.7 vs 19.4 (the default (64, 4, 2) there: 19.4, no gain). Fewer warps at 16 rows: more
     programs resident per SM, so more key loads in flight. With an fp8 (e4m3) cache at 16 rows on the
     H100 (``--kv-cache fp8``): (64, 2, 2) with each block's values loaded beside its keys, 18.4 against
-    19.4 µs; wider blocks, fewer or more key splits and deeper pipelines were all slower (BENCHMARKS.md,
-    "The fp8 gap at batch 16"). With the bf16 cache the early values measured no gain (20.5 either way)."""
+    19.4 µs; wider blocks, fewer or more key splits and deeper pipelines were no faster (BENCHMARKS.md,
+    "Latest measurements on the H100", the fp8 gap at batch 16). With the bf16 cache the early values
+    measured no gain (20.5 either way)."""
     if rows <= 2:
         return 64, 8, 2
     if rows <= 8:
