@@ -8,7 +8,9 @@ Each engine is built twice on the same weights, once with ``use_cuda_graphs=True
 graph captured per batch/context bucket) and once with ``False`` (eager), and runs the same greedy
 requests: batch 1, then 3 concurrent requests (padded to the 4-row graph bucket, so the padding path is
 exercised too) with different prompt lengths, then 3 where the third (20 tokens) arrives while the other
-two decode, so its prefill and their decode rows replay one row graph (a mixed step).
+two decode, so its prefill and their decode rows replay one row graph (a mixed step, 32-row bucket: rotary
+and attention in one launch), then 4 where the fourth (48 tokens, longer than that kernel's look-back)
+arrives while three decode (a mixed step of 51 rows in the 64-row bucket, which attends in two launches).
 
 * thinker: :class:`services.thinker.engine.ThinkerEngine`, greedy, ``ignore_eos``; compared: sampled
   tokens and the final-norm hidden row of every fed token. The eager engine runs the pure-torch kernels
@@ -151,7 +153,7 @@ def thinker_runs(
 ) -> list[Run]:
     """Greedy runs of ``prompts``; with ``late_after`` the last prompt arrives after that many steps, so
     its prefill shares a step with the others' decode rows (a mixed step, replayed as a row graph when the
-    step has at most 32 tokens)."""
+    step has at most 128 tokens)."""
     from services.thinker.engine import EngineConfig, ThinkerEngine
     from services.thinker.sampling import Sampler, SamplingConfig
     from services.thinker.scheduler import WorkItem
@@ -225,9 +227,12 @@ def check_thinker(args: argparse.Namespace, device: torch.device) -> list[Compar
     gen = torch.Generator().manual_seed(1)
     vocab = int(ckpt.config.get("vocab_size", 151_000))
     out: list[Comparison] = []
-    # The last case: a 20-token prompt arrives after 5 steps, so 2 decode rows + its 20-token prefill
-    # (22 tokens) run as one mixed row-graph step.
-    for batch, lengths, late in ((1, [64], None), (3, [64, 97, 33], None), (3, [64, 97, 20], 5)):
+    # The last cases: a 20-token prompt arrives after 5 steps, so 2 decode rows + its 20-token prefill
+    # (22 tokens) run as one mixed row-graph step (the 32-row bucket: rotary + attention in one launch);
+    # then a 48-token prompt beside 3 decode rows (51 tokens: the 64-row bucket, which attends in two
+    # launches, so a chunk longer than the one launch's look-back is exact).
+    cases = ((1, [64], None), (3, [64, 97, 33], None), (3, [64, 97, 20], 5), (4, [64, 97, 33, 48], 5))
+    for batch, lengths, late in cases:
         prompts = [torch.randint(1000, min(vocab, 100_000), (n,), generator=gen).tolist() for n in lengths]
         eager = thinker_runs(
             llm, device, False, prompts, args.tokens, args.kv_bytes, late, args.eager_kernels, args.kv_cache

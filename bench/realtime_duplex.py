@@ -50,14 +50,16 @@ from bench.launch import add_gpu_sharing_flags
 from bench.realtime_workload import SessionPlan, SessionResult, native_session, turn_session
 
 # Stage histograms read per level: barge-in drain, engine step time and batch size of every stage; the
-# thinker's split of a duplex unit (queued / encode / behind / engine) and of a step (forward / sample), and its
-# streaming-Whisper batch size; code2wav's later windows that were past their deadline on arrival or when done.
+# thinker's split of a duplex unit (queued / encode / behind / engine) and of a step (forward / sample), its
+# steps by path (graph / graph_mixed / eager), and its streaming-Whisper batch size; code2wav's later windows that were past their deadline on arrival or when done.
 STAGE_PREFIXES = (
     "(?:minicpmo_stage_interrupt_drain_|minicpmo_stage_step_|minicpmo_stage_batch_|"
-    "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_whisper_|"
+    "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_step_path_|"
+    "minicpmo_thinker_whisper_|"
     "minicpmo_code2wav_late_window_|minicpmo_code2wav_first_window_)"
 )
 STAGES = ("thinker", "talker", "code2wav")
+STEP_PATHS = ("graph", "graph_mixed", "eager")  # services.thinker.runner.STEP_PATHS (no torch import here)
 # The thinker's duplex unit split (minicpmo_thinker_duplex_unit_seconds{phase}): every unit's four
 # phases, then behind and engine again for the units that request a response.
 UNIT_PHASES = ("queued", "encode", "behind", "engine", "request_behind", "request_engine")
@@ -276,6 +278,10 @@ def _metric_means(delta: dict[str, float], wall: float) -> dict[str, Any]:
         )
     for phase in ("forward", "sample"):
         out[f"thinker_step_{phase}_mean_ms"] = mean(f'minicpmo_thinker_step_phase_seconds{{phase="{phase}"}}')
+    for path in STEP_PATHS:
+        hist = f'minicpmo_thinker_step_path_seconds{{path="{path}"}}'
+        out[f"thinker_steps_{path}"] = delta.get(hist.replace("{", "_count{", 1), 0.0)
+        out[f"thinker_step_{path}_mean_ms"] = mean(hist)
     # Code2wav's first window of a stream: its arrival at the stage to its audio routed.
     out["code2wav_first_window_mean_ms"] = mean("minicpmo_code2wav_first_window_seconds")
     for phase in ("arrived", "done"):
@@ -330,6 +336,13 @@ def render_markdown(levels: list[dict[str, Any]]) -> str:
             f"{f(lv.get('unit_decision_mean_ms'), 1)} at the gateway; queued / encode / behind / engine "
             f"{phases}; units that request a response, behind / engine {requested}"
         )
+    for lv in levels:
+        if any(lv.get(f"thinker_steps_{k}") for k in STEP_PATHS):
+            paths = "; ".join(
+                f"{k} {lv[f'thinker_steps_{k}']:.0f} (mean {f(lv.get(f'thinker_step_{k}_mean_ms'), 2)} ms)"
+                for k in STEP_PATHS
+            )
+            lines.append(f"\nThinker steps at {lv['sessions']} sessions ({lv['lane']}; forward): {paths}")
     for lv in levels:
         if "code2wav_late_done_windows" in lv:
             late = "; ".join(

@@ -87,8 +87,8 @@ def test_cpu_dry_run_of_both_engines(tiny_ckpt: Path, tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "cuda_smoke.json").read_text())
-    # thinker: 1 + 3 + 3 (the last three with a late arrival); talker: 1 + 3
-    assert report["status"] == "pass" and len(report["comparisons"]) == 11
+    # thinker: 1 + 3 + 3 + 4 (the last two cases with a late arrival); talker: 1 + 3
+    assert report["status"] == "pass" and len(report["comparisons"]) == 15
     for c in report["comparisons"]:
         assert c["verdict"] == "identical"
         assert c["tokens"] == (8 if c["stage"] == "thinker" else 12)

@@ -119,6 +119,31 @@ def test_code2wav_late_windows_are_counted_and_averaged_per_level() -> None:
     assert "Code2wav first windows at 16 sessions (turn): arrival at the stage to audio routed 125.0 ms" in md
 
 
+def test_thinker_steps_are_counted_by_path_per_level() -> None:
+    """The step-path histogram gives each path's step count and mean forward time; the level's report
+    prints them (an eager step in a duplex level is a step too large for the row graphs)."""
+    from bench.realtime_duplex import _metric_means, render_markdown
+
+    path = 'minicpmo_thinker_step_path_seconds_{}{{path="{}"}}'
+    sums = {
+        path.format("count", "graph"): 900.0,
+        path.format("sum", "graph"): 7.2,
+        path.format("count", "eager"): 4.0,
+        path.format("sum", "eager"): 0.16,
+    }
+    out = _metric_means(sums, wall=60.0)
+    assert out["thinker_steps_graph"] == 900.0 and out["thinker_step_graph_mean_ms"] == pytest.approx(8.0)
+    assert out["thinker_steps_eager"] == 4.0 and out["thinker_step_eager_mean_ms"] == pytest.approx(40.0)
+    assert out["thinker_steps_graph_mixed"] == 0.0 and out["thinker_step_graph_mixed_mean_ms"] is None
+    level = {"sessions": 16, "lane": "turn", "failed": 0, "unit_rtf": None, "underruns_per_session": None,
+             "first_audio_s": None, "barge_in_ms": None, **out}  # fmt: skip
+    md = render_markdown([level])
+    assert (
+        "Thinker steps at 16 sessions (turn; forward): graph 900 (mean 8.00 ms); graph_mixed 0 (mean - ms); "
+        "eager 4 (mean 40.00 ms)" in md
+    )
+
+
 def test_a_level_past_its_deadline_keeps_what_its_sessions_measured(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -126,10 +126,11 @@ def test_rope_attention_is_the_default() -> None:
     assert rope_attention_enabled() and rope_attention_enabled(True) and not rope_attention_enabled(False)
 
 
-def test_fresh_row_window_covers_every_packed_step() -> None:
-    """The kernel looks back ``LOOKBACK`` rows for fresh rows; a packed step may hold up to
-    ``PACKED_MAX_CHUNK`` rows of one chunk, so a larger limit would silently drop keys."""
+def test_fresh_row_window_covers_every_one_launch_step() -> None:
+    """The kernel looks back ``LOOKBACK`` rows for fresh rows; the thinker runs it for packed steps of
+    up to ``ROPE_ATTENTION_MAX_ROWS`` rows (a chunk is never longer than its step), so a larger limit
+    would silently drop keys."""
     from services.common.kernels.rope_attention import LOOKBACK
-    from services.thinker.runner import ModelRunner
+    from services.thinker.fused_forward import ROPE_ATTENTION_MAX_ROWS
 
-    assert ModelRunner.PACKED_MAX_CHUNK <= LOOKBACK
+    assert ROPE_ATTENTION_MAX_ROWS <= LOOKBACK

@@ -347,10 +347,11 @@ def test_packed_row_step_matches_the_eager_step(llm: torch.nn.Module) -> None:
     assert not torch.allclose(
         runner.packed_step_eager(plain).prefill_logits[0], packed.prefill_logits[0], atol=1e-3
     )
-    # A chunk longer than PACKED_MAX_CHUNK (the fused kernel's look-back) runs eagerly; several chunks
-    # within it pack up to PACKED_MAX_ROWS rows (16 sessions' decode rows plus units arriving together).
+    # Chunks pack up to PACKED_MAX_ROWS rows in all, whatever their length (16 sessions' decode rows
+    # plus units arriving together, or a long unit that opens a turn).
     long_chunk = StepInput(prefill=[PrefillChunk(list(range(40)), 0, runner.cache.pool.allocate(3))])
-    assert runner.pack_rows(long_chunk) is None
+    packed_long = runner.pack_rows(long_chunk)
+    assert packed_long is not None and [r.position for r in packed_long[0]] == list(range(40))
     units = [PrefillChunk(list(range(13)), 0, runner.cache.pool.allocate(1)) for _ in range(8)]
     many = StepInput(decode=[DecodeRow(4000, 20, seqs[0])] * 16, prefill=units)
     packed_many = runner.pack_rows(many)

@@ -154,3 +154,50 @@ def test_graphed_engine_with_folded_norms_gives_torch_tokens(llm: torch.nn.Modul
     want, _ = greedy_tokens(llm, "torch", graphed=False)
     got, runner = greedy_tokens(copy.deepcopy(llm), "triton", graphed=True, norm_fold=True)
     assert runner.fused.folded_passes > 0 and got == want and all(len(t) == 5 for t in got)
+
+
+def test_packed_step_with_a_long_chunk_attends_in_two_launches(
+    llm: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A packed step of more than ``ROPE_ATTENTION_MAX_ROWS`` rows (here a 40-token chunk, longer than the
+    one-launch kernel's look-back, beside a decode row) writes every key first and attends in a second
+    launch, and gives the torch backend's outputs; a short packed step keeps the one launch."""
+    from services.thinker.fused_forward import ROPE_ATTENTION_MAX_ROWS
+
+    ref_engine = _engine(llm, "torch", None)
+    engine = _engine(copy.deepcopy(llm), "triton", True)
+    ops = engine.runner.ops
+    launches: list[str] = []
+    real_one, real_store = ops.rope_attention, ops.qk_rope_store
+
+    def one(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        launches.append("one")
+        return real_one(*args, **kwargs)
+
+    def store(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        launches.append("two")
+        return real_store(*args, **kwargs)
+
+    outs = []
+    for eng in (ref_engine, engine):
+        blocks_a, blocks_b = eng.cache.pool.allocate(8), eng.cache.pool.allocate(8)
+        eng.runner.step(StepInput(prefill=[PrefillChunk(list(range(2000, 2020)), 0, blocks_a)]))
+        step = StepInput(
+            decode=[DecodeRow(7, 20, blocks_a)],
+            prefill=[PrefillChunk(list(range(3000, 3040)), 0, blocks_b, want_logits=True)],
+        )
+        assert step.num_tokens > ROPE_ATTENTION_MAX_ROWS
+        if eng is engine:
+            packed = eng.runner.pack_rows(step)
+            assert packed is not None and len(packed[0]) == 41
+            monkeypatch.setattr(ops, "rope_attention", staticmethod(one))
+            monkeypatch.setattr(ops, "qk_rope_store", staticmethod(store))
+            outs.append(eng.runner.packed_step_eager(step))
+            eng.runner.packed_step_eager(StepInput(decode=[DecodeRow(9, 21, blocks_a)]))
+        else:
+            outs.append(eng.runner.step(step))
+    layers = len(llm.model.layers)
+    assert launches == ["two"] * layers + ["one"] * layers
+    ref, got = outs
+    torch.testing.assert_close(got.decode_logits, ref.decode_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.prefill_logits[0], ref.prefill_logits[0], rtol=1e-4, atol=1e-4)

@@ -424,12 +424,16 @@ class ThinkerEngine:
             )
             settle(inf)  # grammar masks and draws queued behind the replay, then the tokens' copy
             self._inflight = inf
-            self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(plan.decode), 0)
+            self._pending_metrics = (
+                events, t_forward, time.perf_counter() - t0, 0, len(plan.decode), 0, self.runner.last_path
+            )  # fmt: skip
             return
         self._consume(plan, out)
         self._timer.mark("sample and emit")
         dt = time.perf_counter() - t0
-        self._pending_metrics = (events, t_forward, dt, n_prefill, len(plan.decode), len(plan.prefill))
+        self._pending_metrics = (
+            events, t_forward, dt, n_prefill, len(plan.decode), len(plan.prefill), self.runner.last_path
+        )  # fmt: skip
 
     def _fail_plan(self, plan: StepPlan, what: str, exc: BaseException) -> None:
         """End every sequence of ``plan`` with a typed error (device out of memory is RESOURCE_EXHAUSTED)
@@ -487,7 +491,7 @@ class ThinkerEngine:
             return True
         self._inflight = nxt
         self.chained_steps += 1
-        self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(rows), 0)
+        self._pending_metrics = (events, t_forward, time.perf_counter() - t0, 0, len(rows), 0, "graph")
         return True
 
     def _consume_inflight(self) -> None:

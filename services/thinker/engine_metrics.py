@@ -29,6 +29,13 @@ STEP_PHASE_SECONDS = Histogram(
     ["phase"],
     buckets=PHASE_BUCKETS,
 )
+STEP_PATH_SECONDS = Histogram(
+    "minicpmo_thinker_step_path_seconds",
+    "Engine step forward time by how it ran: 'graph' (decode rows, a CUDA graph replay), 'graph_mixed' "
+    "(a replay with prefill chunks packed as rows), 'eager' (the layer loop launched from the host)",
+    ["path"],
+    buckets=PHASE_BUCKETS,
+)
 PREFIX_HITS = Counter(
     "minicpmo_thinker_prefix_cache_hit_tokens_total", "Prompt tokens whose KV came from the prefix cache"
 )
@@ -50,14 +57,22 @@ TTFT = Histogram(
 
 
 def observe_step(
-    events: tuple | None, t_forward: float, dt: float, n_prefill: int, n_decode: int, n_chunks: int
+    events: tuple | None,
+    t_forward: float,
+    dt: float,
+    n_prefill: int,
+    n_decode: int,
+    n_chunks: int,
+    path: str,
 ) -> None:
-    """One step's split (forward from CUDA events when they are done), token counts, rates, batch size."""
+    """One step's split (forward from CUDA events when they are done), token counts, rates, batch size,
+    and its forward time under the path it ran (``ModelRunner.last_path``)."""
     if events is not None and events[1].query():
         # Done when sampling synced; a prefill-only step may still run, and waiting here just to time
         # it would stall the next launch, so it keeps its wall-clock split.
         t_forward = min(dt, events[0].elapsed_time(events[1]) / 1000.0)
     STEP_PHASE_SECONDS.labels("forward").observe(t_forward)
+    STEP_PATH_SECONDS.labels(path).observe(t_forward)
     STEP_PHASE_SECONDS.labels("sample").observe(dt - t_forward)
     PREFILL_TOKENS.inc(n_prefill)
     DECODE_TOKENS.inc(n_decode)

@@ -18,9 +18,14 @@ matmuls and attention. At most :data:`SKINNY_MAX_ROWS` rows the O GEMM with its 
 skinny Triton launch (:func:`services.common.kernels.skinny.linear_accumulate`), faster there than cuBLAS's
 ``addmm_``. Eager steps keep the norm kernels (with ones as weights once folded).
 
-In every packed-row step (with :attr:`FusedForward.rope_attention`, on unless a benchmark arm turns it
-off) the q/k norm + rotary + K/V write and the paged attention are one
-launch (:mod:`services.common.kernels.rope_attention`): six launches per layer on the folded path.
+In a packed-row step of at most :data:`ROPE_ATTENTION_MAX_ROWS` rows (with
+:attr:`FusedForward.rope_attention`, on unless a benchmark arm turns it off) the q/k norm + rotary + K/V
+write and the paged attention are one launch (:mod:`services.common.kernels.rope_attention`): six
+launches per layer on the folded path. Larger packed steps (64- and 128-row buckets: many sessions' decode
+rows with the units that arrived together, or a long prefill chunk) write every row's key and value first
+and attend in a second launch, so a chunk of any length sees its own keys from the cache: the one-launch
+kernel recomputes a row's fresh keys, the rows before it in its chunk, one at a time, which is cheap only
+for short chunks.
 
 With fp8 weights (``weights: fp8``) every step's layer loop is :func:`services.thinker.fp8_weights.fp8_layers`
 instead: the same loops with the fp8 GEMMs of :mod:`services.common.kernels.fp8_gemm`.
@@ -60,6 +65,10 @@ class LayerHost(Protocol):
 
 
 EAGER_TILE_ROWS = 16  # rows of one sequence per attention tile in eager steps (prefill chunks)
+# Packed-row steps of at most this many rows (row buckets 1..32) take the one-launch rope-attention
+# kernel; it must not exceed the kernel's look-back (services.common.kernels.rope_attention.LOOKBACK),
+# which a test checks: a row's fresh rows (the rows before it in its chunk) are all within that reach.
+ROPE_ATTENTION_MAX_ROWS = 32
 SKINNY_MAX_ROWS = (
     16  # folded packed-row steps of at most this many rows run the skinny O GEMM (row buckets 1..16)
 )
@@ -156,12 +165,12 @@ class FusedForward:
 
         ``rms_of``: the folded input norm's residual row and epsilon (see :meth:`_folded_layers`).
         ``one_launch``: a packed-row step's one-row tiles, run as one ``rope_attention`` launch when
-        :attr:`rope_attention` is on."""
+        :attr:`rope_attention` is on and the step has at most :data:`ROPE_ATTENTION_MAX_ROWS` rows."""
         r = self.runner
         lay = r.layers[idx]
         hq, hkv, d = r.num_heads, r.num_kv_heads, r.head_dim
         k_cache, v_cache = r.cache.k[idx], r.cache.v[idx]
-        if one_launch and self.rope_attention:
+        if one_launch and self.rope_attention and qkv.shape[0] <= ROPE_ATTENTION_MAX_ROWS:
             o = r.ops.rope_attention(
                 qkv, lay.qk_norm_weight, lay.qk_eps, r.cos, r.sin, write_slots, k_cache, v_cache, tiles,
                 hq, rms_of,

@@ -186,7 +186,7 @@ def launch_chained(runner: ModelRunner, rows: list[DecodeRow], ids_from: torch.T
         return None
     with torch.inference_mode():
         graph.run(rows, ids_from=ids_from)
-    runner.step_counts["graph"] += 1
+    runner.count_step("graph")
     return graph
 
 

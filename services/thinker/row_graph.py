@@ -1,4 +1,4 @@
-"""The CUDA graph of a packed row step (decode rows and short prefill chunks), one per shape bucket."""
+"""The CUDA graph of a packed row step (decode rows and prefill chunks), one per shape bucket."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def capture_cuda_graph(runner: GraphHost, body: Callable[[], Outputs]) -> tuple[
 class RowGraph:
     """A captured row step for one (rows, context) bucket with its static input/output buffers.
 
-    Rows are decode tokens or the tokens of short prefill chunks (see ``ModelRunner.pack_rows``); rows
+    Rows are decode tokens or the tokens of prefill chunks (see ``ModelRunner.pack_rows``); rows
     that carry audio/vision embeddings take them from ``embeds`` where ``use_embeds`` is set. Padded rows
     write to and read from the scratch block only.
     """

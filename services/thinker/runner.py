@@ -14,9 +14,10 @@ We call the transformers Qwen3 layers' own submodules (projections, q/k norms, M
 arithmetic is the checkpoint's, and replace only the attention/cache plumbing. Rotary cos/sin come from
 a table built with the model's own ``inv_freq`` and scaling, indexed by position (graph-safe).
 
-CUDA graphs: a step of at most 128 tokens (decode rows plus prefill chunks of at most 32 tokens, such as
-a duplex unit's ~13) runs as "rows": a prefill token is a row at its own position, and since every row writes its
-key/value before any row attends, the chunk's tokens see each other causally as in a chunked prefill.
+CUDA graphs: a step of at most 128 tokens (decode rows plus prefill chunks of any length, such as a
+duplex unit's ~13 or a unit that opens a turn with its instructions) runs as "rows": a prefill token is a
+row at its own position, and since every row's key/value is written before any row attends to it, the
+chunk's tokens see each other causally as in a chunked prefill.
 Such a step replays a graph captured per (row bucket, context bucket) (:mod:`services.thinker.row_graph`);
 padded rows write to the pool's scratch block and attend to one masked-in scratch slot, so they cannot
 touch real sequences. A step with prefill never waits for a capture (it runs eagerly when its bucket is
@@ -84,20 +85,24 @@ def _next_pow2(n: int, floor: int) -> int:
     return p
 
 
+# How a step's forward ran: a graph replay of decode rows, a replay with prefill chunks packed as rows,
+# or the eager layer loop (a step too large for the row graphs, a long context, CPU).
+STEP_PATHS = ("graph", "graph_mixed", "eager")
+
+
 class ModelRunner:
     """Owns the forward pass and the CUDA graphs; knows nothing about requests or sampling."""
 
     GRAPH_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
     GRAPH_MIN_CONTEXT = 256
     GRAPH_MAX_CONTEXT = 16384
-    # Steps of at most this many tokens (decode rows plus short prefill chunks) can replay a row graph.
+    # Steps of at most this many tokens (decode rows plus prefill chunks) can replay a row graph.
     # Why 128: with 16-24 duplex sessions a step carries their decode rows plus the units that arrived
-    # together (13 tokens each: 16 + 3 x 13 = 55 rows); at the old 32 such steps ran eagerly, 45-90 ms
-    # of host-bound launches against ~12 ms for a replay, and every session's decode waited on them.
+    # together (13 tokens each: 16 + 3 x 13 = 55 rows) or a unit that opens a turn (50-140 tokens); run
+    # eagerly, such a step is 28-90 ms of host-bound launches against ~12 ms for a replay, and every
+    # session's decode waits on it. Chunks may be as long as the step: above 32 rows the graph attends in
+    # two launches (services.thinker.fused_forward.ROPE_ATTENTION_MAX_ROWS).
     PACKED_MAX_ROWS = 128
-    # ... each prefill chunk in it at most this many tokens: the fused rope-attention kernel looks back
-    # this far for a row's fresh keys (services.common.kernels.rope_attention.LOOKBACK).
-    PACKED_MAX_CHUNK = 32
 
     def __init__(
         self,
@@ -144,8 +149,10 @@ class ModelRunner:
         self.fused = FusedForward(self)
         if check_weights(weights) == "fp8":
             self.quantize_weights()
-        # How steps ran: "graph" (decode rows only), "graph_mixed" (rows with a prefill chunk), "eager".
-        self.step_counts: dict[str, int] = {"graph": 0, "graph_mixed": 0, "eager": 0}
+        # How steps ran (STEP_PATHS): "graph" (decode rows only), "graph_mixed" (rows with a prefill
+        # chunk), "eager"; count_step keeps the counts and the last step's path (the engine's metric label).
+        self.step_counts: dict[str, int] = dict.fromkeys(STEP_PATHS, 0)
+        self.last_path = "eager"
         self._graph_pool = None
         self._row_logits: dict[int, torch.Tensor] = {}  # row bucket -> the logits its graphs share
         self.graphs_warmed = False  # set by warmup_graphs: a capture after it is logged as a stall
@@ -389,23 +396,26 @@ class ModelRunner:
                 graph = self._graph_for(len(rows), max(r.position + 1 for r in rows), capture=not inp.prefill)
                 if graph is not None:
                     hidden, logits = graph.run(rows, embeds)
-                    self.step_counts["graph_mixed" if inp.prefill else "graph"] += 1
+                    self.count_step("graph_mixed" if inp.prefill else "graph")
                     return self._row_output(inp, hidden, logits, clone=True, tokens=graph.tokens)
-        self.step_counts["eager"] += 1
+        self.count_step("eager")
         return self._eager_step(inp)
+
+    def count_step(self, path: str) -> None:
+        """Record that a step ran on ``path`` (one of :data:`STEP_PATHS`)."""
+        self.step_counts[path] += 1
+        self.last_path = path
 
     def pack_rows(self, inp: StepInput) -> tuple[list[DecodeRow], list[tuple[int, torch.Tensor]]] | None:
         """The step as decode-style rows (a prefill token is a row at its own position), or None if too big.
 
         A row writes its key/value before any row attends (per layer), and attends to positions up to its
         own, so the tokens of a prefill chunk see each other causally exactly as in a chunked prefill.
-        Short chunks (a duplex unit is ~13 tokens) then replay a captured graph instead of running
-        eagerly. Returns the rows and the embedding overrides ``(first row, [n, hidden])``.
+        Steps of decode rows and prefill chunks (a duplex unit is ~13 tokens) up to :attr:`PACKED_MAX_ROWS`
+        rows in all then replay a captured graph instead of running eagerly. Returns the rows and the embedding overrides ``(first row, [n, hidden])``.
         """
         total = inp.num_tokens
         if not total or total > self.PACKED_MAX_ROWS:
-            return None
-        if any(len(chunk.token_ids) > self.PACKED_MAX_CHUNK for chunk in inp.prefill):
             return None
         rows = list(inp.decode)
         embeds: list[tuple[int, torch.Tensor]] = []

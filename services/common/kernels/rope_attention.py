@@ -33,7 +33,7 @@ from services.common.kernels.triton_parts import (
     write_output,
 )
 
-LOOKBACK = 32  # rows a packed step holds at most (ModelRunner.PACKED_MAX_ROWS): how far fresh rows reach
+LOOKBACK = 32  # how far fresh rows reach: the most rows of a step this kernel serves (fused_forward.ROPE_ATTENTION_MAX_ROWS)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
