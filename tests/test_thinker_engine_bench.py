@@ -75,5 +75,7 @@ def test_fp8_matmul_stack_floor_runs_the_fp8_gemms(triton_interpreter_scalars: N
 
     weights = [quantize_fp8(torch.randn(96, 64)), quantize_fp8(torch.randn(64, 96))]
     assert fp8.matmul_stack_ms(weights, 2, torch.device("cpu"), torch.float32, iters=1) > 0
-    assert fp8.candidates(1, 4096, 4096) and not fp8.candidates(64, 4096, 4096)
+    assert fp8.candidates(1, 4096, 4096) and not fp8.candidates(256, 4096, 4096)
+    packed = fp8.candidates(128, 4096, 12288)  # a packed step: one 128-row tile, K split or not
+    assert all(c.block_m == 128 for c in packed) and {c.split_k for c in packed} == {1, 2, 4, 8}
     assert all(c.split_k == 1 for c in fp8.candidates(1, 151748, 4096))  # the lm_head: tiles fill the card

@@ -67,17 +67,16 @@ def _interpreter(triton_interpreter_scalars: None) -> None:
 
 
 @pytest.mark.usefixtures("_interpreter")
-@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("m", [1, 3, 16, 40, 100])
 def test_fp8_gemm_kernel_matches_torch_reference(m: int) -> None:
     from services.common.kernels.fp8_gemm import Fp8Config, fp8_linear
 
     g = torch.Generator().manual_seed(10 + m)
+    tile = 16 if m <= 16 else 64 if m <= 64 else 128  # one row tile (a packed step's layout above 32)
     configs = [
         None,  # the interpreter's default (one big tile)
-        Fp8Config(16 if m <= 16 else 64, 32, 64, 1, 4, 1),  # ragged N tail (80 = 2.5 tiles)
-        Fp8Config(
-            16 if m <= 16 else 64, 32, 32, 3, 4, 1
-        ),  # split K over 3 (ragged: K/3 is not a block multiple)
+        Fp8Config(tile, 32, 64, 1, 4, 1),  # ragged N tail (80 = 2.5 tiles)
+        Fp8Config(tile, 32, 32, 3, 4, 1),  # split K over 3 (ragged: K/3 is not a block multiple)
         Fp8Config(16, 64, 64, 4, 4, 1),  # several row tiles when m > 16 (the split then is not used)
     ]
     for n, k in ((80, 256), (48, 200)):

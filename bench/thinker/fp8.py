@@ -75,11 +75,13 @@ def reference(runner, batches: list[int], device: torch.device) -> dict:  # noqa
 
 
 def candidates(rows: int, n: int, k: int, sms: int = 132) -> list:
-    """The sweep's configs for ``rows`` (decode layouts only: ≤ 32 rows) and shape ``[n, k]``."""
-    from services.common.kernels.fp8_gemm import SKINNY_ROWS, Fp8Config
+    """The sweep's configs for ``rows`` (≤ 128: the decode and packed-step layouts) and shape ``[n, k]``."""
+    from services.common.kernels.fp8_gemm import PACKED_ROWS, SKINNY_ROWS, Fp8Config
 
-    if rows > SKINNY_ROWS:
+    if rows > PACKED_ROWS:
         return []
+    if rows > SKINNY_ROWS:
+        return packed_candidates(rows, n, k, sms)
     block_m = 16 if rows <= 16 else 32
     out = []
     # Small on purpose: every (block, split) pair is its own compile, and the sweep runs inside the
@@ -93,6 +95,23 @@ def candidates(rows: int, n: int, k: int, sms: int = 132) -> list:
         if tiles * split < sms // 2:  # too few programs to stream from every SM
             continue
         out.append(Fp8Config(block_m, bn, bk, split, 4, 4))
+    return out
+
+
+def packed_candidates(rows: int, n: int, k: int, sms: int = 132) -> list:
+    """Configs for a packed step of 33–128 rows (the thinker's 64- and 128-row graph buckets: decode rows
+    with prefill chunks): one 64- or 128-row tile, 64/128-column tiles, K split or not. Why sweep them:
+    the default there is the prefill layout (no split), which runs a 4096-column projection on 32–64
+    programs, so fewer SMs than the card has stream its weights while each tile's MMA work grows."""
+    from services.common.kernels.fp8_gemm import Fp8Config
+
+    block_m, warps = (64, 4) if rows <= 64 else (128, 8)
+    out = []
+    for bn, bk, split in product((64, 128), (64, 128), (1, 2, 4, 8)):
+        tiles = -(-n // bn)
+        if k // split < 4 * bk or (split > 1 and tiles >= 2 * sms):
+            continue
+        out.append(Fp8Config(block_m, bn, bk, split, warps, 3))
     return out
 
 
@@ -137,7 +156,9 @@ def tune(
             fp8_gemm.FP8_CONFIGS[(fp8_gemm.row_bucket(m), n, k)] = fp8_gemm.Fp8Config(*best[1])
         gbs = (n * k + m * k * 2) / (best[0] / 1e6) / 1e9 if best else None
         results.append(
-            {"rows": m, "n": n, "k": k, "default_us": default_us, "best": best and {"config": list(best[1]), "us": best[0]}, "best_gb_s": gbs}
+            {"rows": m, "n": n, "k": k, "default": list(default), "default_us": default_us,
+             "best": best and {"config": list(best[1]), "us": best[0]}, "best_gb_s": gbs,
+             "timed": [{"config": list(c), "us": us} for us, c in timed]}
         )  # fmt: skip
     return results
 
@@ -161,7 +182,7 @@ def table_literal(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.thinker.fp8", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--rows", default="1,16", help="comma-separated row counts (≤ 32)")
+    ap.add_argument("--rows", default="1,16", help="comma-separated row counts (≤ 128)")
     ap.add_argument("--shapes", default=None, help="N:K,... (default: the full-size thinker's GEMMs)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
