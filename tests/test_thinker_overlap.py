@@ -447,11 +447,17 @@ def test_a_capture_after_warm_up_is_logged_as_a_stall(
         engine.submit(seq, WorkItem(list(range(100, 100 + prompt_len)), sampler=greedy(3)))
         engine.run_until_idle()
 
+    def runner_warnings() -> list[logging.LogRecord]:
+        # The runner's own (a capture while serving); a slow-step warning depends on the machine's speed.
+        return [
+            r for r in caplog.records if r.name == "services.thinker.runner" and r.levelno >= logging.WARNING
+        ]
+
     with caplog.at_level(logging.INFO, logger="services.thinker.runner"):
-        decode(40)
+        decode(40)  # a 40-token prefill: a packed step in the warmed 64-row bucket
         assert set(engine.runner._graphs) == warmed
-        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not runner_warnings()
         decode(300)
-    [late] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    [late] = runner_warnings()
     assert "while serving" in late.getMessage() and "context=512" in late.getMessage()
     assert set(engine.runner._graphs) - warmed
