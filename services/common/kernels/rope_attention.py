@@ -12,6 +12,9 @@ write in this same launch. So every row finds its *fresh* rows (the rows before 
 same first block and consecutive positions; blocks belong to one sequence, so that is exact), reads only
 the keys before them from the cache, and computes the fresh keys itself from the QKV output (one at a
 time, dealt round the row's key-split programs). A decode row has no fresh rows but its own token.
+A row looks back at most ``LOOKBACK`` rows, so a step may hold at most that many: the thinker runs this
+kernel for packed steps of up to 32 rows and larger ones as rotary + K/V write, then attention
+(``services.thinker.fused_forward.ROPE_ATTENTION_MAX_ROWS``), where a long chunk costs no serial chain.
 """
 
 from __future__ import annotations
