@@ -50,8 +50,9 @@ from bench.launch import add_gpu_sharing_flags
 from bench.realtime_workload import SessionPlan, SessionResult, native_session, turn_session
 
 # Stage histograms read per level: barge-in drain, engine step time and batch size of every stage; the
-# thinker's split of a duplex unit (queued / encode / behind / engine) and of a step (forward / sample), its
-# steps by path (graph / graph_mixed / eager), and its streaming-Whisper batch size; code2wav's later windows that were past their deadline on arrival or when done.
+# thinker's split of a duplex unit (queued / encode / behind / engine) and of a step (forward / sample),
+# its steps by path (graph / graph_mixed / eager) and its streaming-Whisper batch size; code2wav's later
+# windows that were past their deadline on arrival or when done.
 STAGE_PREFIXES = (
     "(?:minicpmo_stage_interrupt_drain_|minicpmo_stage_step_|minicpmo_stage_batch_|"
     "minicpmo_thinker_duplex_unit_|minicpmo_thinker_step_phase_|minicpmo_thinker_step_path_|"

@@ -122,8 +122,10 @@ def test_code2wav_late_windows_are_counted_and_averaged_per_level() -> None:
 def test_thinker_steps_are_counted_by_path_per_level() -> None:
     """The step-path histogram gives each path's step count and mean forward time; the level's report
     prints them (an eager step in a duplex level is a step too large for the row graphs)."""
-    from bench.realtime_duplex import _metric_means, render_markdown
+    from bench.realtime_duplex import STEP_PATHS, _metric_means, render_markdown
+    from services.thinker.runner import STEP_PATHS as RUNNER_PATHS
 
+    assert STEP_PATHS == RUNNER_PATHS  # the bench's copy of the runner's labels
     path = 'minicpmo_thinker_step_path_seconds_{}{{path="{}"}}'
     sums = {
         path.format("count", "graph"): 900.0,

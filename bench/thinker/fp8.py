@@ -75,10 +75,12 @@ def reference(runner, batches: list[int], device: torch.device) -> dict:  # noqa
 
 
 def candidates(rows: int, n: int, k: int, sms: int = 132) -> list:
-    """The sweep's configs for ``rows`` (≤ 128: the decode and packed-step layouts) and shape ``[n, k]``."""
-    from services.common.kernels.fp8_gemm import PACKED_ROWS, SKINNY_ROWS, Fp8Config
+    """The sweep's configs for ``rows`` (up to the thinker's largest packed step, 128: the decode and
+    packed-step layouts) and shape ``[n, k]``."""
+    from services.common.kernels.fp8_gemm import SKINNY_ROWS, Fp8Config
+    from services.thinker.runner import ModelRunner
 
-    if rows > PACKED_ROWS:
+    if rows > ModelRunner.PACKED_MAX_ROWS:
         return []
     if rows > SKINNY_ROWS:
         return packed_candidates(rows, n, k, sms)

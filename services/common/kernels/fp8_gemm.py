@@ -44,7 +44,6 @@ from services.common.kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantiz
 __all__ = ["Fp8Config", "Fp8Weight", "fp8_linear", "fp8_linear_ref", "quantize_fp8"]
 
 SKINNY_ROWS = 32  # at most this many rows: the decode layout (padded row tile, split K)
-PACKED_ROWS = 128  # the thinker's largest packed (graph) step: bench.thinker.fp8 sweeps up to here
 
 
 class Fp8Config(NamedTuple):

@@ -12,9 +12,8 @@ write in this same launch. So every row finds its *fresh* rows (the rows before 
 same first block and consecutive positions; blocks belong to one sequence, so that is exact), reads only
 the keys before them from the cache, and computes the fresh keys itself from the QKV output (one at a
 time, dealt round the row's key-split programs). A decode row has no fresh rows but its own token.
-A row looks back at most ``LOOKBACK`` rows, so a step may hold at most that many: the thinker runs this
-kernel for packed steps of up to 32 rows and larger ones as rotary + K/V write, then attention
-(``services.thinker.fused_forward.ROPE_ATTENTION_MAX_ROWS``), where a long chunk costs no serial chain.
+A row looks back at most ``LOOKBACK`` rows, so a step may hold at most that many: a caller runs larger
+steps as rotary + K/V write, then attention (two launches), where a long chunk costs no serial chain.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from services.common.kernels.triton_parts import (
     write_output,
 )
 
-LOOKBACK = 32  # how far fresh rows reach: the most rows of a step this kernel serves (fused_forward.ROPE_ATTENTION_MAX_ROWS)
+LOOKBACK = 32  # how far fresh rows reach: the most rows of a step this kernel may serve
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
