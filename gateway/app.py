@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import importlib
 import logging
 import re
@@ -382,6 +383,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
+    faulthandler.enable()  # a native crash (SIGSEGV in a C extension) prints every thread's stack
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, process="gateway")
     try:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import shutil
@@ -734,6 +735,7 @@ def gateway_options(
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable()  # a native crash (SIGSEGV in a C extension) prints every thread's stack
     args = build_parser().parse_args(argv)
     logs.configure("info", process="launcher", stream=sys.stdout)
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import sys
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         dump_parser = argparse.ArgumentParser(prog="python -m services.code2wav dump")
         add_dump_arguments(dump_parser)
         return dump_main(dump_parser.parse_args(argv[1:]))
+    faulthandler.enable()  # a native crash (SIGSEGV in a C extension) prints every thread's stack
     args, fraction = parse_stage_args(build_parser(), "code2wav", argv)
     apply_memory_cap("code2wav", args.device, fraction, log)  # before the model loads, so it counts too
     if args.threads:

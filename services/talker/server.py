@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import math
 import time
@@ -358,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    faulthandler.enable()  # a native crash (SIGSEGV in a C extension) prints every thread's stack
     args, fraction = parse_stage_args(build_parser(), STAGE, argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cap = apply_memory_cap(STAGE, args.device, fraction, log)  # before the weights load, so they count too

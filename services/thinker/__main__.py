@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import sys
 import time
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(argv: list[str]) -> int:
     """Build the backend from the CLI flags, capture the decode graphs and serve until SIGTERM."""
+    faulthandler.enable()  # a native crash (SIGSEGV in a C extension) prints every thread's stack
     args, fraction = parse_stage_args(build_parser(), STAGE, argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = EngineConfig(
