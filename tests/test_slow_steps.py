@@ -36,6 +36,28 @@ def test_a_slow_step_is_logged_with_its_phases(caplog: pytest.LogCaptureFixture)
     assert timer.finish() is None and _count("unit-a") == before + 1
 
 
+def test_a_callable_fact_is_read_only_when_the_step_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The thinker passes the device's forward time this way: reading it costs only on slow steps."""
+    reads: list[int] = []
+
+    def device_ms() -> str:
+        reads.append(1)
+        return "12.5"
+
+    timer = StepTimer("unit-lazy", limit_ms=5.0)
+    timer.start()
+    timer.mark("sample and emit", device_forward_ms=device_ms)
+    assert timer.finish() is None and reads == []  # fast: never read
+    timer.start()
+    time.sleep(0.01)
+    timer.mark("sample and emit", device_forward_ms=device_ms)
+    with caplog.at_level(logging.WARNING, logger="services.common.slow_steps"):
+        assert timer.finish() is not None
+    assert reads == [1]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "(device_forward_ms 12.5)" in line
+
+
 def test_threshold_is_the_process_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage CLI configures it from ``--slow-step-ms`` (the profile's ``slow_step_ms``); timers built
     before that (the engine is built first) follow it."""

@@ -138,6 +138,11 @@ class EngineEvent:
 Sink = Callable[[EngineEvent], None]
 
 
+def _device_ms(events: tuple[torch.cuda.Event, torch.cuda.Event]) -> str:
+    """The time between two recorded CUDA events in ms, or "pending" while the second has not run."""
+    return f"{events[0].elapsed_time(events[1]):.1f}" if events[1].query() else "pending"
+
+
 class ThinkerEngine:
     """Continuous batching over a paged KV cache for any number of streams."""
 
@@ -387,7 +392,9 @@ class ThinkerEngine:
             events[1].record()
         t_forward = time.perf_counter() - t0
         n_prefill = sum(n for _, n in plan.prefill)
-        self._timer.mark("forward", decode_rows=len(plan.decode), prefill_tokens=n_prefill)
+        # On CUDA this phase is the launch; the device's own forward time shows in "sample and emit".
+        phase = "forward" if events is None else "forward launch"
+        self._timer.mark(phase, decode_rows=len(plan.decode), prefill_tokens=n_prefill)
         self._flush_step_metrics()
         self._update_gauges()
         try:
@@ -429,7 +436,10 @@ class ThinkerEngine:
             )  # fmt: skip
             return
         self._consume(plan, out)
-        self._timer.mark("sample and emit")
+        if events is None:
+            self._timer.mark("sample and emit")
+        else:  # its wall time includes waiting for the device: say how much of it the forward took
+            self._timer.mark("sample and emit", device_forward_ms=lambda: _device_ms(events))
         dt = time.perf_counter() - t0
         self._pending_metrics = (
             events, t_forward, dt, n_prefill, len(plan.decode), len(plan.prefill), self.runner.last_path
