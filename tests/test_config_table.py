@@ -122,6 +122,7 @@ def test_profile_keys_become_stage_flag_defaults(stage: str, monkeypatch: pytest
         overrides["steps_per_replay"] = 2
     if stage == "thinker":
         overrides["kernel_table"] = "/tables/h100.json"
+        overrides["fp8_table"] = "/tables/h100-fp8.json"
     profile = load_profile("cpu").with_overrides({stage: overrides})
     monkeypatch.setenv("MINICPMO_STAGE_SETTINGS", profile.stage(stage).settings_json())
     monkeypatch.setattr(slow_steps, "_threshold_ms", slow_steps.DEFAULT_MS)
@@ -132,7 +133,7 @@ def test_profile_keys_become_stage_flag_defaults(stage: str, monkeypatch: pytest
     if stage == "talker":
         assert args.steps_per_replay == 2
     if stage == "thinker":
-        assert args.kernel_table == "/tables/h100.json"
+        assert args.kernel_table == "/tables/h100.json" and args.fp8_table == "/tables/h100-fp8.json"
     args, _ = parse_stage_args(_parser(stage), stage, ["--checkpoint", "/ckpt", "--slow-step-ms", "0"])
     assert args.slow_step_ms == 0 and slow_steps.threshold_ms() == 0  # the flag wins over the profile
 

@@ -170,7 +170,10 @@ def test_planned_flags_exist_in_every_stage_cli() -> None:
     import subprocess
     import sys
 
-    children = plan_children(load_profile("minicpmo_4_5"), "/ckpt", "/p.yaml", 8099, python=sys.executable)
+    profile = load_profile("minicpmo_4_5").with_overrides(
+        {"thinker": {"kernel_table": "/t/skinny.json", "fp8_table": "/t/fp8.json"}}  # flags only when set
+    )
+    children = plan_children(profile, "/ckpt", "/p.yaml", 8099, python=sys.executable)
     for child in children:
         helptext = subprocess.run(
             child.argv[:3] + ["--help"], capture_output=True, text=True, timeout=120

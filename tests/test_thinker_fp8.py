@@ -316,3 +316,54 @@ def test_rope_attention_microbench_runs_on_an_fp8_cache() -> None:
     )
     assert point["kv_cache"] == "float8_e4m3fn" and point["two_kernels_us"] > 0
     assert point["best"]["launch"] == "(32, 2, 1)" and point["best"]["us"] > 0
+
+
+def test_a_sweep_table_file_feeds_the_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench.thinker.fp8 --json-out`` rows load as table entries keyed by row bucket: a packed step's
+    64- and 128-row buckets too, which the built-in table leaves to the default. A file that is not an
+    fp8 sweep (a skinny table, a config the kernel cannot launch, not JSON) is refused with why."""
+    import json
+
+    from services.common.kernels import fp8_gemm, skinny
+
+    split = [128, 64, 128, 4, 8, 3]
+    rows = [
+        {"rows": 128, "n": 4096, "k": 12288, "default": [128, 128, 64, 1, 8, 3], "default_us": 40.0,
+         "best": {"config": split, "us": 30.0}, "best_gb_s": 1.0, "timed": []},
+        {"rows": 64, "n": 6144, "k": 4096, "best": {"config": [64, 64, 128, 2, 4, 3], "us": 9.0}},
+        {"rows": 1, "n": 24576, "k": 4096, "best": None},
+    ]  # fmt: skip
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps(rows))
+    monkeypatch.setattr(fp8_gemm, "FP8_CONFIGS", {})
+    assert fp8_gemm.use_table(path) == 2
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda device: 132)
+    assert fp8_gemm.config_for(100, 4096, 12288, cuda) == fp8_gemm.Fp8Config(*split)  # bucket 128
+    assert fp8_gemm.config_for(40, 6144, 4096, cuda) == fp8_gemm.Fp8Config(64, 64, 128, 2, 4, 3)
+    assert fp8_gemm.config_for(1, 24576, 4096, cuda) == fp8_gemm.default_config(1, 24576, 4096)
+    assert fp8_gemm.config_for(300, 4096, 12288, cuda) == fp8_gemm.default_config(300, 4096, 12288)
+
+    skinny_rows = [{"rows": 1, "n": 4096, "k": 4096, "best": {"config": [64, 128, 4, 4, 3, True], "us": 9.0}}]
+    bad = {
+        "skinny.json": json.dumps(skinny_rows),
+        "tile.json": json.dumps([{**rows[0], "best": {"config": [128, 48, 64, 1, 8, 3], "us": 1.0}}]),
+        "short.json": json.dumps([{**rows[0], "best": {"config": [128, 64, 64], "us": 1.0}}]),
+        "dict.json": json.dumps({"rows": 1}),
+        "text.json": "not json",
+    }
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=name):
+            fp8_gemm.load_table(tmp_path / name)
+    with pytest.raises(ValueError, match="not a skinny GEMM"):  # and the other way round
+        skinny.load_table(path)
+
+
+def test_thinker_start_refuses_a_bad_table_before_loading_the_model(tmp_path: Path) -> None:
+    from services.thinker.__main__ import load_kernel_tables
+
+    bad = tmp_path / "h200-fp8.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match="thinker: kernel table .*h200-fp8.json"):
+        load_kernel_tables(None, str(bad))

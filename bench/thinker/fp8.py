@@ -11,7 +11,9 @@
   built-in table.
 
 ``python -m bench.thinker.fp8 --device cuda`` runs the sweep alone on random weights of the full-size
-shapes (or ``--shapes N:K,...``) and prints the table entries.
+shapes (or ``--shapes N:K,...``) and prints the table entries; its ``--json-out`` file is what the
+thinker's ``fp8_table`` profile key (``--fp8-table``) loads at start, for a card or row buckets the
+built-in table was not measured on.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
                  duplex_window: basic, duplex_window_high: 8000, duplex_window_low: 6000,
                  weights: bf16,   # or fp8: e4m3 projection weights quantized at load
                  kv_cache: bf16,  # or fp8: an e4m3 KV cache
-                 prefix_caching: true, kernels: auto, kernel_table: null, slow_step_ms: 50}
+                 prefix_caching: true, kernels: auto, kernel_table: null, fp8_table: null,
+                 slow_step_ms: 50}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
                  codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25},
                  kernels: auto, steps_per_replay: 4, slow_step_ms: 50}
@@ -121,6 +122,8 @@ class StageProfile:
     kernels: str = "auto"
     # thinker only: a microbench table of skinny-GEMM configs (None: the built-in table)
     kernel_table: str | None = None
+    # thinker only: a sweep table of fp8 GEMM configs (None: the built-in table)
+    fp8_table: str | None = None
     # talker only: decode steps per CUDA-graph replay (None: 4 with graphs, 1 without)
     steps_per_replay: int | None = None
     # thinker only: the duplex sliding context window, on unless a profile turns it off, so a long call
@@ -289,6 +292,7 @@ class DeployProfile:
                     "weights",
                     "kv_cache",
                     "kernel_table",
+                    "fp8_table",
                     "prefix_caching",
                     *THINKER_WINDOW_KEYS,
                 ):

@@ -236,6 +236,10 @@ class ThinkerDoc(_StageDoc):
     # A `bench.thinker.skinny --json-out` table of skinny-GEMM configs for a GPU the built-in one was not
     # measured on (services/common/kernels/skinny.py); a path as the thinker process sees it.
     kernel_table: str | None = None
+    # A `bench.thinker.fp8 --json-out` table of fp8 GEMM configs (weights: fp8), for a GPU the built-in
+    # table was not measured on or for the packed steps' 64- and 128-row buckets it leaves to the default
+    # (services/common/kernels/fp8_gemm.py); a path as the thinker process sees it.
+    fp8_table: str | None = None
     # Automatic prefix caching of full KV blocks (on unless a profile says false).
     prefix_caching: StrictBool | None = None
     codec: CodecOnlyTalker = None

@@ -44,6 +44,7 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "kv_cache": "kv_cache",
         "kernels": "kernels",
         "kernel_table": "kernel_table",
+        "fp8_table": "fp8_table",
         "slow_step_ms": "slow_step_ms",
         "gpu_priority": "gpu_priority",
         "prefix_caching": "prefix_caching",

@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="skinny-GEMM configs measured by `bench.thinker.skinny --json-out` for this GPU (profile kernel_table)",
     )
     ap.add_argument(
+        "--fp8-table",
+        default=None,
+        metavar="JSON",
+        help="fp8 GEMM configs measured by `bench.thinker.fp8 --json-out` for this GPU or for row counts the "
+        "built-in table leaves to the default (profile fp8_table)",
+    )
+    ap.add_argument(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -133,6 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
     return ap
+
+
+def load_kernel_tables(skinny_table: str | None, fp8_table: str | None) -> None:
+    """Add measured launch configs to the skinny and fp8 GEMMs' built-in tables (profile keys
+    ``kernel_table`` and ``fp8_table``); a file that is not such a table ends the process with why."""
+    from services.common.kernels import fp8_gemm, skinny
+
+    for path, kernel, use in (
+        (skinny_table, "skinny-GEMM", skinny.use_table),
+        (fp8_table, "fp8 GEMM", fp8_gemm.use_table),
+    ):
+        if not path:
+            continue
+        try:
+            log.info("thinker: %d %s configs from %s", use(path), kernel, path)
+        except ValueError as exc:
+            raise SystemExit(f"thinker: {exc}") from None
 
 
 def serve(argv: list[str]) -> int:
@@ -155,6 +179,7 @@ def serve(argv: list[str]) -> int:
         kv_cache=args.kv_cache,
         prefix_caching=args.prefix_caching,
     )
+    load_kernel_tables(args.kernel_table, args.fp8_table)  # before any capture; a bad file fails fast
     try:
         backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
     except KVBudgetError as exc:
@@ -163,12 +188,6 @@ def serve(argv: list[str]) -> int:
         backend.engine.runner.set_kernels(args.kernels)
         if args.weights == "fp8":
             backend.engine.runner.quantize_weights()
-    if args.kernel_table:
-        from services.common.kernels import skinny
-
-        log.info(
-            "thinker: %d skinny-GEMM configs from %s", skinny.use_table(args.kernel_table), args.kernel_table
-        )
     if args.duplex_window == "basic":
         try:
             window = DuplexWindow(args.duplex_window_high, args.duplex_window_low)

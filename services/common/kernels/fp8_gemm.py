@@ -25,13 +25,14 @@ step's arithmetic changes except the weights' rounding.
 Weight-only rather than ``torch._scaled_mm`` with per-token fp8 activations: decode is bandwidth-bound,
 where fp8 tensor-core math buys nothing, and quantizing activations would add a second error source (the
 residual stream of Qwen3 has large outlier channels) for a prefill-only gain. Configs come from
-:data:`FP8_CONFIGS` (``python -m bench.thinker.fp8 --tune`` prints entries for it) or
-:func:`default_config`, never from autotuning in the serving process (a tuning run inside a capture, or
+:data:`FP8_CONFIGS` (``python -m bench.thinker.fp8`` prints entries for it; a sweep's ``--json-out``
+loads at start through the thinker's ``fp8_table`` key) or :func:`default_config`, never from autotuning in the serving process (a tuning run inside a capture, or
 beside other stages on the GPU, would be unsafe and noisy).
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -40,8 +41,17 @@ import triton.language as tl
 
 from services.common.kernels.counters import ArrivalCounters
 from services.common.kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantize_fp8
+from services.common.kernels.tuned import read_best, row_bucket
 
-__all__ = ["Fp8Config", "Fp8Weight", "fp8_linear", "fp8_linear_ref", "quantize_fp8"]
+__all__ = [
+    "Fp8Config",
+    "Fp8Weight",
+    "fp8_linear",
+    "fp8_linear_ref",
+    "quantize_fp8",
+    "row_bucket",
+    "use_table",
+]
 
 SKINNY_ROWS = 32  # at most this many rows: the decode layout (padded row tile, split K)
 
@@ -57,7 +67,7 @@ class Fp8Config(NamedTuple):
     num_stages: int
 
 
-# (row bucket, N, K) -> config, from ``python -m bench.thinker.fp8 --tune`` on the GPU host (it prints
+# (row bucket, N, K) -> config, from ``python -m bench.thinker.fp8`` on the GPU host (it prints
 # the entries); a missing shape takes ``default_config``. These are the thinker's decode GEMMs (QKV, O,
 # gate|up, down, lm_head) at 1 and 16 rows, swept by ``bash bench/gpu/fp8.sh`` on an H100 80GB HBM3; the
 # comment is the tuned time and the default config's in the same sweep.
@@ -95,8 +105,38 @@ FP8_CONFIGS: dict[tuple[int, int, int], Fp8Config] = {
 }
 
 
-def row_bucket(m: int) -> int:
-    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+def _checked(path: str | os.PathLike[str], key: tuple[int, int, int], cfg: Fp8Config) -> Fp8Config:
+    """``cfg`` if the kernel can launch it for ``key``'s rows, else ValueError naming the table entry."""
+    tiles = (cfg.block_m, cfg.block_n, cfg.block_k)
+    ok = (
+        all(isinstance(v, int) and not isinstance(v, bool) for v in cfg)
+        and all(t >= 16 and t & (t - 1) == 0 for t in tiles)
+        and cfg.split_k in (1, 2, 4, 8, 16)
+        and cfg.num_warps in (1, 2, 4, 8, 16)
+        and 1 <= cfg.num_stages <= 8
+    )
+    if not ok:
+        raise ValueError(f"fp8 table {path}: {key} has config {tuple(cfg)}, which the fp8 GEMM cannot launch")
+    return cfg
+
+
+def load_table(path: str | os.PathLike[str]) -> dict[tuple[int, int, int], Fp8Config]:
+    """The best config of each (row bucket, N, K) in a ``bench.thinker.fp8 --json-out`` file.
+
+    For a GPU the built-in table was not measured on, or for row buckets it leaves to
+    :func:`default_config` (the 64- and 128-row packed steps: ``--rows 64,128``): tune once, then name
+    the file in the thinker's ``fp8_table`` profile key (``--fp8-table``); :func:`use_table` loads it and
+    its entries win over the built-in ones. A file that is not such a table raises ValueError.
+    """
+    table = read_best(path, Fp8Config, len(Fp8Config._fields))
+    return {key: _checked(path, key, cfg) for key, cfg in table.items()}
+
+
+def use_table(path: str | os.PathLike[str]) -> int:
+    """Add a sweep's configs to :data:`FP8_CONFIGS` (before any graph capture); returns how many."""
+    table = load_table(path)
+    FP8_CONFIGS.update(table)
+    return len(table)
 
 
 def default_config(m: int, n: int, k: int, sms: int = 132) -> Fp8Config:

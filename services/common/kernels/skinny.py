@@ -18,9 +18,7 @@ other processes on the GPU, would be unsafe and noisy.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -28,6 +26,7 @@ import triton
 import triton.language as tl
 
 from services.common.kernels.counters import ArrivalCounters
+from services.common.kernels.tuned import read_best, row_bucket
 
 MAX_ROWS = 32  # the kernel's limit; the runner uses it up to ``fused_forward.SKINNY_MAX_ROWS``
 
@@ -58,18 +57,13 @@ def load_table(path: str | os.PathLike[str]) -> dict[tuple[int, int, int], Skinn
 
     For a GPU the built-in table was not measured on: tune once with the microbench, then name its
     output in the thinker's ``kernel_table`` profile key (``--kernel-table``); :func:`use_table` loads it
-    and its entries win over the built-in ones.
+    and its entries win over the built-in ones. A file that is not such a table raises ValueError.
     """
-    rows = json.loads(Path(path).read_text())
-    return {
-        (row_bucket(int(r["rows"])), int(r["n"]), int(r["k"])): SkinnyConfig(*r["best"]["config"])
-        for r in rows
-        if r.get("best")
-    }
-
-
-def row_bucket(m: int) -> int:
-    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+    table = read_best(path, SkinnyConfig, len(SkinnyConfig._fields))
+    for key, cfg in table.items():
+        if not isinstance(cfg.dot, bool):  # an fp8 sweep's configs have as many fields, all integers
+            raise ValueError(f"skinny table {path}: {key} has config {tuple(cfg)}, not a skinny GEMM's")
+    return table
 
 
 def default_config(m: int, n: int, k: int, sms: int = 132) -> SkinnyConfig:
