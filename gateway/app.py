@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import logs, metrics
@@ -40,7 +41,8 @@ from gateway.config import GatewayConfig
 from gateway.openai.body import ClientGone
 from gateway.openai.chat import OPENAPI_COMPONENTS
 from gateway.openai.chat import router as chat_router
-from gateway.openai.errors import APIError, error_body, error_response
+from gateway.openai.errors import APIError, error_body, error_response, invalid_request, model_not_found
+from gateway.openai.request_models import describe_error, error_loc
 from gateway.runtime import GatewayRuntime
 from gateway.shutdown import GRACEFUL_SHUTDOWN_S, GatewayServer
 from services.common.deploy_profile import load_profile
@@ -61,9 +63,10 @@ class _AuthAndCountMiddleware:
     route relies on it to cancel stage work when a non-streaming client goes away.
     """
 
-    def __init__(self, app: ASGIApp, config: GatewayConfig) -> None:
+    def __init__(self, app: ASGIApp, config: GatewayConfig, router: Router) -> None:
         self.app = app
         self.config = config
+        self.router = router  # the app's routes: requests are counted by route template
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -102,9 +105,20 @@ class _AuthAndCountMiddleware:
                 await self.app(scope, receive, send_counting)
         finally:
             if path not in _PUBLIC_PATHS:
-                metrics.REQUESTS.labels(
-                    path if path.startswith("/v1/") else "other", str(status["code"])
-                ).inc()
+                metrics.REQUESTS.labels(_route_label(self.router, scope), str(status["code"])).inc()
+
+
+def _route_label(router: Router, scope: Scope) -> str:
+    """The ``route`` label of a request: its route's template (``/v1/audio/voices/{name}``), so that
+    the label set stays bounded whatever paths clients send; ``unmatched`` for a ``/v1/`` path no route
+    serves, ``other`` outside ``/v1/``. A request refused before routing (401) is matched here."""
+    route = scope.get("route")  # set by the router on the scope it was given
+    if route is None:
+        route = next((r for r in router.routes if r.matches(scope)[0] is not Match.NONE), None)
+    template = getattr(route, "path", None)
+    if isinstance(template, str) and template.startswith("/v1/"):
+        return template
+    return "unmatched" if scope["path"].startswith("/v1/") else "other"
 
 
 def _request_id(given: bytes) -> str:
@@ -149,25 +163,29 @@ def create_app(
     app.state.voices = VoiceRegistry(config.profile.gateway.voice_dir)  # before the realtime mount
 
     _install_error_handlers(app)
-    app.add_middleware(_AuthAndCountMiddleware, config=config)
+    app.add_middleware(_AuthAndCountMiddleware, config=config, router=app.router)
+
+    def model_card(runtime: GatewayRuntime) -> dict[str, object]:
+        return {
+            "id": config.model_name,
+            "object": "model",
+            "created": runtime.created,
+            "owned_by": "minicpmo-serve",
+            "root": config.model_name,
+            "max_model_len": config.profile.stage("thinker").max_model_len,
+        }
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, object]:
-        runtime: GatewayRuntime = request.app.state.runtime
-        thinker = config.profile.stage("thinker")
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": config.model_name,
-                    "object": "model",
-                    "created": runtime.created,
-                    "owned_by": "minicpmo-serve",
-                    "root": config.model_name,
-                    "max_model_len": thinker.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card(request.app.state.runtime)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(request: Request, model: str) -> dict[str, object]:
+        """OpenAI's "retrieve model" (``client.models.retrieve``); the served id holds a slash, which the
+        SDK sends unescaped, hence the path converter."""
+        if model != config.model_name:
+            raise model_not_found(model, config.model_name)
+        return model_card(request.app.state.runtime)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -218,18 +236,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return JSONResponse(
-            error_body(
-                400,
-                f"invalid request: {first.get('msg', exc)}",
-                param,
-                "invalid_request_error",
-                "invalid_value",
-            ),
-            400,
-        )
+        # The routes FastAPI validates (the audio endpoints' JSON and form bodies, query parameters) word
+        # their refusals as the chat body's do: the field's path, OpenAI's reason code, what was wrong.
+        errors = exc.errors()
+        if not errors:
+            return error_response(invalid_request("invalid request", None))
+        loc = error_loc(errors[0])
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            loc = loc[1:]
+        param, code, message = describe_error(errors[0], loc)
+        return error_response(invalid_request(message if param else f"request body: {message}", param, code))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:

@@ -9,7 +9,7 @@ from fastapi import Request
 
 from gateway import metrics
 from gateway.audio.voices import VoiceRegistry
-from gateway.openai.errors import APIError
+from gateway.openai.errors import APIError, model_not_found
 from gateway.runtime import GatewayRuntime
 from gateway.stage_failure import StageFailure
 
@@ -32,7 +32,7 @@ def check_model(runtime: GatewayRuntime, model: str | None) -> None:
     """404 for a model this server does not serve (as the chat route answers)."""
     served = runtime.config.model_name
     if model is not None and model != served:
-        raise APIError(404, f"The model `{model}` does not exist. This server serves `{served}`.", "model")
+        raise model_not_found(model, served)
 
 
 def stage_api_error(exc: StageFailure) -> APIError:

@@ -71,6 +71,16 @@ def invalid_request(
     return APIError(status, message, param, INVALID_REQUEST, code=code)
 
 
+def model_not_found_message(model: str, served: str) -> str:
+    """What every route says about a model this server does not serve."""
+    return f"The model `{model[:200]}` does not exist. This server serves `{served}`."
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    """404 ``model_not_found`` for ``model`` (the audio routes, ``GET /v1/models/{model}``)."""
+    return invalid_request(model_not_found_message(model, served), "model", "model_not_found", status=404)
+
+
 def error_body(
     status: int,
     message: str,

@@ -40,9 +40,9 @@ from gateway.openai.request_models import (
     ToolChoiceFunction,
     ToolMessage,
     VideoURLPart,
+    describe_error,
     error_code_and_message,
     error_loc,
-    error_path,
 )
 from gateway.tool_calls import ToolChoice, ToolSpec
 from gateway.validation_types import FLOAT32_MAX, INT32_MAX, UINT32_MAX, UINT64_MAX
@@ -166,13 +166,12 @@ def _api_error(exc: ValidationError) -> APIError:
     loc = error_loc(err)
     if loc and loc[0] in _WHOLE_FIELDS:
         loc = loc[:1]
-    param = error_path(loc)
-    code, message = error_code_and_message(err)
+    param, code, message = describe_error(err, loc)
     if param is None:
         return invalid_request("request body must be a JSON object", None, "invalid_type")
     if code == "model_not_found":
-        return invalid_request(message, param, code, status=404)
-    return invalid_request(f"'{param}': {message}", param, code)
+        return invalid_request(error_code_and_message(err)[1], param, code, status=404)
+    return invalid_request(message, param, code)
 
 
 def parse_chat_request(

@@ -41,6 +41,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from gateway.audio_encoding import normalize_format
+from gateway.openai.errors import model_not_found_message
 from gateway.validation_types import (
     FINITE32,
     INT32_MAX,
@@ -822,9 +823,7 @@ class ChatCompletionRequest(_Model):
                 "missing_required_parameter", "must be a string naming the served model (or be left out)"
             )
         if served is not None and value != served:
-            raise fail(
-                "model_not_found", f"The model `{value[:200]}` does not exist. This server serves `{served}`."
-            )
+            raise fail("model_not_found", model_not_found_message(value, served))
         return value
 
     @field_validator("messages")
@@ -1062,6 +1061,15 @@ _PYDANTIC_WORDING = re.compile(r"a valid dictionary(?: or instance of \w+)?|a va
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def describe_error(err: Any, loc: tuple[str | int, ...]) -> tuple[str | None, str, str]:
+    """``(param, code, message)`` of one pydantic error found at ``loc``: the JSON path, OpenAI's reason
+    code and a message that names the path first (``'stop': list should have at most 4 items...``).
+    Every route's refusals are worded this way (the chat body's and FastAPI's own validation)."""
+    param = error_path(loc)
+    code, message = error_code_and_message(err)
+    return param, code, (f"'{param}': {message}" if param else message)
 
 
 def error_code_and_message(err: Any) -> tuple[str, str]:
