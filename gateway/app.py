@@ -30,7 +30,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import logs, metrics
@@ -63,10 +62,9 @@ class _AuthAndCountMiddleware:
     route relies on it to cancel stage work when a non-streaming client goes away.
     """
 
-    def __init__(self, app: ASGIApp, config: GatewayConfig, router: Router) -> None:
+    def __init__(self, app: ASGIApp, config: GatewayConfig) -> None:
         self.app = app
         self.config = config
-        self.router = router  # the app's routes: requests are counted by route template
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -96,26 +94,27 @@ class _AuthAndCountMiddleware:
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
             await send(message)
 
+        routed = False
         try:
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
             if path.startswith("/v1/") and not check_api_key(self.config, authorization):
                 err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)")
                 await error_response(err)(scope, receive, send_counting)
             else:
+                routed = True
                 await self.app(scope, receive, send_counting)
         finally:
             if path not in _PUBLIC_PATHS:
-                metrics.REQUESTS.labels(_route_label(self.router, scope), str(status["code"])).inc()
+                metrics.REQUESTS.labels(_route_label(scope, routed), str(status["code"])).inc()
 
 
-def _route_label(router: Router, scope: Scope) -> str:
-    """The ``route`` label of a request: its route's template (``/v1/audio/voices/{name}``), so that
-    the label set stays bounded whatever paths clients send; ``unmatched`` for a ``/v1/`` path no route
-    serves, ``other`` outside ``/v1/``. A request refused before routing (401) is matched here."""
-    route = scope.get("route")  # set by the router on the scope it was given
-    if route is None:
-        route = next((r for r in router.routes if r.matches(scope)[0] is not Match.NONE), None)
-    template = getattr(route, "path", None)
+def _route_label(scope: Scope, routed: bool) -> str:
+    """The ``route`` label of a request: its route's template (``/v1/audio/voices/{name}``), so that the
+    label set stays bounded whatever paths clients send: ``unauthorized`` for a request refused before
+    routing (no API key), ``unmatched`` for a ``/v1/`` path no route serves, ``other`` outside ``/v1/``."""
+    if not routed:
+        return "unauthorized"
+    template = getattr(scope.get("route"), "path", None)  # the router sets it on the scope it was given
     if isinstance(template, str) and template.startswith("/v1/"):
         return template
     return "unmatched" if scope["path"].startswith("/v1/") else "other"
@@ -163,7 +162,7 @@ def create_app(
     app.state.voices = VoiceRegistry(config.profile.gateway.voice_dir)  # before the realtime mount
 
     _install_error_handlers(app)
-    app.add_middleware(_AuthAndCountMiddleware, config=config, router=app.router)
+    app.add_middleware(_AuthAndCountMiddleware, config=config)
 
     def model_card(runtime: GatewayRuntime) -> dict[str, object]:
         return {
