@@ -182,6 +182,14 @@ def test_stop_logprobs_penalties_seed() -> None:
     _refused("frequency_penalty", frequency_penalty="high")
 
 
+def test_top_p_zero_is_the_most_likely_token() -> None:
+    """OpenAI accepts top_p = 0; the thinker's range is (0, 1], so it goes there as top_k = 1."""
+    sampling = _req(top_p=0, top_k=5, temperature=0.7).thinker_sampling
+    assert "top_p" not in sampling and sampling["top_k"] == 1 and sampling["temperature"] == 0.7
+    assert _req(top_p=0.5).thinker_sampling["top_p"] == 0.5
+    _refused("top_p", top_p=-0.1)
+
+
 def test_openai_audio_object() -> None:
     req = _req(modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"})
     assert req.openai_audio == OpenAIAudio("alloy", "pcm16") and req.audio_format == "pcm"

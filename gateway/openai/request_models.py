@@ -976,6 +976,11 @@ class ChatCompletionRequest(_Model):
         stage = self._stage(0)
         if stage is not None:
             out.update(stage.given())
+        if out.get("top_p") == 0:
+            # OpenAI takes top_p in [0, 1]; the nucleus of p -> 0 is the most likely token alone, which the
+            # thinker (top_p in (0, 1]) draws as top_k = 1.
+            del out["top_p"]
+            out["top_k"] = 1
         return out
 
     def talker_sampling(self) -> dict[str, Any]:
