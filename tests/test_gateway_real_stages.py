@@ -281,16 +281,17 @@ def test_usage_only_at_the_end_without_continuous_stats(gateway: ThreadedGateway
 
 # ---- stage-side validation ------------------------------------------------------------------------
 def test_thinker_rejection_maps_to_400_with_param(gateway: ThreadedGateway) -> None:
-    # top_p = 0 passes the gateway's range check [0, 1]; the thinker's sampler needs (0, 1]
+    # a logit_bias id passes the gateway's check (a decimal id); only the thinker knows its vocabulary
+    bias = {"logit_bias": {"99999999": 5}}
     for stream in (False, True):
         r = httpx.post(
-            f"{gateway.url}/v1/chat/completions", json=_chat("hi", top_p=0.0, stream=stream), timeout=120
+            f"{gateway.url}/v1/chat/completions", json=_chat("hi", stream=stream, **bias), timeout=120
         )
         assert r.status_code == 400, r.text  # streaming too: nothing had been sent yet
         err = r.json()["error"]
         # the thinker's typed reason is the envelope's code, never the HTTP status
         assert err["code"] == "invalid_argument" and err["type"] == "invalid_request_error"
-        assert err["param"] == "sampling.top_p" and "thinker" in err["message"]
+        assert err["param"] == "logit_bias.99999999" and "thinker" in err["message"]
 
 
 def test_prompt_over_the_context_is_context_length_exceeded(gateway: ThreadedGateway, stages: Stages) -> None:
