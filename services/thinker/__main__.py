@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 def load_kernel_tables(skinny_table: str | None, fp8_table: str | None) -> None:
     """Add measured launch configs to the skinny and fp8 GEMMs' built-in tables (profile keys
     ``kernel_table`` and ``fp8_table``); a file that is not such a table ends the process with why."""
+    if not (skinny_table or fp8_table):
+        return  # the kernel modules (Triton) are imported only for a table to load
     from services.common.kernels import fp8_gemm, skinny
 
     for path, kernel, use in (

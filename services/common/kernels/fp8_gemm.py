@@ -26,8 +26,9 @@ Weight-only rather than ``torch._scaled_mm`` with per-token fp8 activations: dec
 where fp8 tensor-core math buys nothing, and quantizing activations would add a second error source (the
 residual stream of Qwen3 has large outlier channels) for a prefill-only gain. Configs come from
 :data:`FP8_CONFIGS` (``python -m bench.thinker.fp8`` prints entries for it; a sweep's ``--json-out``
-loads at start through the thinker's ``fp8_table`` key) or :func:`default_config`, never from autotuning in the serving process (a tuning run inside a capture, or
-beside other stages on the GPU, would be unsafe and noisy).
+loads at start through the thinker's ``fp8_table`` key) or :func:`default_config`, never from
+autotuning in the serving process (a tuning run inside a capture, or beside other stages on the GPU,
+would be unsafe and noisy).
 """
 
 from __future__ import annotations
