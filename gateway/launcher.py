@@ -135,6 +135,8 @@ def stage_flags(sp: StageProfile) -> list[str]:
         extra = ["--kernel-table", sp.kernel_table, *extra]
     if sp.name == "thinker" and sp.fp8_table:
         extra = ["--fp8-table", sp.fp8_table, *extra]
+    if sp.name == "thinker" and sp.max_step_tokens != StageProfile.max_step_tokens:
+        extra = ["--max-step-tokens", str(sp.max_step_tokens), *extra]
     if sp.name == "talker" and sp.steps_per_replay is not None:
         extra = ["--steps-per-replay", str(sp.steps_per_replay), *extra]
     if sp.name == "thinker":

@@ -123,6 +123,7 @@ def test_profile_keys_become_stage_flag_defaults(stage: str, monkeypatch: pytest
     if stage == "thinker":
         overrides["kernel_table"] = "/tables/h100.json"
         overrides["fp8_table"] = "/tables/h100-fp8.json"
+        overrides["max_step_tokens"] = 128
     profile = load_profile("cpu").with_overrides({stage: overrides})
     monkeypatch.setenv("MINICPMO_STAGE_SETTINGS", profile.stage(stage).settings_json())
     monkeypatch.setattr(slow_steps, "_threshold_ms", slow_steps.DEFAULT_MS)
@@ -134,6 +135,7 @@ def test_profile_keys_become_stage_flag_defaults(stage: str, monkeypatch: pytest
         assert args.steps_per_replay == 2
     if stage == "thinker":
         assert args.kernel_table == "/tables/h100.json" and args.fp8_table == "/tables/h100-fp8.json"
+        assert args.max_step_tokens == 128
     args, _ = parse_stage_args(_parser(stage), stage, ["--checkpoint", "/ckpt", "--slow-step-ms", "0"])
     assert args.slow_step_ms == 0 and slow_steps.threshold_ms() == 0  # the flag wins over the profile
 
@@ -148,5 +150,9 @@ def test_new_keys_are_validated() -> None:
         base.with_overrides({"code2wav": {"slow_step_ms": -1}})
     with pytest.raises(ProfileError, match="kernels"):
         base.with_overrides({"code2wav": {"kernels": "torch"}})  # code2wav has no such kernels
+    with pytest.raises(ProfileError, match=r"max_step_tokens \(8\) is below max_num_seqs \(24\)"):
+        base.with_overrides({"thinker": {"max_num_seqs": 24, "max_step_tokens": 8}})
+    with pytest.raises(ProfileError, match="max_step_tokens"):
+        base.with_overrides({"talker": {"max_step_tokens": 128}})  # a thinker setting
     with pytest.raises(ProfileError, match="steps_per_replay"):
         base.with_overrides({"thinker": {"steps_per_replay": 2}})

@@ -171,7 +171,7 @@ def test_planned_flags_exist_in_every_stage_cli() -> None:
     import sys
 
     profile = load_profile("minicpmo_4_5").with_overrides(
-        {"thinker": {"kernel_table": "/t/skinny.json", "fp8_table": "/t/fp8.json"}}  # flags only when set
+        {"thinker": {"kernel_table": "/t/skinny.json", "fp8_table": "/t/fp8.json", "max_step_tokens": 128}}
     )
     children = plan_children(profile, "/ckpt", "/p.yaml", 8099, python=sys.executable)
     for child in children:

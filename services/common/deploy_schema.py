@@ -242,6 +242,10 @@ class ThinkerDoc(_StageDoc):
     fp8_table: str | None = None
     # Automatic prefix caching of full KV blocks (on unless a profile says false).
     prefix_caching: StrictBool | None = None
+    # Rows one engine step may hold: every decoding sequence's token plus prefill chunks in the rest
+    # (services/thinker/scheduler.py). At most 128, every step fits a captured row graph; more lets a long
+    # prompt prefill in fewer, eager steps that the decoding sequences wait on.
+    max_step_tokens: PositiveInt | None = None
     codec: CodecOnlyTalker = None
 
     @model_validator(mode="after")
@@ -253,6 +257,16 @@ class ThinkerDoc(_StageDoc):
             raise ValueError(f"duplex window: need duplex_window_low ({low}) < duplex_window_high ({high})")
         if self.max_model_len is not None and high > self.max_model_len:
             raise ValueError(f"duplex_window_high ({high}) exceeds max_model_len ({self.max_model_len})")
+        return self
+
+    @model_validator(mode="after")
+    def _step_holds_every_decode(self) -> ThinkerDoc:
+        seqs = self.max_num_seqs or 4
+        if self.max_step_tokens is not None and self.max_step_tokens < seqs:
+            raise ValueError(
+                f"max_step_tokens ({self.max_step_tokens}) is below max_num_seqs ({seqs}): a step must "
+                "hold one decode row of every running sequence"
+            )
         return self
 
 

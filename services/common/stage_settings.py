@@ -48,6 +48,7 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "slow_step_ms": "slow_step_ms",
         "gpu_priority": "gpu_priority",
         "prefix_caching": "prefix_caching",
+        "max_step_tokens": "max_step_tokens",
     },
     "talker": {
         "max_num_seqs": "max_streams",

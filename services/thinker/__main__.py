@@ -74,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=int, default=None, help="cap below config max_position_embeddings")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences computing at once")
     ap.add_argument(
-        "--max-step-tokens", type=int, default=512, help="tokens per engine step (prefill chunk budget)"
+        "--max-step-tokens",
+        type=int,
+        default=512,
+        help="rows per engine step: decode rows, then prefill chunks in the rest (profile max_step_tokens)",
     )
     ap.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer blocks (GPU)")
