@@ -135,6 +135,24 @@ def test_default_config_splits_decode_and_tiles_prefill() -> None:
     assert d(32, 4096, 4096).block_m == 32 and d(512, 4096, 4096) == fp8_gemm.Fp8Config(128, 128, 64, 1, 8, 3)
 
 
+def test_packed_step_buckets_take_their_own_built_in_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 64- and 128-row graph buckets (packed decode + prefill steps) have swept entries for every
+    thinker GEMM but the 128-row lm_head (whose best was the default), each launchable with one row tile
+    (so its K split is used), and the lookup picks them for any row count of the bucket."""
+    from services.common.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+    for bucket, rows in ((64, (33, 64)), (128, (65, 128))):
+        for n, k in shapes + ([(151748, 4096)] if bucket == 64 else []):
+            cfg = fp8_gemm.FP8_CONFIGS[(bucket, n, k)]
+            assert fp8_gemm._checked("built-in", (bucket, n, k), cfg) == cfg
+            assert cfg.block_m == bucket and cfg != fp8_gemm.default_config(bucket, n, k, 132)
+            assert all(fp8_gemm.config_for(m, n, k, cuda) == cfg for m in rows)
+    assert fp8_gemm.config_for(200, 4096, 4096, cuda) == fp8_gemm.default_config(200, 4096, 4096, 132)
+
+
 # ------------------------------------------------------------------------------------------ the thinker
 def _llm(tiny_ckpt: Path) -> torch.nn.Module:
     """A fresh tiny LLM: quantization changes the module, so no test shares one."""

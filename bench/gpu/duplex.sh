@@ -8,8 +8,10 @@
 # Env: SESSIONS, DURATION, LANES, BUDGET (seconds, 400), LEVEL_TIMEOUT (seconds a level may run before
 # its unfinished sessions are stopped and reported as such; 2 x DURATION + 60), EXTRA (more
 # bench.realtime_duplex flags, e.g. "--gpu-sharing time_slice" to run the stages without MPS),
-# WHISPER_PASS (1: first time one batched streaming-Whisper pass at 1/4/16/24 sessions, full-size shapes,
-# alone on the card, into $OUT/realtime/whisper_pass.md, about half a minute; 0 skips it).
+# STARTUP_TIMEOUT (seconds the stages may take to report serving, 300: on an H100 under MPS they took
+# 141 s in one run and more than 150 in the next, code2wav's graph warm-up the longest),
+# WHISPER_PASS (1: first time one batched streaming-Whisper pass at 1/4/16/24 sessions, full-size
+# shapes, alone on the card, into $OUT/realtime/whisper_pass.md, about half a minute; 0 skips it).
 # Writes $OUT/realtime/realtime.json, realtime.md and the stage logs (realtime/logs/) as it goes, so a run
 # cut short by the host's time limit keeps every finished level and every log. Run from the repository root.
 set -uo pipefail
@@ -24,7 +26,7 @@ if [ "${WHISPER_PASS:-1}" = 1 ]; then
 fi
 # shellcheck disable=SC2086  # SESSIONS and EXTRA are lists
 timeout "${BUDGET:-400}" "$PY" -m bench.realtime_duplex --checkpoint "$CKPT" --deploy-config "$PROFILE" \
-  --device cuda --units 10 --lanes ${LANES:-turn} --warmup 1 --startup-timeout 150 \
+  --device cuda --units 10 --lanes ${LANES:-turn} --warmup 1 --startup-timeout "${STARTUP_TIMEOUT:-300}" \
   --sessions ${SESSIONS:-16} --duration "${DURATION:-30}" --level-timeout "${LEVEL_TIMEOUT:-$((2 * ${DURATION:-30} + 60))}" \
   ${EXTRA:-} --out-dir "$OUT/realtime" \
   > "$OUT/realtime/bench.log" 2>&1

@@ -70,8 +70,11 @@ class Fp8Config(NamedTuple):
 
 # (row bucket, N, K) -> config, from ``python -m bench.thinker.fp8`` on the GPU host (it prints
 # the entries); a missing shape takes ``default_config``. These are the thinker's decode GEMMs (QKV, O,
-# gate|up, down, lm_head) at 1 and 16 rows, swept by ``bash bench/gpu/fp8.sh`` on an H100 80GB HBM3; the
-# comment is the tuned time and the default config's in the same sweep.
+# gate|up, down, lm_head) at 1 and 16 rows, swept by ``bash bench/gpu/fp8.sh`` on an H100 80GB HBM3, and
+# at 64 and 128 rows, the packed steps' graph buckets (decode rows with prefill chunks), swept by
+# ``python -m bench.thinker.fp8 --rows 64,128`` on an H100 80GB HBM3: there the default is the prefill
+# layout (no K split), 1.2-3.8x slower. The comment is the tuned time and the default config's in the same
+# sweep; a shape whose best was the default has no entry.
 FP8_CONFIGS: dict[tuple[int, int, int], Fp8Config] = {
     (1, 4096, 4096): Fp8Config(
         block_m=16, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4
@@ -103,6 +106,33 @@ FP8_CONFIGS: dict[tuple[int, int, int], Fp8Config] = {
     (16, 151748, 4096): Fp8Config(
         block_m=16, block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=4
     ),  # 220.6 us (default 225.8)
+    (64, 6144, 4096): Fp8Config(
+        block_m=64, block_n=64, block_k=64, split_k=4, num_warps=4, num_stages=3
+    ),  # 21.3 us (default 29.8)
+    (64, 4096, 4096): Fp8Config(
+        block_m=64, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3
+    ),  # 16.1 us (default 32.4)
+    (64, 24576, 4096): Fp8Config(
+        block_m=64, block_n=64, block_k=64, split_k=1, num_warps=4, num_stages=3
+    ),  # 63.0 us (default 76.6)
+    (64, 4096, 12288): Fp8Config(
+        block_m=64, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3
+    ),  # 35.8 us (default 89.2)
+    (64, 151748, 4096): Fp8Config(
+        block_m=64, block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3
+    ),  # 308.2 us (default 355.8)
+    (128, 6144, 4096): Fp8Config(
+        block_m=128, block_n=64, block_k=64, split_k=2, num_warps=8, num_stages=3
+    ),  # 32.3 us (default 62.5)
+    (128, 4096, 4096): Fp8Config(
+        block_m=128, block_n=64, block_k=64, split_k=4, num_warps=8, num_stages=3
+    ),  # 21.1 us (default 62.6)
+    (128, 24576, 4096): Fp8Config(
+        block_m=128, block_n=64, block_k=64, split_k=1, num_warps=8, num_stages=3
+    ),  # 76.0 us (default 87.1)
+    (128, 4096, 12288): Fp8Config(
+        block_m=128, block_n=64, block_k=64, split_k=4, num_warps=8, num_stages=3
+    ),  # 50.7 us (default 191.3)
 }
 
 
