@@ -153,6 +153,29 @@ def test_packed_step_buckets_take_their_own_built_in_configs(monkeypatch: pytest
     assert fp8_gemm.config_for(200, 4096, 4096, cuda) == fp8_gemm.default_config(200, 4096, 4096, 132)
 
 
+@pytest.mark.usefixtures("_interpreter")
+def test_check_table_flags_a_config_that_computes_something_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench.thinker.fp8 --check``: a table entry agrees with the reference at its bucket's rows and a
+    ragged count (plain and with the in-place residual); an entry whose kernel output is off is flagged,
+    and the sweep skips such a candidate instead of timing it."""
+    from bench.thinker import fp8 as bench_fp8
+    from services.common.kernels import fp8_gemm
+
+    cpu = torch.device("cpu")
+    good = {(64, 80, 256): fp8_gemm.Fp8Config(64, 32, 64, 3, 4, 1)}
+    rows = bench_fp8.check_table(good, cpu, torch.float32)  # type: ignore[arg-type]
+    assert [r["rows"] for r in rows] == [57, 64] and all(r["ok"] for r in rows)
+    real = fp8_gemm.fp8_linear
+
+    def off_by_one(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real(*args, **kwargs)  # type: ignore[arg-type]
+        return out.add_(1.0)  # an output that is wrong everywhere
+
+    monkeypatch.setattr(fp8_gemm, "fp8_linear", off_by_one)
+    rows = bench_fp8.check_table(good, cpu, torch.float32)  # type: ignore[arg-type]
+    assert not any(r["ok"] for r in rows) and all(r["error"] > bench_fp8.TOLERANCE for r in rows)
+
+
 # ------------------------------------------------------------------------------------------ the thinker
 def _llm(tiny_ckpt: Path) -> torch.nn.Module:
     """A fresh tiny LLM: quantization changes the module, so no test shares one."""

@@ -13,7 +13,13 @@
 ``python -m bench.thinker.fp8 --device cuda`` runs the sweep alone on random weights of the full-size
 shapes (or ``--shapes N:K,...``) and prints the table entries; its ``--json-out`` file is what the
 thinker's ``fp8_table`` profile key (``--fp8-table``) loads at start, for a card or row buckets the
-built-in table was not measured on.
+built-in table was not measured on. A candidate is timed only after its output matched the torch
+reference (:func:`error_of`): a fast config that computes something else never wins.
+
+``python -m bench.thinker.fp8 --device cuda --check [--table FILE]`` times nothing: it runs every entry of
+the built-in table (and of FILE, loaded as the thinker would) at its bucket's row count and at a ragged
+count inside the bucket, with the residual added in place as the step does, against the reference, and
+exits 1 if any entry is off (:func:`check_table`). Seconds on a card; run it after adopting a sweep.
 """
 
 from __future__ import annotations
@@ -23,11 +29,15 @@ import json
 import sys
 from functools import partial
 from itertools import product
+from typing import TYPE_CHECKING
 
 import torch
 
 from bench.thinker.floor import capture_graph, time_per_call
-from services.common.kernels.fp8_quant import Fp8Weight, quantize_fp8
+from services.common.kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantize_fp8
+
+if TYPE_CHECKING:
+    from services.common.kernels.fp8_gemm import Fp8Config
 
 # (N, K) of the full-size thinker's decode GEMMs: QKV, O, gate|up, down, lm_head.
 FULL_SIZE_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151748, 4096))
@@ -119,6 +129,44 @@ def packed_candidates(rows: int, n: int, k: int, sms: int = 132) -> list:
     return out
 
 
+TOLERANCE = 2e-2  # max |error| / max |reference|: bf16 rounding of the output is ~4e-3 of an element
+
+
+def error_of(
+    a: torch.Tensor, w: Fp8Weight, cfg: Fp8Config | None, residual: torch.Tensor | None = None
+) -> float:
+    """Max |fp8_linear - reference| / max |reference| of ``cfg`` on ``a`` (with ``residual`` added in place
+    into a copy when given, as the step's O and down GEMMs do)."""
+    from services.common.kernels.fp8_gemm import fp8_linear
+
+    ref = fp8_linear_ref(a.float(), w, None, None if residual is None else residual.float())
+    if residual is None:
+        got = fp8_linear(a, w, config=cfg)
+    else:
+        got = residual.clone()
+        fp8_linear(a, w, residual=got, out=got, config=cfg)
+    return float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+@torch.inference_mode()
+def check_table(
+    table: dict[tuple[int, int, int], Fp8Config], device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> list[dict]:
+    """Each ``(bucket, N, K) -> config`` entry against the reference at ``bucket`` rows and at a ragged
+    count inside the bucket (``bucket - 7`` above 8 rows), plain and with an in-place residual; rows with
+    ``ok`` False are entries that compute something else."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for (bucket, n, k), cfg in sorted(table.items()):
+        w = quantize_fp8(torch.randn(n, k, device=device, dtype=dtype, generator=gen) / 32)
+        for m in sorted({bucket, bucket - 7 if bucket > 8 else bucket}):
+            a = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+            res = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
+            err = max(error_of(a, w, cfg), error_of(a, w, cfg, res))
+            out.append({"rows": m, "n": n, "k": k, "config": list(cfg), "error": err, "ok": err <= TOLERANCE})
+    return out
+
+
 def _eight(a: torch.Tensor, w: Fp8Weight, out: torch.Tensor, cfg: object) -> None:
     from services.common.kernels.fp8_gemm import fp8_linear
 
@@ -134,7 +182,7 @@ def tune(
 
     Each timing replays a CUDA graph of 8 launches (the step's launches run back to back in a graph,
     so the per-launch overhead measured is the graph's, not the host's). A config that fails to compile
-    or launch is skipped."""
+    or launch, or whose output is off the reference by more than :data:`TOLERANCE`, is skipped."""
     from services.common.kernels import fp8_gemm
 
     results = []
@@ -146,6 +194,10 @@ def tune(
         timed: list[tuple[float, tuple]] = []
         for cfg in [default, *candidates(m, n, k, fp8_gemm._sm_count(device))]:
             try:
+                err = error_of(a, w, cfg)
+                if err > TOLERANCE:
+                    print(f"fp8 tune: {m}x{n}x{k} {tuple(cfg)} skipped: error {err:.2e}", file=sys.stderr)
+                    continue
                 graph = capture_graph(partial(_eight, a, w, out, cfg), device)
                 us = 1e6 * time_per_call(graph.replay, device, iters) / 8
                 del graph
@@ -189,8 +241,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,16", help="comma-separated row counts (≤ 128)")
     ap.add_argument("--shapes", default=None, help="N:K,... (default: the full-size thinker's GEMMs)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--check", action="store_true", help="check the table's configs against the reference")
+    ap.add_argument(
+        "--table", default=None, help="with --check: a --json-out file loaded over the built-in table"
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.check:
+        from services.common.kernels import fp8_gemm
+
+        if args.table:
+            fp8_gemm.use_table(args.table)
+        checked = check_table(dict(fp8_gemm.FP8_CONFIGS), device)
+        for r in checked:
+            print(f"{r['rows']:4d} x {r['n']:6d} x {r['k']:5d} {tuple(r['config'])}: error {r['error']:.2e}"
+                  f"{'' if r['ok'] else '  WRONG'}")  # fmt: skip
+        bad = sum(not r["ok"] for r in checked)
+        print(f"{len(checked) - bad} of {len(checked)} agree with the reference (tolerance {TOLERANCE:g})")
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                f.write(json.dumps(checked, indent=2) + "\n")
+        return 1 if bad else 0
     shapes = (
         [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
         if args.shapes
