@@ -65,6 +65,33 @@ def test_bench_fp8_arm_reports_against_bf16(
     assert "| batch | overlap | bf16 ms/step | fp8 ms/step |" in capsys.readouterr().out
 
 
+def test_bench_loads_a_sweep_table_before_the_engine(
+    tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--fp8-table``: the sweep's winners join the fp8 GEMM table before the engine is built and the
+    JSON names the file; a file that is not a sweep ends the run with exit 2 and the reason."""
+    from bench.thinker.__main__ import main
+    from services.common.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "FP8_CONFIGS", dict(fp8_gemm.FP8_CONFIGS))
+    sweep = tmp_path / "fp8.json"
+    sweep.write_text(
+        json.dumps([{"rows": 64, "n": 4096, "k": 4096, "best": {"config": [64, 64, 64, 2, 4, 3]}}])
+    )
+    out = tmp_path / "bench.json"
+    argv = [
+        "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--batches", "1", "--context-len", "8",
+        "--decode-steps", "1", "--warmup-steps", "1", "--prompt-len", "8", "--prefill-iters", "1",
+        "--no-hf", "--overlap", "off", "--fp8-table", str(sweep), "--json-out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["tables"] == [{"kernel": "fp8 GEMM", "path": str(sweep), "entries": 1}]
+    assert fp8_gemm.FP8_CONFIGS[(64, 4096, 4096)] == fp8_gemm.Fp8Config(64, 64, 64, 2, 4, 3)
+    sweep.write_text(json.dumps({"not": "a sweep"}))
+    assert main(argv) == 2
+    assert "expected the list a sweep's --json-out writes" in capsys.readouterr().err
+
+
 def test_fp8_matmul_stack_floor_runs_the_fp8_gemms(triton_interpreter_scalars: None) -> None:
     """The fp8 floor times ``fp8_linear`` over the step's weights (here two small ones, through Triton's
     interpreter on CPU)."""

@@ -27,7 +27,10 @@ bytes and FLOPs), in one process and one run:
   to fp8 (:mod:`services.thinker.fp8_weights`; optionally the fp8 GEMM configs swept first,
   ``--fp8-tune``), its decode steps and prefill, and the fp8 matmul-stack floor (:mod:`bench.thinker.fp8`),
   each fp8 step reported against the fp8 floor and against the bf16 step of the same batch and overlap
-  setting. The transformers baseline is skipped then (the module's bf16 projections are released).
+  setting. The transformers baseline is skipped then (the module's bf16 projections are released);
+* ``--fp8-table`` / ``--kernel-table``: a sweep's configs loaded over the built-in tables before the engine
+  is built, as the thinker's profile keys load them, so two runs A/B a table at the step level (a decode
+  step of 64 or 128 rows runs the GEMM shapes of the packed steps' graph buckets).
 
 Prints one JSON object, then a Markdown table (the form BENCHMARKS.md records).
 """
@@ -49,6 +52,7 @@ import torch
 from bench.thinker import floor
 from services.common.checkpoint import Checkpoint
 from services.common.kernels import rope_attention_enabled, skinny_o_enabled
+from services.common.kernels.tuned import load_tables
 from services.thinker.engine import EngineConfig, ThinkerEngine
 from services.thinker.runner import build_qwen3_llm
 from services.thinker.sampling import Sampler, SamplingConfig
@@ -445,8 +449,27 @@ def main(argv: list[str] | None = None) -> int:
         default="bf16",
         help="the engine's KV cache for every arm (fp8: e4m3; compare two runs for its effect)",
     )
+    ap.add_argument(
+        "--kernel-table",
+        default=None,
+        metavar="JSON",
+        help="skinny-GEMM configs of a `bench.thinker.skinny --json-out` sweep, loaded before the engine as "
+        "the thinker's profile key kernel_table loads them",
+    )
+    ap.add_argument(
+        "--fp8-table",
+        default=None,
+        metavar="JSON",
+        help="fp8 GEMM configs of a `bench.thinker.fp8 --json-out` sweep (profile key fp8_table): an A/B of a "
+        "sweep's winners, or of the built-in table against the defaults, at the step level",
+    )
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    try:
+        tables = load_tables(args.kernel_table, args.fp8_table)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -556,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_prefill": prefill,
         "kernels": engine.runner.kernel_backend,
         "kv_cache": args.kv_cache,
+        "tables": [{"kernel": k, "path": path, "entries": n} for k, path, n in tables],
         "floor": ref,
     }
     if args.weights == "fp8":

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from services.common.errors import StageError
 from services.common.grpc_server import add_serve_arguments, serve_forever, serve_options_from_args
+from services.common.kernels.tuned import load_tables
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
 from services.common.tensors import TORCH_DTYPES
 from services.thinker.backend import build_backend
@@ -148,20 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
 def load_kernel_tables(skinny_table: str | None, fp8_table: str | None) -> None:
     """Add measured launch configs to the skinny and fp8 GEMMs' built-in tables (profile keys
     ``kernel_table`` and ``fp8_table``); a file that is not such a table ends the process with why."""
-    if not (skinny_table or fp8_table):
-        return  # the kernel modules (Triton) are imported only for a table to load
-    from services.common.kernels import fp8_gemm, skinny
-
-    for path, kernel, use in (
-        (skinny_table, "skinny-GEMM", skinny.use_table),
-        (fp8_table, "fp8 GEMM", fp8_gemm.use_table),
-    ):
-        if not path:
-            continue
-        try:
-            log.info("thinker: %d %s configs from %s", use(path), kernel, path)
-        except ValueError as exc:
-            raise SystemExit(f"thinker: {exc}") from None
+    try:
+        for kernel, path, entries in load_tables(skinny_table, fp8_table):
+            log.info("thinker: %d %s configs from %s", entries, kernel, path)
+    except ValueError as exc:
+        raise SystemExit(f"thinker: {exc}") from None
 
 
 def serve(argv: list[str]) -> int:
