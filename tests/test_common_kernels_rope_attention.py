@@ -112,6 +112,40 @@ def test_rope_attention_early_values_change_nothing(splits: int) -> None:
     torch.testing.assert_close(run((16, 4, 1, 1))[0], want, rtol=0, atol=3e-3)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_rope_attention_preloaded_first_block(splits: int) -> None:
+    """``preload`` (a launch's fifth field: each split's first key block loaded before the prologue) only
+    moves loads for a row without fresh rows (A, B@3, C@0, D, the pad): bit-identical output; the rows of
+    a chunk, whose splits it cuts from the position instead, match the reference; and the fresh rows'
+    slots it loads with the first block never reach the output, even holding NaN."""
+    from services.common.kernels.triton_ops import TritonOps
+
+    s = _packed_step(torch.float16, splits)
+
+    def run(launch: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        k, v = s["k"].clone(), s["v"].clone()
+        out = TritonOps.rope_attention(
+            s["qkv"], s["w"], 1e-6, s["cos"], s["sin"], s["slots"], k, v, s["tiles"], HQ, (s["x"], 1e-6),
+            launch,
+        )  # fmt: skip
+        return out, k, v
+
+    want = _run(TorchOps, s, True, True)[0]
+    plain, pre = run((16, 4, 1, 1, 0)), run((16, 4, 1, 1, 1))
+    no_fresh = [0, 1, 6, 9, 10]
+    assert torch.equal(plain[0][no_fresh], pre[0][no_fresh])
+    assert torch.equal(plain[1], pre[1]) and torch.equal(plain[2], pre[2])  # the same cache writes
+    torch.testing.assert_close(pre[0], want, rtol=0, atol=3e-3)
+    fresh_slots = s["slots"][[2, 3, 4, 5, 7, 8]]
+    s["k"][fresh_slots] = float("nan")
+    s["v"][fresh_slots] = float("nan")
+    s["slots"] = torch.zeros_like(s["slots"])  # every write to the scratch slot: the NaN stays
+    torch.testing.assert_close(run((16, 4, 1, 1, 1))[0], want, rtol=0, atol=3e-3)
+    s["k"], s["v"] = s["k"].to(torch.float8_e4m3fn), s["v"].to(torch.float8_e4m3fn)  # a one-byte cache
+    plain, pre = run((16, 4, 1, 1, 0)), run((16, 4, 1, 1, 1))
+    assert torch.equal(plain[0][no_fresh], pre[0][no_fresh]) and not pre[0].isnan().any()
+
+
 def test_rope_attention_rejects_prefill_tiles() -> None:
     from services.common.kernels.triton_ops import TritonOps
 

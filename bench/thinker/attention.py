@@ -245,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rope-launches",
         default="",
-        help="with --rope, only these launches, as block_n:warps:stages[:v_early],... (v_early 1: each "
-        "block's values loaded beside its keys; default: all of ROPE_SWEEP)",
+        help="with --rope, only these launches, as block_n:warps:stages[:v_early[:preload]],... (v_early 1: "
+        "each block's values loaded beside its keys; preload 1: each split's first block loaded before the "
+        "prologue; default: all of ROPE_SWEEP)",
     )
     ap.add_argument(
         "--kv-cache",

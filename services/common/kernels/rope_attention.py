@@ -29,6 +29,10 @@ from services.common.kernels.tiles import AttentionTiles
 from services.common.kernels.triton_parts import (
     attend_one,
     attend_pages,
+    block_scores,
+    block_slots,
+    block_values,
+    load_rows,
     norm_rope_tile,
     row_inv_rms,
     to_cache,
@@ -75,15 +79,26 @@ def _rope_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annot
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, LOOK: tl.constexpr,
     HAS_NORM: tl.constexpr, SCALED: tl.constexpr, HIDDEN: tl.constexpr, CHUNK: tl.constexpr,
-    IEEE: tl.constexpr, V_EARLY: tl.constexpr,
+    IEEE: tl.constexpr, V_EARLY: tl.constexpr, PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """One (row, KV head, key split) program: the row's query heads of this KV head, normed and rotated;
-    cached keys before the row's fresh rows; in the last split also the fresh keys and the K/V write."""
+    cached keys before the row's fresh rows; in the last split also the fresh keys and the K/V write.
+
+    ``PRELOAD``: the split's first key block (page ids, keys, values) is loaded first, before the fresh-row
+    search, the row's RMS and the query's rotary, so its memory latency overlaps theirs; the splits are
+    then cut from the row's position instead of its cached length (the same cut for a decode row)."""
     r = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     WIDTH: tl.constexpr = (HQ + 2 * HKV) * D
     p = tl.load(pos_ptr + r)
+    if PRELOAD:  # keys below p cover every cached key of the row (fresh rows sit just below it)
+        per = tl.cdiv(tl.cdiv(p, SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per
+        lim0 = tl.minimum(p, start + per)
+        j0, ok0, off0 = block_slots(table_ptr + r * table_stride, start, lim0, kvh, HKV, D, PAGE, BLOCK_N)
+        k0 = load_rows(k_ptr, off0, ok0, D)
+        v0 = load_rows(v_ptr, off0, ok0, D)
     back = tl.arange(0, LOOK) + 1
     prev = r - back
     ok = prev >= 0
@@ -141,12 +156,24 @@ def _rope_attention_kernel(  # type: ignore[no-untyped-def]  # Triton DSL: annot
         )  # fmt: skip
         m_i, l_i, acc = attend_one(q, m_i, l_i, acc, k.to(q.dtype), v.to(q.dtype), m_valid, scale_log2)
     total = p - fresh  # keys written by earlier steps
-    per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per
-    end = tl.minimum(total, start + per)
+    q_pos = p + tl.zeros([BLOCK_M], tl.int64)
+    if PRELOAD:
+        end = tl.minimum(total, start + per)
+        # The preloaded block's keys at or past `end` are fresh rows' slots (not yet written, or stale):
+        # masked out of the scores, and their values zeroed so that no stale NaN reaches p @ v.
+        ok0 = j0 < end
+        v0 = tl.where(ok0[:, None], v0.to(q.dtype), 0.0)
+        m_new, pw, alpha, l_i = block_scores(q, k0, j0, ok0, q_pos, m_i, l_i, scale_log2, IEEE)
+        acc = block_values(acc, pw, alpha, v0, q, IEEE)
+        m_i = m_new
+        start = start + BLOCK_N
+    else:
+        per = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per
+        end = tl.minimum(total, start + per)
     m_i, l_i, acc = attend_pages(
-        q, m_i, l_i, acc, table_ptr + r * table_stride, start, end, p + tl.zeros([BLOCK_M], tl.int64), k_ptr,
-        v_ptr, kvh, scale_log2, HKV, D, PAGE, BLOCK_N, IEEE, V_EARLY,
+        q, m_i, l_i, acc, table_ptr + r * table_stride, start, end, q_pos, k_ptr, v_ptr, kvh, scale_log2, HKV,
+        D, PAGE, BLOCK_N, IEEE, V_EARLY,
     )  # fmt: skip
     write_output(
         acc, m_i, l_i, o_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr + r * HKV + kvh, r + tl.zeros([BLOCK_M], tl.int64),
@@ -158,7 +185,7 @@ _COUNTERS = ArrivalCounters("rope-attention split counters")
 
 
 def default_launch(rows: int, one_byte_cache: bool = False) -> tuple[int, ...]:
-    """``(BLOCK_N, num_warps, num_stages[, v_early])`` for a step of ``rows`` rows: the best of
+    """``(BLOCK_N, num_warps, num_stages[, v_early[, preload]])`` for a step of ``rows`` rows: the best of
     ``bench.thinker.attention --rope`` at context 576 (µs per layer, one launch vs the two kernels). On
     the H200 with the bf16 cache: 1 row (64, 8, 2) 7.6 vs 8.7; 4 rows (128, 4, 2) 10.0 vs 11.7; 16 rows
     (64, 2, 2) 16.7 vs 19.4 (the default (64, 4, 2) there: 19.4, no gain). Fewer warps at 16 rows: more
@@ -192,7 +219,8 @@ def rope_attention(
 
     ``tiles`` must be the thinker's ``FusedForward.row_tiles`` (row ``i`` is tile
     ``i`` over block-table row ``i``); returns the attention output ``[T, hq, D]``. ``launch``:
-    ``(BLOCK_N, num_warps, num_stages)`` instead of the default (``bench.thinker.attention --rope``).
+    ``(BLOCK_N, num_warps, num_stages[, v_early[, preload]])`` instead of the default
+    (``bench.thinker.attention --rope``; ``preload``: the kernel's ``PRELOAD``, off unless named).
     """
     if tiles.block_t != 1:
         raise ValueError("rope_attention takes the one-row tiles of a packed-row step")
@@ -207,6 +235,7 @@ def rope_attention(
     hidden = x.shape[-1] if rms_of is not None else 1
     block_n, warps, stages, *rest = launch or default_launch(t, k_cache.element_size() == 1)
     v_early = bool(rest[0]) if rest else False
+    preload = bool(rest[1]) if len(rest) > 1 else False
     _rope_attention_kernel[(t, hkv, splits)](
         qkv, qkv if qk_norm_weight is None else qk_norm_weight, cos_table, sin_table, x, tiles.pos,
         write_slots, tiles.table, tiles.table.stride(0), k_cache, v_cache, out, po, pm, pl, counters, t,
@@ -214,6 +243,6 @@ def rope_attention(
         HQ=hq, HKV=hkv, G=g, D=d, PAGE=tiles.page_size, BLOCK_M=max(16, triton.next_power_of_2(g)),
         BLOCK_N=block_n, SPLITS=splits, LOOK=LOOKBACK, HAS_NORM=qk_norm_weight is not None,
         SCALED=rms_of is not None, HIDDEN=hidden, CHUNK=min(1024, triton.next_power_of_2(hidden)),
-        IEEE=qkv.dtype == torch.float32, V_EARLY=v_early, num_warps=warps, num_stages=stages,
+        IEEE=qkv.dtype == torch.float32, V_EARLY=v_early, PRELOAD=preload, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -60,6 +60,61 @@ def to_cache(x, cache_ptr):  # type: ignore[no-untyped-def]  # Triton DSL: annot
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def block_slots(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
+    table_row_ptr,
+    kb,
+    limit,
+    kvh,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Keys ``j = kb .. kb + BLOCK_N`` of one sequence's pages: ``j``, ``j < limit`` and each key's row
+    offset into a ``[slots, HKV, D]`` cache for KV head ``kvh``."""
+    j = kb + tl.arange(0, BLOCK_N)
+    ok = j < limit
+    page = tl.load(table_row_ptr + j // PAGE, mask=ok, other=0).to(tl.int64)
+    return j, ok, ((page * PAGE + j % PAGE) * HKV + kvh) * D
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def load_rows(cache_ptr, kv_off, ok, D: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
+    """The ``[BLOCK_N, D]`` cache rows at ``kv_off`` (0 where not ``ok``), in the cache's dtype."""
+    d_idx = tl.arange(0, D)
+    return tl.load(cache_ptr + kv_off[:, None] + d_idx[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def block_scores(q, k, j, ok, q_pos, m_i, l_i, scale_log2, IEEE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
+    """The online-softmax step of one key block ``k [BLOCK_N, D]`` (keys ``j``, those ``ok`` and at most
+    each row's ``q_pos`` allowed): returns ``m_new``, the weights ``p`` and ``alpha`` and the new ``l``."""
+    # An fp8 cache widens to the query's dtype (exact) before the dot; a no-op for a bf16 one.
+    k = k.to(q.dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale_log2
+    allowed = ok[None, :] & (j[None, :] <= q_pos[:, None])
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, p, alpha, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
+def block_values(acc, p, alpha, v, q, IEEE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
+    """``acc`` rescaled by ``alpha`` plus ``p @ v`` of one key block (``v`` widened to ``q``'s dtype)."""
+    v = v.to(q.dtype)
+    if IEEE:
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no type information
 def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations steer its specialisation
     q,
     m_i,
@@ -85,37 +140,15 @@ def attend_pages(  # type: ignore[no-untyped-def]  # Triton DSL: annotations ste
 
     ``V_EARLY``: issue a block's V load beside its K load, before the scores (both in flight at once, at
     the cost of the V tile's registers through the softmax); otherwise after them. The same result."""
-    d_idx = tl.arange(0, D)
-    n_idx = tl.arange(0, BLOCK_N)
     for kb in range(start, end, BLOCK_N):
-        j = kb + n_idx
-        j_valid = j < end
-        page = tl.load(table_row_ptr + j // PAGE, mask=j_valid, other=0).to(tl.int64)
-        slot = page * PAGE + j % PAGE
-        kv_off = (slot * HKV + kvh) * D
-        # An fp8 cache widens to the query's dtype (exact) before the dot; a no-op for a bf16 one.
-        k = tl.load(k_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0).to(q.dtype)
+        j, ok, kv_off = block_slots(table_row_ptr, kb, end, kvh, HKV, D, PAGE, BLOCK_N)
+        k = load_rows(k_ptr, kv_off, ok, D).to(q.dtype)  # widened as it lands (block_scores: a no-op)
         if V_EARLY:
-            v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2
-        allowed = j_valid[None, :] & (j[None, :] <= q_pos[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = load_rows(v_ptr, kv_off, ok, D)
+        m_new, p, alpha, l_i = block_scores(q, k, j, ok, q_pos, m_i, l_i, scale_log2, IEEE)
         if not V_EARLY:
-            v = tl.load(v_ptr + kv_off[:, None] + d_idx[None, :], mask=j_valid[:, None], other=0.0)
-        v = v.to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            v = load_rows(v_ptr, kv_off, ok, D)
+        acc = block_values(acc, p, alpha, v, q, IEEE)
         m_i = m_new
     return m_i, l_i, acc
 
