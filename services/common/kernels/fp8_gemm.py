@@ -73,7 +73,7 @@ class Fp8Config(NamedTuple):
 # gate|up, down, lm_head) at 1 and 16 rows, swept by ``bash bench/gpu/fp8.sh`` on an H100 80GB HBM3, and
 # at 64 and 128 rows, the packed steps' graph buckets (decode rows with prefill chunks), swept by
 # ``python -m bench.thinker.fp8 --rows 64,128`` on an H100 80GB HBM3: there the default is the prefill
-# layout (no K split), 1.2-3.8x slower. The comment is the tuned time and the default config's in the same
+# layout (no K split), 1.15-3.8x slower. The comment is the tuned time and the default config's in the same
 # sweep; a shape whose best was the default has no entry.
 FP8_CONFIGS: dict[tuple[int, int, int], Fp8Config] = {
     (1, 4096, 4096): Fp8Config(
