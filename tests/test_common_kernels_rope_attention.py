@@ -63,6 +63,17 @@ def _run(ops, s: dict, norm: bool, scaled: bool) -> tuple[torch.Tensor, torch.Te
     return out, k, v
 
 
+def _launched(s: dict, launch: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel on step ``s`` (norm and folded input norm on) with an explicit ``launch``."""
+    from services.common.kernels.triton_ops import TritonOps
+
+    k, v = s["k"].clone(), s["v"].clone()
+    out = TritonOps.rope_attention(
+        s["qkv"], s["w"], 1e-6, s["cos"], s["sin"], s["slots"], k, v, s["tiles"], HQ, (s["x"], 1e-6), launch,
+    )  # fmt: skip
+    return out, k, v
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_rope_attention_matches_rotary_then_attention(dtype: torch.dtype, splits: int) -> None:
@@ -92,17 +103,10 @@ def test_rope_attention_early_values_change_nothing(splits: int) -> None:
     """``v_early`` (a launch's fourth field: each key block's values loaded beside its keys) only moves a
     load: the output and the cache writes are bit-identical to the default order's, at several key-block
     widths."""
-    from services.common.kernels.triton_ops import TritonOps
-
     s = _packed_step(torch.float16, splits)
 
     def run(launch: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        k, v = s["k"].clone(), s["v"].clone()
-        out = TritonOps.rope_attention(
-            s["qkv"], s["w"], 1e-6, s["cos"], s["sin"], s["slots"], k, v, s["tiles"], HQ, (s["x"], 1e-6),
-            launch,
-        )  # fmt: skip
-        return out, k, v
+        return _launched(s, launch)
 
     for block_n in (16, 32):
         late, early = run((block_n, 4, 1)), run((block_n, 4, 1, 1))
@@ -118,17 +122,10 @@ def test_rope_attention_preloaded_first_block(splits: int) -> None:
     moves loads for a row without fresh rows (A, B@3, C@0, D, the pad): bit-identical output; the rows of
     a chunk, whose splits it cuts from the position instead, match the reference; and the fresh rows'
     slots it loads with the first block never reach the output, even holding NaN."""
-    from services.common.kernels.triton_ops import TritonOps
-
     s = _packed_step(torch.float16, splits)
 
     def run(launch: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        k, v = s["k"].clone(), s["v"].clone()
-        out = TritonOps.rope_attention(
-            s["qkv"], s["w"], 1e-6, s["cos"], s["sin"], s["slots"], k, v, s["tiles"], HQ, (s["x"], 1e-6),
-            launch,
-        )  # fmt: skip
-        return out, k, v
+        return _launched(s, launch)
 
     want = _run(TorchOps, s, True, True)[0]
     plain, pre = run((16, 4, 1, 1, 0)), run((16, 4, 1, 1, 1))
