@@ -52,7 +52,7 @@ import torch
 from bench.thinker import floor
 from services.common.checkpoint import Checkpoint
 from services.common.kernels import rope_attention_enabled, skinny_o_enabled
-from services.common.kernels.tuned import load_tables
+from services.common.kernels.tables import load_tables
 from services.thinker.engine import EngineConfig, ThinkerEngine
 from services.thinker.runner import build_qwen3_llm
 from services.thinker.sampling import Sampler, SamplingConfig

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from services.common.errors import StageError
 from services.common.grpc_server import add_serve_arguments, serve_forever, serve_options_from_args
-from services.common.kernels.tuned import load_tables
+from services.common.kernels.tables import load_tables
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
 from services.common.tensors import TORCH_DTYPES
 from services.thinker.backend import build_backend

@@ -3,9 +3,8 @@
 The skinny and fp8 GEMMs each carry a built-in table of ``(row bucket, N, K) -> config`` measured on one
 card. On another card a deployment runs the kernel's microbench once (``bench.thinker.skinny`` or
 ``bench.thinker.fp8`` with ``--json-out``) and names the file in the thinker's profile (``kernel_table``,
-``fp8_table``); :func:`read_best` turns that file into table entries, which win over the built-in ones,
-and :func:`load_tables` adds both of a process's files (the thinker at start, ``bench.thinker`` before its
-engine) to the kernels' tables.
+``fp8_table``); :func:`read_best` turns that file into table entries, which win over the built-in ones
+(:mod:`.tables` adds a process's files to the kernels' tables).
 """
 
 from __future__ import annotations
@@ -52,22 +51,3 @@ def read_best(
             )
         table[key] = make(*config)
     return table
-
-
-def load_tables(skinny_table: str | None, fp8_table: str | None) -> list[tuple[str, str, int]]:
-    """Add the measured configs of a skinny-GEMM and an fp8-GEMM sweep file (either may be None) to the
-    kernels' built-in tables, before any graph captures them; returns ``(kernel, path, entries)`` per file
-    loaded. Raises ValueError naming the file when it is not such a sweep. The kernel modules (and Triton)
-    are imported only when a file is named."""
-    if not (skinny_table or fp8_table):
-        return []
-    from services.common.kernels import fp8_gemm, skinny
-
-    loaded = []
-    for path, kernel, use in (
-        (skinny_table, "skinny-GEMM", skinny.use_table),
-        (fp8_table, "fp8 GEMM", fp8_gemm.use_table),
-    ):
-        if path:
-            loaded.append((kernel, path, use(path)))
-    return loaded
