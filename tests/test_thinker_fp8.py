@@ -176,6 +176,19 @@ def test_check_table_flags_a_config_that_computes_something_else(monkeypatch: py
     assert not any(r["ok"] for r in rows) and all(r["error"] > bench_fp8.TOLERANCE for r in rows)
 
 
+def test_check_refuses_a_table_file_that_is_not_a_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench.thinker.fp8 --check --table FILE``: a file that is not a sweep ends with exit 2 and the
+    reason, before anything runs (the thinker's own table loader)."""
+    from bench.thinker.fp8 import main
+
+    bad = tmp_path / "t.json"
+    bad.write_text('{"not": "a sweep"}')
+    assert main(["--device", "cpu", "--check", "--table", str(bad)]) == 2
+    assert "expected the list a sweep's --json-out writes" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------ the thinker
 def _llm(tiny_ckpt: Path) -> torch.nn.Module:
     """A fresh tiny LLM: quantization changes the module, so no test shares one."""

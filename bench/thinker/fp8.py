@@ -35,6 +35,7 @@ import torch
 
 from bench.thinker.floor import capture_graph, time_per_call
 from services.common.kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantize_fp8
+from services.common.kernels.tables import load_tables
 
 if TYPE_CHECKING:
     from services.common.kernels.fp8_gemm import Fp8Config
@@ -133,13 +134,19 @@ TOLERANCE = 2e-2  # max |error| / max |reference|: bf16 rounding of the output i
 
 
 def error_of(
-    a: torch.Tensor, w: Fp8Weight, cfg: Fp8Config | None, residual: torch.Tensor | None = None
+    a: torch.Tensor,
+    w: Fp8Weight,
+    cfg: Fp8Config | None,
+    residual: torch.Tensor | None = None,
+    ref: torch.Tensor | None = None,
 ) -> float:
     """Max |fp8_linear - reference| / max |reference| of ``cfg`` on ``a`` (with ``residual`` added in place
-    into a copy when given, as the step's O and down GEMMs do)."""
+    into a copy when given, as the step's O and down GEMMs do). ``ref``: that reference computed once by
+    the caller (a sweep checks every candidate of a shape against one)."""
     from services.common.kernels.fp8_gemm import fp8_linear
 
-    ref = fp8_linear_ref(a.float(), w, None, None if residual is None else residual.float())
+    if ref is None:
+        ref = fp8_linear_ref(a.float(), w, None, None if residual is None else residual.float())
     if residual is None:
         got = fp8_linear(a, w, config=cfg)
     else:
@@ -192,9 +199,10 @@ def tune(
         out = torch.empty(m, n, device=device, dtype=dtype)
         default = fp8_gemm.default_config(m, n, k, fp8_gemm._sm_count(device))
         timed: list[tuple[float, tuple]] = []
+        ref = fp8_linear_ref(a.float(), w)
         for cfg in [default, *candidates(m, n, k, fp8_gemm._sm_count(device))]:
             try:
-                err = error_of(a, w, cfg)
+                err = error_of(a, w, cfg, ref=ref)
                 if err > TOLERANCE:
                     print(f"fp8 tune: {m}x{n}x{k} {tuple(cfg)} skipped: error {err:.2e}", file=sys.stderr)
                     continue
@@ -250,8 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         from services.common.kernels import fp8_gemm
 
-        if args.table:
-            fp8_gemm.use_table(args.table)
+        try:
+            load_tables(None, args.table)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
         checked = check_table(dict(fp8_gemm.FP8_CONFIGS), device)
         for r in checked:
             print(f"{r['rows']:4d} x {r['n']:6d} x {r['k']:5d} {tuple(r['config'])}: error {r['error']:.2e}"
