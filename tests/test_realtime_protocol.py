@@ -175,6 +175,41 @@ def test_w8_max_sessions(app: Any, client: TestClient) -> None:
             open_session(d)
 
 
+def test_w8_a_detached_session_gives_its_slot_to_a_new_one(app: Any, client: TestClient) -> None:
+    """Every slot taken, one session detached (its client closed the socket, as stock clients do): a new
+    session opens at once, the detached one ends and cannot be resumed; an attached one is never taken."""
+    settings = app.state.realtime_settings
+    settings.max_sessions = 2
+    settings.disconnect_grace_s = 30.0  # the grace alone would hold the slot through the whole test
+    registry = app.state.realtime.registry
+    with client.websocket_connect("/v1/duplex") as a:
+        open_session(a)
+        with client.websocket_connect("/v1/duplex") as gone:
+            created = open_session(gone)
+        gone_id = created["session"]["id"]
+        deadline = time.time() + 5
+        while registry.sessions[gone_id].detached_at is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert registry.sessions[gone_id].detached_at is not None
+        with client.websocket_connect("/v1/duplex") as b:
+            open_session(b)  # admitted: the detached session's slot was reclaimed
+            assert gone_id not in registry.sessions and len(registry.sessions) == 2
+            with client.websocket_connect("/v1/duplex") as c:  # both slots attached: refused as before
+                c.send_json({"type": "session.update", "session": session_body()})
+                check_error(c.receive_json(), "resource_exhausted")
+            with client.websocket_connect("/v1/duplex?autostart=0") as again:
+                again.send_json(
+                    {
+                        "type": "session.resume",
+                        "session_id": gone_id,
+                        "resume_token": created["resume_token"],
+                        "last_received_server_event_seq": 1,
+                    }
+                )
+                check_error(again.receive_json(), "session_resume_expired")
+    assert "minicpmo_realtime_sessions_reclaimed_total" in client.get("/metrics").text
+
+
 def test_w9_w10_seq_and_ids(client: TestClient) -> None:
     with client.websocket_connect("/v1/duplex") as ws:
         open_session(ws)

@@ -13,6 +13,10 @@ _FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 SESSIONS = Gauge("minicpmo_realtime_sessions", "Admitted realtime duplex sessions (attached or in grace)")
 SESSIONS_REJECTED = Counter("minicpmo_realtime_sessions_rejected_total", "Session opens refused", ["code"])
+SESSIONS_RECLAIMED = Counter(
+    "minicpmo_realtime_sessions_reclaimed_total",
+    "Detached sessions (waiting for a resume) ended early to admit a new session",
+)
 ERRORS = Counter("minicpmo_realtime_errors_total", "error events sent to realtime clients", ["code"])
 RESPONSES = Counter("minicpmo_realtime_responses_total", "Finished responses by status", ["status"])
 AUDIO_SECONDS = Counter("minicpmo_realtime_audio_seconds_total", "Seconds of assistant audio sent")

@@ -4,6 +4,7 @@ Realtime session end)."""
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections import OrderedDict
 
@@ -15,6 +16,8 @@ from gateway.realtime.errors import RealtimeError
 from gateway.realtime.pipeline.events import PipelineFactory
 from gateway.realtime.session import DuplexSession
 from gateway.realtime.settings import RealtimeSettings
+
+log = logging.getLogger(__name__)
 
 _TOMBSTONE_LIMIT = 4096
 
@@ -36,7 +39,7 @@ class SessionRegistry:
                 "server_shutting_down: the server is draining; open a session on another replica or retry",
                 retryable=True,
             )
-        if len(self.sessions) >= self.settings.max_sessions:
+        if len(self.sessions) >= self.settings.max_sessions and not self._reclaim_one():
             metrics.SESSIONS_REJECTED.labels("resource_exhausted").inc()
             raise RealtimeError(
                 "resource_exhausted",
@@ -51,6 +54,21 @@ class SessionRegistry:
         metrics.SESSIONS.set(len(self.sessions))
         session.start()
         return session
+
+    def _reclaim_one(self) -> bool:
+        """Free the slot of the session detached longest, if any waits for a resume
+        (:meth:`DuplexSession.reclaim`): a live client goes before one that may never come back."""
+        waiting = sorted(
+            (s for s in self.sessions.values() if s.detached_at is not None),
+            key=lambda s: s.detached_at or 0.0,
+        )
+        for session in waiting:
+            if session.reclaim():
+                log.info("realtime session %s: detached, its slot reclaimed for a new session", session.id)
+                metrics.SESSIONS_RECLAIMED.inc()
+                self._finished(session)
+                return True
+        return False
 
     def _finished(self, session: DuplexSession) -> None:
         self.sessions.pop(session.id, None)

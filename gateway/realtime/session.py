@@ -39,7 +39,7 @@ from gateway.realtime.settings import RealtimeSettings
 log = logging.getLogger(__name__)
 
 # What the mailbox carries: a client event, a pipeline event, or a change of attachment or lifetime.
-MailKind = Literal["client", "pipeline", "attach", "detach", "close", "reject", "expire"]
+MailKind = Literal["client", "pipeline", "attach", "detach", "close", "reject", "expire", "reclaim"]
 
 
 class DuplexSession:
@@ -92,6 +92,9 @@ class DuplexSession:
         self._on_finished = on_finished
         self._task: asyncio.Task[None] | None = None
         self._grace_task: asyncio.Task[None] | None = None
+        # When the socket went away (monotonic), while the session waits for a resume; None when attached.
+        self._detached_at: float | None = None
+        self._reclaimed = False  # its admission slot went to a new session: it ends, a resume is refused
         self._server_vad: ServerVadTurns | None = None
         self._server_vad = sync_server_vad(self)
         if settings.supports_session_resume:
@@ -274,6 +277,8 @@ class DuplexSession:
                         self.emit_error(payload)
                     elif kind == "expire":
                         self._expire(payload)
+                    elif kind == "reclaim":
+                        self._expire(payload, reason="capacity_reclaimed")
                 except RealtimeError as exc:
                     self.emit_error(exc)
                 except Exception as exc:  # a bug must not kill the session silently
@@ -344,6 +349,7 @@ class DuplexSession:
         if not self.settings.supports_session_resume:
             self.post("close", "client_disconnected")
             return
+        self._detached_at = time.monotonic()
         self._grace_task = asyncio.create_task(self._grace_expiry(self.generation))
         await self._suspend("client_disconnected")
 
@@ -375,18 +381,53 @@ class DuplexSession:
         await asyncio.sleep(self.settings.disconnect_grace_s)
         self.post("expire", generation)
 
-    def _expire(self, generation: int) -> None:
-        """Grace elapsed with no socket: the session ends with session.expired (journaled, unseen)."""
+    def _expire(self, generation: int, reason: str = "disconnect_grace_expired") -> None:
+        """Grace elapsed with no socket (or its slot was reclaimed): the session ends with session.expired
+        (journaled, unseen)."""
         if self.attachment is not None or self.generation != generation or self.state != "open":
             return
         self.lifecycle.abort_silently()
-        self.emit("session.expired", session_id=self.id, reason="disconnect_grace_expired")
+        self.emit("session.expired", session_id=self.id, reason=reason)
         self._state = "expired"
+
+    @property
+    def detached_at(self) -> float | None:
+        """When the socket went away (``time.monotonic``), while the session waits for a resume."""
+        return self._detached_at
+
+    def reclaim(self) -> bool:
+        """Give up this session's admission slot, if it has no socket and waits for a resume (the
+        registry calls it, on the event loop, when a new session finds every slot taken).
+
+        A detached session's stage work already stopped at the drop (:meth:`_suspend`); what it holds
+        is only the chance of a resume. A client that ends with a plain socket close never resumes, so
+        without this its slot stays taken for the whole grace. True: the session ends with
+        ``session.expired{reason:"capacity_reclaimed"}`` and a resume of it, even one already on its way
+        through the mailbox, gets ``session_resume_expired``. False: it is attached (or ending) and
+        keeps its slot.
+        """
+        if (
+            self._reclaimed
+            or self.state != "open"
+            or self.attachment is not None
+            or self._detached_at is None
+        ):
+            return False
+        self._reclaimed = True
+        if self._grace_task is not None:
+            self._grace_task.cancel()
+            self._grace_task = None
+        self.post("reclaim", self.generation)
+        return True
 
     def _do_resume(
         self, attachment: Attachment, last_seq: int, token_hash: str, done: asyncio.Future[None]
     ) -> None:
         """Activate a new socket: replace the old one, announce, replay the journal (all atomically)."""
+        if self._reclaimed:
+            if not done.done():
+                done.set_exception(RealtimeError("session_resume_expired", f"session {self.id} has ended"))
+            return
         if token_hash != self.resume_token_hash:
             # Another socket resumed with the same token first and rotated it.
             if not done.done():
@@ -398,6 +439,7 @@ class DuplexSession:
             self._grace_task.cancel()
             self._grace_task = None
         self._generation += 1
+        self._detached_at = None
         attachment.generation = self.generation
         old = self.attachment
         if old is not None:
