@@ -66,6 +66,7 @@ class GatewayRuntime:
                 429,
                 f"server is at its limit of {self.config.concurrency_limit} concurrent requests; retry shortly",
                 None,
+                headers={"Retry-After": "1"},
             )
         self.in_flight += 1
         IN_FLIGHT.set(self.in_flight)

@@ -71,12 +71,19 @@ class StageFailure(Exception):
             message = f"{stage} stage did not finish within its deadline"
         else:
             message = f"{stage} stage failed ({err.code().name}): {err.details()}"
-        return cls(stage, status, message, code, err_type, retry_after_s=1 if status == 503 else None)
+        return cls(stage, status, message, code, err_type, retry_after_s=1 if status in (429, 503) else None)
 
     @classmethod
     def from_stage_error(cls, stage: str, err: common_pb2.Error) -> StageFailure:
         status, err_type = _STAGE_ERROR_HTTP.get(err.code, (500, "InternalServerError"))
         code = CODE_NAMES.get(err.code, "stage_error")
         return cls(
-            stage, status, f"{stage}: {err.message}", code, err_type, err.param or None, client_code=True
+            stage,
+            status,
+            f"{stage}: {err.message}",
+            code,
+            err_type,
+            err.param or None,
+            retry_after_s=1 if status == 429 else None,
+            client_code=True,
         )

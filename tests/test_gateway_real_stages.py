@@ -355,6 +355,7 @@ def test_concurrency_limit_429_then_slots_and_stages_free(gateway: ThreadedGatew
             f"{gateway.url}/v1/chat/completions", json=_chat("hi", modalities=["text"]), timeout=60
         )
         assert r.status_code == 429 and r.json()["error"]["code"] == 429
+        assert r.headers["retry-after"] == "1"  # the OpenAI SDKs wait that long before their retry
         assert stages.thinker.metric("minicpmo_stage_streams_active") == 2
     finally:
         for s in streams:

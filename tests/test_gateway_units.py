@@ -6,6 +6,7 @@ import asyncio
 import io
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import soundfile as sf
@@ -16,6 +17,7 @@ from gateway.media import MediaError, MediaPolicy, check_image, decode_audio, lo
 from gateway.openai.errors import APIError
 from gateway.openai.protocol import parse_chat_request
 from gateway.stage_clients import normalize_target, replica_targets
+from gateway.stage_failure import StageFailure
 from services.common.deploy_profile import MediaLimits
 
 MODEL = "openbmb/MiniCPM-o-4_5"
@@ -267,3 +269,31 @@ def test_media_pool_is_bounded() -> None:
         assert await pool.run(int, "7", param="x") == 7 and pool.pending == 0
 
     asyncio.run(main())
+
+
+def test_stage_backpressure_answers_retry_after() -> None:
+    """A stage's RESOURCE_EXHAUSTED (typed or as a gRPC status) is a 429 that says when to retry, like the
+    gateway's own concurrency limit and a stage that is down (503); other failures carry no such hint."""
+    from services.common.pb import common_pb2
+
+    typed = StageFailure.from_stage_error(
+        "thinker",
+        common_pb2.Error(code=common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED, message="KV pool full"),
+    )
+    assert typed.status == 429 and typed.retry_after_s == 1
+    bad = StageFailure.from_stage_error(
+        "thinker", common_pb2.Error(code=common_pb2.ERROR_CODE_INVALID_ARGUMENT, message="bad")
+    )
+    assert bad.status == 400 and bad.retry_after_s is None
+
+    class _Rpc(grpc.aio.AioRpcError):
+        def __init__(self, code: grpc.StatusCode) -> None:
+            super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="busy")
+
+    for code, status, retry in (
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, 1),
+        (grpc.StatusCode.UNAVAILABLE, 503, 1),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, None),
+    ):
+        failure = StageFailure.from_rpc_error("talker", "127.0.0.1:1", _Rpc(code))
+        assert (failure.status, failure.retry_after_s) == (status, retry)
