@@ -175,6 +175,15 @@ class ResponseState:
             return {"type": "output_audio", "transcript": text}
         return {"type": "output_text", "text": text}
 
+    def part_ref(self) -> dict[str, Any]:
+        """The fields that name the message's one content part, common to its part and delta events."""
+        return {
+            "response_id": self.id,
+            "item_id": self.item_id,
+            "output_index": self.message_index,
+            "content_index": 0,
+        }
+
     def item(self, status: str) -> dict[str, Any]:
         return {
             "id": self.item_id,

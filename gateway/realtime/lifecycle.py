@@ -161,10 +161,7 @@ class ResponseLifecycle:
         part = {"type": "audio", "transcript": ""} if resp.wants_audio else {"type": "text", "text": ""}
         s.emit(
             "response.content_part.added",
-            response_id=resp.id,
-            item_id=resp.item_id,
-            output_index=resp.message_index,
-            content_index=0,
+            **resp.part_ref(),
             part=part,
         )
 
@@ -182,10 +179,7 @@ class ResponseLifecycle:
     def _emit_speak(self, resp: ev.ResponseState) -> None:
         self.s.emit(
             "response.speak",
-            response_id=resp.id,
-            item_id=resp.item_id,
-            output_index=resp.message_index,
-            content_index=0,
+            **resp.part_ref(),
             metadata={"session_id": self.s.id, "epoch": resp.epoch, "model_speak": True},
         )
 
@@ -316,10 +310,7 @@ class ResponseLifecycle:
             resp.pending_text = ""
             self.s.emit(
                 "response.output_text.delta",
-                response_id=resp.id,
-                item_id=resp.item_id,
-                output_index=resp.message_index,
-                content_index=0,
+                **resp.part_ref(),
                 delta=text,
             )
 
@@ -408,10 +399,7 @@ class ResponseLifecycle:
         resp.audio_deltas += 1
         s.emit(
             "response.output_audio.delta",
-            response_id=resp.id,
-            item_id=resp.item_id,
-            output_index=resp.message_index,
-            content_index=0,
+            **resp.part_ref(),
             delta=base64.b64encode(payload).decode(),
             format=s.cfg.output_format,
             sample_rate_hz=rate,
@@ -428,10 +416,7 @@ class ResponseLifecycle:
         resp.transcript_deltas += 1
         s.emit(
             "response.output_audio_transcript.delta",
-            response_id=resp.id,
-            item_id=resp.item_id,
-            output_index=resp.message_index,
-            content_index=0,
+            **resp.part_ref(),
             delta=text,
         )
 
@@ -442,10 +427,7 @@ class ResponseLifecycle:
         resp.transcript_deltas += 1
         self.s.emit(
             "response.output_audio_transcript.delta",
-            response_id=resp.id,
-            item_id=resp.item_id,
-            output_index=resp.message_index,
-            content_index=0,
+            **resp.part_ref(),
             delta=text,
             metadata={"session_id": self.s.id, "epoch": resp.epoch, "model_speak": True},
         )
@@ -551,12 +533,7 @@ class ResponseLifecycle:
     def _finish_message(self, resp: ev.ResponseState, status: str) -> dict[str, Any]:
         """The message item's terminal events; returns its final JSON."""
         s = self.s
-        common: dict[str, Any] = {
-            "response_id": resp.id,
-            "item_id": resp.item_id,
-            "output_index": resp.message_index,
-            "content_index": 0,
-        }
+        common = resp.part_ref()
         if resp.wants_audio:
             if resp.audio_deltas or resp.transcript or status != "completed":
                 s.emit("response.output_audio.done", **common)
