@@ -218,6 +218,14 @@ def create_app(
     return app
 
 
+# What a client that calls another OpenAI endpoint (/v1/responses, /v1/completions, /v1/embeddings, ...)
+# is told to use instead: every route family this gateway answers.
+SERVED_ROUTES = (
+    "POST /v1/chat/completions (text and speech out), POST /v1/audio/speech, /v1/audio/transcriptions, "
+    "/v1/audio/translations, /v1/audio/voices, GET /v1/models, WebSocket /v1/realtime"
+)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     """Every refusal in the OpenAI error envelope; an unexpected exception is a 500 naming only its type."""
 
@@ -247,10 +255,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(invalid_request(message if param else f"request body: {message}", param, code))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return JSONResponse(
-            error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers
-        )
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # no route matched: say what is served
+            message = (
+                f"{request.method} {request.url.path[:200]} is not a route of this server; it serves "
+                f"{SERVED_ROUTES} (docs/api.md)"
+            )
+        return JSONResponse(error_body(exc.status_code, message), exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:

@@ -77,6 +77,18 @@ def test_fastapi_validated_bodies_name_the_field(client: httpx.Client) -> None:
     assert r.status_code == 400 and err["param"] == "speed" and err["message"].startswith("'speed': ")
 
 
+def test_another_openai_endpoint_404s_with_what_is_served(client: httpx.Client) -> None:
+    """A client written for another OpenAI endpoint learns which routes this server answers."""
+    for method, path in (("POST", "/v1/responses"), ("POST", "/v1/completions"), ("GET", "/v1/nope")):
+        r = client.request(method, path, json={"model": MODEL, "input": "hi"})
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["code"] == 404, r.text
+        assert err["message"].startswith(f"{method} {path} is not a route of this server")
+        assert "/v1/chat/completions" in err["message"] and "/v1/realtime" in err["message"]
+    r = client.delete("/v1/audio/voices/nobody")  # a route's own 404 keeps its own message
+    assert r.status_code == 404 and "is not a route" not in r.json()["error"]["message"]
+
+
 def test_requests_are_counted_by_route_template(gateway: ThreadedGateway, client: httpx.Client) -> None:
     voices, unmatched = "/v1/audio/voices/{name}", "unmatched"
     before = (_count(voices, "404"), _count(unmatched, "404"), _count("unauthorized", "401"))
