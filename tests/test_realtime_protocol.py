@@ -9,6 +9,7 @@ Tests that need model output live in tests/test_realtime_e2e.py against real sta
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -208,6 +209,48 @@ def test_w8_a_detached_session_gives_its_slot_to_a_new_one(app: Any, client: Tes
                 )
                 check_error(again.receive_json(), "session_resume_expired")
     assert "minicpmo_realtime_sessions_reclaimed_total" in client.get("/metrics").text
+
+
+async def _resume_then_open(app: Any, sid: str, token: str) -> str:
+    """On the app's loop: a resume of detached ``sid`` is posted to its mailbox, then a new session takes
+    the one slot before the mailbox runs; returns how the resume ended."""
+    from gateway.realtime.attachment import Attachment, hash_token
+    from gateway.realtime.config import parse_session
+    from gateway.realtime.errors import RealtimeError
+
+    registry = app.state.realtime.registry
+    event = {"session_id": sid, "resume_token": token, "last_received_server_event_seq": 1}
+    session, last = registry.lookup_for_resume(event)
+    done = asyncio.get_running_loop().create_future()
+    session.post("attach", (Attachment(session.generation + 1), last, hash_token(token), done))
+    voices = app.state.realtime_settings.voice_lookup
+    newcomer = registry.open(parse_session(session_body(), voices=voices))  # reclaims sid's slot
+    try:
+        await asyncio.wait_for(done, 5)
+        outcome = "resumed"
+    except RealtimeError as exc:
+        outcome = exc.code
+    await newcomer.end("client_close")
+    return outcome
+
+
+def test_w8_a_resume_already_on_its_way_loses_to_the_reclaim(app: Any, client: TestClient) -> None:
+    """The slot of a detached session goes to a new session while a resume of it waits in its mailbox:
+    the resume is refused (the session is no longer admitted), it does not bring the session back."""
+    settings = app.state.realtime_settings
+    settings.max_sessions = 1
+    settings.disconnect_grace_s = 30.0
+    registry = app.state.realtime.registry
+    with client.websocket_connect("/v1/duplex") as gone:
+        created = open_session(gone)
+    sid = created["session"]["id"]
+    deadline = time.time() + 5
+    while registry.sessions[sid].detached_at is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert client.portal is not None
+    outcome = client.portal.call(_resume_then_open, app, sid, created["resume_token"])
+    assert outcome == "session_resume_expired"
+    assert sid not in registry.sessions
 
 
 def test_w9_w10_seq_and_ids(client: TestClient) -> None:
