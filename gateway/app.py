@@ -37,7 +37,7 @@ from gateway.audio import router as audio_router
 from gateway.audio.voices import VoiceRegistry
 from gateway.auth import API_KEY_ENV, ApiKeyError, check_api_key, is_loopback, resolve_api_key
 from gateway.config import GatewayConfig
-from gateway.openai.body import ClientGone
+from gateway.openai.body import BodyStalled, ClientGone, idle_limited
 from gateway.openai.chat import OPENAPI_COMPONENTS
 from gateway.openai.chat import router as chat_router
 from gateway.openai.errors import APIError, error_body, error_response, invalid_request, model_not_found
@@ -102,7 +102,7 @@ class _AuthAndCountMiddleware:
                 await error_response(err)(scope, receive, send_counting)
             else:
                 routed = True
-                await self.app(scope, receive, send_counting)
+                await self.app(scope, idle_limited(receive, self.config.body_idle_timeout), send_counting)
         finally:
             if path not in _PUBLIC_PATHS:
                 metrics.REQUESTS.labels(_route_label(scope, routed), str(status["code"])).inc()
@@ -241,6 +241,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.info("%s %s: %s", request.method, request.url.path, exc)
         return Response(status_code=499)
 
+    @app.exception_handler(BodyStalled)
+    async def _body_stalled(request: Request, exc: BodyStalled) -> Response:
+        # The rest of the body may still come: the connection cannot be reused, so it is closed.
+        log.info("%s %s: %s", request.method, request.url.path, exc)
+        err = invalid_request(str(exc), None, "request_timeout", status=408)
+        err.headers = {"Connection": "close"}
+        return error_response(err)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
         # The routes FastAPI validates (the audio endpoints' JSON and form bodies, query parameters) word
@@ -256,6 +264,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc.__cause__, BodyStalled):  # FastAPI's form parsing wraps it in a 400
+            return await _body_stalled(request, exc.__cause__)
         message = str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":  # no route matched: say what is served
             message = (

@@ -27,6 +27,7 @@ class GatewayConfig:
     max_realtime_sessions: int | None = None  # None: from the profile
     max_body_bytes: int | None = None  # None: from the profile
     request_timeout_s: float | None = None  # None: from the profile
+    body_idle_timeout_s: float | None = None  # None: from the profile (gateway.body_idle_timeout_s, 30 s)
     drain_grace_s: float | None = None  # None: from the profile (gateway.drain_grace_s, 30 s)
     stage_tls: ClientTLS | None = None  # None: the profile's tls section, if any (else plaintext)
 
@@ -62,3 +63,8 @@ class GatewayConfig:
     @property
     def timeout_s(self) -> float:
         return self.request_timeout_s or self.profile.gateway.request_timeout_s
+
+    @property
+    def body_idle_timeout(self) -> float:
+        """Seconds a request body may send nothing before it is answered 408 (gateway.body_idle_timeout_s)."""
+        return self.body_idle_timeout_s or self.profile.gateway.body_idle_timeout_s

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -412,3 +413,44 @@ def test_truncated_bodies_count_as_client_aborts(
     assert _count("499") == before_499 + n
     assert _count("500") == before_500
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize(
+    ("route", "content_type", "first_bytes"),
+    [
+        (ROUTE, "application/json", b'{"model": "'),
+        ("/v1/audio/transcriptions", "multipart/form-data; boundary=xx", b"--xx\r\n"),
+    ],
+)
+def test_a_stalled_body_is_answered_408_and_its_connection_closed(
+    route: str, content_type: str, first_bytes: bytes
+) -> None:
+    """A client that stops sending mid-body (or trickles bytes to hold a socket) gets 408
+    ``request_timeout`` once the body has been idle for gateway.body_idle_timeout_s, and the connection
+    is closed (the rest of the body may still arrive); a slow but steady body is read to its end."""
+    addrs = {s: dead_address() for s in ("thinker", "talker", "code2wav")}
+    config = GatewayConfig(stage_addrs=addrs, profile=load_profile("cpu"), body_idle_timeout_s=0.5)
+    with ThreadedGateway(config) as gw:
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+        conn.putrequest("POST", route)
+        conn.putheader("Content-Type", content_type)
+        conn.putheader("Content-Length", "1000")
+        conn.endheaders(first_bytes)
+        resp = conn.getresponse()
+        err = json.loads(resp.read())["error"]
+        assert resp.status == 408 and err["code"] == "request_timeout", err
+        assert resp.getheader("connection") == "close"
+        conn.close()
+
+        steady = _raw(messages=[])  # refused for its content (400), after being read whole
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+        conn.putrequest("POST", ROUTE)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(steady)))
+        conn.endheaders()
+        for i in range(0, len(steady), len(steady) // 4 + 1):
+            time.sleep(0.3)  # each piece comes within the idle limit; the whole body takes longer
+            conn.send(steady[i : i + len(steady) // 4 + 1])
+        resp = conn.getresponse()
+        assert resp.status == 400 and json.loads(resp.read())["error"]["param"] == "messages"
+        conn.close()

@@ -11,12 +11,14 @@ was half processed; here they are refused up front with a 400 that names the pla
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
+from starlette.types import Message, Receive
 
 from gateway.openai.errors import APIError, invalid_request
 
@@ -34,6 +36,36 @@ def _parse_constant(name: str) -> float:
 
 class ClientGone(Exception):
     """The client closed the connection before its request body arrived in full (counted as 499)."""
+
+
+class BodyStalled(Exception):
+    """The request body sent nothing for the profile's ``gateway.body_idle_timeout_s`` (answered 408)."""
+
+
+def idle_limited(receive: Receive, idle_s: float) -> Receive:
+    """``receive`` that raises :class:`BodyStalled` when a piece of the request body is not there within
+    ``idle_s`` seconds of asking for it, so a client that stalls mid-upload, or trickles bytes to hold the
+    socket, is answered instead of holding its connection (and the bytes read so far) forever.
+
+    Only the body is timed: once its last piece has arrived, calls pass straight through, since a
+    streaming route then waits on ``receive`` for as long as the client stays (its disconnect).
+    """
+    body_done = False
+
+    async def receive_limited() -> Message:
+        nonlocal body_done
+        if body_done:
+            return await receive()
+        try:
+            async with asyncio.timeout(idle_s):
+                message = await receive()
+        except TimeoutError:
+            raise BodyStalled(f"the request body sent nothing for {idle_s:g} s") from None
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            body_done = True
+        return message
+
+    return receive_limited
 
 
 def _path(parts: list[str | int]) -> str | None:

@@ -16,8 +16,8 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
     description: free text
     served_model_name: openbmb/MiniCPM-o-4_5
     gpu_sharing: mps   # or time_slice (default): how stages placed on one GPU share it (gpu_sharing.py)
-    gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s, drain_grace_s,
-                default_modalities, media: {...}, transcription: {...}, voice_dir}
+    gateway:   {port, max_concurrent_requests, max_realtime_sessions, max_body_bytes, request_timeout_s,
+                body_idle_timeout_s, drain_grace_s, default_modalities, media: {...}, transcription: {...}, voice_dir}
     tls:       {ca_file, cert_file, key_file, client_cert_file, client_key_file, require_client_cert}  # optional
     stages:
       thinker:  {devices: [cuda:0], memory_fraction: 0.40, max_num_seqs: 8, max_model_len: 40960,
@@ -195,6 +195,9 @@ class GatewayProfile:
     max_realtime_sessions: int = 4
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout_s: float = 600.0
+    # A request body that sends nothing for this long is answered 408 and its connection closed, so a
+    # client that stalls mid-upload (or trickles bytes to hold a socket) does not keep it open forever.
+    body_idle_timeout_s: float = 30.0
     # Chat output when a request names no ``modalities`` (a request's own value always wins); ["text"]
     # as OpenAI, ["text", "audio"] for deployments whose clients expect speech without asking.
     default_modalities: tuple[str, ...] = ("text",)

@@ -329,6 +329,7 @@ class GatewayDoc(_Doc):
     max_realtime_sessions: PositiveInt | None = None
     max_body_bytes: PositiveInt | None = None
     request_timeout_s: PositiveNumber | None = None
+    body_idle_timeout_s: PositiveNumber | None = None
     # Output of a chat request that names no ``modalities`` (OpenAI's default: text only).
     default_modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
     drain_grace_s: NonNegativeNumber | None = None
