@@ -185,6 +185,13 @@ def test_stop_logprobs_and_text_only_default(client: Any, gateway: ThreadedGatew
     assert {c.get("modality") for c in lines} == {"text"}
 
 
+_LOOKAHEAD = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=x)y$"}}}
+
+
+def _tool(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
 def test_logit_bias_and_refused_fields_through_the_sdk(client: Any) -> None:
     """logit_bias reaches the thinker's sampler (+100 forces its token at every step); a token id beyond
     the vocabulary and a refused or unknown field come back as 400s naming the field."""
@@ -199,6 +206,12 @@ def test_logit_bias_and_refused_fields_through_the_sdk(client: Any) -> None:
         ({"store": True}, "store"),
         ({"web_search_options": {}}, "web_search_options"),
         ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+        # a schema the grammar engine refuses (look-ahead): the thinker's refusal names the client's field
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _LOOKAHEAD}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"tools": [_tool(_LOOKAHEAD)], "tool_choice": "required"}, "tools"),
     ):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=_user("hi"), max_tokens=2, **kwargs)

@@ -104,11 +104,12 @@ def _build_job(
     )
 
 
-def _stage_api_error(exc: StageFailure) -> APIError:
+def _stage_api_error(exc: StageFailure, req: ChatRequest) -> APIError:
     metrics.STAGE_ERRORS.labels(exc.stage, exc.code).inc()
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+    param = chat_tools.constraint_param(req) if exc.param == "sampling.constraint" else exc.param
     return APIError(
-        exc.status, exc.message, exc.param, exc.err_type, headers, exc.code if exc.client_code else None
+        exc.status, exc.message, param, exc.err_type, headers, exc.code if exc.client_code else None
     )
 
 
@@ -181,7 +182,7 @@ async def create_chat_completion(request: Request) -> Response:
         try:  # a stage known down: 503 + Retry-After now (after input checks), not an SSE error after a 200
             runtime.monitor.require(("thinker", "talker", "code2wav") if req.want_audio else ("thinker",))
         except StageFailure as exc:
-            raise _stage_api_error(exc) from exc
+            raise _stage_api_error(exc, req) from exc
         run = runtime.pipeline.start(job)
         if req.stream:
             response = await _start_stream(request, runtime, req, job, run)
@@ -226,7 +227,7 @@ async def _complete(request: Request, req: ChatRequest, job: ChatJob, run: Pipel
                 return Response(status_code=499)
         texts, audio, finish, token_logprobs = task.result()
     except StageFailure as exc:
-        raise _stage_api_error(exc) from exc
+        raise _stage_api_error(exc, req) from exc
     finally:
         run.abort()
         if not task.done():
@@ -309,7 +310,7 @@ async def _start_stream(
         first = waiting.result()
     except StageFailure as exc:
         run.abort()
-        raise _stage_api_error(exc) from exc
+        raise _stage_api_error(exc, req) from exc
     except BaseException:
         run.abort()
         waiting.cancel()
@@ -445,7 +446,7 @@ async def _stream_body(
                 finished_normally = True
         yield "data: [DONE]\n\n"
     except StageFailure as exc:
-        yield _sse(api_error_body(_stage_api_error(exc)))
+        yield _sse(api_error_body(_stage_api_error(exc, req)))
         yield "data: [DONE]\n\n"
     except APIError as exc:
         yield _sse(api_error_body(exc))

@@ -39,5 +39,18 @@ def constraint(req: ChatRequest) -> thinker_pb2.Constraint | None:
     return thinker_pb2.Constraint(kind=kind.KIND_JSON_SCHEMA, spec=json.dumps(fmt.schema or {}))
 
 
+def constraint_param(req: ChatRequest) -> str:
+    """The request field a grammar the thinker refuses came from, for the error's ``param``: the forced
+    tools' schemas or the response format's schema (the thinker only knows ``sampling.constraint``)."""
+    if req.tools and req.tool_choice.forced:
+        return "tools"
+    fmt = req.response_format
+    return (
+        "response_format.json_schema.schema"
+        if fmt is not None and fmt.type == "json_schema"
+        else "response_format"
+    )
+
+
 def parses_tool_calls(req: ChatRequest) -> bool:
     return bool(req.tools) and req.tool_choice.mode != "none"
