@@ -45,7 +45,7 @@ from gateway.openai.request_models import describe_error, error_loc
 from gateway.runtime import GatewayRuntime
 from gateway.shutdown import GRACEFUL_SHUTDOWN_S, GatewayServer
 from services.common.deploy_profile import load_profile
-from services.common.deploy_schema import ProfileError
+from services.common.deploy_schema import ProfileError, port_arg
 from services.common.heap import prepare_heap_for_serving
 from services.common.tls import ClientTLS
 
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve a non-loopback address without an API key (anyone who can reach it may use it)",
     )
-    p.add_argument("--port", type=int, default=8099)
+    p.add_argument("--port", type=port_arg, default=8099)
     p.add_argument(
         "--deploy-config", default=None, help="deploy profile file or bundled name (default minicpmo_4_5)"
     )

@@ -73,7 +73,7 @@ from services.common.deploy_profile import (
     load_profile,
     parse_overrides,
 )
-from services.common.deploy_schema import STAGES, ProfileError
+from services.common.deploy_schema import STAGES, ProfileError, port_arg
 from services.common.gpu_sharing import PIPE_ENV, MpsDaemon, mps_refused, start_sharing
 
 log = logging.getLogger("minicpmo.launcher")
@@ -634,12 +634,13 @@ def _default_profile_name(device: str | None) -> str:
 
 
 def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """``--stage-overrides`` with the capacity flags merged in (a flag wins over the same key in the JSON);
-    the profile validates the values as it validates a file's."""
+    """``--stage-overrides`` with the gateway flags merged in (a flag wins over the same key in the JSON);
+    the profile validates the values as it validates a file's (a ``--port`` out of range included)."""
     overrides = parse_overrides(args.stage_overrides)
     capacity = {
         key: value
         for key, value in (
+            ("port", args.port),
             ("max_concurrent_requests", args.max_concurrent_requests),
             ("max_realtime_sessions", args.max_realtime_sessions),
         )
@@ -665,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default=None, help="force every stage onto this device"
     )
-    p.add_argument("--port", type=int, default=None, help="gateway port (default: the profile's, 8099)")
+    p.add_argument("--port", type=port_arg, default=None, help="gateway port (default: the profile's, 8099)")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway and stages bind")
     p.add_argument(
         "--stage-ports",

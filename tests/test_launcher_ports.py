@@ -179,9 +179,42 @@ def test_capacity_flags_override_the_profile() -> None:
         load_profile("cpu").with_overrides(
             cli_overrides(build_parser().parse_args(["--max-realtime-sessions", "0"]))
         )
+    # --port is the profile's gateway.port, and a profile's port out of range is refused as such
+    args = build_parser().parse_args(["--port", "8123"])
+    assert load_profile("cpu").with_overrides(cli_overrides(args)).gateway.port == 8123
+    args = build_parser().parse_args(["--stage-overrides", json.dumps({"gateway": {"port": 99999}})])
+    with pytest.raises(ProfileError, match="gateway.port: 99999 is not a port number"):
+        load_profile("cpu").with_overrides(cli_overrides(args))
 
 
 def test_stage_ports_default_to_auto_only_for_the_tiny_demo() -> None:
     assert build_parser().parse_args([]).stage_ports is None  # main(): auto without --checkpoint
     launcher = (REPO / "gateway" / "launcher.py").read_text()
     assert 'args.stage_ports or ("profile" if args.checkpoint else "auto")' in launcher
+
+
+def test_port_flags_refuse_what_is_not_a_port_at_parse_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """--port of the launcher, the gateway and a stage: argparse refuses a non-port with a one-line reason
+    (exit 2), instead of a bind-time OverflowError traceback or a misleading "already in use"."""
+    import argparse
+
+    from gateway.app import build_parser as gateway_parser
+    from services.common.grpc_server import add_serve_arguments
+
+    def stage_parser() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser()
+        add_serve_arguments(parser, "talker")
+        return parser
+
+    for parser, bad in (
+        (build_parser(), "99999"),
+        (gateway_parser(), "65536"),
+        (gateway_parser(), "0"),
+        (stage_parser(), "-1"),
+        (stage_parser(), "x"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(["--port", bad])
+        assert info.value.code == 2
+        assert "is not a port number" in capsys.readouterr().err
+    assert stage_parser().parse_args(["--port", "0"]).port == 0

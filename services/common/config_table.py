@@ -72,6 +72,7 @@ _RANGES: list[tuple[Any, str]] = [
     (ds.Device, "`cpu`, `cuda` or `cuda:N`"),
     (ds.DType, "`bfloat16`, `float16`, `float32`"),
     (ds.Port, "1 … 64534 (the metrics port is port + 1000)"),
+    (ds.GatewayPort, "1 … 65535"),
     (ds.Fraction, "(0, 1]"),
     (ds.Frames, "integer ≥ 1"),
     (ds.ContextFrames, "integer ≥ 0"),

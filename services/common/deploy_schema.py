@@ -10,6 +10,7 @@ always seen: ``<file>: stages.thinker.memory_fraction: must be in (0, 1], got 1.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -107,6 +108,27 @@ DType = Annotated[str, _rule(lambda v: v in DTYPES, f"expected one of {sorted(DT
 Port = Annotated[
     int, _rule(lambda v: 0 < v < 65536 - 1000, "{v} is not a usable port (metrics use port + 1000)")
 ]
+GatewayPort = Annotated[int, _rule(lambda v: 0 < v < 65536, "{v} is not a port number (1 to 65535)")]
+
+
+def port_arg(text: str, allow_zero: bool = False) -> int:
+    """A ``--port``-style command-line value: a TCP port number (0 too with ``allow_zero``: "pick one" or
+    "off"), refused by argparse with a one-line reason rather than failing later at bind time."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    low = 0 if allow_zero else 1
+    if not low <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number ({low} to 65535)")
+    return value
+
+
+def port_or_zero_arg(text: str) -> int:
+    """:func:`port_arg` that also takes 0."""
+    return port_arg(text, allow_zero=True)
+
+
 Fraction = Annotated[float, _rule(lambda v: 0 < v <= 1, "must be in (0, 1], got {v}")]
 Frames = Annotated[int, _rule(lambda v: v >= 1, "out of range ({v})")]
 ContextFrames = Annotated[int, _rule(lambda v: v >= 0, "out of range ({v})")]
@@ -324,7 +346,7 @@ class TranscriptionDoc(_Doc):
 
 
 class GatewayDoc(_Doc):
-    port: PositiveInt | None = None
+    port: GatewayPort | None = None
     max_concurrent_requests: PositiveInt | None = None
     max_realtime_sessions: PositiveInt | None = None
     max_body_bytes: PositiveInt | None = None

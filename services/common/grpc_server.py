@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import slow_steps
 from services.common.deploy_profile import DEFAULT_STAGE_PORTS
+from services.common.deploy_schema import port_or_zero_arg
 from services.common.gpu_sharing import PRIORITIES
 from services.common.heap import prepare_heap_for_serving
 from services.common.metrics import DRAINING
@@ -86,10 +87,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
         default="127.0.0.1",
         help="address to bind, metrics included (default loopback; 0.0.0.0 for all interfaces)",
     )
-    parser.add_argument("--port", type=int, default=DEFAULT_STAGE_PORTS[stage], help="gRPC port")
+    parser.add_argument(
+        "--port",
+        type=port_or_zero_arg,
+        default=DEFAULT_STAGE_PORTS[stage],
+        help="gRPC port (0: any free one)",
+    )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_or_zero_arg,
         default=None,
         help="Prometheus HTTP port (default: gRPC port + 1000; 0 disables)",
     )
