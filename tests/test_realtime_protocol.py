@@ -176,6 +176,15 @@ def test_w8_max_sessions(app: Any, client: TestClient) -> None:
             open_session(d)
 
 
+def _wait_detached(app: Any, session_id: str) -> None:
+    """Until the session has seen its socket go (it then waits for a resume)."""
+    session = app.state.realtime.registry.sessions[session_id]
+    deadline = time.time() + 5
+    while session.detached_at is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert session.detached_at is not None
+
+
 def test_w8_a_detached_session_gives_its_slot_to_a_new_one(app: Any, client: TestClient) -> None:
     """Every slot taken, one session detached (its client closed the socket, as stock clients do): a new
     session opens at once, the detached one ends and cannot be resumed; an attached one is never taken."""
@@ -188,10 +197,7 @@ def test_w8_a_detached_session_gives_its_slot_to_a_new_one(app: Any, client: Tes
         with client.websocket_connect("/v1/duplex") as gone:
             created = open_session(gone)
         gone_id = created["session"]["id"]
-        deadline = time.time() + 5
-        while registry.sessions[gone_id].detached_at is None and time.time() < deadline:
-            time.sleep(0.02)
-        assert registry.sessions[gone_id].detached_at is not None
+        _wait_detached(app, gone_id)
         with client.websocket_connect("/v1/duplex") as b:
             open_session(b)  # admitted: the detached session's slot was reclaimed
             assert gone_id not in registry.sessions and len(registry.sessions) == 2
@@ -244,9 +250,7 @@ def test_w8_a_resume_already_on_its_way_loses_to_the_reclaim(app: Any, client: T
     with client.websocket_connect("/v1/duplex") as gone:
         created = open_session(gone)
     sid = created["session"]["id"]
-    deadline = time.time() + 5
-    while registry.sessions[sid].detached_at is None and time.time() < deadline:
-        time.sleep(0.02)
+    _wait_detached(app, sid)
     assert client.portal is not None
     outcome = client.portal.call(_resume_then_open, app, sid, created["resume_token"])
     assert outcome == "session_resume_expired"
