@@ -19,3 +19,11 @@ def test_whisper_pass_bench_counts_a_batched_pass(capsys: pytest.CaptureFixture[
     # What grows with the sessions is only each unit's window on the host (about 6 operators, views and a
     # concatenation). Per-session attention and cache writes cost 51 per extra session on these dims.
     assert (eight["ops"] - one["ops"]) / 7 < 8, (one, eight)
+
+
+def test_whisper_pass_graphs_need_a_gpu() -> None:
+    """``--graphs`` compares real CUDA graph replays with the eager pass; on the CPU it says so and stops."""
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        whisper_pass.main(
+            ["--device", "cpu", "--dims", "tiny", "--batches", "1", "--passes", "1", "--graphs"]
+        )

@@ -13,6 +13,11 @@ and the pooled caches (:meth:`WhisperChunkedEncoder.forward_chunks`). Reports pe
   view, so at a few microseconds of host time each this is what makes a pass host-bound;
 * ``ms_per_session``: ``ms / B``.
 
+With ``--graphs``, an encoder with the same weights runs the same passes through the CUDA graphs of
+:mod:`services.thinker.whisper_graph` (as the thinker does on a GPU), and each row adds ``graph_ms``,
+``graph_ops`` and the largest difference of its last pass's rows from the eager pass's (``max_abs_diff``,
+and ``rel_diff`` over the rows' largest magnitude).
+
 ``--dims full`` is the real encoder's shapes (24 layers, width 1024, 16 heads: random weights, no
 checkpoint needed); ``--dims tiny`` the test checkpoint's (2 layers, width 64), where a CPU pass is
 almost all dispatch and so shows the host cost alone. Prints one JSON object and a Markdown table.
@@ -32,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.thinker.model.audio import AudioStreamState, StreamPiece, WhisperChunkedEncoder
 from services.thinker.model.config import AudioDims
+from services.thinker.whisper_graph import warmup_whisper_stream_graphs
 
 DIMS = {
     "full": AudioDims(1024, 24, 16, 4096, 80, 1500, "gelu", 5, 1.0),
@@ -58,8 +64,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(encoder: WhisperChunkedEncoder, batch: int, passes: int, device: torch.device) -> dict[str, Any]:
-    """Median ms and aten ops of one pass over ``batch`` sessions at staggered stream positions."""
+def measure(
+    encoder: WhisperChunkedEncoder, batch: int, passes: int, device: torch.device
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Median ms and aten ops of one pass over ``batch`` sessions at staggered stream positions, and the
+    rows of the last timed pass (the same pieces for every encoder: the generator is seeded by ``batch``)."""
     gen = torch.Generator().manual_seed(batch)
     states = [AudioStreamState() for _ in range(batch)]
     history = [b % WARM_UNITS + 1 for b in range(batch)]
@@ -82,7 +91,7 @@ def measure(encoder: WhisperChunkedEncoder, batch: int, passes: int, device: tor
         pieces = next_pieces()
         _sync(device)
         t0 = time.perf_counter()
-        encoder.forward_chunks(pieces)
+        rows = encoder.forward_chunks(pieces)
         _sync(device)
         times.append(1000 * (time.perf_counter() - t0))
     counter = _OpCounter()
@@ -92,7 +101,20 @@ def measure(encoder: WhisperChunkedEncoder, batch: int, passes: int, device: tor
     for state in states:
         state.release()
     ms = statistics.median(times[1:])
-    return {"batch": batch, "ms": round(ms, 3), "ms_per_session": round(ms / batch, 3), "ops": counter.ops}
+    out = {"batch": batch, "ms": round(ms, 3), "ms_per_session": round(ms / batch, 3), "ops": counter.ops}
+    return out, rows
+
+
+def graphed_twin(encoder: WhisperChunkedEncoder, max_batch: int) -> WhisperChunkedEncoder:
+    """An encoder with ``encoder``'s weights whose passes replay the thinker's graphs."""
+    twin = WhisperChunkedEncoder(encoder.dims).to(
+        device=encoder.conv1.weight.device, dtype=encoder.conv1.weight.dtype
+    )
+    twin.load_state_dict(encoder.state_dict())
+    twin.eval().stream_pool.capacity = encoder.stream_pool.capacity
+    if warmup_whisper_stream_graphs(twin, max_batch) == 0:
+        raise SystemExit("--graphs needs a CUDA device")
+    return twin
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dims", choices=sorted(DIMS), default="full")
     ap.add_argument("--batches", default="1,4,16,24")
     ap.add_argument("--passes", type=int, default=10)
+    ap.add_argument("--graphs", action="store_true", help="also time the graphed pass and compare its rows")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -111,15 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     encoder.stream_pool.capacity = max(batches)
     rows = []
     with torch.inference_mode():
+        twin = graphed_twin(encoder, max(batches)) if args.graphs else None
         for batch in batches:
-            rows.append(measure(encoder, batch, args.passes, device))
+            row, eager_rows = measure(encoder, batch, args.passes, device)
+            if twin is not None:
+                graphed, graph_rows = measure(twin, batch, args.passes, device)
+                diff = float((graph_rows.float() - eager_rows.float()).abs().max())
+                row |= {"graph_ms": graphed["ms"], "graph_ops": graphed["ops"], "max_abs_diff": diff}
+                row["rel_diff"] = diff / max(float(eager_rows.float().abs().max()), 1e-30)
+            rows.append(row)
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"device": card, "dims": args.dims, "dtype": str(dtype), "rows": rows}))
-    print(f"\n| B | ms / pass | ms / session | aten ops / pass |  ({card}, {args.dims} dims)")
-    print("|---|---|---|---|")
+    graphs = " graphed ms / pass | graphed aten ops | rows' max diff (relative) |" if args.graphs else ""
+    print(f"\n| B | ms / pass | ms / session | aten ops / pass |{graphs}  ({card}, {args.dims} dims)")
+    print("|---|---|---|---|" + ("---|---|---|" if args.graphs else ""))
     for r in rows:
-        print(f"| {r['batch']} | {r['ms']} | {r['ms_per_session']} | {r['ops']} |")
+        extra = ""
+        if args.graphs:
+            extra = f" {r['graph_ms']} | {r['graph_ops']} | {r['max_abs_diff']:.3g} ({r['rel_diff']:.2g}) |"
+        print(f"| {r['batch']} | {r['ms']} | {r['ms_per_session']} | {r['ops']} |{extra}")
     return 0
 
 

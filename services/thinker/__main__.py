@@ -23,11 +23,13 @@ from services.common.kernels.tables import load_tables
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
 from services.common.tensors import TORCH_DTYPES
 from services.thinker.backend import build_backend
+from services.thinker.duplex_encode import encode_batch_limit
 from services.thinker.duplex_policy import warmup_duplex_policy
 from services.thinker.duplex_window import DuplexWindow
 from services.thinker.engine import STAGE, EngineConfig
 from services.thinker.kv_cache import KV_CACHE_FORMATS, KVBudgetError
 from services.thinker.server import make_server
+from services.thinker.whisper_graph import warmup_whisper_stream_graphs
 
 log = logging.getLogger("services.thinker")
 
@@ -214,6 +216,12 @@ def serve(argv: list[str]) -> int:
         policy = warmup_duplex_policy(backend.ckpt.root, vocab, device, args.max_num_seqs)
         if policy:
             log.info("thinker: captured %d duplex policy graphs in %.2f s", policy, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        whisper = warmup_whisper_stream_graphs(backend.model.apm, encode_batch_limit(args.max_num_seqs))
+        if whisper:
+            log.info(
+                "thinker: captured %d streaming-Whisper graphs in %.2f s", whisper, time.perf_counter() - t0
+            )
     backend.engine.start()
     server = make_server(backend, serve_options_from_args(args))
     try:

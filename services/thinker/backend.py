@@ -12,9 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from services.common.checkpoint import Checkpoint
 from services.common.pb import common_pb2
 from services.common.tensors import compute_dtype, dtype_to_proto
+from services.thinker import whisper_graph
 from services.thinker.duplex_window import DuplexWindow
 from services.thinker.engine import STAGE, EngineConfig, ThinkerEngine
 from services.thinker.kv_cache import SEQUENCE_HEADROOM_BYTES
@@ -61,6 +64,7 @@ def build_backend(
     checkpoint: str, device: str, dtype: str | None, engine_config: EngineConfig
 ) -> ThinkerBackend:
     """Load the model and processor, size the KV cache and create the (not yet started) engine."""
+    from services.thinker.duplex_encode import encode_batch_limit  # it imports this module
     from services.thinker.model import ThinkerModel
     from services.thinker.processor import ThinkerProcessor
 
@@ -72,6 +76,10 @@ def build_backend(
         # (plus two waiting).
         per_sequence = model.audio_stream_bytes() + SEQUENCE_HEADROOM_BYTES
         engine_config.reserve_bytes = (engine_config.max_num_seqs + 2) * per_sequence
+        if engine_config.use_cuda_graphs:  # the encoder's graphs (services.thinker.whisper_graph)
+            engine_config.reserve_bytes += whisper_graph.reserve_bytes(
+                model, encode_batch_limit(engine_config.max_num_seqs), torch.device(device)
+            )
     model.reserve_audio_streams(engine_config.max_num_seqs + 2)  # the sessions the reserve above counts
     engine = ThinkerEngine(model.llm, engine_config, device)
     from services.thinker.constrained import GrammarCompiler

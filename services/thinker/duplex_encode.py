@@ -50,6 +50,13 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH = 32  # units per encoder pass; more than the 1-GPU profile's sessions, so a pass takes them all
 
+
+def encode_batch_limit(max_num_seqs: int) -> int:
+    """The most units one pass holds when the thinker runs ``max_num_seqs`` sequences: one unit per
+    session, the sessions being the running sequences and the two the reserve lets wait."""
+    return min(MAX_BATCH, max_num_seqs + 2)
+
+
 AudioRequest = tuple[DuplexSession, thinker_pb2.ThinkerUnit]
 UnitRequest = tuple[DuplexSession, thinker_pb2.ThinkerUnit, bool]  # (session, unit, force_speak)
 

@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import cast, overload
+from typing import Protocol, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -153,11 +153,14 @@ class AudioCachePool:
         self._free: list[int] = []
         self._released: list[int] = []
         self._release_lock = threading.Lock()  # release runs on the event loop, passes on a worker
+        self.scratch: int | None = None  # a slot no session holds (:meth:`take_scratch`)
 
     @property
     def in_use(self) -> int:
         """Slots held by sessions (or released during the running pass)."""
-        return 0 if self.tensor is None else self.tensor.shape[0] - len(self._free)
+        if self.tensor is None:
+            return 0
+        return self.tensor.shape[0] - len(self._free) - (self.scratch is not None)
 
     def begin_pass(self) -> None:
         """Make the slots released since the last pass free again (call holding :attr:`pass_lock`)."""
@@ -165,15 +168,32 @@ class AudioCachePool:
             self._free.extend(self._released)
             self._released.clear()
 
+    def allocate(self, like: torch.Tensor) -> torch.Tensor:
+        """The pooled tensor, allocated with the dtype and device of ``like`` at the first call.
+
+        It starts zeroed: a pass reads every slot's frames up to the longest stream's end (a graphed pass:
+        all of them) and masks those past each stream's own end, and a mask does not hide a NaN that
+        uninitialised memory may hold (``NaN + -inf`` is NaN in the scores).
+        """
+        if self.tensor is None:
+            self.tensor = torch.zeros((self.capacity, *self.slot_shape), dtype=like.dtype, device=like.device)
+            self._free = list(range(self.capacity - 1, -1, -1))
+        return self.tensor
+
+    def take_scratch(self, like: torch.Tensor) -> int:
+        """A slot kept out of the sessions' use for good, where a graphed pass's padding rows write."""
+        if self.scratch is None:
+            self.scratch = self.acquire(like)
+        return self.scratch
+
     def acquire(self, like: torch.Tensor) -> int:
         """A free slot (call holding :attr:`pass_lock`); the first call allocates the tensor with the
         dtype and device of ``like``."""
-        if self.tensor is None:
-            self.tensor = torch.empty((self.capacity, *self.slot_shape), dtype=like.dtype, device=like.device)
-            self._free = list(range(self.capacity - 1, -1, -1))
+        self.allocate(like)
+        assert self.tensor is not None
         if not self._free:
             old = self.tensor
-            grown = torch.empty((2 * old.shape[0], *self.slot_shape), dtype=old.dtype, device=old.device)
+            grown = torch.zeros((2 * old.shape[0], *self.slot_shape), dtype=old.dtype, device=old.device)
             grown[: old.shape[0]] = old
             self.tensor = grown
             self._free = list(range(grown.shape[0] - 1, old.shape[0] - 1, -1))
@@ -193,6 +213,15 @@ class AudioCachePool:
         """Layer ``index``'s keys and values of every slot, ``[slots, heads, frames, head_dim]`` views."""
         assert self.tensor is not None, "no pass has allocated the cache yet"
         return self.tensor[:, index, 0], self.tensor[:, index, 1]
+
+
+class StreamGraphs(Protocol):
+    """What :meth:`WhisperChunkedEncoder.forward_chunks` asks of a graphed layer stack."""
+
+    def run(self, x: torch.Tensor, slots: Sequence[int], starts: Sequence[int]) -> torch.Tensor | None:
+        """The pass's output ``[B, n, d]`` from :meth:`WhisperChunkedEncoder.stream_layers_fixed`'s graph
+        for streams at ``starts`` in ``slots``, or None when no graph serves it (the eager path runs)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -301,6 +330,8 @@ class WhisperChunkedEncoder(nn.Module):
         head_dim = dims.d_model // dims.num_heads
         slot = (dims.num_layers, 2, dims.num_heads, dims.max_source_positions, head_dim)
         self.stream_pool = AudioCachePool(slot)  # the duplex sessions' caches (forward_chunks)
+        # Replays a pass's layers from a CUDA graph when it can (services.thinker.whisper_graph); None: eager.
+        self.stream_graphs: StreamGraphs | None = None
 
     def _front(self, mel: torch.Tensor) -> torch.Tensor:
         x = F.gelu(self.conv1(mel.to(self.conv1.weight.dtype)))
@@ -380,18 +411,40 @@ class WhisperChunkedEncoder(nn.Module):
                         state.pool, state.slot = pool, slot
                 slots.append(slot)
             try:
-                view = StreamCacheView.build(slots, [p.state.frames for p in pieces], new_frames, x.device)
-                x = x + self.embed_positions.weight[view.frames]
-                for li, layer in enumerate(self.layers):
-                    x = cast(WhisperEncoderLayer, layer).forward_streams(
-                        x, replace(view, layer=pool.layer(li))
-                    )
+                starts = [p.state.frames for p in pieces]
+                graphs = self.stream_graphs
+                out = None if graphs is None else graphs.run(x, slots, starts)
+                if out is None:
+                    out = self.stream_layers(x, StreamCacheView.build(slots, starts, new_frames, x.device))
                 for piece in pieces:
                     piece.state.frames += new_frames
             finally:
                 for slot in scratch:
                     pool.release(slot)
+        return out
+
+    def stream_layers(self, x: torch.Tensor, view: StreamCacheView) -> torch.Tensor:
+        """The pass after the convolutions: positions, every layer over the pooled caches, the final norm."""
+        x = x + self.embed_positions.weight[view.frames]
+        for li, layer in enumerate(self.layers):
+            x = cast(WhisperEncoderLayer, layer).forward_streams(
+                x, replace(view, layer=self.stream_pool.layer(li))
+            )
         return self.layer_norm(x)
+
+    def stream_layers_fixed(
+        self, x: torch.Tensor, slots: torch.Tensor, frames: torch.Tensor, key_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`stream_layers` with shapes that do not depend on how far the streams are (a CUDA graph).
+
+        ``x`` [B, n, d], ``slots`` [B], ``frames`` [B, n] (each row's positions), ``key_mask`` [B, 1, 1,
+        max_source_positions] (the keys row b may see: ``[0, its end)``). Attention reads every frame of
+        the slots and masks those past each row's end, where :meth:`StreamCacheView.build` reads only up to
+        the longest row's end: the same scores and weights, with more masked keys.
+        """
+        empty = torch.empty(0, device=x.device)
+        span = self.embed_positions.num_embeddings
+        return self.stream_layers(x, StreamCacheView(slots, frames, span, key_mask, (empty, empty)))
 
     def _check_piece(self, piece: StreamPiece, new_frames: int) -> None:
         if piece.mel.shape[-1] % 2:
