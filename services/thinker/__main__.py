@@ -23,13 +23,12 @@ from services.common.kernels.tables import load_tables
 from services.common.stage_settings import add_memory_fraction_argument, apply_memory_cap, parse_stage_args
 from services.common.tensors import TORCH_DTYPES
 from services.thinker.backend import build_backend
-from services.thinker.duplex_encode import encode_batch_limit
 from services.thinker.duplex_policy import warmup_duplex_policy
 from services.thinker.duplex_window import DuplexWindow
 from services.thinker.engine import STAGE, EngineConfig
 from services.thinker.kv_cache import KV_CACHE_FORMATS, KVBudgetError
 from services.thinker.server import make_server
-from services.thinker.whisper_graph import warmup_whisper_stream_graphs
+from services.thinker.whisper_graph import encode_batch_limit, warmup_whisper_stream_graphs
 
 log = logging.getLogger("services.thinker")
 

@@ -64,7 +64,6 @@ def build_backend(
     checkpoint: str, device: str, dtype: str | None, engine_config: EngineConfig
 ) -> ThinkerBackend:
     """Load the model and processor, size the KV cache and create the (not yet started) engine."""
-    from services.thinker.duplex_encode import encode_batch_limit  # it imports this module
     from services.thinker.model import ThinkerModel
     from services.thinker.processor import ThinkerProcessor
 
@@ -78,7 +77,7 @@ def build_backend(
         engine_config.reserve_bytes = (engine_config.max_num_seqs + 2) * per_sequence
         if engine_config.use_cuda_graphs:  # the encoder's graphs (services.thinker.whisper_graph)
             engine_config.reserve_bytes += whisper_graph.reserve_bytes(
-                model, encode_batch_limit(engine_config.max_num_seqs), torch.device(device)
+                model, whisper_graph.encode_batch_limit(engine_config.max_num_seqs), torch.device(device)
             )
     model.reserve_audio_streams(engine_config.max_num_seqs + 2)  # the sessions the reserve above counts
     engine = ThinkerEngine(model.llm, engine_config, device)

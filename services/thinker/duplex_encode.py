@@ -42,19 +42,12 @@ from services.common.pb import thinker_pb2
 from services.thinker.duplex import WHISPER_BATCH, DuplexSession, EncodedAudio, PreparedUnit
 from services.thinker.model.audio import StreamPiece
 from services.thinker.scheduler import WorkItem
+from services.thinker.whisper_graph import MAX_PASS_UNITS
 
 if TYPE_CHECKING:
     from services.thinker.backend import ThinkerBackend
 
 log = logging.getLogger(__name__)
-
-MAX_BATCH = 32  # units per encoder pass; more than the 1-GPU profile's sessions, so a pass takes them all
-
-
-def encode_batch_limit(max_num_seqs: int) -> int:
-    """The most units one pass holds when the thinker runs ``max_num_seqs`` sequences: one unit per
-    session, the sessions being the running sequences and the two the reserve lets wait."""
-    return min(MAX_BATCH, max_num_seqs + 2)
 
 
 AudioRequest = tuple[DuplexSession, thinker_pb2.ThinkerUnit]
@@ -143,7 +136,7 @@ class DuplexUnitEncoder:
     trims); the thread that finishes a pass starts the next one with everything that arrived meanwhile.
     """
 
-    def __init__(self, backend: ThinkerBackend, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, backend: ThinkerBackend, max_batch: int = MAX_PASS_UNITS) -> None:
         self.backend = backend
         self.max_batch = max_batch
         self._lock = threading.Lock()

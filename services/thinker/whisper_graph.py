@@ -49,6 +49,15 @@ log = logging.getLogger(__name__)
 UNIT_FRAMES = 50  # encoder frames of a 1 s duplex unit (100 mel frames, conv stride 2)
 # The captured passes are the default on CUDA; a benchmark's eager arm sets this False before start-up.
 ENABLED = True
+MAX_PASS_UNITS = (
+    32  # units per encoder pass; more than the 1-GPU profile's sessions, so a pass takes them all
+)
+
+
+def encode_batch_limit(max_num_seqs: int) -> int:
+    """The most units one pass holds when the thinker runs ``max_num_seqs`` sequences: one unit per
+    session, the sessions being the running sequences and the two the KV reserve lets wait."""
+    return min(MAX_PASS_UNITS, max_num_seqs + 2)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
