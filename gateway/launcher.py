@@ -153,6 +153,7 @@ def stage_flags(sp: StageProfile) -> list[str]:
             ]
         flags += ["--weights", sp.weights, "--kv-cache", sp.kv_cache]
         flags += ["--prefix-caching" if sp.prefix_caching else "--no-prefix-caching"]
+        flags += ["--whisper-graphs" if sp.whisper_graphs else "--no-whisper-graphs"]
         return flags + extra
     if sp.name == "talker":
         return ["--dtype", sp.dtype, "--max-streams", str(sp.max_num_seqs), *extra]

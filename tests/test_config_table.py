@@ -124,6 +124,7 @@ def test_profile_keys_become_stage_flag_defaults(stage: str, monkeypatch: pytest
         overrides["kernel_table"] = "/tables/h100.json"
         overrides["fp8_table"] = "/tables/h100-fp8.json"
         overrides["max_step_tokens"] = 128
+        overrides["whisper_graphs"] = True
     profile = load_profile("cpu").with_overrides({stage: overrides})
     monkeypatch.setenv("MINICPMO_STAGE_SETTINGS", profile.stage(stage).settings_json())
     monkeypatch.setattr(slow_steps, "_threshold_ms", slow_steps.DEFAULT_MS)
@@ -136,6 +137,7 @@ def test_profile_keys_become_stage_flag_defaults(stage: str, monkeypatch: pytest
     if stage == "thinker":
         assert args.kernel_table == "/tables/h100.json" and args.fp8_table == "/tables/h100-fp8.json"
         assert args.max_step_tokens == 128
+        assert args.whisper_graphs is True
     args, _ = parse_stage_args(_parser(stage), stage, ["--checkpoint", "/ckpt", "--slow-step-ms", "0"])
     assert args.slow_step_ms == 0 and slow_steps.threshold_ms() == 0  # the flag wins over the profile
 
@@ -144,6 +146,10 @@ def test_new_keys_are_validated() -> None:
     base = load_profile("cpu")
     with pytest.raises(ProfileError, match="kernels"):
         base.with_overrides({"thinker": {"kernels": "cuda"}})
+    with pytest.raises(ProfileError, match="streaming-Whisper graphs are a thinker setting"):
+        base.with_overrides({"talker": {"whisper_graphs": True}})
+    with pytest.raises(ProfileError, match="whisper_graphs"):
+        base.with_overrides({"thinker": {"whisper_graphs": "yes"}})  # a boolean, not a string
     with pytest.raises(ProfileError, match="steps_per_replay"):
         base.with_overrides({"talker": {"steps_per_replay": 0}})
     with pytest.raises(ProfileError, match="slow_step_ms"):

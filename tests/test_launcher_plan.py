@@ -108,6 +108,7 @@ def test_single_gpu_profile_hands_every_stage_its_share_and_limits() -> None:
             "--kv-cache",
             "bf16",
             "--prefix-caching",
+            "--no-whisper-graphs",
             "--memory-fraction",
             "0.4",
         ],
@@ -171,7 +172,14 @@ def test_planned_flags_exist_in_every_stage_cli() -> None:
     import sys
 
     profile = load_profile("minicpmo_4_5").with_overrides(
-        {"thinker": {"kernel_table": "/t/skinny.json", "fp8_table": "/t/fp8.json", "max_step_tokens": 128}}
+        {
+            "thinker": {
+                "kernel_table": "/t/skinny.json",
+                "fp8_table": "/t/fp8.json",
+                "max_step_tokens": 128,
+                "whisper_graphs": True,
+            }
+        }
     )
     children = plan_children(profile, "/ckpt", "/p.yaml", 8099, python=sys.executable)
     for child in children:

@@ -381,7 +381,7 @@ def test_thinker_cli_passes_the_cap_to_the_kv_budget(monkeypatch: pytest.MonkeyP
     )
     seen: dict[str, Any] = {}
 
-    def fake_build(checkpoint: str, device: str, dtype: str | None, cfg: Any) -> Any:
+    def fake_build(checkpoint: str, device: str, dtype: str | None, cfg: Any, whisper_graphs: bool) -> Any:
         seen.update(cfg=cfg, applied_before_load=list(applied))
         raise _Stop
 
@@ -402,7 +402,7 @@ def test_thinker_cli_passes_the_cap_to_the_kv_budget(monkeypatch: pytest.MonkeyP
         server.main([*STAGE_ARGV, "--memory-fraction", "0.5", "--kv-budget", "4G"])
     assert (seen["cfg"].memory_fraction, seen["cfg"].kv_budget_bytes) == (0.5, 4 * GIB)
 
-    def too_small(*_a: Any) -> Any:
+    def too_small(*_a: Any, **_kw: Any) -> Any:
         raise KVBudgetError("stages.thinker.memory_fraction = 0.1 caps the thinker at ...")
 
     monkeypatch.setattr(server, "build_backend", too_small)

@@ -27,7 +27,7 @@ Format (``version: 1``; every key optional except ``stages``; unknown keys are e
                  weights: bf16,   # or fp8: e4m3 projection weights quantized at load
                  kv_cache: bf16,  # or fp8: an e4m3 KV cache
                  prefix_caching: true, kernels: auto, kernel_table: null, fp8_table: null,
-                 max_step_tokens: 512, slow_step_ms: 50}
+                 max_step_tokens: 512, whisper_graphs: false, slow_step_ms: 50}
       talker:   {devices, memory_fraction, max_num_seqs, max_model_len, dtype, port, sampling: {...},
                  codec: {window_frames: 25, left_context_frames: 3, first_window_frames: 25},
                  kernels: auto, steps_per_replay: 4, slow_step_ms: 50}
@@ -140,6 +140,8 @@ class StageProfile:
     prefix_caching: bool = True
     # thinker only: rows per engine step (decode rows + prefill chunks)
     max_step_tokens: int = 512
+    # thinker only: graphed streaming-Whisper passes for duplex units (off by default)
+    whisper_graphs: bool = False
     # talker only
     codec: CodecWindows = field(default_factory=CodecWindows)
 
@@ -300,6 +302,7 @@ class DeployProfile:
                     "fp8_table",
                     "prefix_caching",
                     "max_step_tokens",
+                    "whisper_graphs",
                     *THINKER_WINDOW_KEYS,
                 ):
                     sp.pop(key)

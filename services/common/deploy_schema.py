@@ -140,6 +140,7 @@ CodecOnlyTalker = Annotated[None, _refuse("codec windows are a talker setting")]
 NoSampling = Annotated[None, _refuse("code2wav has no sampling parameters")]
 WindowOnlyThinker = Annotated[None, _refuse("the duplex context window is a thinker setting")]
 PrefixOnlyThinker = Annotated[None, _refuse("prefix caching is a thinker setting")]
+WhisperGraphsOnlyThinker = Annotated[None, _refuse("the streaming-Whisper graphs are a thinker setting")]
 WindowMode = Annotated[str, _rule(lambda v: v in ("off", "basic"), "expected 'off' or 'basic', got {v!r}")]
 WeightFormat = Annotated[str, _rule(lambda v: v in ("bf16", "fp8"), "expected 'bf16' or 'fp8', got {v!r}")]
 WeightsOnlyThinker = Annotated[None, _refuse("fp8 weights are a thinker setting")]
@@ -268,6 +269,9 @@ class ThinkerDoc(_StageDoc):
     # (services/thinker/scheduler.py). At most 128, every step fits a captured row graph; more lets a long
     # prompt prefill in fewer, eager steps that the decoding sequences wait on.
     max_step_tokens: PositiveInt | None = None
+    # Duplex encode passes replay CUDA graphs of the streaming-Whisper layers (services/thinker/whisper_graph.py);
+    # off unless a profile says true, until a GPU run has measured them against the eager pass.
+    whisper_graphs: StrictBool | None = None
     codec: CodecOnlyTalker = None
 
     @model_validator(mode="after")
@@ -304,6 +308,7 @@ class _NoHiddenDoc(_StageDoc):
     weights: WeightsOnlyThinker = None
     kv_cache: KvCacheOnlyThinker = None
     prefix_caching: PrefixOnlyThinker = None
+    whisper_graphs: WhisperGraphsOnlyThinker = None
 
 
 class TalkerDoc(_NoHiddenDoc):

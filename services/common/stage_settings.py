@@ -49,6 +49,7 @@ PROFILE_FLAG_DESTS: dict[str, dict[str, str]] = {
         "gpu_priority": "gpu_priority",
         "prefix_caching": "prefix_caching",
         "max_step_tokens": "max_step_tokens",
+        "whisper_graphs": "whisper_graphs",
     },
     "talker": {
         "max_num_seqs": "max_streams",

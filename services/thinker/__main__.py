@@ -141,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="share full KV blocks of repeated prompt prefixes (and repeated images/audio) across requests; "
         "profile key stages.thinker.prefix_caching",
     )
+    ap.add_argument(
+        "--whisper-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="replay duplex encode passes' streaming-Whisper layers from CUDA graphs captured at start "
+        "(services/thinker/whisper_graph.py); profile key stages.thinker.whisper_graphs",
+    )
     ap.add_argument("--log-level", default="INFO")
     add_memory_fraction_argument(ap)
     add_serve_arguments(ap, STAGE)
@@ -179,7 +186,9 @@ def serve(argv: list[str]) -> int:
     )
     load_kernel_tables(args.kernel_table, args.fp8_table)  # before any capture; a bad file fails fast
     try:
-        backend = build_backend(args.checkpoint, args.device, args.dtype, cfg)
+        backend = build_backend(
+            args.checkpoint, args.device, args.dtype, cfg, whisper_graphs=args.whisper_graphs
+        )
     except KVBudgetError as exc:
         raise SystemExit(f"thinker: {exc}") from None
     if args.kernels != "auto":
@@ -216,7 +225,8 @@ def serve(argv: list[str]) -> int:
         if policy:
             log.info("thinker: captured %d duplex policy graphs in %.2f s", policy, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        whisper = warmup_whisper_stream_graphs(backend.model.apm, encode_batch_limit(args.max_num_seqs))
+        limit = encode_batch_limit(args.max_num_seqs)
+        whisper = warmup_whisper_stream_graphs(backend.model.apm, limit) if args.whisper_graphs else 0
         if whisper:
             log.info(
                 "thinker: captured %d streaming-Whisper graphs in %.2f s", whisper, time.perf_counter() - t0

@@ -61,9 +61,12 @@ class ThinkerBackend:
 
 
 def build_backend(
-    checkpoint: str, device: str, dtype: str | None, engine_config: EngineConfig
+    checkpoint: str, device: str, dtype: str | None, engine_config: EngineConfig, whisper_graphs: bool = False
 ) -> ThinkerBackend:
-    """Load the model and processor, size the KV cache and create the (not yet started) engine."""
+    """Load the model and processor, size the KV cache and create the (not yet started) engine.
+
+    ``whisper_graphs``: the thinker will capture the duplex encoder's graphs (:mod:`whisper_graph`), so the
+    KV budget's reserve counts their memory."""
     from services.thinker.model import ThinkerModel
     from services.thinker.processor import ThinkerProcessor
 
@@ -75,7 +78,7 @@ def build_backend(
         # (plus two waiting).
         per_sequence = model.audio_stream_bytes() + SEQUENCE_HEADROOM_BYTES
         engine_config.reserve_bytes = (engine_config.max_num_seqs + 2) * per_sequence
-        if engine_config.use_cuda_graphs:  # the encoder's graphs (services.thinker.whisper_graph)
+        if whisper_graphs and engine_config.use_cuda_graphs:  # the encoder's graphs
             engine_config.reserve_bytes += whisper_graph.reserve_bytes(
                 model, whisper_graph.encode_batch_limit(engine_config.max_num_seqs), torch.device(device)
             )

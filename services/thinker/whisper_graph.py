@@ -17,6 +17,10 @@ What is captured: :meth:`WhisperChunkedEncoder.stream_layers_fixed`. That is the
 The convolutions (whose windows depend on a stream's left context) and the projector stay eager; they
 are a handful of launches.
 
+Off by default: the thinker captures these graphs only with ``--whisper-graphs`` (profile key
+``stages.thinker.whisper_graphs``), until a GPU run has compared them with the eager pass and measured
+what they change at a duplex load.
+
 Padding rows write their keys and values into the pool's scratch slot, which no session holds, and their
 outputs are dropped. The graphs read the pooled cache tensor they were captured on. If the pool ever
 grows (more sessions encode at once than it was reserved for, which it logs), passes run eagerly from
@@ -47,8 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 UNIT_FRAMES = 50  # encoder frames of a 1 s duplex unit (100 mel frames, conv stride 2)
-# The captured passes are the default on CUDA; a benchmark's eager arm sets this False before start-up.
-ENABLED = True
 MAX_PASS_UNITS = (
     32  # units per encoder pass; more than the 1-GPU profile's sessions, so a pass takes them all
 )
@@ -72,7 +74,7 @@ def reserve_bytes(model: ThinkerModel, max_batch: int, device: torch.device) -> 
     """Device bytes the graphs add on ``device`` beyond the sessions' caches: the scratch slot, and the
     largest graph's intermediates (its per-layer gather of every row's keys and values over all frames,
     and the attention's masked scores, with room to spare). 0 where no graph is captured (off CUDA)."""
-    if not ENABLED or device.type != "cuda":
+    if device.type != "cuda":
         return 0
     a = model.dims.audio
     elem = model.apm.conv1.weight.element_size()
@@ -164,7 +166,7 @@ def warmup_whisper_stream_graphs(
 
     Call at start-up, before the engine and encode threads run, and before any pass (the pooled cache is
     allocated here with one more slot than reserved, the scratch slot)."""
-    if not ENABLED or (capture is None and encoder.conv1.weight.device.type != "cuda"):
+    if capture is None and encoder.conv1.weight.device.type != "cuda":
         return 0
     pool = encoder.stream_pool
     if pool.tensor is None:
