@@ -51,9 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 UNIT_FRAMES = 50  # encoder frames of a 1 s duplex unit (100 mel frames, conv stride 2)
-MAX_PASS_UNITS = (
-    32  # units per encoder pass; more than the 1-GPU profile's sessions, so a pass takes them all
-)
+# Units per encoder pass: more than the 1-GPU profile's sessions, so a pass takes them all.
+MAX_PASS_UNITS = 32
 
 
 def encode_batch_limit(max_num_seqs: int) -> int:
